@@ -1,0 +1,65 @@
+# pdcluster-operator. Tools are built from the Go module proxy into a cache outside the repo.
+BIN_CACHE ?= $(HOME)/.cache/pdcluster/bin
+CONTROLLER_GEN_VERSION ?= v0.23.0
+CONTROLLER_GEN ?= $(BIN_CACHE)/controller-gen-$(CONTROLLER_GEN_VERSION)
+GO ?= go
+BINARIES := manager pdctl connector enginesim router
+
+.PHONY: all
+all: build
+
+##@ Build
+.PHONY: build
+build: ## Build every binary into bin/.
+	@mkdir -p bin
+	@for b in $(BINARIES); do \
+		if [ -d cmd/$$b ]; then $(GO) build -o bin/$$b ./cmd/$$b || exit 1; fi; \
+	done
+
+##@ Generate
+$(CONTROLLER_GEN):
+	@mkdir -p $(BIN_CACHE)
+	GOBIN=$(BIN_CACHE) $(GO) install sigs.k8s.io/controller-tools/cmd/controller-gen@$(CONTROLLER_GEN_VERSION)
+	mv $(BIN_CACHE)/controller-gen $(CONTROLLER_GEN)
+
+.PHONY: generate
+generate: $(CONTROLLER_GEN) ## Generate DeepCopy methods.
+	$(CONTROLLER_GEN) object paths=./api/...
+
+.PHONY: manifests
+manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC into config/.
+	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
+	@if [ -d controllers ]; then $(CONTROLLER_GEN) rbac:roleName=pdcluster-manager paths=./controllers/... output:rbac:artifacts:config=config/rbac; fi
+	@if [ -d charts/pdcluster-operator/crds ]; then cp config/crd/bases/*.yaml charts/pdcluster-operator/crds/; fi
+
+.PHONY: golden
+golden: ## Rewrite the render golden files from the current code.
+	$(GO) test ./internal/render/... -update
+
+.PHONY: verify
+verify: generate manifests ## Regenerate and fail if anything changed.
+	$(GO) mod tidy
+	gofmt -l . | (! grep .) || (echo "gofmt needed on the files above"; exit 1)
+	@git diff --exit-code -- . || (echo "generated files are stale: run make generate manifests and commit"; exit 1)
+
+##@ Test
+.PHONY: envtest-assets
+envtest-assets: ## Build kube-apiserver, etcd, kubectl, kwok, helm from source (cached).
+	hack/envtest-assets.sh >/dev/null
+
+.PHONY: lint
+lint: ## go vet and gofmt.
+	$(GO) vet ./...
+	@gofmt -l . | (! grep .) || (echo "gofmt needed on the files above"; exit 1)
+
+.PHONY: test
+test: envtest-assets ## Unit, golden, connector and envtest integration tests.
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test ./... -count=1
+
+.PHONY: bench
+bench: ## Benchmarks (pulls processed per second and friends).
+	$(GO) test ./connector/... -run '^$$' -bench . -benchmem
+
+.PHONY: help
+help:
+	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z_-]+:.*?##/ { printf "  %-16s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)

@@ -1,0 +1,345 @@
+package v1alpha1
+
+import (
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// Defaults. The CRD carries the same values in its +kubebuilder:default markers; a test
+// checks that the two agree, so render can treat an unset field as its default.
+const (
+	DefaultBlockSize         int32 = 16
+	DefaultReplicas          int32 = 1
+	DefaultParallelism       int32 = 1
+	DefaultRDMAResourceName        = "rdma/hca"
+	DefaultRDMACount         int32 = 1
+	DefaultEnginePort        int32 = 8000
+	DefaultBootstrapPort     int32 = 8998
+	DefaultNixlSideChannel   int32 = 5600
+	GPUResourceName                = "nvidia.com/gpu"
+	ConditionReady                 = "Ready"
+	ConditionPrefillReady          = "PrefillReady"
+	ConditionDecodeReady           = "DecodeReady"
+	ConditionRouterReady           = "RouterReady"
+	ConditionConnectorHealthy      = "ConnectorHealthy"
+)
+
+// Connector names a vLLM KV connector.
+// +kubebuilder:validation:Enum=MooncakeConnector;NixlConnector
+type Connector string
+
+const (
+	ConnectorMooncake Connector = "MooncakeConnector"
+	ConnectorNixl     Connector = "NixlConnector"
+)
+
+// TransferProtocol is the wire used between prefill and decode.
+// +kubebuilder:validation:Enum=rdma;tcp
+type TransferProtocol string
+
+const (
+	ProtocolRDMA TransferProtocol = "rdma"
+	ProtocolTCP  TransferProtocol = "tcp"
+)
+
+// BufferDevice is where the connector stages KV blocks.
+// +kubebuilder:validation:Enum=cuda;cpu
+type BufferDevice string
+
+const (
+	BufferDeviceCUDA BufferDevice = "cuda"
+	BufferDeviceCPU  BufferDevice = "cpu"
+)
+
+// LoadFailurePolicy says what the decode engine does with a request whose KV pull failed.
+// +kubebuilder:validation:Enum=fail;recompute
+type LoadFailurePolicy string
+
+const (
+	LoadFailurePolicyFail      LoadFailurePolicy = "fail"
+	LoadFailurePolicyRecompute LoadFailurePolicy = "recompute"
+)
+
+// EngineArgs are extra `vllm serve` arguments, one token per item (e.g. "--max-model-len=8192"
+// or "--max-model-len", "8192"). Flags the operator derives from typed fields are rejected.
+// +kubebuilder:validation:MaxItems=128
+// +kubebuilder:validation:items:MaxLength=4096
+// +kubebuilder:validation:XValidation:rule="self.all(a, !(a.split('=')[0].replace('_', '-') in ['--kv-transfer-config', '--block-size', '--tensor-parallel-size', '-tp', '--data-parallel-size', '-dp', '--pipeline-parallel-size', '-pp', '--enable-expert-parallel', '--enable-prefix-caching', '--no-enable-prefix-caching', '--served-model-name', '--port', '--host']))",messageExpression="'flag ' + self.filter(a, a.split('=')[0].replace('_', '-') in ['--kv-transfer-config', '--block-size', '--tensor-parallel-size', '-tp', '--data-parallel-size', '-dp', '--pipeline-parallel-size', '-pp', '--enable-expert-parallel', '--enable-prefix-caching', '--no-enable-prefix-caching', '--served-model-name', '--port', '--host'])[0] + ' is set by the operator; use the typed field instead (model, engine.blockSize, engine.enablePrefixCaching, kvTransfer, parallelism)'"
+type EngineArgs []string
+
+// ModelSpec names the model both pools serve.
+type ModelSpec struct {
+	// path is the model passed to `vllm serve`: a Hugging Face id or a path inside the image
+	// or a mounted volume.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=1024
+	Path string `json:"path"`
+
+	// servedModelName is the name clients use in the OpenAI `model` field.
+	// Defaults to path.
+	// +optional
+	// +kubebuilder:validation:MaxLength=256
+	ServedModelName string `json:"servedModelName,omitempty"`
+}
+
+// EngineSpec configures the vLLM engine shared by both pools.
+type EngineSpec struct {
+	// image is the vLLM container image for prefill and decode.
+	// +kubebuilder:validation:MinLength=1
+	Image string `json:"image"`
+
+	// blockSize is the number of tokens per KV-cache block; prefill and decode must agree.
+	// +kubebuilder:default=16
+	// +kubebuilder:validation:Enum=1;8;16;32;64;128;256
+	// +optional
+	BlockSize *int32 `json:"blockSize,omitempty"`
+
+	// enablePrefixCaching turns on vLLM automatic prefix caching in both pools.
+	// +kubebuilder:default=true
+	// +optional
+	EnablePrefixCaching *bool `json:"enablePrefixCaching,omitempty"`
+
+	// args are extra `vllm serve` arguments passed to both pools, before each pool's own args.
+	// +optional
+	Args EngineArgs `json:"args,omitempty"`
+}
+
+// KVTransferSpec configures the KV connector that moves the cache from prefill to decode.
+// +kubebuilder:validation:XValidation:rule="self.protocol != 'rdma' || (has(self.rdmaDevices) && size(self.rdmaDevices) > 0)",message="rdmaDevices must list at least one RDMA device (e.g. mlx5_0) when protocol is rdma"
+type KVTransferSpec struct {
+	// connector is the vLLM KV connector class.
+	// +kubebuilder:default=MooncakeConnector
+	// +optional
+	Connector Connector `json:"connector,omitempty"`
+
+	// protocol is the transfer wire: rdma (InfiniBand/RoCE) or tcp.
+	// +kubebuilder:default=rdma
+	// +optional
+	Protocol TransferProtocol `json:"protocol,omitempty"`
+
+	// bufferDevice is where KV blocks are staged for transfer (kv_buffer_device).
+	// +kubebuilder:default=cuda
+	// +optional
+	BufferDevice BufferDevice `json:"bufferDevice,omitempty"`
+
+	// loadFailurePolicy is what decode does when a KV pull fails: fail the request, or
+	// recompute the missing blocks locally (kv_load_failure_policy).
+	// +kubebuilder:default=fail
+	// +optional
+	LoadFailurePolicy LoadFailurePolicy `json:"loadFailurePolicy,omitempty"`
+
+	// rdmaDevices are the RDMA NICs the connector uses (e.g. mlx5_0), joined with commas into
+	// the connector's device_name. Required when protocol is rdma.
+	// +kubebuilder:validation:MaxItems=64
+	// +kubebuilder:validation:items:MinLength=1
+	// +kubebuilder:validation:items:MaxLength=64
+	// +listType=set
+	// +optional
+	RDMADevices []string `json:"rdmaDevices,omitempty"`
+
+	// extraConfig is merged into kv_connector_extra_config. Keys the operator derives from the
+	// fields above (mooncake_protocol, device_name) may not be set here.
+	// +kubebuilder:pruning:PreserveUnknownFields
+	// +kubebuilder:validation:Type=object
+	// +optional
+	ExtraConfig *apiextensionsv1.JSON `json:"extraConfig,omitempty"`
+}
+
+// Parallelism is how one engine replica spreads over GPUs; each replica asks for
+// tensor*data*pipeline GPUs.
+type Parallelism struct {
+	// tensor is the tensor-parallel size.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=64
+	// +optional
+	Tensor *int32 `json:"tensor,omitempty"`
+
+	// data is the data-parallel size inside one replica.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=64
+	// +optional
+	Data *int32 `json:"data,omitempty"`
+
+	// pipeline is the pipeline-parallel size.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=64
+	// +optional
+	Pipeline *int32 `json:"pipeline,omitempty"`
+
+	// expert enables expert parallelism for MoE models (--enable-expert-parallel).
+	// +optional
+	Expert bool `json:"expert,omitempty"`
+}
+
+// RDMASpec is the RDMA device-plugin resource each engine pod requests.
+type RDMASpec struct {
+	// resourceName is the extended resource advertised by the RDMA device plugin.
+	// +kubebuilder:default="rdma/hca"
+	// +kubebuilder:validation:MinLength=1
+	// +optional
+	ResourceName string `json:"resourceName,omitempty"`
+
+	// count is how many units of resourceName each pod requests.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=1
+	// +optional
+	Count *int32 `json:"count,omitempty"`
+}
+
+// PoolSpec configures the prefill or the decode pool.
+// +kubebuilder:validation:XValidation:rule="!has(self.resources) || !has(self.resources.limits) || !('nvidia.com/gpu' in self.resources.limits)",message="resources.limits may not set nvidia.com/gpu: the operator requests parallelism.tensor*data*pipeline GPUs"
+// +kubebuilder:validation:XValidation:rule="!has(self.resources) || !has(self.resources.requests) || !('nvidia.com/gpu' in self.resources.requests)",message="resources.requests may not set nvidia.com/gpu: the operator requests parallelism.tensor*data*pipeline GPUs"
+type PoolSpec struct {
+	// replicas is the number of engine replicas in the pool.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=0
+	// +optional
+	Replicas *int32 `json:"replicas,omitempty"`
+
+	// parallelism is how each replica is split over GPUs.
+	// +kubebuilder:default={}
+	// +optional
+	Parallelism Parallelism `json:"parallelism,omitempty"`
+
+	// args are extra `vllm serve` arguments for this pool only, after engine.args.
+	// +optional
+	Args EngineArgs `json:"args,omitempty"`
+
+	// resources of the engine container (CPU, memory, ...). GPUs are added by the operator.
+	// +optional
+	Resources corev1.ResourceRequirements `json:"resources,omitempty"`
+
+	// nodeSelector constrains the pool to matching nodes.
+	// +optional
+	NodeSelector map[string]string `json:"nodeSelector,omitempty"`
+
+	// tolerations let the pool schedule onto tainted (e.g. GPU) nodes.
+	// +optional
+	// +listType=atomic
+	Tolerations []corev1.Toleration `json:"tolerations,omitempty"`
+
+	// rdma is the RDMA resource each pod requests; used only when kvTransfer.protocol is rdma.
+	// +kubebuilder:default={}
+	// +optional
+	RDMA RDMASpec `json:"rdma,omitempty"`
+}
+
+// RouterSpec configures the P/D router in front of the pools.
+type RouterSpec struct {
+	// replicas is the number of router replicas.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=0
+	// +optional
+	Replicas *int32 `json:"replicas,omitempty"`
+}
+
+// PDClusterSpec is the desired state of a disaggregated prefill/decode deployment.
+type PDClusterSpec struct {
+	// model is the model both pools serve.
+	Model ModelSpec `json:"model"`
+
+	// engine is the vLLM engine configuration shared by both pools.
+	Engine EngineSpec `json:"engine"`
+
+	// kvTransfer configures how the KV cache moves from prefill to decode.
+	// +kubebuilder:default={}
+	// +optional
+	KVTransfer KVTransferSpec `json:"kvTransfer,omitempty"`
+
+	// prefill is the kv_producer pool.
+	// +kubebuilder:default={}
+	// +optional
+	Prefill PoolSpec `json:"prefill,omitempty"`
+
+	// decode is the kv_consumer pool.
+	// +kubebuilder:default={}
+	// +optional
+	Decode PoolSpec `json:"decode,omitempty"`
+
+	// router is the P/D proxy in front of both pools.
+	// +kubebuilder:default={}
+	// +optional
+	Router RouterSpec `json:"router,omitempty"`
+}
+
+// PoolStatus is the observed state of one pool.
+type PoolStatus struct {
+	// replicas is the desired number of replicas.
+	// +optional
+	Replicas int32 `json:"replicas"`
+	// readyReplicas is the number of replicas whose pods are ready.
+	// +optional
+	ReadyReplicas int32 `json:"readyReplicas"`
+	// updatedReplicas is the number of replicas running the current pod template.
+	// +optional
+	UpdatedReplicas int32 `json:"updatedReplicas"`
+	// ready is readyReplicas/replicas, for printing.
+	// +optional
+	Ready string `json:"ready,omitempty"`
+}
+
+// PDClusterStatus is the observed state of a PDCluster.
+type PDClusterStatus struct {
+	// observedGeneration is the spec generation the status describes.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+
+	// conditions: Ready, PrefillReady, DecodeReady, RouterReady, ConnectorHealthy.
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	// +patchStrategy=merge
+	// +patchMergeKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty" patchStrategy:"merge" patchMergeKey:"type"`
+
+	// prefill is the observed state of the prefill pool.
+	// +optional
+	Prefill PoolStatus `json:"prefill,omitempty"`
+
+	// decode is the observed state of the decode pool.
+	// +optional
+	Decode PoolStatus `json:"decode,omitempty"`
+
+	// router is the observed state of the router.
+	// +optional
+	Router PoolStatus `json:"router,omitempty"`
+}
+
+// PDCluster runs one model as disaggregated prefill and decode pools with a P/D router
+// and a completion-gated KV connector.
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:shortName=pdc,categories=all
+// +kubebuilder:validation:XValidation:rule="size(self.metadata.name) <= 55",message="metadata.name must be at most 55 characters: it prefixes the objects <name>-prefill, <name>-decode and <name>-router"
+// +kubebuilder:validation:XValidation:rule="self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",message="metadata.name must start with a lowercase letter and hold only lowercase letters, digits and '-' (it names Services)"
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Prefill",type=string,JSONPath=`.status.prefill.ready`
+// +kubebuilder:printcolumn:name="Decode",type=string,JSONPath=`.status.decode.ready`
+// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type PDCluster struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// spec is the desired state.
+	Spec PDClusterSpec `json:"spec"`
+	// status is the observed state, written by the operator.
+	// +optional
+	Status PDClusterStatus `json:"status,omitempty"`
+}
+
+// PDClusterList is a list of PDClusters.
+// +kubebuilder:object:root=true
+type PDClusterList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []PDCluster `json:"items"`
+}
+
+func init() {
+	SchemeBuilder.Register(&PDCluster{}, &PDClusterList{})
+}

@@ -1,0 +1,79 @@
+// Package admission runs a CRD's structural defaulting, pruning, OpenAPI validation and CEL
+// rules on an object the way kube-apiserver does when it is created, so `pdctl validate` and
+// the tests reject exactly what the cluster would, with the same messages.
+package admission
+
+import (
+	"context"
+	"fmt"
+
+	"k8s.io/apiextensions-apiserver/pkg/apis/apiextensions"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	structuralschema "k8s.io/apiextensions-apiserver/pkg/apiserver/schema"
+	"k8s.io/apiextensions-apiserver/pkg/apiserver/schema/cel"
+	structuraldefaulting "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/defaulting"
+	structurallisttype "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/listtype"
+	structuralpruning "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/pruning"
+	apiextensionsvalidation "k8s.io/apiextensions-apiserver/pkg/apiserver/validation"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+	celconfig "k8s.io/apiserver/pkg/apis/cel"
+	"sigs.k8s.io/yaml"
+)
+
+// Admitter defaults and validates objects of one CRD version.
+type Admitter struct {
+	structural *structuralschema.Structural
+	schema     apiextensionsvalidation.SchemaValidator
+	cel        *cel.Validator
+}
+
+// New builds an Admitter from a CRD manifest (YAML or JSON) for the given version.
+func New(crdManifest []byte, version string) (*Admitter, error) {
+	var crd apiextensionsv1.CustomResourceDefinition
+	if err := yaml.UnmarshalStrict(crdManifest, &crd); err != nil {
+		return nil, fmt.Errorf("decode CRD: %w", err)
+	}
+	for _, v := range crd.Spec.Versions {
+		if v.Name != version {
+			continue
+		}
+		if v.Schema == nil || v.Schema.OpenAPIV3Schema == nil {
+			return nil, fmt.Errorf("CRD %s version %s has no schema", crd.Name, version)
+		}
+		var internal apiextensions.JSONSchemaProps
+		if err := apiextensionsv1.Convert_v1_JSONSchemaProps_To_apiextensions_JSONSchemaProps(v.Schema.OpenAPIV3Schema, &internal, nil); err != nil {
+			return nil, fmt.Errorf("convert schema of %s: %w", crd.Name, err)
+		}
+		structural, err := structuralschema.NewStructural(&internal)
+		if err != nil {
+			return nil, fmt.Errorf("structural schema of %s: %w", crd.Name, err)
+		}
+		validator, _, err := apiextensionsvalidation.NewSchemaValidator(&internal)
+		if err != nil {
+			return nil, fmt.Errorf("schema validator of %s: %w", crd.Name, err)
+		}
+		return &Admitter{
+			structural: structural,
+			schema:     validator,
+			cel:        cel.NewValidator(structural, true, celconfig.PerCallLimit),
+		}, nil
+	}
+	return nil, fmt.Errorf("CRD %s has no version %s", crd.Name, version)
+}
+
+// Admit prunes unknown fields and applies defaults to obj in place, then validates it.
+// It returns the pruned field paths (the apiserver drops them with a warning) and the errors.
+func (a *Admitter) Admit(ctx context.Context, obj map[string]any) (pruned []string, errs field.ErrorList) {
+	pruned = structuralpruning.PruneWithOptions(obj, a.structural, true, structuralschema.UnknownFieldPathOptions{TrackUnknownFieldPaths: true})
+	structuraldefaulting.PruneNonNullableNullsWithoutDefaults(obj, a.structural)
+	structuraldefaulting.Default(obj, a.structural)
+
+	errs = append(errs, apiextensionsvalidation.ValidateCustomResource(nil, obj, a.schema)...)
+	errs = append(errs, structurallisttype.ValidateListSetsAndMaps(nil, a.structural, obj)...)
+	// Like the apiserver, CEL runs only on an object that passed the schema: rules assume it.
+	if len(errs) == 0 && a.cel != nil {
+		celErrs, _ := a.cel.Validate(ctx, nil, a.structural, obj, nil, celconfig.RuntimeCELCostBudget)
+		errs = append(errs, celErrs...)
+	}
+	return pruned, errs
+}

@@ -1,0 +1,137 @@
+// Package pdctl implements the pdctl command line.
+package pdctl
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/spf13/cobra"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"pdcluster.dev/pdcluster-operator/internal/manifest"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// Execute runs pdctl with args and returns the process exit code.
+func Execute(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	root := NewRootCommand(stdin)
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	if err := root.Execute(); err != nil {
+		fmt.Fprintln(stderr, "error:", err)
+		return 1
+	}
+	return 0
+}
+
+// NewRootCommand builds the pdctl command tree.
+func NewRootCommand(stdin io.Reader) *cobra.Command {
+	root := &cobra.Command{
+		Use:           "pdctl",
+		Short:         "Work with PDCluster manifests: validate, render, run a local sandbox",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.AddCommand(newValidateCommand(stdin), newRenderCommand(stdin))
+	return root
+}
+
+func readInput(ctx context.Context, path string, stdin io.Reader) ([]manifest.Document, error) {
+	if path == "" {
+		return nil, errors.New("-f FILE is required (use -f - for standard input)")
+	}
+	var r io.Reader = stdin
+	if path != "-" {
+		f, err := os.Open(path)
+		if err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		r = f
+	}
+	loader, err := manifest.NewLoader()
+	if err != nil {
+		return nil, err
+	}
+	docs, err := loader.Read(ctx, r)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return docs, nil
+}
+
+func newValidateCommand(stdin io.Reader) *cobra.Command {
+	var file string
+	cmd := &cobra.Command{
+		Use:   "validate -f FILE",
+		Short: "Default and validate PDClusters as the API server would; exit 1 on bad input",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			docs, err := readInput(cmd.Context(), file, stdin)
+			if err != nil {
+				return err
+			}
+			var errs []error
+			for _, d := range docs {
+				for _, p := range d.Pruned {
+					fmt.Fprintf(cmd.ErrOrStderr(), "warning: %s/%s: unknown field %q would be dropped\n", d.PDCluster.Namespace, d.PDCluster.Name, p)
+				}
+				// Some rules need the whole spec (reserved extraConfig keys): render checks them.
+				if _, err := render.Render(d.PDCluster, render.DefaultOptions()); err != nil {
+					errs = append(errs, fmt.Errorf("PDCluster %q is invalid: %w", d.PDCluster.Name, err))
+					continue
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "pdcluster/%s (namespace %s) is valid\n", d.PDCluster.Name, d.PDCluster.Namespace)
+			}
+			return errors.Join(errs...)
+		},
+	}
+	cmd.Flags().StringVarP(&file, "filename", "f", "", "manifest file (YAML or JSON, several documents allowed; - for stdin)")
+	return cmd
+}
+
+func newRenderCommand(stdin io.Reader) *cobra.Command {
+	var file, output string
+	opts := render.DefaultOptions()
+	cmd := &cobra.Command{
+		Use:   "render -f FILE [-o yaml|json]",
+		Short: "Print every object the operator would create for the PDClusters in FILE",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if output != "yaml" && output != "json" {
+				return fmt.Errorf("-o must be yaml or json, not %q", output)
+			}
+			docs, err := readInput(cmd.Context(), file, stdin)
+			if err != nil {
+				return err
+			}
+			var objs []client.Object
+			for _, d := range docs {
+				o, err := render.Render(d.PDCluster, opts)
+				if err != nil {
+					return fmt.Errorf("PDCluster %q: %w", d.PDCluster.Name, err)
+				}
+				objs = append(objs, o...)
+			}
+			var out []byte
+			if output == "json" {
+				out, err = render.JSONList(objs)
+			} else {
+				out, err = render.YAML(objs)
+			}
+			if err != nil {
+				return err
+			}
+			_, err = cmd.OutOrStdout().Write(out)
+			return err
+		},
+	}
+	cmd.Flags().StringVarP(&file, "filename", "f", "", "manifest file (YAML or JSON; - for stdin)")
+	cmd.Flags().StringVarP(&output, "output", "o", "yaml", "output format: yaml or json (a v1 List)")
+	cmd.Flags().StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router, as the manager's --router-image")
+	return cmd
+}

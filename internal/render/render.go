@@ -1,0 +1,453 @@
+// Package render turns a PDCluster into the Kubernetes objects that run it. It is pure: the
+// same PDCluster and Options always give the same objects, with no cluster access, so the
+// reconciler only diffs and applies, and `pdctl render` prints exactly what the operator creates.
+package render
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+// Role is the part a workload plays in a PDCluster.
+type Role string
+
+const (
+	RolePrefill Role = "prefill"
+	RoleDecode  Role = "decode"
+	RoleRouter  Role = "router"
+)
+
+// Label and annotation keys on every rendered object.
+const (
+	LabelName      = "app.kubernetes.io/name"
+	LabelInstance  = "app.kubernetes.io/instance"
+	LabelComponent = "app.kubernetes.io/component"
+	LabelManagedBy = "app.kubernetes.io/managed-by"
+	LabelCluster   = "serving.pdcluster.dev/cluster"
+	LabelRole      = "serving.pdcluster.dev/role"
+
+	// AnnotationConfigHash on a pod template changes whenever the pod spec does, so a spec
+	// change rolls exactly the pool whose pods it affects.
+	AnnotationConfigHash = "serving.pdcluster.dev/config-hash"
+
+	ManagerName = "pdcluster-operator"
+
+	engineContainer = "engine"
+	routerContainer = "router"
+	shmVolume       = "dshm"
+)
+
+// Options are the operator-wide settings that are not part of a PDCluster.
+type Options struct {
+	// RouterImage runs cmd/router.
+	RouterImage string
+}
+
+// DefaultOptions are used by pdctl and by the manager unless flags override them.
+func DefaultOptions() Options {
+	return Options{RouterImage: "ghcr.io/pdcluster/router:v0.1.0"}
+}
+
+// ObjectName is the name of the child object of cluster for role.
+func ObjectName(cluster string, role Role) string { return cluster + "-" + string(role) }
+
+// Labels are the selector labels of role's pods in cluster.
+func Labels(cluster string, role Role) map[string]string {
+	return map[string]string{
+		LabelName:      "pdcluster",
+		LabelInstance:  cluster,
+		LabelComponent: string(role),
+		LabelManagedBy: ManagerName,
+		LabelCluster:   cluster,
+		LabelRole:      string(role),
+	}
+}
+
+// Render returns every object the operator creates for pdc, in a stable order.
+func Render(pdc *v1alpha1.PDCluster, opts Options) ([]client.Object, error) {
+	var objs []client.Object
+	for _, role := range []Role{RolePrefill, RoleDecode} {
+		dep, err := EngineDeployment(pdc, role)
+		if err != nil {
+			return nil, fmt.Errorf("render %s pool: %w", role, err)
+		}
+		objs = append(objs, dep, EngineService(pdc, role))
+	}
+	cm, err := RouterConfigMap(pdc)
+	if err != nil {
+		return nil, fmt.Errorf("render router config: %w", err)
+	}
+	router, err := RouterDeployment(pdc, opts, cm)
+	if err != nil {
+		return nil, fmt.Errorf("render router: %w", err)
+	}
+	objs = append(objs, cm, router, RouterService(pdc))
+	return objs, nil
+}
+
+func pool(pdc *v1alpha1.PDCluster, role Role) *v1alpha1.PoolSpec {
+	if role == RolePrefill {
+		return &pdc.Spec.Prefill
+	}
+	return &pdc.Spec.Decode
+}
+
+func kvRole(role Role) string {
+	if role == RolePrefill {
+		return "kv_producer"
+	}
+	return "kv_consumer"
+}
+
+// GPUsPerReplica is tensor*data*pipeline of a pool.
+func GPUsPerReplica(p v1alpha1.Parallelism) int64 {
+	return int64(ptr.Deref(p.Tensor, v1alpha1.DefaultParallelism)) *
+		int64(ptr.Deref(p.Data, v1alpha1.DefaultParallelism)) *
+		int64(ptr.Deref(p.Pipeline, v1alpha1.DefaultParallelism))
+}
+
+// reservedExtraConfigKeys are derived from typed fields and may not come from extraConfig.
+var reservedExtraConfigKeys = map[string]string{
+	"mooncake_protocol": "kvTransfer.protocol",
+	"device_name":       "kvTransfer.rdmaDevices",
+}
+
+// KVTransferConfig is the JSON passed to --kv-transfer-config for role.
+func KVTransferConfig(kv v1alpha1.KVTransferSpec, role Role) (string, error) {
+	extra := map[string]any{}
+	if kv.ExtraConfig != nil && len(kv.ExtraConfig.Raw) > 0 {
+		if err := json.Unmarshal(kv.ExtraConfig.Raw, &extra); err != nil {
+			return "", fmt.Errorf("kvTransfer.extraConfig must be a JSON object: %w", err)
+		}
+		for _, k := range sortedKeys(extra) {
+			if field, ok := reservedExtraConfigKeys[k]; ok {
+				return "", fmt.Errorf("kvTransfer.extraConfig.%s is set by the operator from %s; remove it", k, field)
+			}
+		}
+	}
+	connector := kv.Connector
+	if connector == "" {
+		connector = v1alpha1.ConnectorMooncake
+	}
+	protocol := kv.Protocol
+	if protocol == "" {
+		protocol = v1alpha1.ProtocolRDMA
+	}
+	if connector == v1alpha1.ConnectorMooncake {
+		extra["mooncake_protocol"] = string(protocol)
+		if protocol == v1alpha1.ProtocolRDMA {
+			extra["device_name"] = strings.Join(kv.RDMADevices, ",")
+		}
+	}
+	cfg := map[string]any{
+		"kv_connector":           string(connector),
+		"kv_role":                kvRole(role),
+		"kv_buffer_device":       string(orDefault(kv.BufferDevice, v1alpha1.BufferDeviceCUDA)),
+		"kv_load_failure_policy": string(orDefault(kv.LoadFailurePolicy, v1alpha1.LoadFailurePolicyFail)),
+	}
+	if len(extra) > 0 {
+		cfg["kv_connector_extra_config"] = extra
+	}
+	// encoding/json sorts map keys, so the flag (and the config hash) is stable.
+	b, err := json.Marshal(cfg)
+	if err != nil {
+		return "", fmt.Errorf("encode kv-transfer-config: %w", err)
+	}
+	return string(b), nil
+}
+
+func orDefault[T ~string](v, def T) T {
+	if v == "" {
+		return def
+	}
+	return v
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}
+
+// EngineArgs is the full `vllm serve` argument list for role.
+func EngineArgs(pdc *v1alpha1.PDCluster, role Role) ([]string, error) {
+	spec := pdc.Spec
+	p := pool(pdc, role)
+	kvcfg, err := KVTransferConfig(spec.KVTransfer, role)
+	if err != nil {
+		return nil, err
+	}
+	served := spec.Model.ServedModelName
+	if served == "" {
+		served = spec.Model.Path
+	}
+	args := []string{
+		"serve", spec.Model.Path,
+		"--served-model-name", served,
+		"--host", "0.0.0.0",
+		"--port", strconv.Itoa(int(v1alpha1.DefaultEnginePort)),
+		"--block-size", strconv.Itoa(int(ptr.Deref(spec.Engine.BlockSize, v1alpha1.DefaultBlockSize))),
+		"--tensor-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Tensor, 1))),
+		"--data-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Data, 1))),
+		"--pipeline-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Pipeline, 1))),
+	}
+	if p.Parallelism.Expert {
+		args = append(args, "--enable-expert-parallel")
+	}
+	if ptr.Deref(spec.Engine.EnablePrefixCaching, true) {
+		args = append(args, "--enable-prefix-caching")
+	} else {
+		args = append(args, "--no-enable-prefix-caching")
+	}
+	args = append(args, "--kv-transfer-config", kvcfg)
+	args = append(args, spec.Engine.Args...)
+	args = append(args, p.Args...)
+	return args, nil
+}
+
+func objectMeta(pdc *v1alpha1.PDCluster, role Role) metav1.ObjectMeta {
+	return metav1.ObjectMeta{
+		Name:      ObjectName(pdc.Name, role),
+		Namespace: pdc.Namespace,
+		Labels:    Labels(pdc.Name, role),
+	}
+}
+
+// EngineDeployment is the prefill (kv_producer) or decode (kv_consumer) Deployment.
+func EngineDeployment(pdc *v1alpha1.PDCluster, role Role) (*appsv1.Deployment, error) {
+	p := pool(pdc, role)
+	args, err := EngineArgs(pdc, role)
+	if err != nil {
+		return nil, err
+	}
+	resources := *p.Resources.DeepCopy()
+	gpus := *resource.NewQuantity(GPUsPerReplica(p.Parallelism), resource.DecimalSI)
+	setResource(&resources, corev1.ResourceName(v1alpha1.GPUResourceName), gpus)
+	if orDefault(pdc.Spec.KVTransfer.Protocol, v1alpha1.ProtocolRDMA) == v1alpha1.ProtocolRDMA {
+		name := p.RDMA.ResourceName
+		if name == "" {
+			name = v1alpha1.DefaultRDMAResourceName
+		}
+		count := ptr.Deref(p.RDMA.Count, v1alpha1.DefaultRDMACount)
+		setResource(&resources, corev1.ResourceName(name), *resource.NewQuantity(int64(count), resource.DecimalSI))
+	}
+
+	ports := []corev1.ContainerPort{{Name: "http", ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}}
+	env := []corev1.EnvVar{{Name: "POD_IP", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "status.podIP"}}}}
+	switch orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) {
+	case v1alpha1.ConnectorMooncake:
+		env = append(env, corev1.EnvVar{Name: "VLLM_MOONCAKE_BOOTSTRAP_PORT", Value: strconv.Itoa(int(v1alpha1.DefaultBootstrapPort))})
+		if role == RolePrefill {
+			ports = append(ports, corev1.ContainerPort{Name: "bootstrap", ContainerPort: v1alpha1.DefaultBootstrapPort, Protocol: corev1.ProtocolTCP})
+		}
+	case v1alpha1.ConnectorNixl:
+		env = append(env,
+			corev1.EnvVar{Name: "VLLM_NIXL_SIDE_CHANNEL_HOST", Value: "$(POD_IP)"},
+			corev1.EnvVar{Name: "VLLM_NIXL_SIDE_CHANNEL_PORT", Value: strconv.Itoa(int(v1alpha1.DefaultNixlSideChannel))})
+		if role == RolePrefill {
+			ports = append(ports, corev1.ContainerPort{Name: "nixl", ContainerPort: v1alpha1.DefaultNixlSideChannel, Protocol: corev1.ProtocolTCP})
+		}
+	}
+
+	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString("http")}}
+	podSpec := corev1.PodSpec{
+		Containers: []corev1.Container{{
+			Name:      engineContainer,
+			Image:     pdc.Spec.Engine.Image,
+			Command:   []string{"vllm"},
+			Args:      args,
+			Ports:     ports,
+			Env:       env,
+			Resources: resources,
+			// Model loading can take many minutes; the startup probe holds liveness off until then.
+			StartupProbe:   &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 10, FailureThreshold: 180},
+			ReadinessProbe: &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 5, FailureThreshold: 3},
+			LivenessProbe:  &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 10, FailureThreshold: 6},
+			// RDMA needs to pin (mlock) the registered KV-cache memory.
+			SecurityContext: &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Add: []corev1.Capability{"IPC_LOCK"}}},
+			VolumeMounts:    []corev1.VolumeMount{{Name: shmVolume, MountPath: "/dev/shm"}},
+		}},
+		// NCCL and the engine's worker processes share tensors through /dev/shm.
+		Volumes: []corev1.Volume{{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}}},
+		NodeSelector: copyMap(p.NodeSelector),
+		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
+	}
+	return deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
+}
+
+func setResource(r *corev1.ResourceRequirements, name corev1.ResourceName, q resource.Quantity) {
+	if r.Limits == nil {
+		r.Limits = corev1.ResourceList{}
+	}
+	if r.Requests == nil {
+		r.Requests = corev1.ResourceList{}
+	}
+	r.Limits[name] = q
+	r.Requests[name] = q
+}
+
+func copyMap(m map[string]string) map[string]string {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make(map[string]string, len(m))
+	for k, v := range m {
+		out[k] = v
+	}
+	return out
+}
+
+// deployment wraps podSpec; inputs that pods read but the pod spec does not hold (a ConfigMap's
+// data) go into the config hash too, so changing them rolls the pods.
+func deployment(pdc *v1alpha1.PDCluster, role Role, replicas int32, podSpec corev1.PodSpec, inputs ...any) (*appsv1.Deployment, error) {
+	hash, err := hashOf(append([]any{podSpec}, inputs...))
+	if err != nil {
+		return nil, err
+	}
+	labels := Labels(pdc.Name, role)
+	return &appsv1.Deployment{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
+		ObjectMeta: objectMeta(pdc, role),
+		Spec: appsv1.DeploymentSpec{
+			Replicas: ptr.To(replicas),
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{
+					Labels:      labels,
+					Annotations: map[string]string{AnnotationConfigHash: hash},
+				},
+				Spec: podSpec,
+			},
+		},
+	}, nil
+}
+
+func hashOf(v any) (string, error) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return "", fmt.Errorf("hash pod template inputs: %w", err)
+	}
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:8]), nil
+}
+
+// EngineService is the headless Service of a pool: the router needs each pod's address (the
+// Mooncake bootstrap server runs per prefill pod), not a load-balanced VIP.
+func EngineService(pdc *v1alpha1.PDCluster, role Role) *corev1.Service {
+	ports := []corev1.ServicePort{{Name: "http", Port: v1alpha1.DefaultEnginePort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}}
+	if role == RolePrefill {
+		switch orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) {
+		case v1alpha1.ConnectorMooncake:
+			ports = append(ports, corev1.ServicePort{Name: "bootstrap", Port: v1alpha1.DefaultBootstrapPort, TargetPort: intstr.FromString("bootstrap"), Protocol: corev1.ProtocolTCP})
+		case v1alpha1.ConnectorNixl:
+			ports = append(ports, corev1.ServicePort{Name: "nixl", Port: v1alpha1.DefaultNixlSideChannel, TargetPort: intstr.FromString("nixl"), Protocol: corev1.ProtocolTCP})
+		}
+	}
+	return &corev1.Service{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
+		ObjectMeta: objectMeta(pdc, role),
+		Spec: corev1.ServiceSpec{
+			ClusterIP:                corev1.ClusterIPNone,
+			Selector:                 Labels(pdc.Name, role),
+			Ports:                    ports,
+			PublishNotReadyAddresses: false,
+		},
+	}
+}
+
+// RouterConfig is what the router reads from its ConfigMap.
+type RouterConfig struct {
+	// Flow is "concurrent" (Mooncake: both legs at once, shared transfer_id) or "sequential"
+	// (NIXL: prefill first, its kv_transfer_params passed to decode).
+	Flow          string `json:"flow"`
+	Connector     string `json:"connector"`
+	PrefillHost   string `json:"prefillHost"`
+	DecodeHost    string `json:"decodeHost"`
+	EnginePort    int32  `json:"enginePort"`
+	BootstrapPort int32  `json:"bootstrapPort,omitempty"`
+	Model         string `json:"model"`
+}
+
+// RouterConfigMap carries the router's view of the pools.
+func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
+	connector := orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake)
+	cfg := RouterConfig{
+		Flow:        "concurrent",
+		Connector:   string(connector),
+		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, RolePrefill), pdc.Namespace),
+		DecodeHost:  fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, RoleDecode), pdc.Namespace),
+		EnginePort:  v1alpha1.DefaultEnginePort,
+		Model:       pdc.Spec.Model.ServedModelName,
+	}
+	if cfg.Model == "" {
+		cfg.Model = pdc.Spec.Model.Path
+	}
+	if connector == v1alpha1.ConnectorMooncake {
+		cfg.BootstrapPort = v1alpha1.DefaultBootstrapPort
+	} else {
+		cfg.Flow = "sequential"
+	}
+	b, err := json.MarshalIndent(cfg, "", "  ")
+	if err != nil {
+		return nil, fmt.Errorf("encode router config: %w", err)
+	}
+	return &corev1.ConfigMap{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
+		ObjectMeta: objectMeta(pdc, RoleRouter),
+		Data:       map[string]string{"router.json": string(b)},
+	}, nil
+}
+
+// RouterDeployment runs the P/D proxy.
+func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.ConfigMap) (*appsv1.Deployment, error) {
+	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromString("http")}}
+	podSpec := corev1.PodSpec{
+		Containers: []corev1.Container{{
+			Name:  routerContainer,
+			Image: opts.RouterImage,
+			Args:  []string{"--config=/etc/pdcluster/router.json", "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
+			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
+			Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
+				corev1.ResourceCPU:    resource.MustParse("100m"),
+				corev1.ResourceMemory: resource.MustParse("128Mi"),
+			}},
+			ReadinessProbe: &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 5},
+			LivenessProbe:  &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 10},
+			VolumeMounts:   []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
+		}},
+		Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
+			LocalObjectReference: corev1.LocalObjectReference{Name: ObjectName(pdc.Name, RoleRouter)},
+		}}}},
+	}
+	return deployment(pdc, RoleRouter, ptr.Deref(pdc.Spec.Router.Replicas, v1alpha1.DefaultReplicas), podSpec, config.Data)
+}
+
+// RouterService is the client-facing OpenAI endpoint of the cluster.
+func RouterService(pdc *v1alpha1.PDCluster) *corev1.Service {
+	return &corev1.Service{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
+		ObjectMeta: objectMeta(pdc, RoleRouter),
+		Spec: corev1.ServiceSpec{
+			Selector: Labels(pdc.Name, RoleRouter),
+			Ports:    []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}},
+		},
+	}
+}
