@@ -1,0 +1,199 @@
+package manifest
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+const minimal = `
+apiVersion: serving.pdcluster.dev/v1alpha1
+kind: PDCluster
+metadata: {name: tiny}
+spec:
+  model: {path: facebook/opt-125m}
+  engine: {image: vllm/vllm-openai:v0.11.0}
+  kvTransfer: {protocol: tcp}
+`
+
+func loader(t *testing.T) *Loader {
+	t.Helper()
+	l, err := NewLoader()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// The CRD's +kubebuilder:default markers and the Go Default* constants that render falls back
+// on must agree; admission of a minimal spec shows what the apiserver fills in.
+func TestAdmitAppliesCRDDefaults(t *testing.T) {
+	doc, err := loader(t).Admit(context.Background(), []byte(minimal))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defaultPool := v1alpha1.PoolSpec{
+		Replicas: ptr.To(v1alpha1.DefaultReplicas),
+		Parallelism: v1alpha1.Parallelism{
+			Tensor: ptr.To(v1alpha1.DefaultParallelism), Data: ptr.To(v1alpha1.DefaultParallelism), Pipeline: ptr.To(v1alpha1.DefaultParallelism),
+		},
+		RDMA: v1alpha1.RDMASpec{ResourceName: v1alpha1.DefaultRDMAResourceName, Count: ptr.To(v1alpha1.DefaultRDMACount)},
+	}
+	want := v1alpha1.PDClusterSpec{
+		Model: v1alpha1.ModelSpec{Path: "facebook/opt-125m"},
+		Engine: v1alpha1.EngineSpec{
+			Image: "vllm/vllm-openai:v0.11.0", BlockSize: ptr.To(v1alpha1.DefaultBlockSize), EnablePrefixCaching: ptr.To(true),
+		},
+		KVTransfer: v1alpha1.KVTransferSpec{
+			Connector: v1alpha1.ConnectorMooncake, Protocol: v1alpha1.ProtocolTCP,
+			BufferDevice: v1alpha1.BufferDeviceCUDA, LoadFailurePolicy: v1alpha1.LoadFailurePolicyFail,
+		},
+		Prefill: defaultPool,
+		Decode:  defaultPool,
+		Router:  v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas)},
+	}
+	if diff := cmp.Diff(want, doc.PDCluster.Spec); diff != "" {
+		t.Errorf("defaulted spec (-want +got):\n%s", diff)
+	}
+	if doc.PDCluster.Namespace != "default" {
+		t.Errorf("namespace = %q, want default", doc.PDCluster.Namespace)
+	}
+}
+
+func TestAdmitRejectsInvalidSpecs(t *testing.T) {
+	cases := []struct {
+		name string
+		doc  string // a whole manifest
+		want []string // substrings of the error: the field path and the user-facing message
+	}{
+		{
+			name: "rdma protocol without devices",
+			doc:  strings.Replace(minimal, "kvTransfer: {protocol: tcp}", "kvTransfer: {protocol: rdma}", 1),
+			want: []string{"spec.kvTransfer", "rdmaDevices must list at least one RDMA device"},
+		},
+		{
+			name: "rdma is the default protocol, so devices are required by default",
+			doc:  strings.Replace(minimal, "  kvTransfer: {protocol: tcp}\n", "", 1),
+			want: []string{"spec.kvTransfer", "rdmaDevices must list"},
+		},
+		{
+			name: "operator-owned flag in engine args",
+			doc:  strings.Replace(minimal, "{image: vllm/vllm-openai:v0.11.0}", `{image: x, args: ["--max-model-len=4096", "--block-size=32"]}`, 1),
+			want: []string{"spec.engine.args", "flag --block-size=32 is set by the operator"},
+		},
+		{
+			name: "operator-owned short flag in pool args",
+			doc:  minimal + "  decode: {args: [\"-tp\", \"4\"]}\n",
+			want: []string{"spec.decode.args", "flag -tp is set by the operator"},
+		},
+		{
+			name: "underscore spelling of an owned flag",
+			doc:  minimal + "  prefill: {args: [\"--kv_transfer_config={}\"]}\n",
+			want: []string{"spec.prefill.args", "flag --kv_transfer_config={} is set by the operator"},
+		},
+		{
+			name: "negative replicas",
+			doc:  minimal + "  decode: {replicas: -1}\n",
+			want: []string{"spec.decode.replicas", "should be greater than or equal to 0"},
+		},
+		{
+			name: "zero tensor parallelism",
+			doc:  minimal + "  prefill: {parallelism: {tensor: 0}}\n",
+			want: []string{"spec.prefill.parallelism.tensor", "greater than or equal to 1"},
+		},
+		{
+			name: "unknown connector",
+			doc:  strings.Replace(minimal, "{protocol: tcp}", "{protocol: tcp, connector: LMCacheConnector}", 1),
+			want: []string{"spec.kvTransfer.connector", `Unsupported value: "LMCacheConnector"`, "MooncakeConnector"},
+		},
+		{
+			name: "block size not supported by vLLM",
+			doc:  strings.Replace(minimal, "{image: vllm/vllm-openai:v0.11.0}", "{image: x, blockSize: 48}", 1),
+			want: []string{"spec.engine.blockSize", "Unsupported value: 48"},
+		},
+		{
+			name: "GPUs set by hand",
+			doc:  minimal + "  prefill: {resources: {limits: {nvidia.com/gpu: 8}}}\n",
+			want: []string{"spec.prefill", "resources.limits may not set nvidia.com/gpu"},
+		},
+		{
+			name: "missing model path",
+			doc:  strings.Replace(minimal, "model: {path: facebook/opt-125m}", "model: {servedModelName: x}", 1),
+			want: []string{"spec.model.path", "Required value"},
+		},
+		{
+			name: "name too long for child objects",
+			doc:  strings.Replace(minimal, "name: tiny", "name: "+strings.Repeat("a", 56), 1),
+			want: []string{"metadata.name must be at most 55 characters"},
+		},
+		{
+			name: "name that is not a DNS label",
+			doc:  strings.Replace(minimal, "name: tiny", "name: 1tiny", 1),
+			want: []string{"metadata.name must start with a lowercase letter"},
+		},
+		{
+			name: "wrong kind",
+			doc:  strings.Replace(minimal, "kind: PDCluster", "kind: PDClustr", 1),
+			want: []string{`kind "PDClustr"`, "want apiVersion serving.pdcluster.dev/v1alpha1 kind PDCluster"},
+		},
+		{
+			name: "missing name",
+			doc:  strings.Replace(minimal, "metadata: {name: tiny}", "metadata: {}", 1),
+			want: []string{"metadata.name: Required value"},
+		},
+	}
+	l := loader(t)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := l.Admit(context.Background(), []byte(tc.doc))
+			if err == nil {
+				t.Fatalf("admitted, want an error containing %q", tc.want)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q\ndoes not contain %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+func TestReadJoinsErrorsOfEveryDocument(t *testing.T) {
+	bad := strings.Replace(minimal, "{protocol: tcp}", "{protocol: rdma}", 1)
+	in := minimal + "---\n" + bad + "---\n" + strings.Replace(bad, "name: tiny", "name: other", 1)
+	docs, err := loader(t).Read(context.Background(), strings.NewReader(in))
+	if len(docs) != 1 || docs[0].PDCluster.Name != "tiny" {
+		t.Errorf("valid documents = %v, want just tiny", docs)
+	}
+	var invalid *InvalidError
+	if !errors.As(err, &invalid) {
+		t.Fatalf("error %v is not an InvalidError", err)
+	}
+	for _, w := range []string{"document 2", `PDCluster "tiny" is invalid`, "document 3", `PDCluster "other" is invalid`} {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("error %q does not contain %q", err, w)
+		}
+	}
+}
+
+func TestReadReportsPrunedUnknownFields(t *testing.T) {
+	docs, err := loader(t).Read(context.Background(), strings.NewReader(minimal+"  decode: {replica: 3}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff([]string{"spec.decode.replica"}, docs[0].Pruned); diff != "" {
+		t.Errorf("pruned (-want +got):\n%s", diff)
+	}
+}
+
+func TestReadEmptyInput(t *testing.T) {
+	if _, err := loader(t).Read(context.Background(), strings.NewReader("\n---\n")); err == nil || !strings.Contains(err.Error(), "no PDCluster") {
+		t.Errorf("err = %v, want 'no PDCluster found'", err)
+	}
+}

@@ -1,0 +1,110 @@
+package pdctl
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+const sample = "../../config/samples/serving_v1alpha1_pdcluster.yaml"
+
+func run(stdin string, args ...string) (code int, stdout, stderr string) {
+	var out, errb bytes.Buffer
+	code = Execute(args, strings.NewReader(stdin), &out, &errb)
+	return code, out.String(), errb.String()
+}
+
+func TestRenderJSONIsAListOfEveryObject(t *testing.T) {
+	code, out, stderr := run("", "render", "-f", sample, "-o", "json")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	var list struct {
+		APIVersion, Kind string
+		Items            []struct {
+			Kind     string
+			Metadata struct{ Name string }
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &list); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, it := range list.Items {
+		got = append(got, it.Kind+"/"+it.Metadata.Name)
+	}
+	want := []string{
+		"Deployment/qwen3-32b-prefill", "Service/qwen3-32b-prefill",
+		"Deployment/qwen3-32b-decode", "Service/qwen3-32b-decode",
+		"ConfigMap/qwen3-32b-router", "Deployment/qwen3-32b-router", "Service/qwen3-32b-router",
+	}
+	if list.APIVersion != "v1" || list.Kind != "List" {
+		t.Errorf("got %s %s, want v1 List", list.APIVersion, list.Kind)
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("items (-want +got):\n%s", diff)
+	}
+}
+
+func TestRenderYAMLFromStdin(t *testing.T) {
+	in := "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp}}\n"
+	code, out, stderr := run(in, "render", "-f", "-")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	if n := strings.Count(out, "\n---\n"); n != 6 {
+		t.Errorf("%d document separators, want 6 (7 objects)", n)
+	}
+	if !strings.Contains(out, `"kv_role":"kv_consumer"`) || !strings.Contains(out, `"kv_role":"kv_producer"`) {
+		t.Error("output lacks one of the kv roles")
+	}
+}
+
+func TestValidate(t *testing.T) {
+	cases := []struct {
+		name, stdin string
+		args        []string
+		code        int
+		out, err    string
+	}{
+		{name: "sample is valid", args: []string{"validate", "-f", sample}, code: 0, out: "pdcluster/qwen3-32b (namespace default) is valid"},
+		{
+			name:  "bad spec names the field",
+			stdin: "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i, args: [--port=1]}, decode: {replicas: -2}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: "spec.decode.replicas: Invalid value: -2",
+		},
+		{
+			name:  "reserved extraConfig key",
+			stdin: "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp, extraConfig: {mooncake_protocol: rdma}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: "kvTransfer.extraConfig.mooncake_protocol is set by the operator",
+		},
+		{
+			name:  "unknown field warns but passes",
+			stdin: "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp}, prefil: {}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 0,
+			out: "pdcluster/a (namespace default) is valid", err: `unknown field "spec.prefil" would be dropped`,
+		},
+		{name: "missing file", args: []string{"validate", "-f", "/nonexistent.yaml"}, code: 1, err: "no such file"},
+		{name: "missing -f", args: []string{"validate"}, code: 1, err: "-f FILE is required"},
+		{name: "bad output format", args: []string{"render", "-f", sample, "-o", "xml"}, code: 1, err: `-o must be yaml or json, not "xml"`},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			code, out, stderr := run(tc.stdin, tc.args...)
+			if code != tc.code {
+				t.Errorf("exit %d, want %d (stderr %q)", code, tc.code, stderr)
+			}
+			if !strings.Contains(out, tc.out) {
+				t.Errorf("stdout %q lacks %q", out, tc.out)
+			}
+			if !strings.Contains(stderr, tc.err) {
+				t.Errorf("stderr %q lacks %q", stderr, tc.err)
+			}
+		})
+	}
+}

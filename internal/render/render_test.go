@@ -1,0 +1,261 @@
+package render_test
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/manifest"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files")
+
+func load(t *testing.T, path string) *v1alpha1.PDCluster {
+	t.Helper()
+	l, err := manifest.NewLoader()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	docs, err := l.Read(context.Background(), f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return docs[0].PDCluster
+}
+
+// Golden files pin the whole rendered output; `make golden` rewrites them after a deliberate change.
+func TestRenderGolden(t *testing.T) {
+	inputs, err := filepath.Glob("testdata/*.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range inputs {
+		if strings.HasSuffix(in, ".golden.yaml") {
+			continue
+		}
+		t.Run(filepath.Base(in), func(t *testing.T) {
+			objs, err := render.Render(load(t, in), render.DefaultOptions())
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := render.YAML(objs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			golden := strings.TrimSuffix(in, ".yaml") + ".golden.yaml"
+			if *update {
+				if err := os.WriteFile(golden, got, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(golden)
+			if err != nil {
+				t.Fatalf("%v (run `make golden` to create it)", err)
+			}
+			if diff := cmp.Diff(string(want), string(got)); diff != "" {
+				t.Errorf("render differs from %s (-want +got):\n%s", golden, diff)
+			}
+		})
+	}
+}
+
+func engineContainer(t *testing.T, pdc *v1alpha1.PDCluster, role render.Role) corev1.Container {
+	t.Helper()
+	dep, err := render.EngineDeployment(pdc, role)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dep.Spec.Template.Spec.Containers[0]
+}
+
+func flagValue(args []string, name string) (string, bool) {
+	for i, a := range args {
+		if a == name && i+1 < len(args) {
+			return args[i+1], true
+		}
+	}
+	return "", false
+}
+
+func TestEngineFlagsPerRole(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	for _, tc := range []struct {
+		role   render.Role
+		kvRole string
+	}{{render.RolePrefill, "kv_producer"}, {render.RoleDecode, "kv_consumer"}} {
+		t.Run(string(tc.role), func(t *testing.T) {
+			c := engineContainer(t, pdc, tc.role)
+			if diff := cmp.Diff([]string{"serve", "Qwen/Qwen3-32B"}, c.Args[:2]); diff != "" {
+				t.Errorf("vllm serve <path> (-want +got):\n%s", diff)
+			}
+			for name, want := range map[string]string{
+				"--block-size": "64", "--tensor-parallel-size": "2", "--served-model-name": "qwen3-32b", "--port": "8000",
+			} {
+				if got, _ := flagValue(c.Args, name); got != want {
+					t.Errorf("%s = %q, want %q", name, got, want)
+				}
+			}
+			raw, ok := flagValue(c.Args, "--kv-transfer-config")
+			if !ok {
+				t.Fatal("no --kv-transfer-config")
+			}
+			var cfg map[string]any
+			if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+				t.Fatal(err)
+			}
+			want := map[string]any{
+				"kv_connector": "MooncakeConnector", "kv_role": tc.kvRole, "kv_buffer_device": "cuda",
+				"kv_load_failure_policy": "recompute",
+				"kv_connector_extra_config": map[string]any{
+					"mooncake_protocol": "rdma", "device_name": "mlx5_0,mlx5_1", "num_workers": float64(10),
+				},
+			}
+			if diff := cmp.Diff(want, cfg); diff != "" {
+				t.Errorf("kv-transfer-config (-want +got):\n%s", diff)
+			}
+			if got := c.Resources.Limits[v1alpha1.GPUResourceName]; got.Value() != 2 {
+				t.Errorf("GPU limit = %s, want 2", got.String())
+			}
+			if got := c.Resources.Requests["rdma/hca"]; got.Value() != 1 {
+				t.Errorf("RDMA request = %s, want 1", got.String())
+			}
+			if diff := cmp.Diff([]corev1.Capability{"IPC_LOCK"}, c.SecurityContext.Capabilities.Add); diff != "" {
+				t.Errorf("capabilities (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestGPUsAreTensorTimesDataTimesPipeline(t *testing.T) {
+	cases := []struct {
+		p    v1alpha1.Parallelism
+		want int64
+	}{
+		{v1alpha1.Parallelism{}, 1},
+		{v1alpha1.Parallelism{Tensor: ptr.To[int32](8)}, 8},
+		{v1alpha1.Parallelism{Tensor: ptr.To[int32](2), Data: ptr.To[int32](4)}, 8},
+		{v1alpha1.Parallelism{Tensor: ptr.To[int32](2), Data: ptr.To[int32](2), Pipeline: ptr.To[int32](3)}, 12},
+	}
+	for _, tc := range cases {
+		if got := render.GPUsPerReplica(tc.p); got != tc.want {
+			t.Errorf("GPUsPerReplica(%+v) = %d, want %d", tc.p, got, tc.want)
+		}
+	}
+}
+
+func TestTCPRequestsNoRDMA(t *testing.T) {
+	pdc := load(t, "testdata/nixl-tcp.yaml")
+	c := engineContainer(t, pdc, render.RoleDecode)
+	if _, ok := c.Resources.Requests["rdma/hca"]; ok {
+		t.Errorf("tcp pool requests rdma/hca: %v", c.Resources.Requests)
+	}
+	if got := c.Resources.Limits[v1alpha1.GPUResourceName]; got.Value() != 8 {
+		t.Errorf("GPU limit = %s, want 8 (tensor 2 x data 4)", got.String())
+	}
+	for _, f := range []string{"--enable-expert-parallel", "--no-enable-prefix-caching", "--max-num-seqs=256"} {
+		if !contains(c.Args, f) {
+			t.Errorf("decode args %v lack %s", c.Args, f)
+		}
+	}
+	if contains(engineContainer(t, pdc, render.RolePrefill).Args, "--max-num-seqs=256") {
+		t.Error("decode-only args leaked into prefill")
+	}
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+func TestExtraConfigMayNotSetOperatorKeys(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	pdc.Spec.KVTransfer.ExtraConfig = &apiextensionsv1.JSON{Raw: []byte(`{"device_name":"mlx5_9"}`)}
+	_, err := render.Render(pdc, render.DefaultOptions())
+	if err == nil || !strings.Contains(err.Error(), "kvTransfer.extraConfig.device_name is set by the operator from kvTransfer.rdmaDevices") {
+		t.Errorf("err = %v, want the reserved-key error", err)
+	}
+}
+
+// A spec change rolls only the pool it touches: its pod template hash changes, the others' do not.
+func TestConfigHashChangesOnlyForTheChangedPool(t *testing.T) {
+	hashes := func(pdc *v1alpha1.PDCluster) map[string]string {
+		objs, err := render.Render(pdc, render.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]string{}
+		for _, o := range objs {
+			if d, ok := o.(*appsv1.Deployment); ok {
+				out[d.Name] = d.Spec.Template.Annotations[render.AnnotationConfigHash]
+			}
+		}
+		return out
+	}
+	base := load(t, "testdata/mooncake-rdma.yaml")
+	before := hashes(base)
+	cases := []struct {
+		name    string
+		mutate  func(*v1alpha1.PDCluster)
+		changed []string
+	}{
+		{"decode args", func(p *v1alpha1.PDCluster) { p.Spec.Decode.Args = append(p.Spec.Decode.Args, "--max-num-seqs=64") }, []string{"qwen3-32b-decode"}},
+		{"prefill replicas only", func(p *v1alpha1.PDCluster) { p.Spec.Prefill.Replicas = ptr.To[int32](5) }, nil},
+		{"engine image", func(p *v1alpha1.PDCluster) { p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0" }, []string{"qwen3-32b-decode", "qwen3-32b-prefill"}},
+		{"served name reaches router config", func(p *v1alpha1.PDCluster) { p.Spec.Model.ServedModelName = "q" }, []string{"qwen3-32b-decode", "qwen3-32b-prefill", "qwen3-32b-router"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			pdc := base.DeepCopy()
+			tc.mutate(pdc)
+			var changed []string
+			for name, h := range hashes(pdc) {
+				if before[name] != h {
+					changed = append(changed, name)
+				}
+			}
+			if diff := cmp.Diff(tc.changed, changed, cmpSorted); diff != "" {
+				t.Errorf("rolled deployments (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+var cmpSorted = cmp.Options{cmpopts.SortSlices(func(a, b string) bool { return a < b }), cmpopts.EquateEmpty()}
+
+func TestRenderIsDeterministic(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	first, err := render.Render(pdc, render.DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, _ := render.YAML(first)
+	for i := 0; i < 20; i++ {
+		again, _ := render.Render(pdc, render.DefaultOptions())
+		b, _ := render.YAML(again)
+		if string(a) != string(b) {
+			t.Fatalf("render %d differs from the first", i)
+		}
+	}
+}
