@@ -9,20 +9,20 @@ import (
 // Defaults. The CRD carries the same values in its +kubebuilder:default markers; a test
 // checks that the two agree, so render can treat an unset field as its default.
 const (
-	DefaultBlockSize         int32 = 16
-	DefaultReplicas          int32 = 1
-	DefaultParallelism       int32 = 1
-	DefaultRDMAResourceName        = "rdma/hca"
-	DefaultRDMACount         int32 = 1
-	DefaultEnginePort        int32 = 8000
-	DefaultBootstrapPort     int32 = 8998
-	DefaultNixlSideChannel   int32 = 5600
-	GPUResourceName                = "nvidia.com/gpu"
-	ConditionReady                 = "Ready"
-	ConditionPrefillReady          = "PrefillReady"
-	ConditionDecodeReady           = "DecodeReady"
-	ConditionRouterReady           = "RouterReady"
-	ConditionConnectorHealthy      = "ConnectorHealthy"
+	DefaultBlockSize          int32 = 16
+	DefaultReplicas           int32 = 1
+	DefaultParallelism        int32 = 1
+	DefaultRDMAResourceName         = "rdma/hca"
+	DefaultRDMACount          int32 = 1
+	DefaultEnginePort         int32 = 8000
+	DefaultBootstrapPort      int32 = 8998
+	DefaultNixlSideChannel    int32 = 5600
+	GPUResourceName                 = "nvidia.com/gpu"
+	ConditionReady                  = "Ready"
+	ConditionPrefillReady           = "PrefillReady"
+	ConditionDecodeReady            = "DecodeReady"
+	ConditionRouterReady            = "RouterReady"
+	ConditionConnectorHealthy       = "ConnectorHealthy"
 )
 
 // Connector names a vLLM KV connector.

@@ -69,7 +69,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 func TestAdmitRejectsInvalidSpecs(t *testing.T) {
 	cases := []struct {
 		name string
-		doc  string // a whole manifest
+		doc  string   // a whole manifest
 		want []string // substrings of the error: the field path and the user-facing message
 	}{
 		{

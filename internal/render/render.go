@@ -286,7 +286,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, role Role) (*appsv1.Deployment, e
 			VolumeMounts:    []corev1.VolumeMount{{Name: shmVolume, MountPath: "/dev/shm"}},
 		}},
 		// NCCL and the engine's worker processes share tensors through /dev/shm.
-		Volumes: []corev1.Volume{{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}}},
+		Volumes:      []corev1.Volume{{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}}},
 		NodeSelector: copyMap(p.NodeSelector),
 		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
 	}
