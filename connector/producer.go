@@ -90,15 +90,15 @@ type tombstone struct {
 
 // ProducerStats counts what the Producer did since it started.
 type ProducerStats struct {
-	Pulls         uint64 // pulls received
-	Served        uint64 // consumers served (acknowledged; empty pulls included)
-	SendFailures  uint64 // sends that failed (the consumer is told; it counts as served)
-	Rejected      uint64 // pulls answered with an error at once
-	Released      uint64 // releases sent to the scheduler
-	Expired       uint64 // of which by expiry
-	BlocksPinned  int    // blocks held for consumers now
-	Transfers     int    // transfers tracked now
-	Tombstones    int    // released transfers remembered now
+	Pulls        uint64 // pulls received
+	Served       uint64 // consumers served (acknowledged; empty pulls included)
+	SendFailures uint64 // sends that failed (the consumer is told; it counts as served)
+	Rejected     uint64 // pulls answered with an error at once
+	Released     uint64 // releases sent to the scheduler
+	Expired      uint64 // of which by expiry
+	BlocksPinned int    // blocks held for consumers now
+	Transfers    int    // transfers tracked now
+	Tombstones   int    // released transfers remembered now
 }
 
 // Producer tracks the transfers one prefill worker holds blocks for: it pairs pulls with held

@@ -29,8 +29,8 @@ type sim struct {
 	seq         int
 	metas       map[connector.RequestID]connector.PullMeta // every pull begun
 	completions map[connector.RequestID]int
-	releases    map[connector.RequestID]int                 // per producer rank, aggregated
-	answered    map[string]int                              // (transfer, consumer, producer) -> answers that count as served
+	releases    map[connector.RequestID]int // per producer rank, aggregated
+	answered    map[string]int              // (transfer, consumer, producer) -> answers that count as served
 	violations  []string
 }
 
@@ -275,9 +275,7 @@ func (s *sim) step() {
 	case k < 20:
 		s.decode.Schedule()
 	case k < 30:
-		if id, ok := s.randomRunning(s.prefill); ok {
-			s.prefill.Finish(id, vllmsched.FinishedLengthCapped)
-		}
+		s.prefillStep()
 	case k < 35:
 		if id, ok := s.randomRunning(s.decode); ok {
 			s.decode.Finish(id, vllmsched.FinishedStopped)
@@ -287,7 +285,7 @@ func (s *sim) step() {
 	case k < 41:
 		s.prefill.Abort(connector.RequestID(fmt.Sprintf("p-xfer-%d", 1+s.rng.IntN(s.seq+1))))
 	case k < 43:
-		s.clock.Step(time.Duration(s.rng.IntN(300)) * time.Second)
+		s.clock.Step(time.Duration(s.rng.IntN(120)) * time.Second)
 		s.expire()
 	case k < 44:
 		// A pull for a transfer nobody knows, or one long gone: answered at once, no state.
@@ -299,7 +297,8 @@ func (s *sim) step() {
 			s.violate("unknown transfer: action %v, transfers %d -> %d", d.Action, before.Transfers, after.Transfers)
 		}
 	default:
-		if len(s.msgs) > 0 {
+		// The network delivers a burst, in any order; now and then a message is lost.
+		for n := 1 + s.rng.IntN(6); n > 0 && len(s.msgs) > 0; n-- {
 			s.deliver(s.rng.IntN(len(s.msgs)), s.rng.IntN(40) == 0)
 		}
 	}
@@ -312,27 +311,32 @@ func (s *sim) expire() {
 	}
 }
 
-// drain ends the run: every message is delivered, time passes every timeout, and every
-// running request finishes, so all state must be gone.
+// prefillStep is one prefill engine step: every scheduled request computes its prompt and
+// finishes with its single token, holding its blocks for decode.
+func (s *sim) prefillStep() {
+	ids, _ := s.prefill.Schedule()
+	for _, id := range ids {
+		s.prefill.Finish(id, vllmsched.FinishedLengthCapped)
+	}
+}
+
+// drain ends the run: the engines and the network run until nothing moves, then time passes
+// every timeout, until all state must be gone.
 func (s *sim) drain() {
-	for round := 0; round < 50; round++ {
-		for len(s.msgs) > 0 {
-			s.deliver(0, false)
-		}
-		s.decode.Schedule()
-		s.prefill.Schedule()
-		for {
-			ids, _ := s.prefill.Schedule()
-			if len(ids) == 0 {
-				break
+	for round := 0; round < 20; round++ {
+		for quiet := 0; quiet < 3; {
+			before := len(s.msgs)
+			for len(s.msgs) > 0 {
+				s.deliver(0, false)
 			}
+			s.prefillStep()
+			ids, _ := s.decode.Schedule()
 			for _, id := range ids {
-				s.prefill.Finish(id, vllmsched.FinishedLengthCapped)
+				s.decode.Finish(id, vllmsched.FinishedStopped)
 			}
-		}
-		ids, _ := s.decode.Schedule()
-		for _, id := range ids {
-			s.decode.Finish(id, vllmsched.FinishedStopped)
+			if before == 0 && len(s.msgs) == 0 {
+				quiet++
+			}
 		}
 		s.clock.Step(pullTimeout + holdTimeout + time.Minute)
 		s.expire()

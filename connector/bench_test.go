@@ -1,0 +1,69 @@
+package connector_test
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+)
+
+// BenchmarkPulls measures pulls processed per second through both state machines: the decode
+// Puller fans each pull out to every producer rank, each rank's Producer pairs it with held
+// blocks and releases them, and the Puller reports the completion. One in four pulls is empty.
+func BenchmarkPulls(b *testing.B) {
+	for _, ranks := range []int{1, 4} {
+		b.Run(fmt.Sprintf("ranks=%d", ranks), func(b *testing.B) {
+			var completions int
+			puller, err := connector.NewPuller(connector.PullerConfig{
+				Sink: connector.CompletionFunc(func(connector.Completion) { completions++ }), Timeout: time.Minute,
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			producers := make([]*connector.Producer, ranks)
+			rankIDs := make([]connector.ProducerRank, ranks)
+			for r := range producers {
+				rankIDs[r] = connector.ProducerRank(r)
+				producers[r], err = connector.NewProducer(connector.ProducerConfig{
+					Sink: connector.ReleaseFunc(func(connector.Release) {}), Rank: connector.ProducerRank(r),
+					HoldTimeout: time.Minute, ReadyTimeout: time.Minute, TombstoneTTL: time.Minute,
+				})
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
+			held := connector.BlockIDs{{1, 2, 3, 4, 5, 6, 7, 8}}
+			local := connector.BlockIDs{{11, 12, 13, 14}}
+			ids := make([]connector.TransferID, b.N)
+			for i := range ids {
+				ids[i] = connector.TransferID(fmt.Sprintf("x-%d", i))
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				tid, req := ids[i], connector.RequestID(ids[i])
+				meta := connector.PullMeta{Request: req, Transfer: tid, LocalBlock: local, WaitingForRemote: true}
+				if i%4 == 0 {
+					meta.LocalBlock = nil
+				}
+				for _, p := range producers {
+					p.Ready(tid, req, held)
+				}
+				if err := puller.Begin(meta, rankIDs); err != nil {
+					b.Fatal(err)
+				}
+				for r, p := range producers {
+					d := p.Pull(connector.PullRequest{Transfer: tid, Consumers: 1, Blocks: meta.LocalBlock})
+					p.SendDone(tid, 0, 1, d.Err)
+					puller.TaskDone(req, tid, connector.ProducerRank(r), d.Err)
+				}
+			}
+			b.StopTimer()
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "pulls/s")
+			if want := b.N - (b.N+3)/4; completions != want {
+				b.Fatalf("%d completions, want %d", completions, want)
+			}
+		})
+	}
+}

@@ -1,0 +1,261 @@
+package connector_test
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
+)
+
+type recorder struct{ got []connector.Completion }
+
+func (r *recorder) FinishedReceiving(c connector.Completion) { r.got = append(r.got, c) }
+
+func newPuller(t *testing.T) (*connector.Puller, *recorder, *clocktesting.FakeClock) {
+	t.Helper()
+	rec := &recorder{}
+	clk := clocktesting.NewFakeClock(time.Unix(0, 0))
+	p, err := connector.NewPuller(connector.PullerConfig{Sink: rec, Clock: clk, Timeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, rec, clk
+}
+
+// pullBuilder builds PullMeta fixtures.
+type pullBuilder struct{ m connector.PullMeta }
+
+func aPull(id string) *pullBuilder {
+	return &pullBuilder{m: connector.PullMeta{Request: connector.RequestID(id), Transfer: connector.TransferID("x-" + id)}}
+}
+func (b *pullBuilder) waiting() *pullBuilder { b.m.WaitingForRemote = true; return b }
+func (b *pullBuilder) blocks(g ...[]connector.BlockID) *pullBuilder {
+	b.m.LocalBlock = g
+	return b
+}
+func (b *pullBuilder) build() connector.PullMeta { return b.m }
+
+var errBoom = errors.New("boom")
+
+type taskResult struct {
+	rank connector.ProducerRank
+	err  error
+}
+
+func TestPullerReportsOnlyDrainedPullsWithLocalBlocks(t *testing.T) {
+	ranks := []connector.ProducerRank{0, 1}
+	cases := []struct {
+		name    string
+		meta    connector.PullMeta
+		results []taskResult
+		want    []connector.Completion
+	}{
+		{name: "empty pull nil", meta: aPull("a").waiting().build(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull [[]]", meta: aPull("a").waiting().blocks([]connector.BlockID{}).build(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull [[],[]]", meta: aPull("a").waiting().blocks([]connector.BlockID{}, []connector.BlockID{}).build(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull that fails", meta: aPull("a").waiting().blocks([]connector.BlockID{}).build(), results: []taskResult{{0, errBoom}, {1, nil}}},
+		{name: "cleanup pull of a request not waiting", meta: aPull("a").blocks([]connector.BlockID{4}).build(), results: []taskResult{{0, nil}, {1, nil}}},
+		{
+			name: "pull with blocks, all ok", meta: aPull("a").waiting().blocks([]connector.BlockID{4, 5}).build(),
+			results: []taskResult{{1, nil}, {0, nil}},
+			want:    []connector.Completion{{Request: "a"}},
+		},
+		{
+			name: "blocks in the second group only", meta: aPull("a").waiting().blocks([]connector.BlockID{}, []connector.BlockID{9}).build(),
+			results: []taskResult{{0, nil}, {1, nil}},
+			want:    []connector.Completion{{Request: "a"}},
+		},
+		{
+			name: "one group failing reports invalid blocks", meta: aPull("a").waiting().blocks([]connector.BlockID{4, 5}).build(),
+			results: []taskResult{{0, errBoom}, {1, nil}},
+			want:    []connector.Completion{{Request: "a", Err: errBoom, InvalidBlocks: []connector.BlockID{4, 5}}},
+		},
+		{
+			name: "several groups failing report the request", meta: aPull("a").waiting().blocks([]connector.BlockID{4}, []connector.BlockID{4}).build(),
+			results: []taskResult{{0, nil}, {1, errBoom}},
+			want:    []connector.Completion{{Request: "a", Err: errBoom, FailedRequest: true}},
+		},
+		{
+			name: "duplicate and foreign results change nothing", meta: aPull("a").waiting().blocks([]connector.BlockID{1}).build(),
+			results: []taskResult{{0, nil}, {0, errBoom}, {7, errBoom}, {1, nil}},
+			want:    []connector.Completion{{Request: "a"}},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p, rec, _ := newPuller(t)
+			if err := p.Begin(tc.meta, ranks); err != nil {
+				t.Fatal(err)
+			}
+			for i, r := range tc.results {
+				if i == len(tc.results)-1 && len(rec.got) != 0 {
+					t.Fatalf("reported %v before the last task ended", rec.got)
+				}
+				p.TaskDone(tc.meta.Request, tc.meta.Transfer, r.rank, r.err)
+			}
+			if diff := cmp.Diff(tc.want, rec.got, cmpopts.EquateErrors()); diff != "" {
+				t.Errorf("completions (-want +got):\n%s", diff)
+			}
+			if st := p.Stats(); st.InFlight != 0 {
+				t.Errorf("pull still in flight: %+v", st)
+			}
+		})
+	}
+}
+
+// Invariant 3: a failing task does not release the blocks while another producer may write.
+func TestPullerFailureWaitsForOtherWriters(t *testing.T) {
+	p, rec, _ := newPuller(t)
+	meta := aPull("a").waiting().blocks([]connector.BlockID{1, 2}).build()
+	if err := p.Begin(meta, []connector.ProducerRank{0, 1, 2}); err != nil {
+		t.Fatal(err)
+	}
+	p.TaskDone("a", meta.Transfer, 0, errBoom)
+	if len(rec.got) != 0 {
+		t.Fatalf("reported after the first failure: %v", rec.got)
+	}
+	if p.AcceptWrite("a", meta.Transfer, 0) {
+		t.Error("failed task still accepts writes")
+	}
+	if !p.AcceptWrite("a", meta.Transfer, 1) || !p.AcceptWrite("a", meta.Transfer, 2) {
+		t.Error("pending tasks refuse writes")
+	}
+	p.TaskDone("a", meta.Transfer, 1, nil)
+	p.TaskDone("a", meta.Transfer, 2, nil)
+	if len(rec.got) != 1 || !errors.Is(rec.got[0].Err, errBoom) {
+		t.Fatalf("completions = %v, want one failure", rec.got)
+	}
+	var te *connector.TaskError
+	if !errors.As(rec.got[0].Err, &te) || te.Producer != 0 {
+		t.Errorf("error %v does not name producer rank 0", rec.got[0].Err)
+	}
+	if p.AcceptWrite("a", meta.Transfer, 1) {
+		t.Error("writes accepted after the report")
+	}
+}
+
+// Invariant 4: a pull whose producer never answers ends at its deadline.
+func TestPullerTimeoutReportsFailure(t *testing.T) {
+	p, rec, clk := newPuller(t)
+	meta := aPull("a").waiting().blocks([]connector.BlockID{3}).build()
+	if err := p.Begin(meta, []connector.ProducerRank{0, 1}); err != nil {
+		t.Fatal(err)
+	}
+	p.TaskDone("a", meta.Transfer, 0, nil)
+	clk.Step(59 * time.Second)
+	if n := p.Expire(); n != 0 {
+		t.Fatalf("expired %d tasks before the deadline", n)
+	}
+	clk.Step(time.Second)
+	if n := p.Expire(); n != 1 {
+		t.Fatalf("expired %d tasks, want 1", n)
+	}
+	want := []connector.Completion{{Request: "a", Err: connector.ErrTimeout, InvalidBlocks: []connector.BlockID{3}}}
+	if diff := cmp.Diff(want, rec.got, cmpopts.EquateErrors()); diff != "" {
+		t.Errorf("completions (-want +got):\n%s", diff)
+	}
+	if p.TaskDone("a", meta.Transfer, 1, nil) {
+		t.Error("a late answer after the timeout was accepted")
+	}
+	if st := p.Stats(); st.TimedOutTasks != 1 || st.IgnoredTaskDones != 1 {
+		t.Errorf("stats = %+v", st)
+	}
+}
+
+func TestPullerWithoutProducersFailsAtOnce(t *testing.T) {
+	p, rec, _ := newPuller(t)
+	if err := p.Begin(aPull("a").waiting().blocks([]connector.BlockID{3}).build(), nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Begin(aPull("b").blocks().build(), nil); err != nil {
+		t.Fatal(err)
+	}
+	if len(rec.got) != 1 || !errors.Is(rec.got[0].Err, connector.ErrNoProducers) {
+		t.Fatalf("completions = %v, want one ErrNoProducers for a", rec.got)
+	}
+}
+
+func TestPullerRefusesSecondPullOfARequest(t *testing.T) {
+	p, _, _ := newPuller(t)
+	meta := aPull("a").waiting().blocks([]connector.BlockID{3}).build()
+	if err := p.Begin(meta, []connector.ProducerRank{0}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Begin(meta, []connector.ProducerRank{0}); !errors.Is(err, connector.ErrDuplicateRequest) {
+		t.Errorf("err = %v, want ErrDuplicateRequest", err)
+	}
+}
+
+func TestPullerFailTasksOfALostProducer(t *testing.T) {
+	p, rec, _ := newPuller(t)
+	for _, id := range []string{"a", "b"} {
+		if err := p.Begin(aPull(id).waiting().blocks([]connector.BlockID{1}).build(), []connector.ProducerRank{0, 1}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.TaskDone("a", "x-a", 0, nil)
+	p.TaskDone("b", "x-b", 1, nil)
+	n := p.FailTasks(func(_ connector.PullMeta, r connector.ProducerRank) bool { return r == 1 }, connector.ErrPeerGone)
+	if n != 1 {
+		t.Fatalf("failed %d tasks, want 1 (a's rank 1)", n)
+	}
+	if len(rec.got) != 1 || rec.got[0].Request != "a" || !errors.Is(rec.got[0].Err, connector.ErrPeerGone) {
+		t.Errorf("completions = %v, want a failed with ErrPeerGone", rec.got)
+	}
+}
+
+// The seed bug, end to end through the vLLM model: a 13-token prompt with 64-token blocks has
+// no whole block to pull, so the request runs at once and its pull only notifies the producer.
+// Reporting it kills the engine; the Puller does not report it.
+func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
+	var pulls []connector.PullMeta
+	newDecode := func() *vllmsched.Scheduler {
+		s, err := vllmsched.New(vllmsched.Config{Role: vllmsched.Consumer, BlockSize: 64, Capacity: 16,
+			OnPull: func(m connector.PullMeta) { pulls = append(pulls, m) }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Add("req-13", "xfer-13", 13, 0); err != nil {
+			t.Fatal(err)
+		}
+		if running, _ := s.Schedule(); len(running) != 1 {
+			t.Fatalf("running = %v, want the request running at once", running)
+		}
+		return s
+	}
+
+	naive := newDecode()
+	if len(pulls) != 1 || pulls[0].LocalBlock.HasLocal() || pulls[0].WaitingForRemote {
+		t.Fatalf("pulls = %+v, want one empty notify-only pull", pulls)
+	}
+	naive.FinishedReceiving(connector.Completion{Request: "req-13"}) // what an ungated connector does
+	if err := naive.Dead(); !errors.Is(err, vllmsched.ErrEngineDead) {
+		t.Fatalf("ungated completion: engine error = %v, want it dead", err)
+	}
+
+	pulls = nil
+	gated := newDecode()
+	p, err := connector.NewPuller(connector.PullerConfig{Sink: gated, Timeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Begin(pulls[0], []connector.ProducerRank{0}); err != nil {
+		t.Fatal(err)
+	}
+	p.TaskDone("req-13", "xfer-13", 0, nil)
+	if err := gated.Dead(); err != nil {
+		t.Fatalf("gated connector killed the engine: %v", err)
+	}
+	if st := p.Stats(); st.NotifiedOnly != 1 || st.Completed != 0 {
+		t.Errorf("stats = %+v, want one notify-only pull", st)
+	}
+	if err := gated.Finish("req-13", vllmsched.FinishedLengthCapped); err != nil {
+		t.Errorf("request did not run to the end: %v", err)
+	}
+}
