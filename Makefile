@@ -16,6 +16,11 @@ build: ## Build every binary into bin/.
 		if [ -d cmd/$$b ]; then $(GO) build -o bin/$$b ./cmd/$$b || exit 1; fi; \
 	done
 
+.PHONY: run
+run: build ## Main job. Today: validate and render the sample PDCluster (the local cluster comes with issue 6).
+	bin/pdctl validate -f config/samples/serving_v1alpha1_pdcluster.yaml
+	bin/pdctl render -f config/samples/serving_v1alpha1_pdcluster.yaml
+
 ##@ Generate
 $(CONTROLLER_GEN):
 	@mkdir -p $(BIN_CACHE)
