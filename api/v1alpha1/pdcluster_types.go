@@ -106,7 +106,7 @@ type EngineSpec struct {
 }
 
 // KVTransferSpec configures the KV connector that moves the cache from prefill to decode.
-// +kubebuilder:validation:XValidation:rule="self.protocol != 'rdma' || (has(self.rdmaDevices) && size(self.rdmaDevices) > 0)",message="rdmaDevices must list at least one RDMA device (e.g. mlx5_0) when protocol is rdma"
+// +kubebuilder:validation:XValidation:rule="!has(self.protocol) || self.protocol != 'rdma' || (has(self.rdmaDevices) && size(self.rdmaDevices) > 0)",message="rdmaDevices must list at least one RDMA device (e.g. mlx5_0) when protocol is rdma"
 type KVTransferSpec struct {
 	// connector is the vLLM KV connector class.
 	// +kubebuilder:default=MooncakeConnector

@@ -278,9 +278,9 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, role Role) (*appsv1.Deployment, e
 			Env:       env,
 			Resources: resources,
 			// Model loading can take many minutes; the startup probe holds liveness off until then.
-			StartupProbe:   &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 10, FailureThreshold: 180},
-			ReadinessProbe: &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 5, FailureThreshold: 3},
-			LivenessProbe:  &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 10, FailureThreshold: 6},
+			StartupProbe:   probe(health, 10, 180),
+			ReadinessProbe: probe(health, 5, 3),
+			LivenessProbe:  probe(health, 10, 6),
 			// RDMA needs to pin (mlock) the registered KV-cache memory.
 			SecurityContext: &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Add: []corev1.Capability{"IPC_LOCK"}}},
 			VolumeMounts:    []corev1.VolumeMount{{Name: shmVolume, MountPath: "/dev/shm"}},
@@ -291,6 +291,12 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, role Role) (*appsv1.Deployment, e
 		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
 	}
 	return deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
+}
+
+// probe sets every field, including the ones the API server would default, so the applied
+// object compares equal to the stored one and a resync writes nothing.
+func probe(h *corev1.ProbeHandler, period, failures int32) *corev1.Probe {
+	return &corev1.Probe{ProbeHandler: *h, PeriodSeconds: period, FailureThreshold: failures, TimeoutSeconds: 1, SuccessThreshold: 1}
 }
 
 func setResource(r *corev1.ResourceRequirements, name corev1.ResourceName, q resource.Quantity) {
@@ -429,8 +435,8 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 				corev1.ResourceCPU:    resource.MustParse("100m"),
 				corev1.ResourceMemory: resource.MustParse("128Mi"),
 			}},
-			ReadinessProbe: &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 5},
-			LivenessProbe:  &corev1.Probe{ProbeHandler: *health, PeriodSeconds: 10},
+			ReadinessProbe: probe(health, 5, 3),
+			LivenessProbe:  probe(health, 10, 3),
 			VolumeMounts:   []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
 		}},
 		Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{

@@ -1,0 +1,77 @@
+// Command manager runs the PDCluster controller.
+package main
+
+import (
+	"flag"
+	"os"
+
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/healthz"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/controllers"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+func main() {
+	var metricsAddr, probeAddr string
+	var leaderElect bool
+	opts := render.DefaultOptions()
+	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus /metrics endpoint (0 disables it)")
+	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of /healthz and /readyz")
+	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader so only one replica reconciles")
+	flag.StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router")
+	zapOpts := zap.Options{}
+	zapOpts.BindFlags(flag.CommandLine)
+	flag.Parse()
+	ctrl.SetLogger(zap.New(zap.UseFlagOptions(&zapOpts)))
+	setupLog := ctrl.Log.WithName("setup")
+
+	scheme := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+		setupLog.Error(err, "register client-go types")
+		os.Exit(1)
+	}
+	if err := v1alpha1.AddToScheme(scheme); err != nil {
+		setupLog.Error(err, "register PDCluster types")
+		os.Exit(1)
+	}
+
+	mgr, err := ctrl.NewManager(ctrl.GetConfigOrDie(), ctrl.Options{
+		Scheme:                 scheme,
+		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
+		HealthProbeBindAddress: probeAddr,
+		LeaderElection:         leaderElect,
+		LeaderElectionID:       "pdcluster-operator.serving.pdcluster.dev",
+	})
+	if err != nil {
+		setupLog.Error(err, "create manager")
+		os.Exit(1)
+	}
+	if err := (&controllers.PDClusterReconciler{
+		Client:   mgr.GetClient(),
+		Scheme:   mgr.GetScheme(),
+		Recorder: mgr.GetEventRecorder("pdcluster-operator"),
+		Options:  opts,
+	}).SetupWithManager(mgr); err != nil {
+		setupLog.Error(err, "set up controller")
+		os.Exit(1)
+	}
+	if err := mgr.AddHealthzCheck("healthz", healthz.Ping); err != nil {
+		setupLog.Error(err, "add health check")
+		os.Exit(1)
+	}
+	if err := mgr.AddReadyzCheck("readyz", healthz.Ping); err != nil {
+		setupLog.Error(err, "add ready check")
+		os.Exit(1)
+	}
+	setupLog.Info("starting manager")
+	if err := mgr.Start(ctrl.SetupSignalHandler()); err != nil {
+		setupLog.Error(err, "run manager")
+		os.Exit(1)
+	}
+}

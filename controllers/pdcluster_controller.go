@@ -1,0 +1,295 @@
+// Package controllers holds the PDCluster reconciler: it renders the desired children with
+// internal/render, applies the ones that differ with server-side apply, and reports status.
+package controllers
+
+import (
+	"context"
+	"fmt"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/conversion"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/log"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// FieldOwner is the server-side apply field manager of every object the operator writes.
+const FieldOwner = "pdcluster-operator"
+
+// Condition reasons a user can act on.
+const (
+	ReasonInvalidSpec      = "InvalidSpec"
+	ReasonApplyFailed      = "ApplyFailed"
+	ReasonReplicasReady    = "ReplicasReady"
+	ReasonReplicasNotReady = "ReplicasNotReady"
+	ReasonRollingOut       = "RollingOut"
+	ReasonScaledToZero     = "ScaledToZero"
+	ReasonDeploymentAbsent = "DeploymentNotFound"
+	ReasonAllReady         = "AllComponentsReady"
+	ReasonNotReady         = "ComponentsNotReady"
+)
+
+// PDClusterReconciler reconciles PDCluster objects.
+type PDClusterReconciler struct {
+	client.Client
+	Scheme   *runtime.Scheme
+	Recorder events.EventRecorder
+	Options  render.Options
+}
+
+// +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
+// +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters/status,verbs=get;update;patch
+// +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups="",resources=services;configmaps,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
+
+// Reconcile brings one PDCluster's children to the rendered state and updates its status.
+func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	logger := log.FromContext(ctx)
+	var pdc v1alpha1.PDCluster
+	if err := r.Get(ctx, req.NamespacedName, &pdc); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if !pdc.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, nil // children go with the owner references
+	}
+	status := pdc.Status.DeepCopy()
+	var pending []event
+
+	applyErr := r.reconcileChildren(ctx, &pdc, status, &pending)
+	if applyErr == nil {
+		if err := r.reconcilePoolStatus(ctx, &pdc, status); err != nil {
+			return ctrl.Result{}, err
+		}
+	}
+	pending = append(pending, readinessEvents(pdc.Status.Conditions, status)...)
+	status.ObservedGeneration = pdc.Generation
+
+	if !equality.Semantic.DeepEqual(&pdc.Status, status) {
+		pdc.Status = *status
+		if err := r.Status().Update(ctx, &pdc); err != nil {
+			return ctrl.Result{}, fmt.Errorf("update status of %s: %w", req.NamespacedName, err)
+		}
+	}
+	for _, e := range pending {
+		r.Recorder.Eventf(&pdc, nil, e.kind, e.reason, e.action, "%s", e.note)
+	}
+	if applyErr != nil {
+		logger.Error(applyErr, "reconcile children")
+		if isPermanent(applyErr) {
+			return ctrl.Result{}, nil // a spec error: wait for the user to change it
+		}
+		return ctrl.Result{}, applyErr
+	}
+	return ctrl.Result{}, nil
+}
+
+type event struct{ kind, reason, action, note string }
+
+type permanentError struct{ error }
+
+func (e permanentError) Unwrap() error { return e.error }
+
+func isPermanent(err error) bool {
+	_, ok := err.(permanentError)
+	return ok
+}
+
+// reconcileChildren renders the desired objects and applies the ones that differ from the
+// cluster. Nothing is written when everything already matches.
+func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) error {
+	objs, err := render.Render(pdc, r.Options)
+	if err != nil {
+		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, ReasonInvalidSpec, err.Error())
+		*pending = append(*pending, event{corev1.EventTypeWarning, ReasonInvalidSpec, "Render", err.Error()})
+		return permanentError{fmt.Errorf("render: %w", err)}
+	}
+	for _, obj := range objs {
+		if err := controllerutil.SetControllerReference(pdc, obj, r.Scheme); err != nil {
+			return fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
+		}
+		ev, err := r.reconcileObject(ctx, obj)
+		if err != nil {
+			msg := fmt.Sprintf("apply %T %s: %v", obj, obj.GetName(), err)
+			setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, ReasonApplyFailed, msg)
+			*pending = append(*pending, event{corev1.EventTypeWarning, ReasonApplyFailed, "Apply", msg})
+			return fmt.Errorf("apply %s: %w", obj.GetName(), err)
+		}
+		if ev != nil {
+			*pending = append(*pending, *ev)
+		}
+	}
+	return nil
+}
+
+// reconcileObject applies obj when it is missing or differs; it returns the event to record.
+func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired client.Object) (*event, error) {
+	kind := desired.GetObjectKind().GroupVersionKind().Kind // render sets TypeMeta
+	existing, ok := desired.DeepCopyObject().(client.Object)
+	if !ok {
+		return nil, fmt.Errorf("%T is not a client.Object", desired)
+	}
+	err := r.Get(ctx, client.ObjectKeyFromObject(desired), existing)
+	switch {
+	case apierrors.IsNotFound(err):
+		if err := r.apply(ctx, desired); err != nil {
+			return nil, err
+		}
+		return &event{corev1.EventTypeNormal, "Created", "Create", fmt.Sprintf("created %s %s", kind, desired.GetName())}, nil
+	case err != nil:
+		return nil, fmt.Errorf("get: %w", err)
+	}
+	if upToDate(desired, existing) {
+		return nil, nil
+	}
+	if err := r.apply(ctx, desired); err != nil {
+		return nil, err
+	}
+	return &event{corev1.EventTypeNormal, "Updated", "Update", fmt.Sprintf("updated %s %s", kind, desired.GetName())}, nil
+}
+
+// derivative is equality.Semantic, except that an unset (zero) desired metav1.Time matches any
+// time: Semantic compares times by value, so the server-set creationTimestamps (of the object
+// and of a pod template) would never match what render leaves unset.
+var derivative = conversion.EqualitiesOrDie(
+	func(a, b resource.Quantity) bool { return a.Cmp(b) == 0 },
+	func(a, b metav1.MicroTime) bool { return a.UTC() == b.UTC() },
+	func(a, b metav1.Time) bool { return a.IsZero() || a.UTC() == b.UTC() },
+	func(a, b labels.Selector) bool { return a.String() == b.String() },
+	func(a, b fields.Selector) bool { return a.String() == b.String() },
+)
+
+// upToDate reports whether every field the operator sets already has its value: fields the
+// operator leaves unset (server defaults, other managers' additions) are not compared.
+func upToDate(desired, existing client.Object) bool {
+	d := desired.DeepCopyObject().(client.Object)
+	d.GetObjectKind().SetGroupVersionKind(existing.GetObjectKind().GroupVersionKind())
+	d.SetGeneration(existing.GetGeneration()) // server-set; DeepDerivative compares ints as values
+	// Status is not the operator's to set.
+	switch x := existing.(type) {
+	case *appsv1.Deployment:
+		d.(*appsv1.Deployment).Status = x.Status
+	case *corev1.Service:
+		d.(*corev1.Service).Status = x.Status
+	}
+	return derivative.DeepDerivative(d, existing)
+}
+
+func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) error {
+	m, err := render.ToUnstructured(obj)
+	if err != nil {
+		return err
+	}
+	u := &unstructured.Unstructured{Object: m}
+	return r.Client.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(FieldOwner), client.ForceOwnership)
+}
+
+// reconcilePoolStatus copies each Deployment's replica counts and sets the per-component
+// conditions and Ready.
+func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus) error {
+	components := []struct {
+		role      render.Role
+		condition string
+		out       *v1alpha1.PoolStatus
+	}{
+		{render.RolePrefill, v1alpha1.ConditionPrefillReady, &status.Prefill},
+		{render.RoleDecode, v1alpha1.ConditionDecodeReady, &status.Decode},
+		{render.RoleRouter, v1alpha1.ConditionRouterReady, &status.Router},
+	}
+	var notReady []string
+	for _, c := range components {
+		var dep appsv1.Deployment
+		err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, c.role)}, &dep)
+		if apierrors.IsNotFound(err) {
+			*c.out = v1alpha1.PoolStatus{}
+			setCondition(status, pdc, c.condition, metav1.ConditionFalse, ReasonDeploymentAbsent, fmt.Sprintf("Deployment %s not found", render.ObjectName(pdc.Name, c.role)))
+			notReady = append(notReady, string(c.role))
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("get %s deployment: %w", c.role, err)
+		}
+		ps, condStatus, reason, msg := poolStatus(&dep)
+		*c.out = ps
+		setCondition(status, pdc, c.condition, condStatus, reason, msg)
+		if condStatus != metav1.ConditionTrue {
+			notReady = append(notReady, string(c.role))
+		}
+	}
+	if len(notReady) == 0 {
+		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionTrue, ReasonAllReady, "prefill, decode and router are ready")
+	} else {
+		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, ReasonNotReady, fmt.Sprintf("not ready: %v", notReady))
+	}
+	return nil
+}
+
+// poolStatus summarises a Deployment: ready only when every desired replica is ready and runs
+// the current template.
+func poolStatus(dep *appsv1.Deployment) (v1alpha1.PoolStatus, metav1.ConditionStatus, string, string) {
+	desired := ptr.Deref(dep.Spec.Replicas, 1)
+	ps := v1alpha1.PoolStatus{
+		Replicas:        desired,
+		ReadyReplicas:   dep.Status.ReadyReplicas,
+		UpdatedReplicas: dep.Status.UpdatedReplicas,
+		Ready:           fmt.Sprintf("%d/%d", dep.Status.ReadyReplicas, desired),
+	}
+	switch {
+	case desired == 0:
+		return ps, metav1.ConditionTrue, ReasonScaledToZero, "scaled to zero replicas"
+	case dep.Status.ObservedGeneration < dep.Generation || dep.Status.UpdatedReplicas < desired:
+		return ps, metav1.ConditionFalse, ReasonRollingOut, fmt.Sprintf("%d/%d replicas updated", dep.Status.UpdatedReplicas, desired)
+	case dep.Status.ReadyReplicas < desired:
+		return ps, metav1.ConditionFalse, ReasonReplicasNotReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
+	}
+	return ps, metav1.ConditionTrue, ReasonReplicasReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
+}
+
+func setCondition(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, typ string, s metav1.ConditionStatus, reason, msg string) {
+	meta.SetStatusCondition(&status.Conditions, metav1.Condition{
+		Type: typ, Status: s, Reason: reason, Message: msg, ObservedGeneration: pdc.Generation,
+	})
+}
+
+// readinessEvents are the Degraded and Recovered events of a Ready transition.
+func readinessEvents(before []metav1.Condition, after *v1alpha1.PDClusterStatus) []event {
+	old := meta.FindStatusCondition(before, v1alpha1.ConditionReady)
+	cur := meta.FindStatusCondition(after.Conditions, v1alpha1.ConditionReady)
+	if cur == nil || (old != nil && old.Status == cur.Status) {
+		return nil
+	}
+	switch {
+	case cur.Status == metav1.ConditionTrue:
+		return []event{{corev1.EventTypeNormal, "Ready", "Reconcile", cur.Message}}
+	case old != nil && old.Status == metav1.ConditionTrue:
+		return []event{{corev1.EventTypeWarning, "Degraded", "Reconcile", cur.Message}}
+	}
+	return nil
+}
+
+// SetupWithManager registers the controller and its watches on owned children.
+func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
+	return ctrl.NewControllerManagedBy(mgr).
+		For(&v1alpha1.PDCluster{}).
+		Owns(&appsv1.Deployment{}).
+		Owns(&corev1.Service{}).
+		Owns(&corev1.ConfigMap{}).
+		Named("pdcluster").
+		Complete(r)
+}

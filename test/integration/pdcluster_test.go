@@ -1,0 +1,365 @@
+// Package integration runs the PDCluster reconciler against a real kube-apiserver and etcd
+// (envtest, with the binaries built by hack/envtest-assets.sh).
+package integration
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/controllers"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+var (
+	scheme = runtime.NewScheme()
+	cfg    *rest.Config
+	writes atomic.Int64 // non-GET requests made by the reconciler's client
+)
+
+type countingTransport struct{ next http.RoundTripper }
+
+func (c countingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.Method != http.MethodGet {
+		writes.Add(1)
+	}
+	return c.next.RoundTrip(req)
+}
+
+func TestMain(m *testing.M) {
+	if os.Getenv("KUBEBUILDER_ASSETS") == "" {
+		if os.Getenv("CI") != "" {
+			fmt.Fprintln(os.Stderr, "KUBEBUILDER_ASSETS is not set: run `make test` (it builds the assets)")
+			os.Exit(1)
+		}
+		fmt.Fprintln(os.Stderr, "skipping envtest suite: KUBEBUILDER_ASSETS is not set (make test sets it)")
+		os.Exit(0)
+	}
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = v1alpha1.AddToScheme(scheme)
+	env := &envtest.Environment{
+		CRDDirectoryPaths:     []string{filepath.Join("..", "..", "config", "crd", "bases")},
+		ErrorIfCRDPathMissing: true,
+	}
+	var err error
+	if cfg, err = env.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "start envtest:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	if err := env.Stop(); err != nil {
+		fmt.Fprintln(os.Stderr, "stop envtest:", err)
+	}
+	os.Exit(code)
+}
+
+type fixture struct {
+	t        *testing.T
+	ctx      context.Context
+	c        client.Client // the test's own client
+	r        *controllers.PDClusterReconciler
+	recorder *events.FakeRecorder
+	ns       string
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	counted := rest.CopyConfig(cfg)
+	counted.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { return countingTransport{next: rt} }
+	rc, err := client.New(counted, client.Options{Scheme: scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "it-"}}
+	if err := c.Create(context.Background(), ns); err != nil {
+		t.Fatal(err)
+	}
+	rec := events.NewFakeRecorder(100)
+	return &fixture{
+		t: t, ctx: context.Background(), c: c, ns: ns.Name, recorder: rec,
+		r: &controllers.PDClusterReconciler{Client: rc, Scheme: scheme, Recorder: rec, Options: render.DefaultOptions()},
+	}
+}
+
+// pdcBuilder builds PDCluster fixtures.
+type pdcBuilder struct{ p v1alpha1.PDCluster }
+
+func aPDCluster(ns, name string) *pdcBuilder {
+	return &pdcBuilder{p: v1alpha1.PDCluster{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: v1alpha1.PDClusterSpec{
+			Model:      v1alpha1.ModelSpec{Path: "Qwen/Qwen3-8B"},
+			Engine:     v1alpha1.EngineSpec{Image: "vllm/vllm-openai:v0.11.0", BlockSize: ptr.To[int32](64)},
+			KVTransfer: v1alpha1.KVTransferSpec{RDMADevices: []string{"mlx5_0"}},
+			Prefill:    v1alpha1.PoolSpec{Replicas: ptr.To[int32](2)},
+			Decode:     v1alpha1.PoolSpec{Replicas: ptr.To[int32](1)},
+		},
+	}}
+}
+
+func (b *pdcBuilder) protocol(p v1alpha1.TransferProtocol, devices ...string) *pdcBuilder {
+	b.p.Spec.KVTransfer.Protocol, b.p.Spec.KVTransfer.RDMADevices = p, devices
+	return b
+}
+func (b *pdcBuilder) build() *v1alpha1.PDCluster { return b.p.DeepCopy() }
+
+func (f *fixture) reconcile(name string) {
+	f.t.Helper()
+	if _, err := f.r.Reconcile(f.ctx, ctrl.Request{NamespacedName: types.NamespacedName{Namespace: f.ns, Name: name}}); err != nil {
+		f.t.Fatalf("reconcile: %v", err)
+	}
+}
+
+func (f *fixture) get(obj client.Object, name string) {
+	f.t.Helper()
+	if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: name}, obj); err != nil {
+		f.t.Fatalf("get %s: %v", name, err)
+	}
+}
+
+func (f *fixture) events() []string {
+	var out []string
+	for {
+		select {
+		case e := <-f.recorder.Events:
+			out = append(out, e)
+		default:
+			return out
+		}
+	}
+}
+
+func (f *fixture) setDeploymentStatus(name string, ready, updated int32) {
+	f.t.Helper()
+	var d appsv1.Deployment
+	f.get(&d, name)
+	d.Status = appsv1.DeploymentStatus{
+		ObservedGeneration: d.Generation, Replicas: *d.Spec.Replicas,
+		ReadyReplicas: ready, UpdatedReplicas: updated, AvailableReplicas: ready,
+	}
+	if err := f.c.Status().Update(f.ctx, &d); err != nil {
+		f.t.Fatalf("set status of %s: %v", name, err)
+	}
+}
+
+func condition(pdc *v1alpha1.PDCluster, typ string) metav1.Condition {
+	if c := meta.FindStatusCondition(pdc.Status.Conditions, typ); c != nil {
+		return *c
+	}
+	return metav1.Condition{}
+}
+
+func TestCreateSteadyStateStatusAndEvents(t *testing.T) {
+	f := newFixture(t)
+	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "demo").build()); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("demo")
+
+	for _, name := range []string{"demo-prefill", "demo-decode", "demo-router"} {
+		var d appsv1.Deployment
+		f.get(&d, name)
+		if ref := metav1.GetControllerOf(&d); ref == nil || ref.Kind != "PDCluster" || ref.Name != "demo" {
+			t.Errorf("%s controller reference = %v, want PDCluster demo", name, ref)
+		}
+		var s corev1.Service
+		f.get(&s, name)
+	}
+	var cm corev1.ConfigMap
+	f.get(&cm, "demo-router")
+	if got := f.events(); len(got) != 7 || !strings.Contains(strings.Join(got, "\n"), "Normal Created created Deployment demo-prefill") {
+		t.Errorf("events = %q, want 7 Created events", got)
+	}
+
+	var pdc v1alpha1.PDCluster
+	f.get(&pdc, "demo")
+	if c := condition(&pdc, v1alpha1.ConditionPrefillReady); c.Status != metav1.ConditionFalse || c.Reason != controllers.ReasonRollingOut || c.ObservedGeneration != pdc.Generation {
+		t.Errorf("PrefillReady = %+v, want False/RollingOut at generation %d", c, pdc.Generation)
+	}
+	if pdc.Status.ObservedGeneration != pdc.Generation {
+		t.Errorf("observedGeneration = %d, want %d", pdc.Status.ObservedGeneration, pdc.Generation)
+	}
+
+	// A resync with nothing changed makes no write at all: no apply, no status update.
+	writes.Store(0)
+	f.reconcile("demo")
+	if n := writes.Load(); n != 0 {
+		t.Errorf("steady-state reconcile made %d write requests, want 0", n)
+	}
+
+	// Pods become ready: each component, then the cluster, reports Ready, with one event.
+	f.setDeploymentStatus("demo-prefill", 2, 2)
+	f.setDeploymentStatus("demo-decode", 1, 1)
+	f.setDeploymentStatus("demo-router", 1, 1)
+	f.reconcile("demo")
+	f.get(&pdc, "demo")
+	for _, typ := range []string{v1alpha1.ConditionPrefillReady, v1alpha1.ConditionDecodeReady, v1alpha1.ConditionRouterReady, v1alpha1.ConditionReady} {
+		if c := condition(&pdc, typ); c.Status != metav1.ConditionTrue {
+			t.Errorf("%s = %+v, want True", typ, c)
+		}
+	}
+	if pdc.Status.Prefill.Ready != "2/2" || pdc.Status.Decode.ReadyReplicas != 1 {
+		t.Errorf("pool status = %+v / %+v", pdc.Status.Prefill, pdc.Status.Decode)
+	}
+	if got := f.events(); len(got) != 1 || !strings.HasPrefix(got[0], "Normal Ready") {
+		t.Errorf("events = %q, want one Ready event", got)
+	}
+
+	// A decode pod goes unready: Degraded, with the reason on the condition.
+	f.setDeploymentStatus("demo-decode", 0, 1)
+	f.reconcile("demo")
+	f.get(&pdc, "demo")
+	if c := condition(&pdc, v1alpha1.ConditionDecodeReady); c.Reason != controllers.ReasonReplicasNotReady || c.Message != "0/1 replicas ready" {
+		t.Errorf("DecodeReady = %+v", c)
+	}
+	if got := f.events(); len(got) != 1 || !strings.HasPrefix(got[0], "Warning Degraded") {
+		t.Errorf("events = %q, want one Degraded event", got)
+	}
+}
+
+func TestDriftIsRepaired(t *testing.T) {
+	f := newFixture(t)
+	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "drift").build()); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("drift")
+	f.events()
+
+	var d appsv1.Deployment
+	f.get(&d, "drift-prefill")
+	d.Spec.Replicas = ptr.To[int32](7)
+	d.Spec.Template.Spec.Containers[0].Image = "evil:latest"
+	if err := f.c.Update(f.ctx, &d); err != nil {
+		t.Fatal(err)
+	}
+	var svc corev1.Service
+	f.get(&svc, "drift-decode")
+	if err := f.c.Delete(f.ctx, &svc); err != nil {
+		t.Fatal(err)
+	}
+
+	f.reconcile("drift")
+	f.get(&d, "drift-prefill")
+	if *d.Spec.Replicas != 2 || d.Spec.Template.Spec.Containers[0].Image != "vllm/vllm-openai:v0.11.0" {
+		t.Errorf("prefill not put back: replicas %d image %s", *d.Spec.Replicas, d.Spec.Template.Spec.Containers[0].Image)
+	}
+	f.get(&svc, "drift-decode")
+	got := strings.Join(f.events(), "\n")
+	for _, want := range []string{"Updated updated Deployment drift-prefill", "Created created Service drift-decode"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("events %q lack %q", got, want)
+		}
+	}
+}
+
+func TestSpecChangesRollOnlyTheirPool(t *testing.T) {
+	f := newFixture(t)
+	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "roll").build()); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("roll")
+	hashes := func() map[string]string {
+		out := map[string]string{}
+		for _, n := range []string{"roll-prefill", "roll-decode", "roll-router"} {
+			var d appsv1.Deployment
+			f.get(&d, n)
+			out[n] = d.Spec.Template.Annotations[render.AnnotationConfigHash] + fmt.Sprintf("/%d", *d.Spec.Replicas)
+		}
+		return out
+	}
+	before := hashes()
+
+	var pdc v1alpha1.PDCluster
+	f.get(&pdc, "roll")
+	pdc.Spec.Decode.Args = []string{"--max-num-seqs=64"}
+	pdc.Spec.Prefill.Replicas = ptr.To[int32](4)
+	if err := f.c.Update(f.ctx, &pdc); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("roll")
+	after := hashes()
+	if after["roll-router"] != before["roll-router"] {
+		t.Errorf("router changed: %s -> %s", before["roll-router"], after["roll-router"])
+	}
+	bh, ah := strings.Split(before["roll-prefill"], "/"), strings.Split(after["roll-prefill"], "/")
+	if bh[0] != ah[0] || ah[1] != "4" {
+		t.Errorf("prefill: %s -> %s, want same template hash and 4 replicas", before["roll-prefill"], after["roll-prefill"])
+	}
+	if strings.Split(before["roll-decode"], "/")[0] == strings.Split(after["roll-decode"], "/")[0] {
+		t.Errorf("decode template hash did not change: %s", after["roll-decode"])
+	}
+}
+
+func TestInvalidSpecRejectedAtAdmission(t *testing.T) {
+	f := newFixture(t)
+	cases := []struct {
+		name string
+		pdc  *v1alpha1.PDCluster
+		want string
+	}{
+		{"rdma without devices", aPDCluster(f.ns, "a").protocol(v1alpha1.ProtocolRDMA).build(), "rdmaDevices must list at least one RDMA device"},
+		{"owned flag", func() *v1alpha1.PDCluster {
+			p := aPDCluster(f.ns, "b").build()
+			p.Spec.Prefill.Args = []string{"--tensor-parallel-size=8"}
+			return p
+		}(), "flag --tensor-parallel-size=8 is set by the operator"},
+		{"negative replicas", func() *v1alpha1.PDCluster {
+			p := aPDCluster(f.ns, "c").build()
+			p.Spec.Decode.Replicas = ptr.To[int32](-1)
+			return p
+		}(), "spec.decode.replicas"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := f.c.Create(f.ctx, tc.pdc)
+			if !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("create error = %v, want Invalid containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestInvalidRenderReportsCondition(t *testing.T) {
+	f := newFixture(t)
+	p := aPDCluster(f.ns, "bad").build()
+	p.Spec.KVTransfer.ExtraConfig = &apiextensionsv1.JSON{Raw: []byte(`{"device_name":"x"}`)}
+	if err := f.c.Create(f.ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("bad")
+	var pdc v1alpha1.PDCluster
+	f.get(&pdc, "bad")
+	if c := condition(&pdc, v1alpha1.ConditionReady); c.Status != metav1.ConditionFalse || c.Reason != controllers.ReasonInvalidSpec {
+		t.Errorf("Ready = %+v, want False/InvalidSpec", c)
+	}
+	var d appsv1.Deployment
+	if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: "bad-prefill"}, &d); !apierrors.IsNotFound(err) {
+		t.Errorf("a deployment was created for an invalid spec: %v", err)
+	}
+}
