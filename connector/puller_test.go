@@ -224,7 +224,7 @@ func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 		if err := s.Add("req-13", "xfer-13", 13, 0); err != nil {
 			t.Fatal(err)
 		}
-		if running, _ := s.Schedule(); len(running) != 1 {
+		if running := s.Schedule(); len(running) != 1 {
 			t.Fatalf("running = %v, want the request running at once", running)
 		}
 		return s

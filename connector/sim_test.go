@@ -260,7 +260,7 @@ func (s *sim) newRequest() {
 }
 
 func (s *sim) randomRunning(sched *vllmsched.Scheduler) (connector.RequestID, bool) {
-	ids, _ := sched.Schedule()
+	ids := sched.Schedule()
 	if len(ids) == 0 {
 		return "", false
 	}
@@ -314,7 +314,7 @@ func (s *sim) expire() {
 // prefillStep is one prefill engine step: every scheduled request computes its prompt and
 // finishes with its single token, holding its blocks for decode.
 func (s *sim) prefillStep() {
-	ids, _ := s.prefill.Schedule()
+	ids := s.prefill.Schedule()
 	for _, id := range ids {
 		s.prefill.Finish(id, vllmsched.FinishedLengthCapped)
 	}
@@ -330,7 +330,7 @@ func (s *sim) drain() {
 				s.deliver(0, false)
 			}
 			s.prefillStep()
-			ids, _ := s.decode.Schedule()
+			ids := s.decode.Schedule()
 			for _, id := range ids {
 				s.decode.Finish(id, vllmsched.FinishedStopped)
 			}

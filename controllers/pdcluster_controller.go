@@ -4,6 +4,7 @@ package controllers
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -107,8 +108,8 @@ type permanentError struct{ error }
 func (e permanentError) Unwrap() error { return e.error }
 
 func isPermanent(err error) bool {
-	_, ok := err.(permanentError)
-	return ok
+	var p permanentError
+	return errors.As(err, &p)
 }
 
 // reconcileChildren renders the desired objects and applies the ones that differ from the

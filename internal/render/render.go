@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"sort"
 	"strconv"
 	"strings"
@@ -140,14 +141,8 @@ func KVTransferConfig(kv v1alpha1.KVTransferSpec, role Role) (string, error) {
 			}
 		}
 	}
-	connector := kv.Connector
-	if connector == "" {
-		connector = v1alpha1.ConnectorMooncake
-	}
-	protocol := kv.Protocol
-	if protocol == "" {
-		protocol = v1alpha1.ProtocolRDMA
-	}
+	connector := orDefault(kv.Connector, v1alpha1.ConnectorMooncake)
+	protocol := orDefault(kv.Protocol, v1alpha1.ProtocolRDMA)
 	if connector == v1alpha1.ConnectorMooncake {
 		extra["mooncake_protocol"] = string(protocol)
 		if protocol == v1alpha1.ProtocolRDMA {
@@ -205,9 +200,9 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role Role) ([]string, error) {
 		"--host", "0.0.0.0",
 		"--port", strconv.Itoa(int(v1alpha1.DefaultEnginePort)),
 		"--block-size", strconv.Itoa(int(ptr.Deref(spec.Engine.BlockSize, v1alpha1.DefaultBlockSize))),
-		"--tensor-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Tensor, 1))),
-		"--data-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Data, 1))),
-		"--pipeline-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Pipeline, 1))),
+		"--tensor-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Tensor, v1alpha1.DefaultParallelism))),
+		"--data-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Data, v1alpha1.DefaultParallelism))),
+		"--pipeline-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Pipeline, v1alpha1.DefaultParallelism))),
 	}
 	if p.Parallelism.Expert {
 		args = append(args, "--enable-expert-parallel")
@@ -287,7 +282,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, role Role) (*appsv1.Deployment, e
 		}},
 		// NCCL and the engine's worker processes share tensors through /dev/shm.
 		Volumes:      []corev1.Volume{{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}}},
-		NodeSelector: copyMap(p.NodeSelector),
+		NodeSelector: maps.Clone(p.NodeSelector),
 		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
 	}
 	return deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
@@ -308,17 +303,6 @@ func setResource(r *corev1.ResourceRequirements, name corev1.ResourceName, q res
 	}
 	r.Limits[name] = q
 	r.Requests[name] = q
-}
-
-func copyMap(m map[string]string) map[string]string {
-	if len(m) == 0 {
-		return nil
-	}
-	out := make(map[string]string, len(m))
-	for k, v := range m {
-		out[k] = v
-	}
-	return out
 }
 
 // deployment wraps podSpec; inputs that pods read but the pod spec does not hold (a ConfigMap's

@@ -177,7 +177,7 @@ func (s *Scheduler) freeLocked(r *Request) {
 // Schedule runs one scheduler step: waiting requests get blocks and either start running or
 // start waiting for remote KV; requests whose pull completed resume. It returns the ids that
 // run in this step.
-func (s *Scheduler) Schedule() ([]connector.RequestID, error) {
+func (s *Scheduler) Schedule() []connector.RequestID {
 	s.mu.Lock()
 	var pulls []connector.PullMeta
 	var running []connector.RequestID
@@ -223,7 +223,7 @@ func (s *Scheduler) Schedule() ([]connector.RequestID, error) {
 	}
 	s.mu.Unlock()
 	s.emitPulls(pulls)
-	return running, nil
+	return running
 }
 
 // updateStateAfterAllocLocked is get_num_new_matched_tokens plus update_state_after_alloc.

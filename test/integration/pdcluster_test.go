@@ -263,6 +263,13 @@ func TestDriftIsRepaired(t *testing.T) {
 	if err := f.c.Delete(f.ctx, &svc); err != nil {
 		t.Fatal(err)
 	}
+	// A removed label is drift too, though nothing else about the object changed.
+	var router corev1.Service
+	f.get(&router, "drift-router")
+	delete(router.Labels, render.LabelRole)
+	if err := f.c.Update(f.ctx, &router); err != nil {
+		t.Fatal(err)
+	}
 
 	f.reconcile("drift")
 	f.get(&d, "drift-prefill")
@@ -270,6 +277,10 @@ func TestDriftIsRepaired(t *testing.T) {
 		t.Errorf("prefill not put back: replicas %d image %s", *d.Spec.Replicas, d.Spec.Template.Spec.Containers[0].Image)
 	}
 	f.get(&svc, "drift-decode")
+	f.get(&router, "drift-router")
+	if router.Labels[render.LabelRole] != "router" {
+		t.Errorf("router Service labels not put back: %v", router.Labels)
+	}
 	got := strings.Join(f.events(), "\n")
 	for _, want := range []string{"Updated updated Deployment drift-prefill", "Created created Service drift-decode"} {
 		if !strings.Contains(got, want) {
