@@ -34,7 +34,7 @@ generate: $(CONTROLLER_GEN) ## Generate DeepCopy methods.
 .PHONY: manifests
 manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC into config/.
 	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
-	@if [ -d controllers ]; then $(CONTROLLER_GEN) rbac:roleName=pdcluster-manager paths=./controllers/... output:rbac:artifacts:config=config/rbac; fi
+	@if [ -d controllers ]; then $(CONTROLLER_GEN) rbac:roleName=manager-role paths=./controllers/... output:rbac:artifacts:config=config/rbac; fi
 	@if [ -d charts/pdcluster-operator/crds ]; then cp config/crd/bases/*.yaml charts/pdcluster-operator/crds/; fi
 
 .PHONY: golden

@@ -187,6 +187,20 @@ func (p *Puller) AcceptWrite(req RequestID, transfer TransferID, producer Produc
 	return ok && pl.meta.Transfer == transfer && pl.tasks[producer] == taskPending
 }
 
+// WriteIfAccepted runs write only while producer's task for req is pending, holding the
+// Puller's lock so no completion can be reported in between: a byte either lands before the
+// scheduler hears of the pull or not at all (invariant 3, Mooncake's I8). write must be short
+// (one block into local memory). It reports whether write ran.
+func (p *Puller) WriteIfAccepted(req RequestID, transfer TransferID, producer ProducerRank, write func() error) (bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pl, ok := p.pulls[req]
+	if !ok || pl.meta.Transfer != transfer || pl.tasks[producer] != taskPending {
+		return false, nil
+	}
+	return true, write()
+}
+
 // FailTasks ends every pending task for which match is true with err (a producer connection
 // was lost, a producer engine restarted). It returns how many tasks it ended.
 func (p *Puller) FailTasks(match func(PullMeta, ProducerRank) bool, err error) int {

@@ -65,9 +65,13 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	logger := log.FromContext(ctx)
 	var pdc v1alpha1.PDCluster
 	if err := r.Get(ctx, req.NamespacedName, &pdc); err != nil {
+		if apierrors.IsNotFound(err) {
+			forgetStatus(req.Namespace, req.Name)
+		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	if !pdc.DeletionTimestamp.IsZero() {
+		forgetStatus(req.Namespace, req.Name)
 		return ctrl.Result{}, nil // children go with the owner references
 	}
 	status := pdc.Status.DeepCopy()
@@ -88,6 +92,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 			return ctrl.Result{}, fmt.Errorf("update status of %s: %w", req.NamespacedName, err)
 		}
 	}
+	recordStatus(&pdc)
 	for _, e := range pending {
 		r.Recorder.Eventf(&pdc, nil, e.kind, e.reason, e.action, "%s", e.note)
 	}
@@ -150,8 +155,10 @@ func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired clien
 	switch {
 	case apierrors.IsNotFound(err):
 		if err := r.apply(ctx, desired); err != nil {
+			appliesTotal.WithLabelValues(kind, "create", "error").Inc()
 			return nil, err
 		}
+		appliesTotal.WithLabelValues(kind, "create", "ok").Inc()
 		return &event{corev1.EventTypeNormal, "Created", "Create", fmt.Sprintf("created %s %s", kind, desired.GetName())}, nil
 	case err != nil:
 		return nil, fmt.Errorf("get: %w", err)
@@ -160,8 +167,10 @@ func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired clien
 		return nil, nil
 	}
 	if err := r.apply(ctx, desired); err != nil {
+		appliesTotal.WithLabelValues(kind, "update", "error").Inc()
 		return nil, err
 	}
+	appliesTotal.WithLabelValues(kind, "update", "ok").Inc()
 	return &event{corev1.EventTypeNormal, "Updated", "Update", fmt.Sprintf("updated %s %s", kind, desired.GetName())}, nil
 }
 

@@ -36,7 +36,7 @@ func NewRootCommand(stdin io.Reader) *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newValidateCommand(stdin), newRenderCommand(stdin))
+	root.AddCommand(newValidateCommand(stdin), newRenderCommand(stdin), newSandboxCommand())
 	return root
 }
 

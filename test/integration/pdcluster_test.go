@@ -34,9 +34,10 @@ import (
 )
 
 var (
-	scheme = runtime.NewScheme()
-	cfg    *rest.Config
-	writes atomic.Int64 // non-GET requests made by the reconciler's client
+	scheme  = runtime.NewScheme()
+	cfg     *rest.Config
+	testEnv *envtest.Environment
+	writes  atomic.Int64 // non-GET requests made by the reconciler's client
 )
 
 type countingTransport struct{ next http.RoundTripper }
@@ -59,17 +60,17 @@ func TestMain(m *testing.M) {
 	}
 	_ = clientgoscheme.AddToScheme(scheme)
 	_ = v1alpha1.AddToScheme(scheme)
-	env := &envtest.Environment{
+	testEnv = &envtest.Environment{
 		CRDDirectoryPaths:     []string{filepath.Join("..", "..", "config", "crd", "bases")},
 		ErrorIfCRDPathMissing: true,
 	}
 	var err error
-	if cfg, err = env.Start(); err != nil {
+	if cfg, err = testEnv.Start(); err != nil {
 		fmt.Fprintln(os.Stderr, "start envtest:", err)
 		os.Exit(1)
 	}
 	code := m.Run()
-	if err := env.Stop(); err != nil {
+	if err := testEnv.Stop(); err != nil {
 		fmt.Fprintln(os.Stderr, "stop envtest:", err)
 	}
 	os.Exit(code)

@@ -1,0 +1,213 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+)
+
+// The local API between an engine and its agent (JSON over HTTP on the pod's loopback).
+
+// Pull is POST /v1/pulls: the consumer engine's update_state_after_alloc or cleanup pull.
+type Pull struct {
+	Request          connector.RequestID  `json:"request_id"`
+	Transfer         connector.TransferID `json:"transfer_id"`
+	Blocks           connector.BlockIDs   `json:"local_block_ids"`
+	WaitingForRemote bool                 `json:"waiting_for_remote_kvs"`
+	RemoteEngine     string               `json:"remote_engine_id"`
+	RemoteBootstrap  string               `json:"remote_bootstrap_addr"`
+}
+
+func (p Pull) meta() connector.PullMeta {
+	return connector.PullMeta{Request: p.Request, Transfer: p.Transfer, LocalBlock: p.Blocks, WaitingForRemote: p.WaitingForRemote, RemoteEngine: p.RemoteEngine, RemoteBootstrap: p.RemoteBootstrap}
+}
+
+// Hold is POST /v1/expect, /v1/ready and /v1/abort on a producer.
+type Hold struct {
+	Transfer connector.TransferID `json:"transfer_id"`
+	Request  connector.RequestID  `json:"request_id,omitempty"`
+	Blocks   connector.BlockIDs   `json:"block_ids,omitempty"`
+}
+
+// Completion is a finished_recving report (with failed blocks or failed_recving on error).
+type Completion struct {
+	Request       connector.RequestID `json:"request_id"`
+	Error         string              `json:"error,omitempty"`
+	InvalidBlocks []connector.BlockID `json:"invalid_block_ids,omitempty"`
+	FailedRequest bool                `json:"failed_request,omitempty"`
+}
+
+func eventCompletion(c connector.Completion) *Completion {
+	out := &Completion{Request: c.Request, InvalidBlocks: c.InvalidBlocks, FailedRequest: c.FailedRequest}
+	if c.Err != nil {
+		out.Error = c.Err.Error()
+	}
+	return out
+}
+
+// Release is a finished_sending report: the producer engine may free the request's blocks.
+type Release struct {
+	Request  connector.RequestID  `json:"request_id"`
+	Transfer connector.TransferID `json:"transfer_id"`
+	Blocks   int                  `json:"blocks"`
+	Reason   string               `json:"reason"`
+}
+
+// Events is GET /v1/events: what happened since the last call, and the agent's epoch.
+type Events struct {
+	Epoch       string       `json:"epoch"`
+	Completions []Completion `json:"completions,omitempty"`
+	Releases    []Release    `json:"releases,omitempty"`
+}
+
+// eventQueue holds reports until the engine drains them.
+type eventQueue struct {
+	mu          sync.Mutex
+	completions []Completion
+	releases    []Release
+	signal      chan struct{} // closed and replaced on every push
+}
+
+func newEventQueue() *eventQueue { return &eventQueue{signal: make(chan struct{})} }
+
+func (q *eventQueue) push(c *Completion, r *Release) {
+	q.mu.Lock()
+	if c != nil {
+		q.completions = append(q.completions, *c)
+	}
+	if r != nil {
+		q.releases = append(q.releases, *r)
+	}
+	close(q.signal)
+	q.signal = make(chan struct{})
+	q.mu.Unlock()
+}
+
+// drain returns the queued reports, waiting up to wait for one.
+func (q *eventQueue) drain(ctx context.Context, wait time.Duration) ([]Completion, []Release) {
+	deadline := time.NewTimer(wait)
+	defer deadline.Stop()
+	for {
+		q.mu.Lock()
+		if len(q.completions) > 0 || len(q.releases) > 0 || wait <= 0 {
+			c, r := q.completions, q.releases
+			q.completions, q.releases = nil, nil
+			q.mu.Unlock()
+			return c, r
+		}
+		sig := q.signal
+		q.mu.Unlock()
+		select {
+		case <-sig:
+		case <-deadline.C:
+			wait = 0
+		case <-ctx.Done():
+			return nil, nil
+		}
+	}
+}
+
+// Handler serves the local API, the bootstrap registry (when this agent hosts it), /healthz,
+// /readyz and /metrics. gatherer is what /metrics serves.
+func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
+	mux := http.NewServeMux()
+	if a.registry != nil {
+		b := a.registry.Handler()
+		mux.Handle("POST /register", b)
+		mux.Handle("GET /query", b)
+	}
+	mux.HandleFunc("POST /v1/pulls", func(w http.ResponseWriter, r *http.Request) {
+		var p Pull
+		if !decode(w, r, &p) {
+			return
+		}
+		if a.puller == nil {
+			http.Error(w, "this agent is a kv_producer: pulls go to kv_consumer agents", http.StatusConflict)
+			return
+		}
+		if p.Request == "" || p.Transfer == "" {
+			http.Error(w, "request_id and transfer_id are required", http.StatusBadRequest)
+			return
+		}
+		if err := a.startPull(r.Context(), p.meta()); err != nil {
+			status := http.StatusInternalServerError
+			if errors.Is(err, connector.ErrDuplicateRequest) {
+				status = http.StatusConflict
+			}
+			http.Error(w, err.Error(), status)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusAccepted)
+		_ = json.NewEncoder(w).Encode(epochReply{Epoch: a.epoch})
+	})
+	producerOp := func(op func(Hold) []connector.Decision) http.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) {
+			var h Hold
+			if !decode(w, r, &h) {
+				return
+			}
+			if a.producer == nil {
+				http.Error(w, "this agent is a kv_consumer: holds go to kv_producer agents", http.StatusConflict)
+				return
+			}
+			if h.Transfer == "" {
+				http.Error(w, "transfer_id is required", http.StatusBadRequest)
+				return
+			}
+			a.dispatch(op(h))
+			writeJSON(w, epochReply{Epoch: a.epoch})
+		}
+	}
+	mux.HandleFunc("POST /v1/expect", producerOp(func(h Hold) []connector.Decision {
+		a.producer.Expect(h.Transfer, h.Request)
+		return nil
+	}))
+	mux.HandleFunc("POST /v1/ready", producerOp(func(h Hold) []connector.Decision {
+		return a.producer.Ready(h.Transfer, h.Request, h.Blocks)
+	}))
+	mux.HandleFunc("POST /v1/abort", producerOp(func(h Hold) []connector.Decision {
+		return a.producer.Abort(h.Transfer)
+	}))
+	mux.HandleFunc("GET /v1/events", func(w http.ResponseWriter, r *http.Request) {
+		wait, _ := strconv.Atoi(r.URL.Query().Get("wait_ms"))
+		c, rel := a.events.drain(r.Context(), time.Duration(min(max(wait, 0), 30_000))*time.Millisecond)
+		writeJSON(w, Events{Epoch: a.epoch, Completions: c, Releases: rel})
+	})
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		a.mu.Lock()
+		ready := a.ready
+		a.mu.Unlock()
+		if !ready {
+			http.Error(w, "starting: data plane or bootstrap registration not up yet", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = io.WriteString(w, "ok\n")
+	})
+	mux.Handle("GET /metrics", promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{}))
+	return mux
+}
+
+func decode(w http.ResponseWriter, r *http.Request, v any) bool {
+	if err := json.NewDecoder(io.LimitReader(r.Body, 16<<20)).Decode(v); err != nil {
+		http.Error(w, "bad request body: "+err.Error(), http.StatusBadRequest)
+		return false
+	}
+	return true
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(v)
+}

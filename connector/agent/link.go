@@ -1,0 +1,311 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+)
+
+// ErrAgentLost fails the pulls and releases the holds an agent took with it when it restarted
+// or stayed unreachable: its state is gone, so the engine must not wait for it.
+var ErrAgentLost = errors.New("connector agent lost")
+
+// Link is the engine's side of the local API, vLLM's connector worker: it forwards pulls and
+// holds to the agent and delivers the agent's reports to the scheduler. It also keeps the
+// engine safe from the agent's failures: every pull that notifies the scheduler is reported
+// exactly once even if the agent dies (failed, as by the load-failure policy), and every held
+// transfer is released exactly once.
+type Link struct {
+	base        string
+	hc          *http.Client
+	completions connector.CompletionSink
+	releases    connector.ReleaseSink
+	// LostAfter is how long the agent may stay unreachable before its state counts as lost.
+	LostAfter time.Duration
+	Log       logr.Logger
+
+	mu      sync.Mutex
+	epoch   string // the agent run the Link last heard from
+	pulls   map[connector.RequestID]trackedPull
+	held    map[connector.TransferID]trackedHold
+	// lost are pulls the Link failed while their agent may still be alive (unreachable, or a
+	// POST whose answer was lost): a late report for them is dropped.
+	lost map[connector.RequestID]struct{}
+}
+
+type trackedPull struct {
+	epoch  string
+	blocks connector.BlockIDs
+}
+
+type trackedHold struct {
+	epoch   string
+	request connector.RequestID
+	blocks  int
+}
+
+// NewLink returns a Link to the agent at base (http://host:port). completions is required for
+// a consumer engine, releases for a producer engine.
+func NewLink(base string, completions connector.CompletionSink, releases connector.ReleaseSink) *Link {
+	return &Link{
+		base: base, hc: &http.Client{Timeout: 10 * time.Second}, completions: completions, releases: releases,
+		LostAfter: 5 * time.Second, Log: logr.Discard(),
+		pulls: map[connector.RequestID]trackedPull{}, held: map[connector.TransferID]trackedHold{},
+		lost: map[connector.RequestID]struct{}{},
+	}
+}
+
+type epochReply struct {
+	Epoch string `json:"epoch"`
+}
+
+func (l *Link) post(ctx context.Context, path string, body any) (string, error) {
+	b, err := json.Marshal(body)
+	if err != nil {
+		return "", err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, l.base+path, bytes.NewReader(b))
+	if err != nil {
+		return "", err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := l.hc.Do(req)
+	if err != nil {
+		return "", fmt.Errorf("%w: %v", ErrAgentLost, err)
+	}
+	defer resp.Body.Close()
+	data, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	if resp.StatusCode/100 != 2 {
+		return "", fmt.Errorf("agent %s: %s: %s", path, resp.Status, bytes.TrimSpace(data))
+	}
+	var er epochReply
+	_ = json.Unmarshal(data, &er)
+	return er.Epoch, nil
+}
+
+// Pull hands a pull to the agent. A pull the agent did not take is failed at once when it
+// notifies the scheduler, so the request never waits for a report that cannot come.
+func (l *Link) Pull(ctx context.Context, p Pull) error {
+	notify := p.meta().NotifiesScheduler()
+	if notify {
+		l.mu.Lock()
+		l.pulls[p.Request] = trackedPull{epoch: "?", blocks: p.Blocks.Clone()}
+		l.mu.Unlock()
+	}
+	epoch, err := l.post(ctx, "/v1/pulls", p)
+	if !notify {
+		return err
+	}
+	if err != nil {
+		l.failPull(p.Request, err)
+		return err
+	}
+	l.mu.Lock()
+	if t, ok := l.pulls[p.Request]; ok { // not reported yet
+		t.epoch = epoch
+		l.pulls[p.Request] = t
+	}
+	l.mu.Unlock()
+	return nil
+}
+
+// Expect announces a prefill request that will hold blocks for consumers.
+func (l *Link) Expect(ctx context.Context, transfer connector.TransferID, req connector.RequestID) error {
+	_, err := l.post(ctx, "/v1/expect", Hold{Transfer: transfer, Request: req})
+	return err
+}
+
+// Ready hands held blocks to the agent. Blocks the agent did not take are released at once.
+func (l *Link) Ready(ctx context.Context, transfer connector.TransferID, req connector.RequestID, blocks connector.BlockIDs) error {
+	holds := blocks.HasLocal()
+	if holds {
+		l.mu.Lock()
+		l.held[transfer] = trackedHold{epoch: "?", request: req, blocks: blocks.Count()}
+		l.mu.Unlock()
+	}
+	epoch, err := l.post(ctx, "/v1/ready", Hold{Transfer: transfer, Request: req, Blocks: blocks})
+	if !holds {
+		return err
+	}
+	if err != nil {
+		l.releaseHold(transfer, string(connector.ReleaseAborted))
+		return err
+	}
+	l.mu.Lock()
+	if h, ok := l.held[transfer]; ok {
+		h.epoch = epoch
+		l.held[transfer] = h
+	}
+	l.mu.Unlock()
+	return nil
+}
+
+// Abort tells the agent a prefill request will not be ready.
+func (l *Link) Abort(ctx context.Context, transfer connector.TransferID) error {
+	_, err := l.post(ctx, "/v1/abort", Hold{Transfer: transfer})
+	return err
+}
+
+func (l *Link) failPull(req connector.RequestID, cause error) {
+	l.mu.Lock()
+	t, ok := l.pulls[req]
+	delete(l.pulls, req)
+	if ok {
+		l.lost[req] = struct{}{}
+	}
+	l.mu.Unlock()
+	if ok {
+		l.completions.FinishedReceiving(lostCompletion(req, t.blocks, cause))
+	}
+}
+
+func lostCompletion(req connector.RequestID, blocks connector.BlockIDs, cause error) connector.Completion {
+	c := connector.Completion{Request: req, Err: fmt.Errorf("%w: %v", ErrAgentLost, cause)}
+	if len(blocks) > 1 {
+		c.FailedRequest = true
+	} else {
+		c.InvalidBlocks = blocks.Flatten()
+	}
+	return c
+}
+
+func (l *Link) releaseHold(transfer connector.TransferID, reason string) {
+	l.mu.Lock()
+	h, ok := l.held[transfer]
+	delete(l.held, transfer)
+	l.mu.Unlock()
+	if ok {
+		l.releases.FinishedSending(connector.Release{Request: h.request, Transfer: transfer, Blocks: h.blocks, Reason: connector.ReleaseReason(reason)})
+	}
+}
+
+// Run polls the agent's reports until ctx ends.
+func (l *Link) Run(ctx context.Context) {
+	lastOK := time.Now()
+	for ctx.Err() == nil {
+		ev, err := l.poll(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			if time.Since(lastOK) > l.LostAfter {
+				l.forget("", fmt.Errorf("unreachable for %v: %v", l.LostAfter, err))
+			}
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		lastOK = time.Now()
+		l.deliver(ev)
+	}
+}
+
+func (l *Link) poll(ctx context.Context) (Events, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, l.base+"/v1/events?wait_ms=1000", nil)
+	if err != nil {
+		return Events{}, err
+	}
+	resp, err := l.hc.Do(req)
+	if err != nil {
+		return Events{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return Events{}, fmt.Errorf("agent events: %s", resp.Status)
+	}
+	var ev Events
+	return ev, json.NewDecoder(resp.Body).Decode(&ev)
+}
+
+// deliver passes reports on, once each: a report for a request the Link does not track (it
+// was already failed because the agent was lost) is dropped.
+func (l *Link) deliver(ev Events) {
+	l.mu.Lock()
+	changed := l.epoch != "" && l.epoch != ev.Epoch
+	if l.epoch != ev.Epoch {
+		clear(l.lost) // a new agent run never reports the old one's pulls
+	}
+	l.epoch = ev.Epoch
+	l.mu.Unlock()
+	if changed {
+		l.forget(ev.Epoch, errors.New("agent restarted"))
+	}
+	for _, c := range ev.Completions {
+		l.mu.Lock()
+		_, ok := l.pulls[c.Request]
+		delete(l.pulls, c.Request)
+		_, lost := l.lost[c.Request]
+		delete(l.lost, c.Request)
+		l.mu.Unlock()
+		if lost {
+			continue // already failed by the Link
+		}
+		if !ok {
+			// A report for a pull that never notifies the scheduler: only an ungated agent
+			// sends one. It is passed on, not hidden: the scheduler's assertion is the
+			// evidence of that bug.
+			l.completions.FinishedReceiving(connector.Completion{Request: c.Request})
+			continue
+		}
+		var err error
+		if c.Error != "" {
+			err = errors.New(c.Error)
+		}
+		l.completions.FinishedReceiving(connector.Completion{Request: c.Request, Err: err, InvalidBlocks: c.InvalidBlocks, FailedRequest: c.FailedRequest})
+	}
+	for _, r := range ev.Releases {
+		l.releaseHold(r.Transfer, r.Reason)
+	}
+}
+
+// forget fails every pull and releases every hold the agent held that is not from epoch
+// keep: the agent that had them is gone.
+func (l *Link) forget(keep string, cause error) {
+	l.mu.Lock()
+	var pulls []connector.Completion
+	for req, t := range l.pulls {
+		if keep == "" || (t.epoch != keep && t.epoch != "?") {
+			pulls = append(pulls, lostCompletion(req, t.blocks, cause))
+			delete(l.pulls, req)
+			if keep == "" {
+				l.lost[req] = struct{}{}
+			}
+		}
+	}
+	var holds []connector.TransferID
+	for id, h := range l.held {
+		if keep == "" || (h.epoch != keep && h.epoch != "?") {
+			holds = append(holds, id)
+		}
+	}
+	if keep == "" {
+		l.epoch = ""
+	}
+	l.mu.Unlock()
+	if len(pulls) > 0 || len(holds) > 0 {
+		l.Log.Info("connector agent lost its state", "cause", cause.Error(), "pulls", len(pulls), "holds", len(holds))
+	}
+	for _, c := range pulls {
+		l.completions.FinishedReceiving(c)
+	}
+	for _, id := range holds {
+		l.releaseHold(id, "agent-lost")
+	}
+}
+
+// Outstanding is the number of pulls awaiting a report and transfers held, for tests and
+// metrics.
+func (l *Link) Outstanding() (pulls, holds int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.pulls), len(l.held)
+}

@@ -1,0 +1,99 @@
+package agent
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+)
+
+type metrics struct {
+	completions   *prometheus.CounterVec
+	emptyPulls    prometheus.Counter
+	pulls         prometheus.Counter
+	pullsServed   prometheus.Counter
+	releases      *prometheus.CounterVec
+	bytesSent     prometheus.Counter
+	bytesReceived prometheus.Counter
+}
+
+func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		completions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdcluster_connector_completions_total",
+			Help: "Pulls reported to the decode scheduler as finished receiving, by result (ok, failed).",
+		}, []string{"result"}),
+		emptyPulls: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "pdcluster_connector_empty_pulls_total",
+			Help: "Pulls without a local destination block (notify-only); never reported to the scheduler.",
+		}),
+		pulls: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "pdcluster_connector_pulls_total",
+			Help: "Pulls started by this consumer agent.",
+		}),
+		pullsServed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "pdcluster_connector_pulls_served_total",
+			Help: "Pull connections accepted by this producer agent.",
+		}),
+		releases: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdcluster_connector_releases_total",
+			Help: "Held prefill requests released to the producer scheduler, by reason (served, expired, aborted).",
+		}, []string{"reason"}),
+		bytesSent: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "pdcluster_connector_transfer_bytes_sent_total", Help: "KV bytes sent to consumers.",
+		}),
+		bytesReceived: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "pdcluster_connector_transfer_bytes_received_total", Help: "KV bytes received from producers and written.",
+		}),
+	}
+	cs := []prometheus.Collector{m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.releases, m.bytesSent, m.bytesReceived}
+	if a.puller != nil {
+		cs = append(cs,
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "pdcluster_connector_failed_pulls_total",
+				Help: "Pulls that failed, reported or not (a failed notify-only pull reports nothing).",
+			}, func() float64 { s := a.puller.Stats(); return float64(s.Failed + s.FailedSilent) }),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "pdcluster_connector_pulls_in_flight", Help: "Pulls not drained yet.",
+			}, func() float64 { return float64(a.puller.Stats().InFlight) }),
+		)
+	}
+	if a.producer != nil {
+		cs = append(cs,
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "pdcluster_connector_producer_blocks_pinned", Help: "KV blocks the producer holds for consumers now.",
+			}, func() float64 { return float64(a.producer.Stats().BlocksPinned) }),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "pdcluster_connector_producer_transfers", Help: "Transfers the producer tracks now (admitted or held).",
+			}, func() float64 { return float64(a.producer.Stats().Transfers) }),
+		)
+	}
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	// Pre-create the labelled series so a scrape shows zeros rather than nothing.
+	m.completions.WithLabelValues("ok")
+	m.completions.WithLabelValues("failed")
+	for _, r := range []connector.ReleaseReason{connector.ReleaseServed, connector.ReleaseExpired, connector.ReleaseAborted} {
+		m.releases.WithLabelValues(string(r))
+	}
+	return m, nil
+}
+
+func (m *metrics) completed(c connector.Completion) {
+	if c.Err != nil {
+		m.completions.WithLabelValues("failed").Inc()
+		return
+	}
+	m.completions.WithLabelValues("ok").Inc()
+}
+
+func (m *metrics) released(r connector.Release) { m.releases.WithLabelValues(string(r.Reason)).Inc() }
+
+func (m *metrics) pullsStarted(meta connector.PullMeta) {
+	m.pulls.Inc()
+	if !meta.LocalBlock.HasLocal() {
+		m.emptyPulls.Inc()
+	}
+}

@@ -1,0 +1,173 @@
+package agent
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+)
+
+// startPull begins meta's pull: it resolves the producer workers through the bootstrap
+// registry and starts one task per worker. A pull whose producers cannot be found still
+// begins, with no task, so it ends at once as failed and is reported like any failure.
+func (a *Agent) startPull(ctx context.Context, meta connector.PullMeta) error {
+	workers, err := a.resolve(ctx, meta)
+	if err != nil {
+		a.cfg.Log.Info("pull has no producer", "request", meta.Request, "transfer", meta.Transfer, "err", err.Error())
+		workers = nil
+	}
+	ranks := make([]connector.ProducerRank, 0, len(workers))
+	for r := range workers {
+		ranks = append(ranks, r)
+	}
+	sort.Slice(ranks, func(i, j int) bool { return ranks[i] < ranks[j] })
+	if err := a.puller.Begin(meta, ranks); err != nil {
+		return err
+	}
+	a.metrics.pullsStarted(meta)
+	deadline, _ := a.puller.Deadline(meta.Request)
+	for _, r := range ranks {
+		go a.runTask(meta, r, workers[r], deadline)
+	}
+	return nil
+}
+
+// resolve maps meta's remote engine to its workers' data addresses, by producer rank
+// (tp rank × pp size + pp rank). A cached topology without the engine is refreshed once: the
+// producer may have restarted under a new id.
+func (a *Agent) resolve(ctx context.Context, meta connector.PullMeta) (map[connector.ProducerRank]string, error) {
+	if meta.RemoteBootstrap == "" || meta.RemoteEngine == "" {
+		return nil, errors.New("pull lacks remote_bootstrap_addr or remote_engine_id")
+	}
+	var eng bootstrap.Engine
+	for attempt := 0; ; attempt++ {
+		topo, err := a.boot.Query(ctx, meta.RemoteBootstrap)
+		if err != nil {
+			return nil, err
+		}
+		var ok bool
+		if _, eng, ok = topo.Find(meta.RemoteEngine); ok {
+			break
+		}
+		a.boot.Invalidate(meta.RemoteBootstrap)
+		if attempt > 0 {
+			return nil, fmt.Errorf("%w: %s at %s", ErrEngineMismatch, meta.RemoteEngine, meta.RemoteBootstrap)
+		}
+	}
+	ppSize := 0
+	for _, pps := range eng.WorkerAddr {
+		ppSize = max(ppSize, len(pps))
+	}
+	out := map[connector.ProducerRank]string{}
+	for tpS, pps := range eng.WorkerAddr {
+		for ppS, addr := range pps {
+			tp, err1 := strconv.Atoi(tpS)
+			pp, err2 := strconv.Atoi(ppS)
+			if err1 != nil || err2 != nil {
+				return nil, fmt.Errorf("bad worker rank %s/%s in bootstrap answer", tpS, ppS)
+			}
+			out[connector.ProducerRank(tp*ppSize+pp)] = strings.TrimPrefix(addr, "tcp://")
+		}
+	}
+	return out, nil
+}
+
+// runTask pulls from one producer worker and ends the task exactly once.
+func (a *Agent) runTask(meta connector.PullMeta, rank connector.ProducerRank, addr string, deadline time.Time) {
+	err := a.pullFrom(meta, rank, addr, deadline)
+	// In the concurrent flow the pull can reach the producer before the prefill request does:
+	// the producer keeps no placeholder for a transfer it never heard of (bounded state), so
+	// the consumer asks again for a short grace period.
+	grace := time.Now().Add(a.cfg.UnknownTransferGrace)
+	for backoff := 5 * time.Millisecond; errors.Is(err, connector.ErrUnknownTransfer) && time.Now().Add(backoff).Before(grace) && time.Now().Add(backoff).Before(deadline); backoff = min(backoff*2, 250*time.Millisecond) {
+		time.Sleep(backoff)
+		err = a.pullFrom(meta, rank, addr, deadline)
+	}
+	if err != nil && (errors.Is(err, ErrEngineMismatch) || errors.Is(err, connector.ErrPeerGone)) {
+		a.boot.Invalidate(meta.RemoteBootstrap) // the producer restarted or moved
+	}
+	a.puller.TaskDone(meta.Request, meta.Transfer, rank, err)
+	if a.cfg.UngatedCompletions && err == nil && !meta.NotifiesScheduler() && a.puller.PendingTasks(meta.Request) == 0 {
+		// The seed bug, on purpose: a drained notify-only pull reported as finished receiving.
+		a.events.push(&Completion{Request: meta.Request}, nil)
+	}
+}
+
+func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, addr string, deadline time.Time) error {
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	conn, err := a.dialer.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return fmt.Errorf("%w: dial %s: %v", connector.ErrPeerGone, addr, err)
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(deadline)
+	r, w := bufio.NewReaderSize(conn, 256<<10), bufio.NewWriter(conn)
+	pf := pullFrame{
+		Transfer: meta.Transfer, Request: meta.Request, Engine: meta.RemoteEngine,
+		Consumer: a.cfg.ConsumerRank, Consumers: a.cfg.Consumers, Blocks: meta.LocalBlock, BlockSize: a.cfg.KV.BlockBytes(),
+	}
+	if err := writeJSONFrame(w, frameKindPull, pf); err != nil {
+		return fmt.Errorf("%w: send pull: %v", connector.ErrPeerGone, err)
+	}
+	want := map[connector.BlockID]bool{}
+	for _, id := range meta.LocalBlock.Flatten() {
+		want[id] = true
+	}
+	written := 0
+	buf := make([]byte, 0, a.cfg.KV.BlockBytes()+blockHeader)
+	for {
+		kind, payload, err := readFrame(r, buf)
+		if err != nil {
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				return fmt.Errorf("%w: waiting for producer %s", connector.ErrTimeout, addr)
+			}
+			return fmt.Errorf("%w: %s: %v", connector.ErrPeerGone, addr, err)
+		}
+		switch kind {
+		case frameKindBlock:
+			_, dst, data, err := parseBlock(payload)
+			if err != nil {
+				return err
+			}
+			if !want[dst] {
+				return fmt.Errorf("producer wrote block %d, which the pull did not ask for", dst)
+			}
+			accepted, err := a.puller.WriteIfAccepted(meta.Request, meta.Transfer, rank, func() error {
+				return a.cfg.KV.Write(int64(dst), data)
+			})
+			if err != nil {
+				return fmt.Errorf("write block %d: %w", dst, err)
+			}
+			if !accepted {
+				return nil // the task already ended (timeout); TaskDone will be ignored
+			}
+			delete(want, dst)
+			written++
+			a.metrics.bytesReceived.Add(float64(len(data)))
+		case frameKindResult:
+			var res resultFrame
+			if err := json.Unmarshal(payload, &res); err != nil {
+				return fmt.Errorf("decode result: %w", err)
+			}
+			if err := errorOf(res); err != nil {
+				return err
+			}
+			if len(want) > 0 {
+				return fmt.Errorf("producer finished after %d blocks, %d missing", written, len(want))
+			}
+			return nil
+		default:
+			return fmt.Errorf("unexpected frame %q from producer", kind)
+		}
+	}
+}

@@ -1,0 +1,253 @@
+// Package bootstrap is Mooncake's bootstrap registry: producer workers POST /register their
+// data-plane address, consumers and routers GET /query the topology. It serves the same JSON as
+// vLLM's mooncake_utils bootstrap server, so either side can be a real vLLM.
+package bootstrap
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sync/singleflight"
+)
+
+// Registration is the body of POST /register.
+type Registration struct {
+	EngineID string `json:"engine_id"`
+	DPRank   int    `json:"dp_rank"`
+	TPRank   int    `json:"tp_rank"`
+	PPRank   int    `json:"pp_rank"`
+	Addr     string `json:"addr"`
+}
+
+// Engine is one data-parallel rank of GET /query: its engine id and worker addresses by
+// tp rank, then pp rank (both as decimal strings, as in vLLM's JSON).
+type Engine struct {
+	EngineID   string                       `json:"engine_id"`
+	WorkerAddr map[string]map[string]string `json:"worker_addr"`
+}
+
+// Topology is the body of GET /query, keyed by dp rank.
+type Topology map[string]Engine
+
+// Find returns the dp rank serving engineID.
+func (t Topology) Find(engineID string) (string, Engine, bool) {
+	for dp, e := range t {
+		if e.EngineID == engineID {
+			return dp, e, true
+		}
+	}
+	return "", Engine{}, false
+}
+
+// Registry is the in-memory registry. It is safe for concurrent use.
+type Registry struct {
+	mu   sync.Mutex
+	topo Topology
+}
+
+// NewRegistry returns an empty registry.
+func NewRegistry() *Registry { return &Registry{topo: Topology{}} }
+
+// Register adds a worker with vLLM's rules: re-registering the same address is a no-op; a new
+// address for a registered (dp, tp, pp), or another engine id for a dp rank, is refused.
+func (r *Registry) Register(reg Registration) error {
+	if reg.EngineID == "" || reg.Addr == "" {
+		return fmt.Errorf("engine_id and addr are required")
+	}
+	if reg.DPRank < 0 || reg.TPRank < 0 || reg.PPRank < 0 {
+		return fmt.Errorf("ranks must not be negative")
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	dp, tp, pp := strconv.Itoa(reg.DPRank), strconv.Itoa(reg.TPRank), strconv.Itoa(reg.PPRank)
+	e, ok := r.topo[dp]
+	if !ok {
+		e = Engine{EngineID: reg.EngineID, WorkerAddr: map[string]map[string]string{}}
+	}
+	if e.EngineID != reg.EngineID {
+		return fmt.Errorf("Engine ID mismatch for dp_rank=%s: %s is registered, %s asked", dp, e.EngineID, reg.EngineID)
+	}
+	if e.WorkerAddr[tp] == nil {
+		e.WorkerAddr[tp] = map[string]string{}
+	}
+	if old, ok := e.WorkerAddr[tp][pp]; ok && old != reg.Addr {
+		return fmt.Errorf("dp_rank=%s tp_rank=%s pp_rank=%s is already registered at %s, but still want to register at %s", dp, tp, pp, old, reg.Addr)
+	}
+	e.WorkerAddr[tp][pp] = reg.Addr
+	r.topo[dp] = e
+	return nil
+}
+
+// Snapshot returns a deep copy of the topology.
+func (r *Registry) Snapshot() Topology {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make(Topology, len(r.topo))
+	for dp, e := range r.topo {
+		c := Engine{EngineID: e.EngineID, WorkerAddr: map[string]map[string]string{}}
+		for tp, pps := range e.WorkerAddr {
+			c.WorkerAddr[tp] = map[string]string{}
+			for pp, a := range pps {
+				c.WorkerAddr[tp][pp] = a
+			}
+		}
+		out[dp] = c
+	}
+	return out
+}
+
+// Handler serves POST /register and GET /query.
+func (r *Registry) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /register", func(w http.ResponseWriter, req *http.Request) {
+		var reg Registration
+		if err := json.NewDecoder(io.LimitReader(req.Body, 1<<20)).Decode(&reg); err != nil {
+			http.Error(w, "bad registration: "+err.Error(), http.StatusBadRequest)
+			return
+		}
+		if err := r.Register(reg); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		writeJSON(w, map[string]string{"status": "ok"})
+	})
+	mux.HandleFunc("GET /query", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, r.Snapshot())
+	})
+	return mux
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// Client queries bootstrap servers. Concurrent queries of one address share a request, and
+// answers are cached until Invalidate (after a connection failure or an unknown engine id).
+type Client struct {
+	HTTP    *http.Client
+	Timeout time.Duration // per query; llm-d uses 5 s
+	group   singleflight.Group
+	mu      sync.Mutex
+	cache   map[string]Topology
+}
+
+// NewClient returns a Client with a 5 s query timeout.
+func NewClient() *Client {
+	return &Client{HTTP: &http.Client{}, Timeout: 5 * time.Second, cache: map[string]Topology{}}
+}
+
+// Query returns the topology served at addr (http://host:port), from the cache if present.
+func (c *Client) Query(ctx context.Context, addr string) (Topology, error) {
+	c.mu.Lock()
+	t, ok := c.cache[addr]
+	c.mu.Unlock()
+	if ok {
+		return t, nil
+	}
+	v, err, _ := c.group.Do(addr, func() (any, error) {
+		t, err := c.fetch(ctx, addr)
+		if err != nil {
+			return nil, err
+		}
+		if len(t) > 0 { // an empty registry is not worth remembering: workers are still coming
+			c.mu.Lock()
+			c.cache[addr] = t
+			c.mu.Unlock()
+		}
+		return t, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return v.(Topology), nil
+}
+
+// Invalidate forgets addr's cached topology.
+func (c *Client) Invalidate(addr string) {
+	c.mu.Lock()
+	delete(c.cache, addr)
+	c.mu.Unlock()
+}
+
+func (c *Client) fetch(ctx context.Context, addr string) (Topology, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, addr+"/query", nil)
+	if err != nil {
+		return nil, fmt.Errorf("query bootstrap %s: %w", addr, err)
+	}
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("query bootstrap %s: %w", addr, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return nil, fmt.Errorf("query bootstrap %s: %s: %s", addr, resp.Status, b)
+	}
+	var t Topology
+	if err := json.NewDecoder(resp.Body).Decode(&t); err != nil {
+		return nil, fmt.Errorf("query bootstrap %s: decode: %w", addr, err)
+	}
+	return t, nil
+}
+
+// Register posts reg to the bootstrap server at addr, retrying with backoff as vLLM workers do.
+func Register(ctx context.Context, hc *http.Client, addr string, reg Registration, attempts int) error {
+	body, err := json.Marshal(reg)
+	if err != nil {
+		return err
+	}
+	backoff := 100 * time.Millisecond
+	var last error
+	for i := 0; i < max(attempts, 1); i++ {
+		if i > 0 {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(backoff):
+			}
+			backoff = min(backoff*2, 10*time.Second)
+		}
+		last = registerOnce(ctx, hc, addr, body)
+		if last == nil {
+			return nil
+		}
+	}
+	return fmt.Errorf("register with bootstrap %s: %w", addr, last)
+}
+
+type statusError struct {
+	code int
+	msg  string
+}
+
+func (e *statusError) Error() string { return fmt.Sprintf("%d: %s", e.code, e.msg) }
+
+func registerOnce(ctx context.Context, hc *http.Client, addr string, body []byte) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, addr+"/register", bytesReader(body))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := hc.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return &statusError{resp.StatusCode, string(b)}
+	}
+	return nil
+}
+
+func bytesReader(b []byte) io.Reader { return bytes.NewReader(b) }

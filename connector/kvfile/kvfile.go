@@ -1,0 +1,99 @@
+// Package kvfile is the KV-cache memory an engine shares with its connector agent: a file of
+// fixed-size blocks (on the pod's shared volume) that the engine fills and the agent reads from
+// or writes into, as Mooncake's transfer engine does with registered GPU memory.
+package kvfile
+
+import (
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"os"
+)
+
+// File is an open KV-cache file. Reads and writes of distinct blocks are safe concurrently.
+type File struct {
+	f          *os.File
+	blocks     int
+	blockBytes int
+}
+
+// Open opens (creating and sizing it if needed) the KV file at path with blocks blocks of
+// blockBytes bytes each. An existing file of another size is an error, not silently resized:
+// it means the engine and the agent disagree on the layout.
+func Open(path string, blocks, blockBytes int) (*File, error) {
+	if blocks <= 0 || blockBytes <= 0 {
+		return nil, fmt.Errorf("kvfile: blocks and block bytes must be positive, got %d and %d", blocks, blockBytes)
+	}
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("kvfile: %w", err)
+	}
+	want := int64(blocks) * int64(blockBytes)
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("kvfile: %w", err)
+	}
+	switch st.Size() {
+	case want:
+	case 0:
+		if err := f.Truncate(want); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("kvfile: size %s: %w", path, err)
+		}
+	default:
+		f.Close()
+		return nil, fmt.Errorf("kvfile: %s has %d bytes, want %d (%d blocks of %d)", path, st.Size(), want, blocks, blockBytes)
+	}
+	return &File{f: f, blocks: blocks, blockBytes: blockBytes}, nil
+}
+
+// ErrOutOfRange is returned for a block id outside the file.
+var ErrOutOfRange = errors.New("block id out of range")
+
+// BlockBytes is the size of one block.
+func (k *File) BlockBytes() int { return k.blockBytes }
+
+// Blocks is the number of blocks.
+func (k *File) Blocks() int { return k.blocks }
+
+func (k *File) offset(id int64) (int64, error) {
+	if id < 0 || id >= int64(k.blocks) {
+		return 0, fmt.Errorf("%w: %d of %d", ErrOutOfRange, id, k.blocks)
+	}
+	return id * int64(k.blockBytes), nil
+}
+
+// Read copies block id into buf, which must be BlockBytes long.
+func (k *File) Read(id int64, buf []byte) error {
+	off, err := k.offset(id)
+	if err != nil {
+		return err
+	}
+	if len(buf) != k.blockBytes {
+		return fmt.Errorf("kvfile: read buffer of %d bytes, want %d", len(buf), k.blockBytes)
+	}
+	_, err = k.f.ReadAt(buf, off)
+	return err
+}
+
+// Write stores data, BlockBytes long, as block id.
+func (k *File) Write(id int64, data []byte) error {
+	off, err := k.offset(id)
+	if err != nil {
+		return err
+	}
+	if len(data) != k.blockBytes {
+		return fmt.Errorf("kvfile: write of %d bytes, want %d", len(data), k.blockBytes)
+	}
+	_, err = k.f.WriteAt(data, off)
+	return err
+}
+
+// Close closes the file.
+func (k *File) Close() error { return k.f.Close() }
+
+// Checksum is the CRC-32C every block carries on the wire.
+func Checksum(data []byte) uint32 { return crc32.Checksum(data, castagnoli) }
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)

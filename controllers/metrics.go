@@ -1,0 +1,54 @@
+package controllers
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+// Operator metrics, served with controller-runtime's own on the manager's /metrics endpoint.
+var (
+	appliesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdcluster_child_applies_total",
+		Help: "Server-side applies of PDCluster children, by kind and action (create, update) and result (ok, error).",
+	}, []string{"kind", "action", "result"})
+	readyGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_ready",
+		Help: "1 when the PDCluster's Ready condition is True, else 0.",
+	}, []string{"namespace", "name"})
+	poolReadyReplicas = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_pool_ready_replicas",
+		Help: "Ready replicas of each PDCluster pool (prefill, decode, router).",
+	}, []string{"namespace", "name", "pool"})
+	poolDesiredReplicas = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_pool_desired_replicas",
+		Help: "Desired replicas of each PDCluster pool (prefill, decode, router).",
+	}, []string{"namespace", "name", "pool"})
+)
+
+func init() {
+	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas)
+}
+
+// recordStatus exports one PDCluster's readiness and replica counts.
+func recordStatus(pdc *v1alpha1.PDCluster) {
+	ready := 0.0
+	for _, c := range pdc.Status.Conditions {
+		if c.Type == v1alpha1.ConditionReady && c.Status == "True" {
+			ready = 1
+		}
+	}
+	readyGauge.WithLabelValues(pdc.Namespace, pdc.Name).Set(ready)
+	for pool, ps := range map[string]v1alpha1.PoolStatus{"prefill": pdc.Status.Prefill, "decode": pdc.Status.Decode, "router": pdc.Status.Router} {
+		poolReadyReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.ReadyReplicas))
+		poolDesiredReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.Replicas))
+	}
+}
+
+// forgetStatus drops a deleted PDCluster's series so they do not linger as stale values.
+func forgetStatus(namespace, name string) {
+	readyGauge.DeleteLabelValues(namespace, name)
+	poolReadyReplicas.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
+	poolDesiredReplicas.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
+}

@@ -1,0 +1,399 @@
+// Package enginesim is an OpenAI-compatible engine simulator with vLLM's request states and
+// KV-connector hooks (internal/vllmsched): a prefill engine (kv_producer) holds KV blocks for
+// its consumers, a decode engine (kv_consumer) pulls them through its connector agent and
+// verifies the bytes. A completion for a request that is not waiting kills the engine, as it
+// kills vLLM.
+package enginesim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/connector/agent"
+	"pdcluster.dev/pdcluster-operator/connector/kvfile"
+	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
+)
+
+// Config configures an Engine.
+type Config struct {
+	Model     string
+	Role      vllmsched.Role // "" for an engine without P/D
+	BlockSize int
+	// Capacity is the number of KV blocks.
+	Capacity      int
+	MaxModelLen   int
+	PrefixCaching bool
+	Policy        vllmsched.Policy
+	// StepTime is the simulated time of one scheduler step (one token for each running request).
+	StepTime time.Duration
+	// KV is the KV-cache memory shared with the agent; required with a Role.
+	KV *kvfile.File
+	// Agent is the connector agent's local API (http://127.0.0.1:port); required with a Role.
+	Agent string
+	// BootstrapAddr is how consumers reach this producer's bootstrap registry, returned in
+	// kv_transfer_params (the NIXL-style sequential flow needs it).
+	BootstrapAddr string
+	Log           logr.Logger
+}
+
+// Engine is one simulated vLLM engine.
+type Engine struct {
+	cfg    Config
+	sched  *vllmsched.Scheduler
+	link   *agent.Link
+	wake   chan struct{}
+	nextID atomic.Uint64
+
+	mu       sync.Mutex
+	reqs     map[connector.RequestID]*request
+	prefix   map[uint64]struct{} // block hashes in the prefix cache
+	engineID string              // this producer's id in its bootstrap registry
+	stats    Stats
+}
+
+// Stats counts what the engine did.
+type Stats struct {
+	Requests       uint64
+	Completed      uint64
+	Errored        uint64
+	Aborted        uint64
+	BlocksVerified uint64 // pulled blocks whose bytes matched the prompt's KV
+}
+
+type request struct {
+	id       connector.RequestID
+	tokens   []int
+	hashes   []uint64
+	maxTok   int
+	ignoreEO bool
+	seed     uint64
+	out      chan int      // generated tokens, closed when done
+	done     chan struct{} // closed when finished; err and finish are set before
+	err      error
+	finish   string
+	pulled   connector.BlockIDs // blocks the connector pulled into (consumer)
+	pullErr  bool
+	computed bool
+	produced int
+	transfer connector.TransferID
+	// remoteEngine and remoteBootstrap locate the producer of a consumer request.
+	remoteEngine, remoteBootstrap string
+}
+
+// New builds an engine; Run drives it.
+func New(cfg Config) (*Engine, error) {
+	if cfg.Role != "" && (cfg.KV == nil || cfg.Agent == "") {
+		return nil, errors.New("enginesim: a P/D role needs a KV file and an agent address")
+	}
+	if cfg.KV != nil && cfg.KV.Blocks() < cfg.Capacity {
+		return nil, fmt.Errorf("enginesim: KV file has %d blocks, capacity is %d", cfg.KV.Blocks(), cfg.Capacity)
+	}
+	if cfg.MaxModelLen <= 0 {
+		cfg.MaxModelLen = cfg.Capacity * cfg.BlockSize
+	}
+	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[connector.RequestID]*request{}, prefix: map[uint64]struct{}{}}
+	if cfg.Role != "" {
+		e.link = agent.NewLink(cfg.Agent, connector.CompletionFunc(e.finishedReceiving), connector.ReleaseFunc(e.finishedSending))
+		e.link.Log = cfg.Log
+	}
+	var err error
+	e.sched, err = vllmsched.New(vllmsched.Config{
+		Role: cfg.Role, BlockSize: cfg.BlockSize, Capacity: cfg.Capacity, Policy: cfg.Policy,
+		OnPull: e.onPull, OnHold: e.onHold, OnDrop: e.onDrop,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("enginesim: %w", err)
+	}
+	return e, nil
+}
+
+// Dead is the assertion that killed the engine, or nil.
+func (e *Engine) Dead() error { return e.sched.Dead() }
+
+// Scheduler exposes the scheduler state for tests and /debug.
+func (e *Engine) Scheduler() vllmsched.Stats { return e.sched.Stats() }
+
+// Stats returns the engine's counters.
+func (e *Engine) Stats() Stats {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.stats
+}
+
+// Run drives the scheduler and the connector link until ctx ends.
+func (e *Engine) Run(ctx context.Context) {
+	if e.link != nil {
+		go e.link.Run(ctx)
+	}
+	for ctx.Err() == nil {
+		if err := e.sched.Dead(); err != nil {
+			e.failAll(err)
+			select {
+			case <-ctx.Done():
+			case <-e.wake:
+			}
+			continue
+		}
+		running := e.sched.Schedule()
+		e.reapFailedLoads()
+		if len(running) == 0 {
+			select {
+			case <-ctx.Done():
+			case <-e.wake:
+			case <-time.After(50 * time.Millisecond): // pulls complete without a wake
+			}
+			continue
+		}
+		for _, id := range running {
+			e.step(id)
+		}
+		if e.cfg.StepTime > 0 {
+			time.Sleep(e.cfg.StepTime)
+		}
+	}
+}
+
+// reapFailedLoads ends requests the scheduler finished with FINISHED_ERROR after a failed KV
+// load (policy fail): the scheduler drops them without running them again.
+func (e *Engine) reapFailedLoads() {
+	if e.cfg.Policy == vllmsched.PolicyRecompute {
+		return
+	}
+	e.mu.Lock()
+	var failed []*request
+	for _, r := range e.reqs {
+		if r.pullErr {
+			if _, ok := e.sched.Lookup(r.id); !ok {
+				failed = append(failed, r)
+			}
+		}
+	}
+	e.mu.Unlock()
+	for _, r := range failed {
+		e.end(r, fmt.Errorf("KV load from the prefill engine failed (kv_load_failure_policy=fail)"), "error")
+	}
+}
+
+func (e *Engine) kick() {
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+}
+
+// step runs one request for one step: prefill on its first, then one token.
+func (e *Engine) step(id connector.RequestID) {
+	e.mu.Lock()
+	r, ok := e.reqs[id]
+	e.mu.Unlock()
+	if !ok {
+		return
+	}
+	if !r.computed {
+		if err := e.prefill(r); err != nil {
+			_ = e.sched.Finish(id, vllmsched.FinishedError)
+			e.end(r, err, "error")
+			return
+		}
+		r.computed = true
+	}
+	tok := nextToken(r.seed, r.produced)
+	r.produced++
+	r.out <- tok // buffered to maxTok
+	switch {
+	case r.produced >= r.maxTok:
+		_ = e.sched.Finish(id, vllmsched.FinishedLengthCapped)
+		e.end(r, nil, "length")
+	case !r.ignoreEO && tok%211 == 0: // a simulated end-of-sequence token
+		_ = e.sched.Finish(id, vllmsched.FinishedStopped)
+		e.end(r, nil, "stop")
+	}
+}
+
+// prefill verifies the pulled KV (consumer) and computes the rest of the prompt's blocks.
+func (e *Engine) prefill(r *request) error {
+	st, ok := e.sched.Lookup(r.id)
+	if !ok {
+		return fmt.Errorf("request %s vanished from the scheduler", r.id)
+	}
+	if e.cfg.KV == nil {
+		e.remember(r)
+		return nil
+	}
+	buf := make([]byte, e.cfg.KV.BlockBytes())
+	want := make([]byte, e.cfg.KV.BlockBytes())
+	pulled := map[connector.BlockID]bool{}
+	if !r.pullErr {
+		for _, b := range r.pulled.Flatten() {
+			pulled[b] = true
+		}
+	}
+	for i, b := range st.Blocks {
+		if i >= len(r.hashes) {
+			break // the partial last block has no KV worth a hash
+		}
+		blockContent(r.hashes[i], want)
+		if pulled[b] {
+			if err := e.cfg.KV.Read(int64(b), buf); err != nil {
+				return fmt.Errorf("read pulled block %d: %w", b, err)
+			}
+			if string(buf) != string(want) {
+				return fmt.Errorf("pulled KV block %d (prompt block %d) does not hold this prompt's KV", b, i)
+			}
+			e.mu.Lock()
+			e.stats.BlocksVerified++
+			e.mu.Unlock()
+			continue
+		}
+		if err := e.cfg.KV.Write(int64(b), want); err != nil {
+			return fmt.Errorf("write block %d: %w", b, err)
+		}
+	}
+	e.remember(r)
+	return nil
+}
+
+// remember adds the prompt's blocks to the prefix cache (bounded: cleared when full).
+func (e *Engine) remember(r *request) {
+	if !e.cfg.PrefixCaching {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.prefix) > 100_000 {
+		clear(e.prefix)
+	}
+	for _, h := range r.hashes {
+		e.prefix[h] = struct{}{}
+	}
+}
+
+func (e *Engine) localHit(hashes []uint64) int {
+	if !e.cfg.PrefixCaching {
+		return 0
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n := 0
+	for _, h := range hashes {
+		if _, ok := e.prefix[h]; !ok {
+			break
+		}
+		n++
+	}
+	return n * e.cfg.BlockSize
+}
+
+func (e *Engine) end(r *request, err error, finish string) {
+	e.mu.Lock()
+	if _, ok := e.reqs[r.id]; !ok {
+		e.mu.Unlock()
+		return
+	}
+	delete(e.reqs, r.id)
+	switch {
+	case err != nil:
+		e.stats.Errored++
+	case finish == "abort":
+		e.stats.Aborted++
+	default:
+		e.stats.Completed++
+	}
+	e.mu.Unlock()
+	r.err, r.finish = err, finish
+	close(r.out)
+	close(r.done)
+}
+
+func (e *Engine) failAll(err error) {
+	e.mu.Lock()
+	var all []*request
+	for _, r := range e.reqs {
+		all = append(all, r)
+	}
+	e.mu.Unlock()
+	for _, r := range all {
+		e.end(r, fmt.Errorf("EngineCore died: %w", err), "error")
+	}
+}
+
+// The scheduler's connector hooks.
+
+func (e *Engine) onPull(meta connector.PullMeta) {
+	e.mu.Lock()
+	r := e.reqs[meta.Request]
+	if r != nil {
+		r.pulled = meta.LocalBlock.Clone()
+	}
+	e.mu.Unlock()
+	p := agent.Pull{Request: meta.Request, Transfer: meta.Transfer, Blocks: meta.LocalBlock, WaitingForRemote: meta.WaitingForRemote}
+	if r != nil {
+		p.RemoteEngine, p.RemoteBootstrap = r.remoteEngine, r.remoteBootstrap
+	}
+	go func() {
+		if err := e.link.Pull(context.Background(), p); err != nil {
+			e.cfg.Log.Info("pull not taken by the connector agent", "request", p.Request, "err", err.Error())
+		}
+	}()
+}
+
+func (e *Engine) onHold(transfer connector.TransferID, req connector.RequestID, blocks connector.BlockIDs) {
+	go func() {
+		if err := e.link.Ready(context.Background(), transfer, req, blocks); err != nil {
+			e.cfg.Log.Info("hold not taken by the connector agent; blocks freed", "request", req, "err", err.Error())
+		}
+	}()
+}
+
+func (e *Engine) onDrop(transfer connector.TransferID, req connector.RequestID, aborted bool) {
+	go func() {
+		var err error
+		if aborted {
+			err = e.link.Abort(context.Background(), transfer)
+		} else {
+			err = e.link.Ready(context.Background(), transfer, req, nil) // consumers still hear back
+		}
+		if err != nil {
+			e.cfg.Log.Info("drop not delivered to the connector agent", "request", req, "err", err.Error())
+		}
+	}()
+}
+
+func (e *Engine) finishedReceiving(c connector.Completion) {
+	e.mu.Lock()
+	if r := e.reqs[c.Request]; r != nil && c.Err != nil {
+		r.pullErr = true
+	}
+	e.mu.Unlock()
+	e.sched.FinishedReceiving(c)
+	if c.Err != nil {
+		e.cfg.Log.Info("KV pull failed", "request", c.Request, "policy", e.cfg.Policy, "err", c.Err.Error())
+	}
+	e.kick()
+}
+
+func (e *Engine) finishedSending(rel connector.Release) {
+	e.sched.FinishedSending(rel)
+	e.kick()
+}
+
+func (e *Engine) newID() connector.RequestID {
+	return connector.RequestID("cmpl-" + strconv.FormatUint(e.nextID.Add(1), 10))
+}
+
+func seedOf(tokens []int) uint64 {
+	h := fnv.New64a()
+	for _, t := range tokens {
+		_, _ = h.Write([]byte(strconv.Itoa(t)))
+	}
+	return h.Sum64()
+}

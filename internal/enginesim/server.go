@@ -1,0 +1,350 @@
+package enginesim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
+)
+
+// KVTransferParams is the kv_transfer_params field of a request body, Mooncake and NIXL keys.
+type KVTransferParams struct {
+	DoRemoteDecode      bool                 `json:"do_remote_decode,omitempty"`
+	DoRemotePrefill     bool                 `json:"do_remote_prefill,omitempty"`
+	TransferID          connector.TransferID `json:"transfer_id,omitempty"`
+	RemoteEngineID      string               `json:"remote_engine_id,omitempty"`
+	RemoteBootstrapAddr string               `json:"remote_bootstrap_addr,omitempty"`
+	RemoteBlockIDs      []connector.BlockID  `json:"remote_block_ids,omitempty"`
+	RemoteRequestID     string               `json:"remote_request_id,omitempty"`
+}
+
+// CompletionRequest is the subset of the OpenAI completions and chat bodies the engine uses.
+type CompletionRequest struct {
+	Model         string          `json:"model"`
+	Prompt        json.RawMessage `json:"prompt,omitempty"`
+	Messages      []ChatMessage   `json:"messages,omitempty"`
+	MaxTokens     *int            `json:"max_tokens,omitempty"`
+	MaxCompletion *int            `json:"max_completion_tokens,omitempty"`
+	IgnoreEOS     bool            `json:"ignore_eos,omitempty"`
+	Stream        bool            `json:"stream,omitempty"`
+	StreamOptions *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options,omitempty"`
+	KVTransferParams *KVTransferParams `json:"kv_transfer_params,omitempty"`
+}
+
+// ChatMessage is one chat message.
+type ChatMessage struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+// Usage is the token accounting of a response.
+type Usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+}
+
+// Handler serves the OpenAI-compatible API and /health.
+func (e *Engine) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { e.serve(w, r, false) })
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { e.serve(w, r, true) })
+	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{{
+			"id": e.cfg.Model, "object": "model", "owned_by": "pdcluster-enginesim", "max_model_len": e.cfg.MaxModelLen,
+		}}})
+	})
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) {
+		if err := e.Dead(); err != nil {
+			writeError(w, http.StatusInternalServerError, "EngineCore died: "+err.Error(), "EngineDeadError")
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	})
+	mux.HandleFunc("GET /debug/state", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]any{"scheduler": e.Scheduler(), "engine": e.Stats()})
+	})
+	return mux
+}
+
+// parsePrompt accepts a string, a list of token ids, or a one-element list of either.
+func parsePrompt(raw json.RawMessage) ([]int, error) {
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		return tokenize(s), nil
+	}
+	var ids []int
+	if err := json.Unmarshal(raw, &ids); err == nil {
+		for _, id := range ids {
+			if id < 0 {
+				return nil, fmt.Errorf("token id %d is negative", id)
+			}
+		}
+		return ids, nil
+	}
+	var batch []json.RawMessage
+	if err := json.Unmarshal(raw, &batch); err == nil && len(batch) == 1 {
+		return parsePrompt(batch[0])
+	}
+	return nil, errors.New("prompt must be a string, a list of token ids, or a one-element list of either")
+}
+
+func (e *Engine) serve(w http.ResponseWriter, hr *http.Request, chat bool) {
+	if err := e.Dead(); err != nil {
+		writeError(w, http.StatusInternalServerError, "EngineCore died: "+err.Error(), "EngineDeadError")
+		return
+	}
+	var body CompletionRequest
+	if err := json.NewDecoder(io.LimitReader(hr.Body, 32<<20)).Decode(&body); err != nil {
+		writeError(w, http.StatusBadRequest, "invalid JSON body: "+err.Error(), "BadRequestError")
+		return
+	}
+	r, status, err := e.admit(hr, &body, chat)
+	if err != nil {
+		writeError(w, status, err.Error(), "BadRequestError")
+		return
+	}
+	if body.Stream {
+		e.stream(w, hr, r, &body, chat)
+		return
+	}
+	var text strings.Builder
+	n := 0
+	aborted := e.collect(hr.Context(), r, func(tok int) { text.WriteString(detokenize(tok)); n++ })
+	if aborted {
+		return
+	}
+	if r.err != nil {
+		writeError(w, http.StatusInternalServerError, r.err.Error(), "InternalServerError")
+		return
+	}
+	resp := map[string]any{
+		"id": string(r.id), "created": time.Now().Unix(), "model": e.cfg.Model,
+		"usage": Usage{PromptTokens: len(r.tokens), CompletionTokens: n, TotalTokens: len(r.tokens) + n},
+	}
+	if chat {
+		resp["object"] = "chat.completion"
+		resp["choices"] = []map[string]any{{"index": 0, "message": ChatMessage{Role: "assistant", Content: text.String()}, "finish_reason": r.finish}}
+	} else {
+		resp["object"] = "text_completion"
+		resp["choices"] = []map[string]any{{"index": 0, "text": text.String(), "logprobs": nil, "finish_reason": r.finish}}
+	}
+	if p := e.producedParams(r, &body); p != nil {
+		resp["kv_transfer_params"] = p
+	}
+	writeJSON(w, http.StatusOK, resp)
+}
+
+// admit validates the request, announces a prefill hold to the agent, and queues it.
+func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*request, int, error) {
+	var tokens []int
+	switch {
+	case chat:
+		if len(body.Messages) == 0 {
+			return nil, http.StatusBadRequest, errors.New("messages must not be empty")
+		}
+		var sb strings.Builder
+		for _, m := range body.Messages {
+			fmt.Fprintf(&sb, "<|%s|> %s ", m.Role, m.Content)
+		}
+		tokens = tokenize(sb.String())
+	default:
+		if len(body.Prompt) == 0 {
+			return nil, http.StatusBadRequest, errors.New("prompt is required")
+		}
+		var err error
+		if tokens, err = parsePrompt(body.Prompt); err != nil {
+			return nil, http.StatusBadRequest, err
+		}
+	}
+	if len(tokens) == 0 {
+		return nil, http.StatusBadRequest, errors.New("prompt must have at least one token")
+	}
+	maxTok := 16
+	if body.MaxCompletion != nil {
+		maxTok = *body.MaxCompletion
+	}
+	if body.MaxTokens != nil {
+		maxTok = *body.MaxTokens
+	}
+	if maxTok < 1 {
+		return nil, http.StatusBadRequest, fmt.Errorf("max_tokens must be at least 1, got %d", maxTok)
+	}
+	if len(tokens)+maxTok > e.cfg.MaxModelLen {
+		return nil, http.StatusBadRequest, fmt.Errorf("this model's maximum context length is %d tokens; the prompt has %d and max_tokens is %d", e.cfg.MaxModelLen, len(tokens), maxTok)
+	}
+	if body.Model != "" && body.Model != e.cfg.Model {
+		return nil, http.StatusNotFound, fmt.Errorf("the model %q does not exist; this engine serves %q", body.Model, e.cfg.Model)
+	}
+	if blocks := (len(tokens) + e.cfg.BlockSize - 1) / e.cfg.BlockSize; blocks > e.cfg.Capacity {
+		return nil, http.StatusBadRequest, fmt.Errorf("prompt needs %d KV blocks, the engine has %d", blocks, e.cfg.Capacity)
+	}
+	r := &request{
+		id: e.newID(), tokens: tokens, hashes: blockHashes(tokens, e.cfg.BlockSize), maxTok: maxTok,
+		ignoreEO: body.IgnoreEOS, seed: seedOf(tokens), out: make(chan int, maxTok), done: make(chan struct{}),
+	}
+	if id := hr.Header.Get("X-Request-Id"); id != "" {
+		r.id = connector.RequestID(id + "-" + string(r.id)) // unique even if a client reuses ids
+	}
+	if p := body.KVTransferParams; p != nil {
+		switch {
+		case p.DoRemoteDecode && e.cfg.Role != vllmsched.Producer:
+			return nil, http.StatusBadRequest, fmt.Errorf("do_remote_decode needs a kv_producer engine; this one is %q", roleName(e.cfg.Role))
+		case p.DoRemotePrefill && e.cfg.Role != vllmsched.Consumer:
+			return nil, http.StatusBadRequest, fmt.Errorf("do_remote_prefill needs a kv_consumer engine; this one is %q", roleName(e.cfg.Role))
+		case p.DoRemoteDecode:
+			r.transfer = p.TransferID
+			if r.transfer == "" { // the sequential (NIXL-style) flow: this engine names the transfer
+				r.transfer = connector.TransferID("xfer-" + string(r.id))
+			}
+			if err := e.link.Expect(hr.Context(), r.transfer, r.id); err != nil {
+				return nil, http.StatusServiceUnavailable, fmt.Errorf("connector agent unavailable: %w", err)
+			}
+		case p.DoRemotePrefill:
+			if p.TransferID == "" || p.RemoteEngineID == "" || p.RemoteBootstrapAddr == "" {
+				// As vLLM: warn and compute locally rather than wait for a transfer that cannot come.
+				e.cfg.Log.Info("kv_transfer_params lack transfer_id, remote_engine_id or remote_bootstrap_addr; computing locally", "request", r.id)
+				break
+			}
+			r.transfer, r.remoteEngine, r.remoteBootstrap = p.TransferID, p.RemoteEngineID, p.RemoteBootstrapAddr
+		}
+	}
+	hit := e.localHit(r.hashes)
+	e.mu.Lock()
+	e.reqs[r.id] = r
+	e.stats.Requests++
+	e.mu.Unlock()
+	if err := e.sched.Add(r.id, r.transfer, len(tokens), hit); err != nil {
+		e.mu.Lock()
+		delete(e.reqs, r.id)
+		e.mu.Unlock()
+		return nil, http.StatusInternalServerError, err
+	}
+	e.kick()
+	return r, 0, nil
+}
+
+func roleName(r vllmsched.Role) string {
+	if r == "" {
+		return "none"
+	}
+	return string(r)
+}
+
+// collect feeds generated tokens to fn until the request ends; a client that goes away aborts
+// the request (vLLM's abort on disconnect). It reports whether the request was aborted.
+func (e *Engine) collect(ctx context.Context, r *request, fn func(int)) bool {
+	for {
+		select {
+		case tok, ok := <-r.out:
+			if !ok {
+				return false
+			}
+			fn(tok)
+		case <-ctx.Done():
+			e.abort(r)
+			return true
+		}
+	}
+}
+
+func (e *Engine) abort(r *request) {
+	if err := e.sched.Abort(r.id); err != nil {
+		e.cfg.Log.Info("abort", "request", r.id, "err", err.Error())
+	}
+	e.end(r, nil, "abort")
+	e.kick()
+}
+
+// producedParams is what a prefill engine returns for the sequential (NIXL-style) flow: where
+// the decode engine pulls from. The concurrent (Mooncake) flow ignores it.
+func (e *Engine) producedParams(r *request, body *CompletionRequest) *KVTransferParams {
+	if body.KVTransferParams == nil || !body.KVTransferParams.DoRemoteDecode || r.transfer == "" {
+		return nil
+	}
+	return &KVTransferParams{
+		DoRemotePrefill: true, TransferID: r.transfer, RemoteEngineID: e.engineIDOf(),
+		RemoteBootstrapAddr: e.cfg.BootstrapAddr, RemoteRequestID: string(r.id),
+	}
+}
+
+// engineIDOf asks the bootstrap registry for this producer's engine id (dp rank 0).
+func (e *Engine) engineIDOf() string {
+	e.mu.Lock()
+	id := e.engineID
+	e.mu.Unlock()
+	if id != "" || e.cfg.BootstrapAddr == "" {
+		return id
+	}
+	c := bootstrap.NewClient()
+	t, err := c.Query(context.Background(), e.cfg.BootstrapAddr)
+	if err != nil {
+		return ""
+	}
+	return t["0"].EngineID
+}
+
+func (e *Engine) stream(w http.ResponseWriter, hr *http.Request, r *request, body *CompletionRequest, chat bool) {
+	fl, _ := w.(http.Flusher)
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	object := "text_completion"
+	if chat {
+		object = "chat.completion.chunk"
+	}
+	send := func(v any) {
+		b, _ := json.Marshal(v)
+		fmt.Fprintf(w, "data: %s\n\n", b)
+		if fl != nil {
+			fl.Flush()
+		}
+	}
+	chunk := func(text string, finish any) map[string]any {
+		c := map[string]any{"index": 0, "finish_reason": finish}
+		if chat {
+			c["delta"] = map[string]string{"content": text}
+		} else {
+			c["text"] = text
+		}
+		return map[string]any{"id": string(r.id), "object": object, "created": time.Now().Unix(), "model": e.cfg.Model, "choices": []any{c}}
+	}
+	n := 0
+	if e.collect(hr.Context(), r, func(tok int) { n++; send(chunk(detokenize(tok), nil)) }) {
+		return
+	}
+	if r.err != nil {
+		send(map[string]any{"error": map[string]any{"message": r.err.Error(), "type": "InternalServerError", "code": 500}})
+		fmt.Fprint(w, "data: [DONE]\n\n")
+		return
+	}
+	send(chunk("", r.finish))
+	if body.StreamOptions != nil && body.StreamOptions.IncludeUsage {
+		send(map[string]any{"id": string(r.id), "object": object, "model": e.cfg.Model, "choices": []any{},
+			"usage": Usage{PromptTokens: len(r.tokens), CompletionTokens: n, TotalTokens: len(r.tokens) + n}})
+	}
+	fmt.Fprint(w, "data: [DONE]\n\n")
+	if fl != nil {
+		fl.Flush()
+	}
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, status int, msg, typ string) {
+	writeJSON(w, status, map[string]any{"error": map[string]any{"message": msg, "type": typ, "code": status}})
+}

@@ -1,0 +1,287 @@
+// Package sandbox runs a whole P/D deployment as processes on loopback: per prefill and decode
+// engine a connector agent and an engine simulator, and a router in front. Processes that exit
+// are restarted with backoff, as a kubelet restarts containers.
+package sandbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/go-logr/logr"
+)
+
+// Config configures a sandbox.
+type Config struct {
+	// Listen is the router's address.
+	Listen          string
+	Prefill, Decode int
+	BlockSize       int
+	KVBlocks        int
+	BlockBytes      int
+	Mode            string // mooncake or nixl
+	Policy          string // kv_load_failure_policy of the decode engines
+	StepTime        time.Duration
+	SendDelay       time.Duration
+	HoldTimeout     time.Duration
+	PullTimeout     time.Duration
+	// UngatedCompletions starts the decode agents with the seed bug, to demonstrate it.
+	UngatedCompletions bool
+	// BinDir holds the connector, enginesim and router binaries.
+	BinDir string
+	// WorkDir receives the KV files, the logs and sandbox.json (the State).
+	WorkDir string
+	Log     logr.Logger
+}
+
+// Node is one engine with its agent.
+type Node struct {
+	Engine    string `json:"engine"`
+	Agent     string `json:"agent"`
+	Bootstrap string `json:"bootstrap,omitempty"`
+	EnginePID int    `json:"enginePID"`
+	AgentPID  int    `json:"agentPID"`
+	Restarts  int    `json:"agentRestarts"`
+}
+
+// State is written to WorkDir/sandbox.json whenever a process starts.
+type State struct {
+	Router  string `json:"router"`
+	Prefill []Node `json:"prefill"`
+	Decode  []Node `json:"decode"`
+}
+
+// StateFile is where Run writes the State.
+func StateFile(workDir string) string { return filepath.Join(workDir, "sandbox.json") }
+
+type proc struct {
+	name string
+	bin  string
+	args []string
+	pid  *int
+	rest *int
+}
+
+// Run starts everything, waits until all of it is healthy, calls ready, and serves until ctx
+// ends; then it stops every process.
+func Run(ctx context.Context, cfg Config, ready func(State)) error {
+	if cfg.Prefill < 1 || cfg.Decode < 1 {
+		return fmt.Errorf("need at least one prefill and one decode engine, got %d and %d", cfg.Prefill, cfg.Decode)
+	}
+	if cfg.BlockSize < 1 || cfg.KVBlocks < 1 || cfg.BlockBytes < 1 {
+		return errors.New("block size, KV blocks and block bytes must be positive")
+	}
+	for _, b := range []string{"connector", "enginesim", "router"} {
+		if _, err := os.Stat(filepath.Join(cfg.BinDir, b)); err != nil {
+			return fmt.Errorf("binary %s not found in %s (run make build): %w", b, cfg.BinDir, err)
+		}
+	}
+	if err := os.MkdirAll(cfg.WorkDir, 0o755); err != nil {
+		return err
+	}
+	var (
+		st    State
+		mu    sync.Mutex
+		procs []proc
+	)
+	st.Prefill, st.Decode = make([]Node, cfg.Prefill), make([]Node, cfg.Decode)
+	ports := func(n int) ([]int, error) { return freePorts(n) }
+	common := func(name string) []string {
+		return []string{"--kv-file", filepath.Join(cfg.WorkDir, name+".kv"), "--kv-blocks", strconv.Itoa(cfg.KVBlocks), "--block-bytes", strconv.Itoa(cfg.BlockBytes)}
+	}
+	addNode := func(role string, i int, n *Node) error {
+		p, err := ports(3)
+		if err != nil {
+			return err
+		}
+		name := fmt.Sprintf("%s-%d", role, i)
+		kvRole := map[string]string{"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+		n.Agent = fmt.Sprintf("http://127.0.0.1:%d", p[0])
+		n.Engine = fmt.Sprintf("http://127.0.0.1:%d", p[1])
+		agentArgs := append([]string{"--role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[0]),
+			"--pull-timeout", cfg.PullTimeout.String(), "--hold-timeout", cfg.HoldTimeout.String(), "--ready-timeout", cfg.HoldTimeout.String(),
+			"--tombstone-ttl", (2 * cfg.HoldTimeout).String()}, common(name)...)
+		engineArgs := append([]string{"--kv-role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[1]), "--agent", n.Agent,
+			"--block-size", strconv.Itoa(cfg.BlockSize), "--step-time", cfg.StepTime.String(), "--kv-load-failure-policy", cfg.Policy}, common(name)...)
+		if role == "prefill" {
+			n.Bootstrap = n.Agent
+			agentArgs = append(agentArgs, "--data-listen", fmt.Sprintf("127.0.0.1:%d", p[2]), "--send-delay", cfg.SendDelay.String())
+			engineArgs = append(engineArgs, "--bootstrap-addr", n.Bootstrap)
+		} else if cfg.UngatedCompletions {
+			agentArgs = append(agentArgs, "--unsafe-ungated-completions")
+		}
+		procs = append(procs,
+			proc{name: name + "-agent", bin: "connector", args: agentArgs, pid: &n.AgentPID, rest: &n.Restarts},
+			proc{name: name + "-engine", bin: "enginesim", args: engineArgs, pid: &n.EnginePID})
+		return nil
+	}
+	for i := range st.Prefill {
+		if err := addNode("prefill", i, &st.Prefill[i]); err != nil {
+			return err
+		}
+	}
+	for i := range st.Decode {
+		if err := addNode("decode", i, &st.Decode[i]); err != nil {
+			return err
+		}
+	}
+	st.Router = "http://" + cfg.Listen
+	routerArgs := []string{"--listen", cfg.Listen, "--mode", cfg.Mode}
+	for _, n := range st.Prefill {
+		routerArgs = append(routerArgs, "--prefill", n.Engine+","+n.Bootstrap)
+	}
+	for _, n := range st.Decode {
+		routerArgs = append(routerArgs, "--decode", n.Engine)
+	}
+	var routerPID int
+	procs = append(procs, proc{name: "router", bin: "router", args: routerArgs, pid: &routerPID})
+
+	writeState := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		b, _ := json.MarshalIndent(st, "", "  ")
+		tmp := StateFile(cfg.WorkDir) + ".tmp"
+		if err := os.WriteFile(tmp, b, 0o644); err == nil {
+			_ = os.Rename(tmp, StateFile(cfg.WorkDir))
+		}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, p := range procs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			supervise(ctx, cfg, p, &mu, writeState)
+		}()
+	}
+	defer wg.Wait()
+
+	if err := waitHealthy(ctx, st); err != nil {
+		return fmt.Errorf("sandbox did not become healthy (logs in %s): %w", cfg.WorkDir, err)
+	}
+	mu.Lock()
+	snapshot := st
+	mu.Unlock()
+	writeState()
+	if ready != nil {
+		ready(snapshot)
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// supervise runs p until ctx ends, restarting it with exponential backoff when it exits.
+func supervise(ctx context.Context, cfg Config, p proc, mu *sync.Mutex, changed func()) {
+	backoff := 200 * time.Millisecond
+	for ctx.Err() == nil {
+		logf, err := os.OpenFile(filepath.Join(cfg.WorkDir, p.name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+		if err != nil {
+			cfg.Log.Error(err, "open log", "process", p.name)
+			return
+		}
+		cmd := exec.Command(filepath.Join(cfg.BinDir, p.bin), p.args...)
+		cmd.Stdout, cmd.Stderr = logf, logf
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // never outlive the sandbox
+		started := time.Now()
+		if err := cmd.Start(); err != nil {
+			logf.Close()
+			cfg.Log.Error(err, "start", "process", p.name)
+			return
+		}
+		mu.Lock()
+		*p.pid = cmd.Process.Pid
+		mu.Unlock()
+		changed()
+		exited := make(chan error, 1)
+		go func() { exited <- cmd.Wait() }()
+		select {
+		case <-ctx.Done():
+			_ = cmd.Process.Signal(syscall.SIGTERM)
+			select {
+			case <-exited:
+			case <-time.After(3 * time.Second):
+				_ = cmd.Process.Kill()
+				<-exited
+			}
+			logf.Close()
+			return
+		case err := <-exited:
+			logf.Close()
+			cfg.Log.Info("process exited; restarting", "process", p.name, "err", fmt.Sprint(err), "backoff", backoff.String())
+		}
+		if time.Since(started) > 10*time.Second {
+			backoff = 200 * time.Millisecond
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(backoff*2, 5*time.Second)
+		if p.rest != nil {
+			mu.Lock()
+			*p.rest++
+			mu.Unlock()
+		}
+	}
+}
+
+func waitHealthy(ctx context.Context, st State) error {
+	var urls []string
+	for _, n := range append(append([]Node(nil), st.Prefill...), st.Decode...) {
+		urls = append(urls, n.Agent+"/readyz", n.Engine+"/health")
+	}
+	urls = append(urls, st.Router+"/health")
+	deadline := time.Now().Add(60 * time.Second)
+	for _, u := range urls {
+		for {
+			resp, err := http.Get(u)
+			if err == nil {
+				resp.Body.Close()
+				if resp.StatusCode == http.StatusOK {
+					break
+				}
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("%s: not healthy: %v", u, err)
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+	}
+	return nil
+}
+
+// freePorts reserves n loopback ports by binding them, then releases them for the children.
+func freePorts(n int) ([]int, error) {
+	var ls []net.Listener
+	defer func() {
+		for _, l := range ls {
+			l.Close()
+		}
+	}()
+	out := make([]int, 0, n)
+	for i := 0; i < n; i++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		ls = append(ls, l)
+		out = append(out, l.Addr().(*net.TCPAddr).Port)
+	}
+	return out, nil
+}
