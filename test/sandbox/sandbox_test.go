@@ -1,0 +1,370 @@
+// Package sandbox_test runs the whole request path on loopback: pdctl sandbox with the real
+// connector agents, engine simulators and router, built from this tree.
+package sandbox_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"pdcluster.dev/pdcluster-operator/internal/sandbox"
+)
+
+var binDir string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "pdcluster-sandbox-bin-")
+	if err != nil {
+		panic(err)
+	}
+	build := exec.Command("go", "build", "-o", dir, "./cmd/pdctl", "./cmd/connector", "./cmd/enginesim", "./cmd/router")
+	build.Dir = filepath.Join("..", "..")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "build binaries:", err)
+		os.Exit(1)
+	}
+	binDir = dir
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+type box struct {
+	t     *testing.T
+	dir   string
+	state sandbox.State
+}
+
+func freeAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// start runs pdctl sandbox with args and waits for it to report ready.
+func start(t *testing.T, args ...string) *box {
+	t.Helper()
+	dir := t.TempDir()
+	all := append([]string{"sandbox", "--listen", freeAddr(t), "--work-dir", dir, "--bin-dir", binDir}, args...)
+	cmd := exec.Command(filepath.Join(binDir, "pdctl"), all...)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+		if t.Failed() {
+			for _, f := range []string{"decode-0-engine", "decode-0-agent", "prefill-0-engine", "prefill-0-agent"} {
+				b, _ := os.ReadFile(filepath.Join(dir, f+".log"))
+				t.Logf("%s.log (tail):\n%s", f, tail(string(b), 3000))
+			}
+		}
+	})
+	ready := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if strings.HasPrefix(sc.Text(), "sandbox ready") {
+				ready <- nil
+				_, _ = io.Copy(io.Discard, out)
+				return
+			}
+		}
+		ready <- fmt.Errorf("sandbox exited before ready: %s", stderr.String())
+	}()
+	select {
+	case err := <-ready:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(90 * time.Second):
+		t.Fatalf("sandbox not ready: %s", stderr.String())
+	}
+	b := &box{t: t, dir: dir}
+	b.reload()
+	return b
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+func (b *box) reload() {
+	b.t.Helper()
+	raw, err := os.ReadFile(sandbox.StateFile(b.dir))
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	if err := json.Unmarshal(raw, &b.state); err != nil {
+		b.t.Fatal(err)
+	}
+}
+
+type result struct {
+	status int
+	body   string
+	tokens int
+	err    error
+}
+
+type completion struct {
+	Usage struct {
+		CompletionTokens int `json:"completion_tokens"`
+	} `json:"usage"`
+}
+
+func post(ctx context.Context, url string, body any) result {
+	raw, _ := json.Marshal(body)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(raw))
+	if err != nil {
+		return result{err: err}
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return result{err: err}
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return result{status: resp.StatusCode, err: err}
+	}
+	r := result{status: resp.StatusCode, body: string(data)}
+	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		for _, line := range strings.Split(r.body, "\n") {
+			if strings.HasPrefix(line, "data: {") {
+				var chunk struct {
+					Choices []struct {
+						Text  string `json:"text"`
+						Delta struct {
+							Content string `json:"content"`
+						} `json:"delta"`
+					} `json:"choices"`
+					Error any `json:"error"`
+				}
+				if json.Unmarshal([]byte(line[6:]), &chunk) == nil {
+					if chunk.Error != nil {
+						r.status = 500 // an error event inside a 200 stream
+					}
+					for _, c := range chunk.Choices {
+						if c.Text != "" || c.Delta.Content != "" {
+							r.tokens++
+						}
+					}
+				}
+			}
+		}
+		return r
+	}
+	var c completion
+	if json.Unmarshal(data, &c) == nil {
+		r.tokens = c.Usage.CompletionTokens
+	}
+	return r
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// metric sums a metric's series scraped from url.
+func metric(t *testing.T, url, name string, labels ...string) float64 {
+	t.Helper()
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatalf("scrape %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parse metrics of %s: %v", url, err)
+	}
+	var sum float64
+	f, ok := fams[name]
+	if !ok {
+		return 0
+	}
+series:
+	for _, m := range f.Metric {
+		have := map[string]string{}
+		for _, l := range m.Label {
+			have[l.GetName()] = l.GetValue()
+		}
+		for i := 0; i+1 < len(labels); i += 2 {
+			if have[labels[i]] != labels[i+1] {
+				continue series
+			}
+		}
+		sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+	}
+	return sum
+}
+
+type engineState struct {
+	Scheduler struct {
+		Requests    int
+		FreeBlocks  int
+		Completions int
+	} `json:"scheduler"`
+	Engine struct {
+		BlocksVerified int
+	} `json:"engine"`
+}
+
+func (b *box) engineState(url string) engineState {
+	b.t.Helper()
+	_, body := get(b.t, url+"/debug/state")
+	var st engineState
+	if err := json.Unmarshal([]byte(body), &st); err != nil {
+		b.t.Fatalf("engine state %s: %v", body, err)
+	}
+	return st
+}
+
+// waitIdle waits until no engine holds a request or a block and no producer pins a block: the
+// leak check. The wait is bounded by the sandbox's hold timeout, which frees orphaned holds.
+func (b *box) waitIdle(kvBlocks int, within time.Duration) {
+	b.t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		var busy []string
+		for _, n := range append(append([]sandbox.Node(nil), b.state.Prefill...), b.state.Decode...) {
+			st := b.engineState(n.Engine)
+			if st.Scheduler.Requests != 0 || st.Scheduler.FreeBlocks != kvBlocks {
+				busy = append(busy, fmt.Sprintf("%s: %d requests, %d/%d blocks free", n.Engine, st.Scheduler.Requests, st.Scheduler.FreeBlocks, kvBlocks))
+			}
+		}
+		for _, n := range b.state.Prefill {
+			if p := metric(b.t, n.Agent, "pdcluster_connector_producer_blocks_pinned"); p != 0 {
+				busy = append(busy, fmt.Sprintf("%s pins %v blocks", n.Agent, p))
+			}
+		}
+		if len(busy) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			b.t.Fatalf("not idle after %v: %v", within, busy)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func tokens(n, base int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = base + i
+	}
+	return out
+}
+
+// The seed bug's request: 13 tokens with 64-token blocks is a notify-only pull. The decode
+// engine must answer with all 32 tokens and stay alive, in both flows.
+func TestShortPromptWithLargeBlocks(t *testing.T) {
+	for _, mode := range []string{"mooncake", "nixl"} {
+		t.Run(mode, func(t *testing.T) {
+			b := start(t, "--block-size", "64", "--mode", mode)
+			r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{
+				"prompt": tokens(13, 1), "max_tokens": 32, "ignore_eos": true,
+			})
+			if r.err != nil || r.status != http.StatusOK || r.tokens != 32 {
+				t.Fatalf("got %d, %d tokens, err %v: %s; want 200 with 32 tokens", r.status, r.tokens, r.err, r.body)
+			}
+			d := b.state.Decode[0]
+			if code, body := get(t, d.Engine+"/health"); code != http.StatusOK {
+				t.Fatalf("decode engine unhealthy after the request: %d %s", code, body)
+			}
+			if n := metric(t, d.Agent, "pdcluster_connector_empty_pulls_total"); n != 1 {
+				t.Errorf("empty pulls = %v, want 1", n)
+			}
+			if n := metric(t, d.Agent, "pdcluster_connector_completions_total"); n != 0 {
+				t.Errorf("completions reported = %v, want 0 for a notify-only pull", n)
+			}
+			b.waitIdle(2048, 10*time.Second) // the producer was told and let go
+		})
+	}
+}
+
+// The same request through a connector with the seed bug kills the decode engine: the check
+// above is one that can fail.
+func TestUngatedConnectorKillsDecodeEngine(t *testing.T) {
+	b := start(t, "--block-size", "64", "--unsafe-ungated-completions")
+	r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{
+		"prompt": tokens(13, 1), "max_tokens": 32, "ignore_eos": true,
+	})
+	// The request may finish before the bogus report lands; the engine dies either way.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		code, body := get(t, b.state.Decode[0].Engine+"/health")
+		if code == http.StatusInternalServerError && strings.Contains(body, "AssertionError") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("decode engine still healthy (%d %s); first request: %d %s", code, body, r.status, r.body)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	r = post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(13, 1), "max_tokens": 4})
+	if r.status != http.StatusInternalServerError || !strings.Contains(r.body, "EngineCore died") {
+		t.Errorf("request to the dead engine: %d %s, want 500 naming EngineCore", r.status, r.body)
+	}
+}
+
+func TestBadRequestsGetClear4xx(t *testing.T) {
+	b := start(t, "--block-size", "16")
+	cases := []struct {
+		name string
+		body any
+		code int
+		want string
+	}{
+		{"not an object", []int{1}, 400, "JSON object"},
+		{"no prompt", map[string]any{"max_tokens": 3}, 400, "prompt"},
+		{"client sets kv params", map[string]any{"prompt": "hi", "kv_transfer_params": map[string]any{}}, 400, "set by the router"},
+		{"zero max_tokens", map[string]any{"prompt": "hello world", "max_tokens": 0}, 400, "max_tokens must be at least 1"},
+		{"too long", map[string]any{"prompt": tokens(10, 1), "max_tokens": 1 << 20}, 400, "maximum context length"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			r := post(context.Background(), b.state.Router+"/v1/completions", tc.body)
+			if r.status != tc.code || !strings.Contains(r.body, tc.want) {
+				t.Errorf("got %d %s, want %d containing %q", r.status, r.body, tc.code, tc.want)
+			}
+		})
+	}
+}
