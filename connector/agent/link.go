@@ -230,8 +230,10 @@ func (l *Link) poll(ctx context.Context) (Events, error) {
 // was already failed because the agent was lost) is dropped.
 func (l *Link) deliver(ev Events) {
 	l.mu.Lock()
-	changed := l.epoch != "" && l.epoch != ev.Epoch
-	if l.epoch != ev.Epoch {
+	// Any other run than the one last heard from (or none heard from yet: the first answer can
+	// come from a restarted agent) leaves the state of the runs before it orphaned.
+	changed := l.epoch != ev.Epoch
+	if changed {
 		clear(l.lost) // a new agent run never reports the old one's pulls
 	}
 	l.epoch = ev.Epoch

@@ -134,6 +134,9 @@ func writeJSON(w http.ResponseWriter, v any) {
 type Client struct {
 	HTTP    *http.Client
 	Timeout time.Duration // per query; llm-d uses 5 s
+	// NoCache makes every Query ask the server (concurrent ones still share a request): for a
+	// router, which cannot tell when a producer restarted under a new engine id.
+	NoCache bool
 	group   singleflight.Group
 	mu      sync.Mutex
 	cache   map[string]Topology
@@ -157,7 +160,7 @@ func (c *Client) Query(ctx context.Context, addr string) (Topology, error) {
 		if err != nil {
 			return nil, err
 		}
-		if len(t) > 0 { // an empty registry is not worth remembering: workers are still coming
+		if len(t) > 0 && !c.NoCache { // an empty registry is not worth remembering: workers are still coming
 			c.mu.Lock()
 			c.cache[addr] = t
 			c.mu.Unlock()

@@ -72,7 +72,12 @@ func (e *Engine) Handler() http.Handler {
 		w.WriteHeader(http.StatusOK)
 	})
 	mux.HandleFunc("GET /debug/state", func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]any{"scheduler": e.Scheduler(), "engine": e.Stats()})
+		state := map[string]any{"scheduler": e.Scheduler(), "engine": e.Stats()}
+		if e.link != nil {
+			pulls, holds := e.link.Outstanding()
+			state["connector"] = map[string]int{"pullsAwaitingReport": pulls, "transfersHeld": holds}
+		}
+		writeJSON(w, http.StatusOK, state)
 	})
 	return mux
 }

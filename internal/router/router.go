@@ -81,8 +81,10 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	if cfg.PrefillTimeout <= 0 {
 		cfg.PrefillTimeout = 10 * time.Minute
 	}
+	boot := bootstrap.NewClient()
+	boot.NoCache = true // the engine id changes when a producer restarts; asking is cheap
 	r := &Router{
-		cfg: cfg, hc: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}, boot: bootstrap.NewClient(), log: log,
+		cfg: cfg, hc: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}, boot: boot, log: log,
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
 		}, []string{"mode", "code"}),

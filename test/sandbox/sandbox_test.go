@@ -205,20 +205,28 @@ func get(t *testing.T, url string) (int, string) {
 // metric sums a metric's series scraped from url.
 func metric(t *testing.T, url, name string, labels ...string) float64 {
 	t.Helper()
+	v, err := scrape(url, name, labels...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+func scrape(url, name string, labels ...string) (float64, error) {
 	resp, err := http.Get(url + "/metrics")
 	if err != nil {
-		t.Fatalf("scrape %s: %v", url, err)
+		return 0, fmt.Errorf("scrape %s: %w", url, err)
 	}
 	defer resp.Body.Close()
 	parser := expfmt.NewTextParser(model.UTF8Validation)
 	fams, err := parser.TextToMetricFamilies(resp.Body)
 	if err != nil {
-		t.Fatalf("parse metrics of %s: %v", url, err)
+		return 0, fmt.Errorf("parse metrics of %s: %w", url, err)
 	}
 	var sum float64
 	f, ok := fams[name]
 	if !ok {
-		return 0
+		return 0, nil
 	}
 series:
 	for _, m := range f.Metric {
@@ -233,7 +241,7 @@ series:
 		}
 		sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
 	}
-	return sum
+	return sum, nil
 }
 
 type engineState struct {
@@ -241,10 +249,12 @@ type engineState struct {
 		Requests    int
 		FreeBlocks  int
 		Completions int
+		ByStatus    map[string]int
 	} `json:"scheduler"`
 	Engine struct {
 		BlocksVerified int
 	} `json:"engine"`
+	Connector map[string]int `json:"connector"`
 }
 
 func (b *box) engineState(url string) engineState {
@@ -267,11 +277,16 @@ func (b *box) waitIdle(kvBlocks int, within time.Duration) {
 		for _, n := range append(append([]sandbox.Node(nil), b.state.Prefill...), b.state.Decode...) {
 			st := b.engineState(n.Engine)
 			if st.Scheduler.Requests != 0 || st.Scheduler.FreeBlocks != kvBlocks {
-				busy = append(busy, fmt.Sprintf("%s: %d requests, %d/%d blocks free", n.Engine, st.Scheduler.Requests, st.Scheduler.FreeBlocks, kvBlocks))
+				busy = append(busy, fmt.Sprintf("%s: %d requests %v (connector %v), %d/%d blocks free", n.Engine, st.Scheduler.Requests, st.Scheduler.ByStatus, st.Connector, st.Scheduler.FreeBlocks, kvBlocks))
 			}
 		}
+		b.reload() // a restarted agent keeps its address
 		for _, n := range b.state.Prefill {
-			if p := metric(b.t, n.Agent, "pdcluster_connector_producer_blocks_pinned"); p != 0 {
+			p, err := scrape(n.Agent, "pdcluster_connector_producer_blocks_pinned")
+			switch {
+			case err != nil:
+				busy = append(busy, err.Error()) // restarting
+			case p != 0:
 				busy = append(busy, fmt.Sprintf("%s pins %v blocks", n.Agent, p))
 			}
 		}

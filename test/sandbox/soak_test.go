@@ -1,0 +1,209 @@
+package sandbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+type soakReq struct {
+	body    map[string]any
+	path    string
+	abortIn time.Duration // 0: the client waits for the answer
+	want    int           // completion tokens expected (ignore_eos), 0 when not checked
+}
+
+// soakMix builds n requests: lengths from 1 to 700 tokens, a third sharing one of a few long
+// prefixes (prefix hits on both engines, including full hits that become notify-only pulls),
+// streaming and chat, and a tenth aborted by the client mid-flight.
+func soakMix(n int, rng *rand.Rand) []soakReq {
+	prefixes := make([][]int, 6)
+	for i := range prefixes {
+		prefixes[i] = tokens(128+64*i, 10_000*(i+1))
+	}
+	out := make([]soakReq, n)
+	for i := range out {
+		var prompt []int
+		switch rng.IntN(3) {
+		case 0:
+			p := prefixes[rng.IntN(len(prefixes))]
+			prompt = append(append([]int(nil), p...), tokens(rng.IntN(3)*40, 90_000+i)...)
+		default:
+			prompt = tokens(1+rng.IntN(700), 100*i)
+		}
+		maxTok := 1 + rng.IntN(24)
+		r := soakReq{path: "/v1/completions", want: maxTok, body: map[string]any{"prompt": prompt, "max_tokens": maxTok, "ignore_eos": true}}
+		switch rng.IntN(5) {
+		case 0:
+			r.body["stream"] = true
+		case 1:
+			r.path = "/v1/chat/completions"
+			words := make([]string, 1+rng.IntN(300))
+			for j := range words {
+				words[j] = fmt.Sprintf("w%d", rng.IntN(50))
+			}
+			delete(r.body, "prompt")
+			r.body["messages"] = []map[string]string{{"role": "user", "content": strings.Join(words, " ")}}
+		}
+		if rng.IntN(10) == 0 {
+			r.abortIn = time.Duration(1+rng.IntN(30)) * time.Millisecond
+			r.want = 0
+		}
+		out[i] = r
+	}
+	return out
+}
+
+func run(b *box, reqs []soakReq, workers int) (ok, aborted int, failures []string) {
+	var mu sync.Mutex
+	ch := make(chan soakReq)
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for r := range ch {
+				ctx, cancel := context.Background(), context.CancelFunc(func() {})
+				if r.abortIn > 0 {
+					ctx, cancel = context.WithTimeout(ctx, r.abortIn)
+				}
+				res := post(ctx, b.state.Router+r.path, r.body)
+				cancel()
+				mu.Lock()
+				switch {
+				case r.abortIn > 0 && (errors.Is(res.err, context.DeadlineExceeded) || res.status == http.StatusOK):
+					aborted++
+				case res.err != nil || res.status != http.StatusOK:
+					failures = append(failures, fmt.Sprintf("%s: %d %v %s", r.path, res.status, res.err, tail(res.body, 300)))
+				case r.want > 0 && res.tokens != r.want:
+					failures = append(failures, fmt.Sprintf("%s: %d tokens, want %d", r.path, res.tokens, r.want))
+				default:
+					ok++
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	for _, r := range reqs {
+		ch <- r
+	}
+	close(ch)
+	wg.Wait()
+	return ok, aborted, failures
+}
+
+// The soak: 1,319 requests of mixed lengths, prefix hits and client aborts through two prefill
+// and two decode engines end with no error, no block pinned or held anywhere, and every
+// report delivered exactly once (a second one would have killed a decode engine).
+func TestSoak1319Requests(t *testing.T) {
+	if testing.Short() {
+		t.Skip("soak")
+	}
+	b := start(t, "--block-size", "64", "--prefill", "2", "--decode", "2", "--hold-timeout", "5s", "--pull-timeout", "8s")
+	reqs := soakMix(1319, rand.New(rand.NewPCG(1319, 42)))
+	ok, aborted, failures := run(b, reqs, 48)
+	if len(failures) > 0 {
+		t.Fatalf("%d failures (of %d), first: %v", len(failures), len(reqs), failures[:min(5, len(failures))])
+	}
+	if ok+aborted != len(reqs) || aborted == 0 {
+		t.Fatalf("ok %d + aborted %d != %d requests (and some must be aborted)", ok, aborted, len(reqs))
+	}
+	b.waitIdle(2048, 20*time.Second)
+	var empty, verified float64
+	for _, d := range b.state.Decode {
+		if code, body := get(t, d.Engine+"/health"); code != http.StatusOK {
+			t.Fatalf("decode engine %s died: %s", d.Engine, body)
+		}
+		st := b.engineState(d.Engine)
+		reported := metric(t, d.Agent, "pdcluster_connector_completions_total")
+		if float64(st.Scheduler.Completions) != reported {
+			t.Errorf("%s: scheduler accepted %d completions, agent reported %v: each must arrive exactly once", d.Engine, st.Scheduler.Completions, reported)
+		}
+		empty += metric(t, d.Agent, "pdcluster_connector_empty_pulls_total")
+		verified += float64(st.Engine.BlocksVerified)
+		if n := metric(t, d.Agent, "pdcluster_connector_pulls_in_flight"); n != 0 {
+			t.Errorf("%s: %v pulls still in flight", d.Agent, n)
+		}
+	}
+	if empty == 0 || verified == 0 {
+		t.Errorf("the mix did not exercise both paths: %v empty pulls, %v blocks verified", empty, verified)
+	}
+	t.Logf("%d ok, %d aborted, %v notify-only pulls, %v pulled blocks verified byte for byte", ok, aborted, empty, verified)
+}
+
+// SIGKILL of the prefill agent while blocks are on the wire: requests caught in flight fail by
+// the load-failure policy with a reason, nothing leaks on either side, and the restarted agent
+// (new engine id, re-registered) serves new requests.
+func TestAgentKilledMidTransfer(t *testing.T) {
+	for _, policy := range []string{"fail", "recompute"} {
+		t.Run(policy, func(t *testing.T) {
+			b := start(t, "--block-size", "16", "--send-delay", "10ms", "--kv-load-failure-policy", policy,
+				"--hold-timeout", "3s", "--pull-timeout", "5s")
+			const n = 12
+			results := make(chan result, n)
+			for i := 0; i < n; i++ {
+				go func() {
+					results <- post(context.Background(), b.state.Router+"/v1/completions", map[string]any{
+						"prompt": tokens(16*40, 1000*i), "max_tokens": 8, "ignore_eos": true, // 40 blocks: 400 ms on the wire
+					})
+				}()
+			}
+			time.Sleep(250 * time.Millisecond)
+			victim := b.state.Prefill[0].AgentPID
+			if err := syscall.Kill(victim, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			var okN, failed int
+			for i := 0; i < n; i++ {
+				r := <-results
+				switch {
+				case r.status == http.StatusOK && r.tokens == 8:
+					okN++
+				case policy == "fail" && r.status >= 500 && strings.Contains(r.body, "KV load from the prefill engine failed"):
+					failed++
+				default:
+					t.Errorf("unexpected result with policy %s: %d %v %s", policy, r.status, r.err, tail(r.body, 300))
+				}
+			}
+			if policy == "fail" && failed == 0 {
+				t.Errorf("no request was caught mid-transfer (%d ok): the kill came too late to test anything", okN)
+			}
+			if policy == "recompute" && okN != n {
+				t.Errorf("recompute: %d of %d ok", okN, n)
+			}
+			b.waitIdle(2048, 15*time.Second)
+
+			// The agent comes back (the sandbox restarts it) and serves again.
+			deadline := time.Now().Add(20 * time.Second)
+			for {
+				b.reload()
+				if b.state.Prefill[0].AgentPID != victim {
+					if code, _ := get(t, b.state.Prefill[0].Agent+"/readyz"); code == http.StatusOK {
+						break
+					}
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("prefill agent not restarted")
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			for i := 0; i < 3; i++ {
+				r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(100, 777_000+i*1000), "max_tokens": 4, "ignore_eos": true})
+				if r.status != http.StatusOK || r.tokens != 4 {
+					t.Fatalf("after restart: %d %v %s", r.status, r.err, r.body)
+				}
+			}
+			if st := b.engineState(b.state.Decode[0].Engine); st.Engine.BlocksVerified == 0 {
+				t.Errorf("no pulled block verified after the restart")
+			}
+			b.waitIdle(2048, 10*time.Second)
+		})
+	}
+}
