@@ -259,3 +259,36 @@ func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 		t.Errorf("request did not run to the end: %v", err)
 	}
 }
+
+// Invariant 3, for the data plane: a write runs only while its task is pending, and no report
+// can slip in between the check and the write.
+func TestPullerWriteIfAccepted(t *testing.T) {
+	p, rec, clk := newPuller(t)
+	meta := aPull("a").waiting().blocks([]connector.BlockID{1}).build()
+	if err := p.Begin(meta, []connector.ProducerRank{0}); err != nil {
+		t.Fatal(err)
+	}
+	wrote := 0
+	ok, err := p.WriteIfAccepted("a", meta.Transfer, 0, func() error {
+		wrote++
+		if len(rec.got) != 0 {
+			t.Error("a completion was reported during the write")
+		}
+		return nil
+	})
+	if !ok || err != nil || wrote != 1 {
+		t.Fatalf("pending task: ran %v (%d writes), err %v", ok, wrote, err)
+	}
+	if _, err := p.WriteIfAccepted("a", meta.Transfer, 0, func() error { return errBoom }); !errors.Is(err, errBoom) {
+		t.Errorf("write error not returned: %v", err)
+	}
+	clk.Step(time.Hour)
+	p.Expire()
+	ok, _ = p.WriteIfAccepted("a", meta.Transfer, 0, func() error { wrote++; return nil })
+	if ok || wrote != 1 {
+		t.Errorf("write after the timeout ran (%v, %d writes)", ok, wrote)
+	}
+	if ok, _ := p.WriteIfAccepted("b", meta.Transfer, 0, func() error { return nil }); ok {
+		t.Error("write for an unknown request ran")
+	}
+}

@@ -34,10 +34,10 @@ type Link struct {
 	LostAfter time.Duration
 	Log       logr.Logger
 
-	mu      sync.Mutex
-	epoch   string // the agent run the Link last heard from
-	pulls   map[connector.RequestID]trackedPull
-	held    map[connector.TransferID]trackedHold
+	mu    sync.Mutex
+	epoch string // the agent run the Link last heard from
+	pulls map[connector.RequestID]trackedPull
+	held  map[connector.TransferID]trackedHold
 	// lost are pulls the Link failed while their agent may still be alive (unreachable, or a
 	// POST whose answer was lost): a late report for them is dropped.
 	lost map[connector.RequestID]struct{}
@@ -278,9 +278,8 @@ func (l *Link) forget(keep string, cause error) {
 		if keep == "" || (t.epoch != keep && t.epoch != "?") {
 			pulls = append(pulls, lostCompletion(req, t.blocks, cause))
 			delete(l.pulls, req)
-			if keep == "" {
-				l.lost[req] = struct{}{}
-			}
+			l.lost[req] = struct{}{} // whatever claims to report it later is not believed
+
 		}
 	}
 	var holds []connector.TransferID

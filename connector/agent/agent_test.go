@@ -1,0 +1,293 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/connector/kvfile"
+)
+
+const blockBytes = 256
+
+type pair struct {
+	prod, cons       *Agent
+	prodKV, consKV   *kvfile.File
+	prodURL, consURL string
+	releases         *sinkRec
+	completions      *sinkRec
+	prodLink         *Link
+	consLink         *Link
+}
+
+type sinkRec struct {
+	mu   sync.Mutex
+	c    []connector.Completion
+	r    []connector.Release
+	wake chan struct{}
+}
+
+func newSink() *sinkRec { return &sinkRec{wake: make(chan struct{}, 100)} }
+
+func (s *sinkRec) FinishedReceiving(c connector.Completion) {
+	s.mu.Lock()
+	s.c = append(s.c, c)
+	s.mu.Unlock()
+	s.wake <- struct{}{}
+}
+
+func (s *sinkRec) FinishedSending(r connector.Release) {
+	s.mu.Lock()
+	s.r = append(s.r, r)
+	s.mu.Unlock()
+	s.wake <- struct{}{}
+}
+
+func (s *sinkRec) wait(t *testing.T, n int, what string) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		s.mu.Lock()
+		got := len(s.c) + len(s.r)
+		s.mu.Unlock()
+		if got >= n {
+			return
+		}
+		select {
+		case <-s.wake:
+		case <-deadline:
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+func openKV(t *testing.T, name string) *kvfile.File {
+	kv, err := kvfile.Open(filepath.Join(t.TempDir(), name), 64, blockBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { kv.Close() })
+	return kv
+}
+
+// newPair runs a producer and a consumer agent on loopback, each with its engine's Link.
+func newPair(t *testing.T, mutate func(*Config)) *pair {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &pair{prodKV: openKV(t, "p.kv"), consKV: openKV(t, "c.kv"), releases: newSink(), completions: newSink()}
+	data, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := Config{HoldTimeout: 5 * time.Second, ReadyTimeout: 5 * time.Second, TombstoneTTL: 10 * time.Second, PullTimeout: 8 * time.Second,
+		UnknownTransferGrace: 2 * time.Second, ExpireEvery: 20 * time.Millisecond}
+	pc := base
+	pc.Role, pc.KV, pc.DataAddr = RoleProducer, p.prodKV, data.Addr().String()
+	cc := base
+	cc.Role, cc.KV = RoleConsumer, p.consKV
+	if mutate != nil {
+		mutate(&pc)
+		mutate(&cc)
+	}
+	if p.prod, err = New(pc); err != nil {
+		t.Fatal(err)
+	}
+	if p.cons, err = New(cc); err != nil {
+		t.Fatal(err)
+	}
+	ps := httptest.NewServer(p.prod.Handler(prometheus.NewRegistry()))
+	cs := httptest.NewServer(p.cons.Handler(prometheus.NewRegistry()))
+	p.prodURL, p.consURL = ps.URL, cs.URL
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); _ = p.prod.Serve(ctx, data) }()
+	go func() { defer wg.Done(); _ = p.cons.Serve(ctx, nil) }()
+	p.prodLink = NewLink(ps.URL, nil, p.releases)
+	p.consLink = NewLink(cs.URL, p.completions, nil)
+	wg.Add(2)
+	go func() { defer wg.Done(); p.prodLink.Run(ctx) }()
+	go func() { defer wg.Done(); p.consLink.Run(ctx) }()
+	t.Cleanup(func() { cancel(); ps.Close(); cs.Close(); wg.Wait() })
+	return p
+}
+
+func fill(t *testing.T, kv *kvfile.File, id int64, b byte) []byte {
+	data := bytes.Repeat([]byte{b}, blockBytes)
+	data[0] = byte(id)
+	if err := kv.Write(id, data); err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
+
+func (p *pair) pull(t *testing.T, req, transfer string, blocks connector.BlockIDs, waiting bool) {
+	t.Helper()
+	err := p.consLink.Pull(context.Background(), Pull{Request: connector.RequestID(req), Transfer: connector.TransferID(transfer),
+		Blocks: blocks, WaitingForRemote: waiting, RemoteEngine: p.prod.EngineID(), RemoteBootstrap: p.prodURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A full pull moves the producer's blocks byte for byte into the consumer's destination
+// blocks, completes once, and releases the producer once.
+func TestPullMovesBytesAndCompletesOnce(t *testing.T) {
+	p := newPair(t, nil)
+	ctx := context.Background()
+	src := [][]byte{fill(t, p.prodKV, 3, 'a'), fill(t, p.prodKV, 4, 'b')}
+	if err := p.prodLink.Expect(ctx, "x1", "p-1"); err != nil {
+		t.Fatal(err)
+	}
+	p.pull(t, "d-1", "x1", connector.BlockIDs{{10, 11}}, true) // parks until prefill is ready
+	if err := p.prodLink.Ready(ctx, "x1", "p-1", connector.BlockIDs{{3, 4}}); err != nil {
+		t.Fatal(err)
+	}
+	p.completions.wait(t, 1, "completion")
+	p.releases.wait(t, 1, "release")
+	if len(p.completions.c) != 1 || p.completions.c[0].Err != nil || p.completions.c[0].Request != "d-1" {
+		t.Fatalf("completions = %+v, want one success for d-1", p.completions.c)
+	}
+	if len(p.releases.r) != 1 || p.releases.r[0].Reason != connector.ReleaseServed || p.releases.r[0].Blocks != 2 {
+		t.Fatalf("releases = %+v, want one served release of 2 blocks", p.releases.r)
+	}
+	got := make([]byte, blockBytes)
+	for i, dst := range []int64{10, 11} {
+		_ = p.consKV.Read(dst, got)
+		if !bytes.Equal(got, src[i]) {
+			t.Errorf("consumer block %d does not hold producer block %d", dst, 3+i)
+		}
+	}
+}
+
+// The seed case: a pull without local blocks tells the producer and reports nothing.
+func TestEmptyPullReleasesProducerAndReportsNothing(t *testing.T) {
+	for _, blocks := range []connector.BlockIDs{nil, {{}}, {{}, {}}} {
+		p := newPair(t, nil)
+		ctx := context.Background()
+		_ = p.prodLink.Expect(ctx, "x", "p")
+		_ = p.prodLink.Ready(ctx, "x", "p", connector.BlockIDs{{1, 2}})
+		p.pull(t, "d", "x", blocks, true)
+		p.releases.wait(t, 1, "release")
+		time.Sleep(100 * time.Millisecond) // a wrong completion would have come by now
+		if len(p.completions.c) != 0 {
+			t.Errorf("blocks %v: completions %+v, want none", blocks, p.completions.c)
+		}
+		if st := p.cons.puller.Stats(); st.NotifiedOnly != 1 || st.InFlight != 0 {
+			t.Errorf("blocks %v: puller stats %+v", blocks, st)
+		}
+	}
+}
+
+// A pull for an engine id the producer does not have fails with its blocks reported invalid;
+// the same pull without local blocks fails silently.
+func TestUnknownEngineFailsByThePolicyRules(t *testing.T) {
+	p := newPair(t, nil)
+	for _, tc := range []struct {
+		req    string
+		blocks connector.BlockIDs
+	}{{"empty", nil}, {"full", connector.BlockIDs{{7, 8}}}} {
+		err := p.consLink.Pull(context.Background(), Pull{Request: connector.RequestID(tc.req), Transfer: "x", Blocks: tc.blocks,
+			WaitingForRemote: true, RemoteEngine: "engine-gone", RemoteBootstrap: p.prodURL})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.completions.wait(t, 1, "failed completion")
+	time.Sleep(100 * time.Millisecond)
+	c := p.completions.c
+	if len(c) != 1 || c[0].Request != "full" || c[0].Err == nil || len(c[0].InvalidBlocks) != 2 {
+		t.Fatalf("completions = %+v, want one failure for the pull with blocks, with 2 invalid blocks", c)
+	}
+}
+
+// In the concurrent flow the pull may reach the producer before the prefill request: the
+// consumer asks again and the pull succeeds.
+func TestEarlyPullIsRetried(t *testing.T) {
+	p := newPair(t, nil)
+	fill(t, p.prodKV, 5, 'z')
+	p.pull(t, "d", "early", connector.BlockIDs{{9}}, true)
+	time.Sleep(50 * time.Millisecond)
+	ctx := context.Background()
+	_ = p.prodLink.Expect(ctx, "early", "p")
+	_ = p.prodLink.Ready(ctx, "early", "p", connector.BlockIDs{{5}})
+	p.completions.wait(t, 1, "completion")
+	if c := p.completions.c[0]; c.Err != nil {
+		t.Fatalf("early pull failed: %v", c.Err)
+	}
+}
+
+// A corrupted block is caught by its checksum.
+func TestChecksumCatchesCorruption(t *testing.T) {
+	var buf bytes.Buffer
+	w := newTestWriter(&buf)
+	if err := writeBlockFrame(w, 0, 3, bytes.Repeat([]byte{7}, 64)); err != nil {
+		t.Fatal(err)
+	}
+	_ = w.Flush()
+	frame := buf.Bytes()[5:]
+	if _, dst, _, err := parseBlock(frame); err != nil || dst != 3 {
+		t.Fatalf("intact block: dst %d, err %v", dst, err)
+	}
+	frame[len(frame)-1] ^= 1
+	if _, _, _, err := parseBlock(frame); !errors.Is(err, ErrChecksum) {
+		t.Fatalf("corrupted block: err %v, want ErrChecksum", err)
+	}
+}
+
+// The Link: an agent that restarts loses its pulls and holds; the engine hears of each once.
+func TestLinkFailsWhatARestartedAgentLost(t *testing.T) {
+	var mu sync.Mutex
+	epoch := "run-1"
+	var pending []Completion
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch r.URL.Path {
+		case "/v1/events":
+			_ = json.NewEncoder(w).Encode(Events{Epoch: epoch, Completions: pending})
+			pending = nil
+		default:
+			_ = json.NewEncoder(w).Encode(epochReply{Epoch: epoch})
+		}
+	}))
+	defer srv.Close()
+	comp, rel := newSink(), newSink()
+	l := NewLink(srv.URL, comp, rel)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go l.Run(ctx)
+
+	_ = l.Pull(ctx, Pull{Request: "a", Transfer: "x", Blocks: connector.BlockIDs{{1}}, WaitingForRemote: true})
+	_ = l.Pull(ctx, Pull{Request: "quiet", Transfer: "y", WaitingForRemote: true}) // notify-only: never tracked
+	_ = l.Ready(ctx, "h", "p", connector.BlockIDs{{4, 5}})
+	mu.Lock()
+	epoch = "run-2" // the agent restarted
+	mu.Unlock()
+	comp.wait(t, 1, "lost pull failed")
+	rel.wait(t, 1, "lost hold released")
+	// The dead run's report, if it ever came, must not be delivered a second time.
+	mu.Lock()
+	pending = []Completion{{Request: "a"}}
+	mu.Unlock()
+	time.Sleep(1500 * time.Millisecond)
+	if len(comp.c) != 1 || !errors.Is(comp.c[0].Err, ErrAgentLost) || comp.c[0].Request != "a" {
+		t.Errorf("completions = %+v, want one ErrAgentLost for a", comp.c)
+	}
+	if len(rel.r) != 1 || rel.r[0].Request != "p" || rel.r[0].Blocks != 2 {
+		t.Errorf("releases = %+v, want one for p", rel.r)
+	}
+	if pulls, holds := l.Outstanding(); pulls != 0 || holds != 0 {
+		t.Errorf("outstanding %d pulls %d holds, want none", pulls, holds)
+	}
+}

@@ -1,0 +1,104 @@
+package bootstrap
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestRegisterFollowsVLLMRules(t *testing.T) {
+	r := NewRegistry()
+	steps := []struct {
+		name string
+		reg  Registration
+		want string // "" for ok, else part of the error
+	}{
+		{"first worker", Registration{EngineID: "e1", TPRank: 0, Addr: "tcp://a:1"}, ""},
+		{"same address again is a no-op", Registration{EngineID: "e1", TPRank: 0, Addr: "tcp://a:1"}, ""},
+		{"second tp rank", Registration{EngineID: "e1", TPRank: 1, Addr: "tcp://a:2"}, ""},
+		{"moved worker", Registration{EngineID: "e1", TPRank: 0, Addr: "tcp://b:1"}, "is already registered at tcp://a:1, but still want to register at tcp://b:1"},
+		{"other engine on the dp rank", Registration{EngineID: "e2", TPRank: 2, Addr: "tcp://c:1"}, "Engine ID mismatch"},
+		{"other dp rank", Registration{EngineID: "e2", DPRank: 1, Addr: "tcp://c:1"}, ""},
+		{"missing addr", Registration{EngineID: "e3", DPRank: 2}, "required"},
+	}
+	for _, s := range steps {
+		err := r.Register(s.reg)
+		if (s.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), s.want)) {
+			t.Errorf("%s: err = %v, want %q", s.name, err, s.want)
+		}
+	}
+	want := Topology{
+		"0": {EngineID: "e1", WorkerAddr: map[string]map[string]string{"0": {"0": "tcp://a:1"}, "1": {"0": "tcp://a:2"}}},
+		"1": {EngineID: "e2", WorkerAddr: map[string]map[string]string{"0": {"0": "tcp://c:1"}}},
+	}
+	if d := cmp.Diff(want, r.Snapshot()); d != "" {
+		t.Errorf("topology (-want +got):\n%s", d)
+	}
+}
+
+func TestHandlerSpeaksTheMooncakeJSON(t *testing.T) {
+	srv := httptest.NewServer(NewRegistry().Handler())
+	defer srv.Close()
+	resp, err := http.Post(srv.URL+"/register", "application/json", strings.NewReader(`{"engine_id":"e","dp_rank":0,"tp_rank":0,"pp_rank":0,"addr":"tcp://h:9"}`))
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("register: %v %v", resp.Status, err)
+	}
+	resp, _ = http.Post(srv.URL+"/register", "application/json", strings.NewReader(`{"engine_id":"x","dp_rank":0,"tp_rank":1,"addr":"tcp://h:8"}`))
+	if resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("engine mismatch: %s, want 400", resp.Status)
+	}
+	resp, err = http.Get(srv.URL + "/query")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var raw map[string]any
+	_ = json.NewDecoder(resp.Body).Decode(&raw)
+	want := map[string]any{"0": map[string]any{"engine_id": "e", "worker_addr": map[string]any{"0": map[string]any{"0": "tcp://h:9"}}}}
+	if d := cmp.Diff(want, raw); d != "" {
+		t.Errorf("/query (-want +got):\n%s", d)
+	}
+}
+
+func TestClientCachesUntilInvalidated(t *testing.T) {
+	reg := NewRegistry()
+	_ = reg.Register(Registration{EngineID: "e", Addr: "tcp://h:1"})
+	var hits atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		reg.Handler().ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	ctx := context.Background()
+
+	c := NewClient()
+	for i := 0; i < 3; i++ {
+		if _, err := c.Query(ctx, srv.URL); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := hits.Load(); n != 1 {
+		t.Errorf("cached client asked %d times, want 1", n)
+	}
+	c.Invalidate(srv.URL)
+	if _, err := c.Query(ctx, srv.URL); err != nil || hits.Load() != 2 {
+		t.Errorf("after Invalidate: %d asks, err %v; want 2", hits.Load(), err)
+	}
+
+	nc := NewClient()
+	nc.NoCache = true
+	for i := 0; i < 2; i++ {
+		_, _ = nc.Query(ctx, srv.URL)
+	}
+	if n := hits.Load(); n != 4 {
+		t.Errorf("NoCache client: %d asks in all, want 4", n)
+	}
+	if _, err := c.Query(ctx, "http://127.0.0.1:1"); err == nil {
+		t.Error("query of a closed port succeeded")
+	}
+}
