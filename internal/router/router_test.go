@@ -1,0 +1,185 @@
+package router
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/google/go-cmp/cmp"
+
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+)
+
+type seen struct {
+	body    map[string]any
+	headers http.Header
+}
+
+type fakeEngine struct {
+	mu     sync.Mutex
+	got    []seen
+	status int
+	reply  string
+}
+
+func (f *fakeEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	var body map[string]any
+	_ = json.NewDecoder(r.Body).Decode(&body)
+	f.mu.Lock()
+	f.got = append(f.got, seen{body, r.Header.Clone()})
+	status, reply := f.status, f.reply
+	f.mu.Unlock()
+	if status == 0 {
+		status = 200
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = io.WriteString(w, reply)
+}
+
+func (f *fakeEngine) last(t *testing.T) seen {
+	t.Helper()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.got) == 0 {
+		t.Fatal("engine got no request")
+	}
+	return f.got[len(f.got)-1]
+}
+
+func newRouter(t *testing.T, mode Mode, p, d *fakeEngine) *httptest.Server {
+	t.Helper()
+	reg := bootstrap.NewRegistry()
+	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://p:1"})
+	boot := httptest.NewServer(reg.Handler())
+	ps, ds := httptest.NewServer(p), httptest.NewServer(d)
+	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
+	r, err := New(Config{Mode: mode, Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}, logr.Discard(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(r.Handler(nil))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func send(t *testing.T, url, body string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, url+"/v1/completions", strings.NewReader(body))
+	req.Header.Set("X-Request-Id", "req-1")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func (f *fakeEngine) wait(t *testing.T) seen {
+	t.Helper()
+	for i := 0; i < 200; i++ {
+		f.mu.Lock()
+		n := len(f.got)
+		f.mu.Unlock()
+		if n > 0 {
+			return f.last(t)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatal("engine got no request")
+	return seen{}
+}
+
+func TestMooncakeLegsShareTheTransfer(t *testing.T) {
+	p, d := &fakeEngine{}, &fakeEngine{reply: `{"choices":[{"text":"ok"}]}`}
+	srv := newRouter(t, ModeMooncake, p, d)
+	code, body := send(t, srv.URL, `{"prompt":"hi","max_tokens":32,"stream":true,"stream_options":{"include_usage":true}}`)
+	if code != 200 || !strings.Contains(body, `"ok"`) {
+		t.Fatalf("got %d %s", code, body)
+	}
+	dl, pl := d.wait(t), p.wait(t)
+	pk, _ := pl.body["kv_transfer_params"].(map[string]any)
+	dk, _ := dl.body["kv_transfer_params"].(map[string]any)
+	transfer, _ := pk["transfer_id"].(string)
+	if !strings.HasPrefix(transfer, "xfer-") {
+		t.Fatalf("prefill transfer_id = %v", pk["transfer_id"])
+	}
+	if d := cmp.Diff(map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer}, pk); d != "" {
+		t.Errorf("prefill kv_transfer_params (-want +got):\n%s", d)
+	}
+	if dk["transfer_id"] != transfer || dk["remote_engine_id"] != "engine-p" || dk["do_remote_prefill"] != true || !strings.HasPrefix(dk["remote_bootstrap_addr"].(string), "http://") {
+		t.Errorf("decode kv_transfer_params = %v", dk)
+	}
+	if pl.body["max_tokens"] != float64(1) || pl.body["stream"] != false || pl.body["stream_options"] != nil {
+		t.Errorf("prefill leg not primed for one token: %v", pl.body)
+	}
+	if dl.body["max_tokens"] != float64(32) || dl.body["stream"] != true {
+		t.Errorf("decode leg lost the client's fields: %v", dl.body)
+	}
+	if pl.headers.Get("X-Request-Id") != "req-1" || dl.headers.Get("X-Request-Id") != "req-1" || pl.headers.Get("X-data-parallel-rank") != "0" {
+		t.Errorf("headers: prefill %v, decode %v", pl.headers, dl.headers)
+	}
+}
+
+func TestNIXLPassesPrefillParamsToDecode(t *testing.T) {
+	p := &fakeEngine{reply: `{"kv_transfer_params":{"do_remote_prefill":true,"transfer_id":"t-9","remote_engine_id":"e"}}`}
+	d := &fakeEngine{reply: `{"choices":[]}`}
+	srv := newRouter(t, ModeNIXL, p, d)
+	if code, body := send(t, srv.URL, `{"prompt":"hi","max_tokens":5}`); code != 200 {
+		t.Fatalf("got %d %s", code, body)
+	}
+	want := map[string]any{"do_remote_prefill": true, "transfer_id": "t-9", "remote_engine_id": "e"}
+	if diff := cmp.Diff(want, d.last(t).body["kv_transfer_params"]); diff != "" {
+		t.Errorf("decode params (-want +got):\n%s", diff)
+	}
+	pk := p.last(t).body["kv_transfer_params"].(map[string]any)
+	if pk["do_remote_decode"] != true || pk["remote_block_ids"] != nil {
+		t.Errorf("prefill params = %v", pk)
+	}
+}
+
+func TestFailuresSayWhy(t *testing.T) {
+	t.Run("nixl prefill 4xx is the client's answer", func(t *testing.T) {
+		p := &fakeEngine{status: 400, reply: `{"error":{"message":"max_tokens must be at least 1"}}`}
+		srv := newRouter(t, ModeNIXL, p, &fakeEngine{})
+		if code, body := send(t, srv.URL, `{"prompt":"hi"}`); code != 400 || !strings.Contains(body, "max_tokens") {
+			t.Errorf("got %d %s", code, body)
+		}
+	})
+	t.Run("decode 5xx names both legs", func(t *testing.T) {
+		p := &fakeEngine{status: 503, reply: `agent down`}
+		d := &fakeEngine{status: 500, reply: `{"error":{"message":"KV load failed"}}`}
+		srv := newRouter(t, ModeMooncake, p, d)
+		code, body := send(t, srv.URL, `{"prompt":"hi"}`)
+		if code != 500 || !strings.Contains(body, "KV load failed") || !strings.Contains(body, "decode leg") {
+			t.Errorf("got %d %s", code, body)
+		}
+	})
+	t.Run("bad bodies", func(t *testing.T) {
+		srv := newRouter(t, ModeMooncake, &fakeEngine{}, &fakeEngine{})
+		for body, want := range map[string]string{
+			`[1]`:                                    "JSON object",
+			`{"max_tokens":1}`:                       "prompt",
+			`{"prompt":"x","kv_transfer_params":{}}`: "set by the router",
+		} {
+			if code, got := send(t, srv.URL, body); code != 400 || !strings.Contains(got, want) {
+				t.Errorf("%s: got %d %s, want 400 with %q", body, code, got, want)
+			}
+		}
+	})
+	t.Run("config", func(t *testing.T) {
+		if _, err := New(Config{Mode: "x"}, logr.Discard(), nil); err == nil {
+			t.Error("bad mode accepted")
+		}
+		if _, err := New(Config{Mode: ModeMooncake, Prefill: []Prefill{{URL: "http://p"}}, Decode: []string{"http://d"}}, logr.Discard(), nil); err == nil {
+			t.Error("mooncake without bootstrap accepted")
+		}
+	})
+}
