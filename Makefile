@@ -21,6 +21,10 @@ run: build ## Main job. Today: validate and render the sample PDCluster (the loc
 	bin/pdctl validate -f config/samples/serving_v1alpha1_pdcluster.yaml
 	bin/pdctl render -f config/samples/serving_v1alpha1_pdcluster.yaml
 
+.PHONY: sandbox
+sandbox: build ## P/D on loopback: router, engine simulators and connector agents (Ctrl-C stops it).
+	bin/pdctl sandbox --listen 127.0.0.1:8080 --block-size 64 --prefill 2 --decode 1
+
 ##@ Generate
 $(CONTROLLER_GEN):
 	@mkdir -p $(BIN_CACHE)
