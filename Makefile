@@ -39,7 +39,10 @@ generate: $(CONTROLLER_GEN) ## Generate DeepCopy methods.
 manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC into config/.
 	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
 	@if [ -d controllers ]; then $(CONTROLLER_GEN) rbac:roleName=manager-role paths=./controllers/... output:rbac:artifacts:config=config/rbac; fi
-	@if [ -d charts/pdcluster-operator/crds ]; then cp config/crd/bases/*.yaml charts/pdcluster-operator/crds/; fi
+	cp config/crd/bases/*.yaml charts/pdcluster-operator/crds/
+	{ echo "# Generated from config/rbac/role.yaml by make manifests: do not edit."; \
+	  sed -e 's/^  name: manager-role$$/  name: {{ include "pdcluster-operator.fullname" . }}-manager\n  labels:\n    {{- include "pdcluster-operator.labels" . | nindent 4 }}/' config/rbac/role.yaml; \
+	} > charts/pdcluster-operator/templates/clusterrole.yaml
 
 .PHONY: golden
 golden: ## Rewrite the render golden files from the current code.
@@ -57,9 +60,10 @@ envtest-assets: ## Build kube-apiserver, etcd, kubectl, kwok, helm from source (
 	hack/envtest-assets.sh >/dev/null
 
 .PHONY: lint
-lint: ## go vet and gofmt.
+lint: envtest-assets ## go vet, gofmt and helm lint.
 	$(GO) vet ./...
 	@gofmt -l . | (! grep .) || (echo "gofmt needed on the files above"; exit 1)
+	"$$(hack/envtest-assets.sh)/helm" lint --strict charts/pdcluster-operator
 
 .PHONY: test
 test: envtest-assets ## Unit, golden, connector and envtest integration tests.

@@ -21,7 +21,6 @@ import (
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
@@ -233,18 +232,7 @@ func TestKustomizeDefaultAppliesAndIsStable(t *testing.T) {
 	if _, err := os.Stat(kubectl); err != nil {
 		t.Skipf("kubectl not in KUBEBUILDER_ASSETS: %v", err)
 	}
-	user, err := testEnv.AddUser(envtest.User{Name: "kustomize-admin", Groups: []string{"system:masters"}}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kc, err := user.KubeConfig()
-	if err != nil {
-		t.Fatal(err)
-	}
-	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
-	if err := os.WriteFile(kubeconfig, kc, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	kubeconfig := adminKubeconfig(t)
 	run := func(args ...string) string {
 		t.Helper()
 		cmd := exec.Command(kubectl, append([]string{"--kubeconfig", kubeconfig}, args...)...)
