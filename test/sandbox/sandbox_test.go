@@ -374,6 +374,12 @@ func TestBadRequestsGetClear4xx(t *testing.T) {
 		{"zero max_tokens", map[string]any{"prompt": "hello world", "max_tokens": 0}, 400, "max_tokens must be at least 1"},
 		{"too long", map[string]any{"prompt": tokens(10, 1), "max_tokens": 1 << 20}, 400, "maximum context length"},
 	}
+	t.Run("models", func(t *testing.T) {
+		code, body := get(t, b.state.Router+"/v1/models")
+		if code != http.StatusOK || !strings.Contains(body, `"id":"sim/model"`) {
+			t.Errorf("GET /v1/models: %d %s", code, body)
+		}
+	})
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			r := post(context.Background(), b.state.Router+"/v1/completions", tc.body)
