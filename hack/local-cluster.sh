@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Starts a local cluster from the binaries built by hack/envtest-assets.sh: etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler and kwok with fake GPU/RDMA nodes.
+#   hack/local-cluster.sh up      # prints the kubeconfig path; processes keep running
+#   hack/local-cluster.sh down
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="$("${root}/hack/envtest-assets.sh")"
+dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
+nodes="${PDCLUSTER_GPU_NODES:-4}"
+port="${PDCLUSTER_APISERVER_PORT:-16443}"
+log() { echo "local-cluster: $*" >&2; }
+
+down() {
+	local p pid
+	for p in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+		[[ -f "${dir}/${p}.pid" ]] || continue
+		pid="$(cat "${dir}/${p}.pid")"
+		kill "${pid}" 2>/dev/null || true
+		for _ in $(seq 1 50); do kill -0 "${pid}" 2>/dev/null || break; sleep 0.2; done
+		kill -9 "${pid}" 2>/dev/null || true # its ports must be free for the next up
+		rm -f "${dir}/${p}.pid"
+	done
+}
+
+start() { # name args...
+	local name="$1"; shift
+	"${bin}/${name}" "$@" >"${dir}/${name}.log" 2>&1 &
+	echo $! >"${dir}/${name}.pid"
+}
+
+up() {
+	down
+	rm -rf "${dir}"; mkdir -p "${dir}/certs"
+	local token; token="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+	echo "${token},admin,admin,system:masters" >"${dir}/tokens.csv"
+	openssl genrsa -out "${dir}/certs/sa.key" 2048 2>/dev/null
+	openssl rsa -in "${dir}/certs/sa.key" -pubout -out "${dir}/certs/sa.pub" 2>/dev/null
+	cat >"${dir}/kubeconfig" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster: {server: "https://127.0.0.1:${port}", insecure-skip-tls-verify: true}
+users:
+- name: admin
+  user: {token: "${token}"}
+contexts:
+- name: local
+  context: {cluster: local, user: admin}
+current-context: local
+KC
+	start etcd --data-dir "${dir}/etcd" --listen-client-urls http://127.0.0.1:12379 --advertise-client-urls http://127.0.0.1:12379 \
+		--listen-peer-urls http://127.0.0.1:12380 --initial-advertise-peer-urls http://127.0.0.1:12380 --initial-cluster default=http://127.0.0.1:12380
+	start kube-apiserver --etcd-servers http://127.0.0.1:12379 --secure-port "${port}" --bind-address 127.0.0.1 \
+		--cert-dir "${dir}/certs" --token-auth-file "${dir}/tokens.csv" --authorization-mode RBAC \
+		--service-account-key-file "${dir}/certs/sa.pub" --service-account-signing-key-file "${dir}/certs/sa.key" \
+		--service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16
+	local kc=("--kubeconfig" "${dir}/kubeconfig")
+	for _ in $(seq 1 120); do "${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null 2>&1 && break; sleep 0.5; done
+	"${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null
+	start kube-controller-manager "${kc[@]}" --service-account-private-key-file "${dir}/certs/sa.key" \
+		--use-service-account-credentials=false --controllers '*' --leader-elect=false
+	start kube-scheduler "${kc[@]}" --leader-elect=false
+	# kwok ships its node and pod lifecycle Stages in its module, which installing it downloaded.
+	local stages; stages="$(go env GOMODCACHE)/sigs.k8s.io/kwok@${KWOK_VERSION:-v0.8.0}/kustomize/stage"
+	: >"${dir}/kwok.yaml"
+	for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+		pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+		{ echo "---"; cat "${stages}/${f}"; } >>"${dir}/kwok.yaml"
+	done
+	start kwok "${kc[@]}" --config "${dir}/kwok.yaml" --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
+		--node-lease-duration-seconds 40
+	for i in $(seq 0 $((nodes - 1))); do
+		cat <<NODE | "${bin}/kubectl" "${kc[@]}" apply -f - >/dev/null
+apiVersion: v1
+kind: Node
+metadata:
+  name: gpu-node-${i}
+  annotations: {kwok.x-k8s.io/node: fake, node.alpha.kubernetes.io/ttl: "0"}
+  labels: {kubernetes.io/hostname: gpu-node-${i}, type: kwok, pdcluster.dev/gpu-pool: "true"}
+spec:
+  taints:
+  - {key: nvidia.com/gpu, value: present, effect: NoSchedule}
+status:
+  allocatable: {cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "8", rdma/hca: "4"}
+  capacity: {cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "8", rdma/hca: "4"}
+NODE
+	done
+	log "up: ${nodes} fake GPU nodes; export KUBECONFIG=${dir}/kubeconfig"
+	echo "${dir}/kubeconfig"
+}
+
+case "${1:-up}" in
+up) up ;;
+down) down ;;
+*) echo "usage: $0 up|down" >&2; exit 2 ;;
+esac
