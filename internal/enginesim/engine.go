@@ -53,11 +53,10 @@ type Engine struct {
 	wake   chan struct{}
 	nextID atomic.Uint64
 
-	mu       sync.Mutex
-	reqs     map[connector.RequestID]*request
-	prefix   map[uint64]struct{} // block hashes in the prefix cache
-	engineID string              // this producer's id in its bootstrap registry
-	stats    Stats
+	mu     sync.Mutex
+	reqs   map[connector.RequestID]*request
+	prefix map[uint64]struct{} // block hashes in the prefix cache
+	stats  Stats
 }
 
 // Stats counts what the engine did.

@@ -283,15 +283,14 @@ func (e *Engine) producedParams(r *request, body *CompletionRequest) *KVTransfer
 	}
 }
 
-// engineIDOf asks the bootstrap registry for this producer's engine id (dp rank 0).
+// engineIDOf asks the bootstrap registry for this producer's engine id (dp rank 0). It is not
+// cached: the id changes whenever the agent restarts.
 func (e *Engine) engineIDOf() string {
-	e.mu.Lock()
-	id := e.engineID
-	e.mu.Unlock()
-	if id != "" || e.cfg.BootstrapAddr == "" {
-		return id
+	if e.cfg.BootstrapAddr == "" {
+		return ""
 	}
 	c := bootstrap.NewClient()
+	c.NoCache = true
 	t, err := c.Query(context.Background(), e.cfg.BootstrapAddr)
 	if err != nil {
 		return ""

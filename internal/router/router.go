@@ -65,12 +65,14 @@ func (c Config) Validate() error {
 
 // Router proxies requests to prefill and decode engines.
 type Router struct {
-	cfg      Config
-	hc       *http.Client
-	boot     *bootstrap.Client
-	next     atomic.Uint64
-	log      logr.Logger
-	requests *prometheus.CounterVec
+	cfg  Config
+	hc   *http.Client
+	boot *bootstrap.Client
+	// nextP and nextD round-robin each pool on its own: one shared counter, advanced twice per
+	// request, would pin every request to the same pair when both pools have an even size.
+	nextP, nextD atomic.Uint64
+	log          logr.Logger
+	requests     *prometheus.CounterVec
 }
 
 // New validates cfg and returns a Router; metrics register on reg.
@@ -124,7 +126,7 @@ func newID() string {
 	return hex.EncodeToString(b[:])
 }
 
-func (r *Router) pick(n int) int { return int(r.next.Add(1)-1) % n }
+func pick(next *atomic.Uint64, n int) int { return int(next.Add(1)-1) % n }
 
 func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	sw := &statusWriter{ResponseWriter: w}
@@ -153,8 +155,8 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	if reqID == "" {
 		reqID = newID()
 	}
-	p := r.cfg.Prefill[r.pick(len(r.cfg.Prefill))]
-	d := r.cfg.Decode[r.pick(len(r.cfg.Decode))]
+	p := r.cfg.Prefill[pick(&r.nextP, len(r.cfg.Prefill))]
+	d := r.cfg.Decode[pick(&r.nextD, len(r.cfg.Decode))]
 	switch r.cfg.Mode {
 	case ModeMooncake:
 		r.mooncake(sw, req, body, reqID, p, d)

@@ -95,12 +95,11 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		procs []proc
 	)
 	st.Prefill, st.Decode = make([]Node, cfg.Prefill), make([]Node, cfg.Decode)
-	ports := func(n int) ([]int, error) { return freePorts(n) }
 	common := func(name string) []string {
 		return []string{"--kv-file", filepath.Join(cfg.WorkDir, name+".kv"), "--kv-blocks", strconv.Itoa(cfg.KVBlocks), "--block-bytes", strconv.Itoa(cfg.BlockBytes)}
 	}
 	addNode := func(role string, i int, n *Node) error {
-		p, err := ports(3)
+		p, err := freePorts(3)
 		if err != nil {
 			return err
 		}
