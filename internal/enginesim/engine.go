@@ -207,7 +207,16 @@ func (e *Engine) step(id connector.RequestID) {
 	}
 	tok := nextToken(r.seed, r.produced)
 	r.produced++
-	r.out <- tok // buffered to maxTok
+	// An abort may end the request between two steps; sending on its closed channel would panic.
+	e.mu.Lock()
+	_, live := e.reqs[id]
+	if live {
+		r.out <- tok // buffered to maxTok: never blocks
+	}
+	e.mu.Unlock()
+	if !live {
+		return
+	}
 	switch {
 	case r.produced >= r.maxTok:
 		_ = e.sched.Finish(id, vllmsched.FinishedLengthCapped)
@@ -307,9 +316,9 @@ func (e *Engine) end(r *request, err error, finish string) {
 	default:
 		e.stats.Completed++
 	}
-	e.mu.Unlock()
 	r.err, r.finish = err, finish
-	close(r.out)
+	close(r.out) // under e.mu, so step never sends on it after this
+	e.mu.Unlock()
 	close(r.done)
 }
 
