@@ -23,6 +23,15 @@ const (
 	ConditionDecodeReady            = "DecodeReady"
 	ConditionRouterReady            = "RouterReady"
 	ConditionConnectorHealthy       = "ConnectorHealthy"
+
+	DefaultConnectorBufferBlocks  int32 = 8192
+	DefaultConnectorBlockBytes    int32 = 4096
+	DefaultHealthPeriodSeconds    int32 = 10
+	DefaultHealthFailureThreshold int32 = 3
+	DefaultInitialBackoffSeconds  int32 = 30
+	DefaultMaxBackoffSeconds      int32 = 600
+	DefaultRestartBudget          int32 = 5
+	DefaultBudgetWindowSeconds    int32 = 3600
 )
 
 // Connector names a vLLM KV connector.
@@ -237,6 +246,98 @@ type RouterSpec struct {
 	Replicas *int32 `json:"replicas,omitempty"`
 }
 
+// ConnectorSpec configures the completion-gated connector agent the operator runs as a sidecar
+// beside every prefill and decode engine. The engine talks to it on localhost and shares the
+// KV staging buffer with it through a memory-backed volume.
+type ConnectorSpec struct {
+	// image of the connector agent. Defaults to the operator's --connector-image.
+	// +optional
+	Image string `json:"image,omitempty"`
+
+	// bufferBlocks is the number of KV blocks in the staging buffer the engine and the sidecar
+	// share; it must hold the engine's KV capacity.
+	// +kubebuilder:default=8192
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1048576
+	// +optional
+	BufferBlocks *int32 `json:"bufferBlocks,omitempty"`
+
+	// blockBytes is the size of one KV block in the staging buffer.
+	// +kubebuilder:default=4096
+	// +kubebuilder:validation:Minimum=64
+	// +kubebuilder:validation:Maximum=67108864
+	// +optional
+	BlockBytes *int32 `json:"blockBytes,omitempty"`
+
+	// resources of the connector container.
+	// +optional
+	Resources corev1.ResourceRequirements `json:"resources,omitempty"`
+
+	// health says when the operator restarts a pod whose connector is unhealthy.
+	// +kubebuilder:default={}
+	// +optional
+	Health ConnectorHealthPolicy `json:"health,omitempty"`
+}
+
+// ConnectorHealthPolicy: the kubelet probes the connector's /readyz every periodSeconds; a pod
+// whose connector has not been ready for failureThreshold*periodSeconds is restarted (deleted
+// and recreated by its Deployment). Restarts back off exponentially from initialBackoffSeconds
+// to maxBackoffSeconds while connectors stay unhealthy, and at most restartBudget restart rounds
+// happen in any budgetWindowSeconds.
+// +kubebuilder:validation:XValidation:rule="!has(self.initialBackoffSeconds) || !has(self.maxBackoffSeconds) || self.maxBackoffSeconds >= self.initialBackoffSeconds",message="maxBackoffSeconds must be at least initialBackoffSeconds"
+type ConnectorHealthPolicy struct {
+	// periodSeconds between two readiness checks of the connector.
+	// +kubebuilder:default=10
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=300
+	// +optional
+	PeriodSeconds *int32 `json:"periodSeconds,omitempty"`
+
+	// failureThreshold is how many periods a connector may stay unready before its pod is restarted.
+	// +kubebuilder:default=3
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=100
+	// +optional
+	FailureThreshold *int32 `json:"failureThreshold,omitempty"`
+
+	// initialBackoffSeconds is the wait after a restart round before the next one; it doubles
+	// with each further round until connectors are healthy again.
+	// +kubebuilder:default=30
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=86400
+	// +optional
+	InitialBackoffSeconds *int32 `json:"initialBackoffSeconds,omitempty"`
+
+	// maxBackoffSeconds caps the backoff between restart rounds.
+	// +kubebuilder:default=600
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=86400
+	// +optional
+	MaxBackoffSeconds *int32 `json:"maxBackoffSeconds,omitempty"`
+
+	// restartBudget is the most restart rounds in any budgetWindowSeconds; when it is spent the
+	// operator stops restarting and reports RestartBudgetExhausted. 0 disables restarts.
+	// +kubebuilder:default=5
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=100
+	// +optional
+	RestartBudget *int32 `json:"restartBudget,omitempty"`
+
+	// budgetWindowSeconds is the sliding window restartBudget counts over.
+	// +kubebuilder:default=3600
+	// +kubebuilder:validation:Minimum=60
+	// +kubebuilder:validation:Maximum=604800
+	// +optional
+	BudgetWindowSeconds *int32 `json:"budgetWindowSeconds,omitempty"`
+
+	// restartDecodeWithPrefill restarts the decode pods too when a prefill pod is restarted: the
+	// router spreads requests over every prefill and decode pair, so every decode connector holds
+	// transfers with every prefill pod.
+	// +kubebuilder:default=true
+	// +optional
+	RestartDecodeWithPrefill *bool `json:"restartDecodeWithPrefill,omitempty"`
+}
+
 // PDClusterSpec is the desired state of a disaggregated prefill/decode deployment.
 type PDClusterSpec struct {
 	// model is the model both pools serve.
@@ -264,6 +365,11 @@ type PDClusterSpec struct {
 	// +kubebuilder:default={}
 	// +optional
 	Router RouterSpec `json:"router,omitempty"`
+
+	// connector is the completion-gated connector sidecar of every prefill and decode pod.
+	// +kubebuilder:default={}
+	// +optional
+	Connector ConnectorSpec `json:"connector,omitempty"`
 }
 
 // PoolStatus is the observed state of one pool.
@@ -280,6 +386,31 @@ type PoolStatus struct {
 	// ready is readyReplicas/replicas, for printing.
 	// +optional
 	Ready string `json:"ready,omitempty"`
+	// connectorRestarts counts the pods of this pool the operator restarted for connector health.
+	// +optional
+	ConnectorRestarts int32 `json:"connectorRestarts,omitempty"`
+}
+
+// ConnectorStatus is the operator's record of connector health and restarts.
+type ConnectorStatus struct {
+	// restarts counts every pod restarted for connector health (both pools).
+	// +optional
+	Restarts int32 `json:"restarts,omitempty"`
+	// unhealthyPods names the pods whose connector is not ready now.
+	// +optional
+	// +listType=atomic
+	UnhealthyPods []string `json:"unhealthyPods,omitempty"`
+	// consecutiveRounds counts restart rounds since the connectors were last all healthy; it
+	// sets the backoff before the next round.
+	// +optional
+	ConsecutiveRounds int32 `json:"consecutiveRounds,omitempty"`
+	// lastRestartTime is when the last restart round happened.
+	// +optional
+	LastRestartTime *metav1.Time `json:"lastRestartTime,omitempty"`
+	// recentRounds are the times of the restart rounds inside the budget window.
+	// +optional
+	// +listType=atomic
+	RecentRounds []metav1.Time `json:"recentRounds,omitempty"`
 }
 
 // PDClusterStatus is the observed state of a PDCluster.
@@ -307,6 +438,10 @@ type PDClusterStatus struct {
 	// router is the observed state of the router.
 	// +optional
 	Router PoolStatus `json:"router,omitempty"`
+
+	// connector is the health and restart record of the connector sidecars.
+	// +optional
+	Connector ConnectorStatus `json:"connector,omitempty"`
 }
 
 // PDCluster runs one model as disaggregated prefill and decode pools with a P/D router
@@ -319,6 +454,8 @@ type PDClusterStatus struct {
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
 // +kubebuilder:printcolumn:name="Prefill",type=string,JSONPath=`.status.prefill.ready`
 // +kubebuilder:printcolumn:name="Decode",type=string,JSONPath=`.status.decode.ready`
+// +kubebuilder:printcolumn:name="Connector",type=string,JSONPath=`.status.conditions[?(@.type=="ConnectorHealthy")].status`
+// +kubebuilder:printcolumn:name="Restarts",type=integer,JSONPath=`.status.connector.restarts`
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type PDCluster struct {

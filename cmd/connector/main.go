@@ -22,23 +22,29 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
 )
 
+// options are the command-line settings besides the agent's own Config.
+type options struct {
+	role, listen, publicListen, dataListen, kvPath string
+	blocks, blockBytes, consumerRank               int
+}
+
 func main() {
 	var cfg agent.Config
-	var role, listen, dataListen, kvPath string
-	var blocks, blockBytes, consumerRank int
-	flag.StringVar(&role, "role", "", "kv_producer (prefill) or kv_consumer (decode)")
-	flag.StringVar(&listen, "listen", "127.0.0.1:7100", "HTTP address: local engine API, /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry (/register, /query)")
-	flag.StringVar(&dataListen, "data-listen", "127.0.0.1:7200", "TCP address of the data plane (producer)")
+	var o options
+	flag.StringVar(&o.role, "role", "", "kv_producer (prefill) or kv_consumer (decode)")
+	flag.StringVar(&o.listen, "listen", "127.0.0.1:7100", "HTTP address: local engine API, /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry (/register, /query)")
+	flag.StringVar(&o.publicListen, "public-listen", "", "HTTP address other pods and the kubelet reach: /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry (the local API stays on --listen); empty: none")
+	flag.StringVar(&o.dataListen, "data-listen", "127.0.0.1:7200", "TCP address of the data plane (producer)")
 	flag.StringVar(&cfg.DataAddr, "advertise-data", "", "data-plane address consumers dial (default: --data-listen)")
-	flag.StringVar(&kvPath, "kv-file", "", "KV-cache file shared with the engine")
-	flag.IntVar(&blocks, "kv-blocks", 0, "KV blocks in the file")
-	flag.IntVar(&blockBytes, "block-bytes", 4096, "bytes per KV block")
+	flag.StringVar(&o.kvPath, "kv-file", "", "KV-cache file shared with the engine")
+	flag.IntVar(&o.blocks, "kv-blocks", 0, "KV blocks in the file")
+	flag.IntVar(&o.blockBytes, "block-bytes", 4096, "bytes per KV block")
 	flag.StringVar(&cfg.EngineID, "engine-id", "", "producer engine id (default: a fresh id per start)")
 	flag.StringVar(&cfg.Bootstrap, "bootstrap", "", "bootstrap registry to register with (http://host:port); empty: serve it here")
 	flag.IntVar(&cfg.DPRank, "dp-rank", 0, "producer data-parallel rank")
 	flag.IntVar(&cfg.TPRank, "tp-rank", 0, "producer tensor-parallel rank")
 	flag.IntVar(&cfg.PPRank, "pp-rank", 0, "producer pipeline-parallel rank")
-	flag.IntVar(&consumerRank, "consumer-rank", 0, "consumer tensor-parallel rank")
+	flag.IntVar(&o.consumerRank, "consumer-rank", 0, "consumer tensor-parallel rank")
 	flag.IntVar(&cfg.Consumers, "consumers", 1, "consumer ranks that pull each transfer from each producer worker")
 	flag.DurationVar(&cfg.HoldTimeout, "hold-timeout", 480*time.Second, "free held blocks no consumer came for after this long")
 	flag.DurationVar(&cfg.ReadyTimeout, "ready-timeout", 480*time.Second, "how long a pull may wait for prefill to finish")
@@ -50,28 +56,28 @@ func main() {
 	zo := zap.Options{}
 	zo.BindFlags(flag.CommandLine)
 	flag.Parse()
-	log := zap.New(zap.UseFlagOptions(&zo)).WithValues("role", role)
-	if err := run(cfg, role, listen, dataListen, kvPath, blocks, blockBytes, consumerRank, log); err != nil {
+	log := zap.New(zap.UseFlagOptions(&zo)).WithValues("role", o.role)
+	if err := run(cfg, o, log); err != nil {
 		log.Error(err, "connector agent failed")
 		os.Exit(1)
 	}
 }
 
-func run(cfg agent.Config, role, listen, dataListen, kvPath string, blocks, blockBytes, consumerRank int, log interface {
+func run(cfg agent.Config, o options, log interface {
 	Info(string, ...any)
 }) error {
-	if kvPath == "" || blocks <= 0 {
+	if o.kvPath == "" || o.blocks <= 0 {
 		return errors.New("--kv-file and --kv-blocks are required")
 	}
-	kv, err := kvfile.Open(kvPath, blocks, blockBytes)
+	kv, err := kvfile.Open(o.kvPath, o.blocks, o.blockBytes)
 	if err != nil {
 		return err
 	}
 	defer kv.Close()
-	cfg.Role, cfg.KV, cfg.ConsumerRank = agent.Role(role), kv, connector.ConsumerRank(consumerRank)
+	cfg.Role, cfg.KV, cfg.ConsumerRank = agent.Role(o.role), kv, connector.ConsumerRank(o.consumerRank)
 	var data net.Listener
 	if cfg.Role == agent.RoleProducer {
-		if data, err = net.Listen("tcp", dataListen); err != nil {
+		if data, err = net.Listen("tcp", o.dataListen); err != nil {
 			return fmt.Errorf("data plane: %w", err)
 		}
 		if cfg.DataAddr == "" {
@@ -85,18 +91,32 @@ func run(cfg agent.Config, role, listen, dataListen, kvPath string, blocks, bloc
 	if err != nil {
 		return err
 	}
-	hl, err := net.Listen("tcp", listen)
-	if err != nil {
-		return fmt.Errorf("http: %w", err)
+	servers := []struct {
+		addr    string
+		handler http.Handler
+	}{{o.listen, a.Handler(reg)}, {o.publicListen, a.PublicHandler(reg)}}
+	var running []*http.Server
+	defer func() {
+		shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		for _, srv := range running {
+			_ = srv.Shutdown(shutdown)
+		}
+	}()
+	for _, s := range servers {
+		if s.addr == "" {
+			continue
+		}
+		l, err := net.Listen("tcp", s.addr)
+		if err != nil {
+			return fmt.Errorf("http %s: %w", s.addr, err)
+		}
+		srv := &http.Server{Handler: s.handler, ReadHeaderTimeout: 10 * time.Second}
+		running = append(running, srv)
+		go func() { _ = srv.Serve(l) }()
 	}
-	srv := &http.Server{Handler: a.Handler(reg), ReadHeaderTimeout: 10 * time.Second}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	go func() { _ = srv.Serve(hl) }()
-	log.Info("connector agent serving", "http", hl.Addr().String(), "data", cfg.DataAddr, "engineID", a.EngineID(), "epoch", a.Epoch())
-	err = a.Serve(ctx, data)
-	shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	_ = srv.Shutdown(shutdown)
-	return err
+	log.Info("connector agent serving", "http", o.listen, "public", o.publicListen, "data", cfg.DataAddr, "engineID", a.EngineID(), "epoch", a.Epoch())
+	return a.Serve(ctx, data)
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -289,5 +290,35 @@ func TestLinkFailsWhatARestartedAgentLost(t *testing.T) {
 	}
 	if pulls, holds := l.Outstanding(); pulls != 0 || holds != 0 {
 		t.Errorf("outstanding %d pulls %d holds, want none", pulls, holds)
+	}
+}
+
+// The public handler is what a pod exposes on its IP: health, metrics and the bootstrap
+// registry answer there, the local API that moves KV does not.
+func TestPublicHandlerServesHealthAndRegistryButNotTheLocalAPI(t *testing.T) {
+	p := newPair(t, nil)
+	pub := httptest.NewServer(p.prod.PublicHandler(prometheus.NewRegistry()))
+	defer pub.Close()
+	cases := []struct {
+		method, path string
+		want         int
+	}{
+		{http.MethodGet, "/healthz", http.StatusOK},
+		{http.MethodGet, "/metrics", http.StatusOK},
+		{http.MethodGet, "/query", http.StatusOK},
+		{http.MethodPost, "/v1/pulls", http.StatusNotFound},
+		{http.MethodPost, "/v1/ready", http.StatusNotFound},
+		{http.MethodGet, "/v1/events", http.StatusNotFound},
+	}
+	for _, c := range cases {
+		req, _ := http.NewRequest(c.method, pub.URL+c.path, strings.NewReader("{}"))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != c.want {
+			t.Errorf("%s %s = %d, want %d", c.method, c.path, resp.StatusCode, c.want)
+		}
 	}
 }

@@ -121,11 +121,7 @@ func (q *eventQueue) drain(ctx context.Context, wait time.Duration) ([]Completio
 // /readyz and /metrics. gatherer is what /metrics serves.
 func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
-	if a.registry != nil {
-		b := a.registry.Handler()
-		mux.Handle("POST /register", b)
-		mux.Handle("GET /query", b)
-	}
+	a.handlePublic(mux, gatherer)
 	mux.HandleFunc("POST /v1/pulls", func(w http.ResponseWriter, r *http.Request) {
 		var p Pull
 		if !decode(w, r, &p) {
@@ -184,6 +180,24 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 		c, rel := a.events.drain(r.Context(), time.Duration(min(max(wait, 0), 30_000))*time.Millisecond)
 		writeJSON(w, Events{Epoch: a.epoch, Completions: c, Releases: rel})
 	})
+	return mux
+}
+
+// PublicHandler serves only what other pods and the kubelet need: the bootstrap registry (when
+// this agent hosts it), /healthz, /readyz and /metrics. The local API that moves KV stays on
+// Handler, which a pod binds to loopback.
+func (a *Agent) PublicHandler(gatherer prometheus.Gatherer) http.Handler {
+	mux := http.NewServeMux()
+	a.handlePublic(mux, gatherer)
+	return mux
+}
+
+func (a *Agent) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer) {
+	if a.registry != nil {
+		b := a.registry.Handler()
+		mux.Handle("POST /register", b)
+		mux.Handle("GET /query", b)
+	}
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		a.mu.Lock()
@@ -196,7 +210,6 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 		_, _ = io.WriteString(w, "ok\n")
 	})
 	mux.Handle("GET /metrics", promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{}))
-	return mux
 }
 
 func decode(w http.ResponseWriter, r *http.Request, v any) bool {

@@ -57,6 +57,15 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		Prefill: defaultPool,
 		Decode:  defaultPool,
 		Router:  v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas)},
+		Connector: v1alpha1.ConnectorSpec{
+			BufferBlocks: ptr.To(v1alpha1.DefaultConnectorBufferBlocks), BlockBytes: ptr.To(v1alpha1.DefaultConnectorBlockBytes),
+			Health: v1alpha1.ConnectorHealthPolicy{
+				PeriodSeconds: ptr.To(v1alpha1.DefaultHealthPeriodSeconds), FailureThreshold: ptr.To(v1alpha1.DefaultHealthFailureThreshold),
+				InitialBackoffSeconds: ptr.To(v1alpha1.DefaultInitialBackoffSeconds), MaxBackoffSeconds: ptr.To(v1alpha1.DefaultMaxBackoffSeconds),
+				RestartBudget: ptr.To(v1alpha1.DefaultRestartBudget), BudgetWindowSeconds: ptr.To(v1alpha1.DefaultBudgetWindowSeconds),
+				RestartDecodeWithPrefill: ptr.To(true),
+			},
+		},
 	}
 	if diff := cmp.Diff(want, doc.PDCluster.Spec); diff != "" {
 		t.Errorf("defaulted spec (-want +got):\n%s", diff)
@@ -96,6 +105,16 @@ func TestAdmitRejectsInvalidSpecs(t *testing.T) {
 			name: "underscore spelling of an owned flag",
 			doc:  minimal + "  prefill: {args: [\"--kv_transfer_config={}\"]}\n",
 			want: []string{"spec.prefill.args", "flag --kv_transfer_config={} is set by the operator"},
+		},
+		{
+			name: "connector backoff cap below its start",
+			doc:  minimal + "  connector: {health: {initialBackoffSeconds: 60, maxBackoffSeconds: 10}}\n",
+			want: []string{"spec.connector.health", "maxBackoffSeconds must be at least initialBackoffSeconds"},
+		},
+		{
+			name: "connector failure threshold of zero",
+			doc:  minimal + "  connector: {health: {failureThreshold: 0}}\n",
+			want: []string{"spec.connector.health.failureThreshold", "greater than or equal to 1"},
 		},
 		{
 			name: "negative replicas",

@@ -133,5 +133,6 @@ func newRenderCommand(stdin io.Reader) *cobra.Command {
 	cmd.Flags().StringVarP(&file, "filename", "f", "", "manifest file (YAML or JSON; - for stdin)")
 	cmd.Flags().StringVarP(&output, "output", "o", "yaml", "output format: yaml or json (a v1 List)")
 	cmd.Flags().StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router, as the manager's --router-image")
+	cmd.Flags().StringVar(&opts.ConnectorImage, "connector-image", opts.ConnectorImage, "image of the connector sidecar, as the manager's --connector-image")
 	return cmd
 }

@@ -51,17 +51,31 @@ const (
 	engineContainer = "engine"
 	routerContainer = "router"
 	shmVolume       = "dshm"
+
+	// ConnectorContainer is the completion-gated connector agent beside each engine.
+	ConnectorContainer = "connector"
+	// connectorVolume holds the KV staging buffer the engine and the agent both map.
+	connectorVolume = "connector-run"
+	ConnectorDir    = "/var/run/pdcluster"
+	// ConnectorAPIPort is the agent's local API; it binds loopback, so only its own engine reaches it.
+	ConnectorAPIPort int32 = 7100
+	// ConnectorPort serves /healthz, /readyz, /metrics and, on prefill, the bootstrap registry.
+	ConnectorPort int32 = v1alpha1.DefaultBootstrapPort
+	// ConnectorDataPort is the prefill agent's data plane, dialled by decode agents.
+	ConnectorDataPort int32 = 7200
 )
 
 // Options are the operator-wide settings that are not part of a PDCluster.
 type Options struct {
 	// RouterImage runs cmd/router.
 	RouterImage string
+	// ConnectorImage runs cmd/connector, unless a PDCluster names its own.
+	ConnectorImage string
 }
 
 // DefaultOptions are used by pdctl and by the manager unless flags override them.
 func DefaultOptions() Options {
-	return Options{RouterImage: "ghcr.io/pdcluster/router:v0.1.0"}
+	return Options{RouterImage: "ghcr.io/pdcluster/router:v0.1.0", ConnectorImage: "ghcr.io/pdcluster/connector:v0.1.0"}
 }
 
 // ObjectName is the name of the child object of cluster for role.
@@ -83,7 +97,7 @@ func Labels(cluster string, role Role) map[string]string {
 func Render(pdc *v1alpha1.PDCluster, opts Options) ([]client.Object, error) {
 	var objs []client.Object
 	for _, role := range []Role{RolePrefill, RoleDecode} {
-		dep, err := EngineDeployment(pdc, role)
+		dep, err := EngineDeployment(pdc, opts, role)
 		if err != nil {
 			return nil, fmt.Errorf("render %s pool: %w", role, err)
 		}
@@ -226,8 +240,9 @@ func objectMeta(pdc *v1alpha1.PDCluster, role Role) metav1.ObjectMeta {
 	}
 }
 
-// EngineDeployment is the prefill (kv_producer) or decode (kv_consumer) Deployment.
-func EngineDeployment(pdc *v1alpha1.PDCluster, role Role) (*appsv1.Deployment, error) {
+// EngineDeployment is the prefill (kv_producer) or decode (kv_consumer) Deployment: the engine
+// and, beside it, the connector agent it hands KV transfers to.
+func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role Role) (*appsv1.Deployment, error) {
 	p := pool(pdc, role)
 	args, err := EngineArgs(pdc, role)
 	if err != nil {
@@ -245,31 +260,25 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, role Role) (*appsv1.Deployment, e
 		setResource(&resources, corev1.ResourceName(name), *resource.NewQuantity(int64(count), resource.DecimalSI))
 	}
 
-	ports := []corev1.ContainerPort{{Name: "http", ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}}
-	env := []corev1.EnvVar{{Name: "POD_IP", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "status.podIP"}}}}
-	switch orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) {
-	case v1alpha1.ConnectorMooncake:
-		env = append(env, corev1.EnvVar{Name: "VLLM_MOONCAKE_BOOTSTRAP_PORT", Value: strconv.Itoa(int(v1alpha1.DefaultBootstrapPort))})
-		if role == RolePrefill {
-			ports = append(ports, corev1.ContainerPort{Name: "bootstrap", ContainerPort: v1alpha1.DefaultBootstrapPort, Protocol: corev1.ProtocolTCP})
-		}
-	case v1alpha1.ConnectorNixl:
-		env = append(env,
-			corev1.EnvVar{Name: "VLLM_NIXL_SIDE_CHANNEL_HOST", Value: "$(POD_IP)"},
-			corev1.EnvVar{Name: "VLLM_NIXL_SIDE_CHANNEL_PORT", Value: strconv.Itoa(int(v1alpha1.DefaultNixlSideChannel))})
-		if role == RolePrefill {
-			ports = append(ports, corev1.ContainerPort{Name: "nixl", ContainerPort: v1alpha1.DefaultNixlSideChannel, Protocol: corev1.ProtocolTCP})
-		}
+	env := []corev1.EnvVar{
+		podIPEnv(),
+		{Name: "PDCLUSTER_CONNECTOR_URL", Value: fmt.Sprintf("http://127.0.0.1:%d", ConnectorAPIPort)},
+		{Name: "PDCLUSTER_KV_FILE", Value: kvFile},
+	}
+	if orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) == v1alpha1.ConnectorMooncake {
+		// The prefill connector agent hosts the Mooncake bootstrap registry.
+		env = append(env, corev1.EnvVar{Name: "VLLM_MOONCAKE_BOOTSTRAP_PORT", Value: strconv.Itoa(int(ConnectorPort))})
 	}
 
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString("http")}}
+	connector, bufferBytes := connectorContainer(pdc, opts, role)
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
 			Name:      engineContainer,
 			Image:     pdc.Spec.Engine.Image,
 			Command:   []string{"vllm"},
 			Args:      args,
-			Ports:     ports,
+			Ports:     []corev1.ContainerPort{{Name: "http", ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
 			Env:       env,
 			Resources: resources,
 			// Model loading can take many minutes; the startup probe holds liveness off until then.
@@ -278,14 +287,71 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, role Role) (*appsv1.Deployment, e
 			LivenessProbe:  probe(health, 10, 6),
 			// RDMA needs to pin (mlock) the registered KV-cache memory.
 			SecurityContext: &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Add: []corev1.Capability{"IPC_LOCK"}}},
-			VolumeMounts:    []corev1.VolumeMount{{Name: shmVolume, MountPath: "/dev/shm"}},
-		}},
-		// NCCL and the engine's worker processes share tensors through /dev/shm.
-		Volumes:      []corev1.Volume{{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}}},
+			VolumeMounts: []corev1.VolumeMount{
+				{Name: shmVolume, MountPath: "/dev/shm"},
+				{Name: connectorVolume, MountPath: ConnectorDir},
+			},
+		}, connector},
+		Volumes: []corev1.Volume{
+			// NCCL and the engine's worker processes share tensors through /dev/shm.
+			{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}},
+			{Name: connectorVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{
+				Medium: corev1.StorageMediumMemory, SizeLimit: resource.NewQuantity(bufferBytes, resource.BinarySI),
+			}}},
+		},
 		NodeSelector: maps.Clone(p.NodeSelector),
 		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
 	}
 	return deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
+}
+
+const kvFile = ConnectorDir + "/kv.blocks"
+
+func podIPEnv() corev1.EnvVar {
+	return corev1.EnvVar{Name: "POD_IP", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{APIVersion: "v1", FieldPath: "status.podIP"}}}
+}
+
+// connectorContainer is the connector agent of role and the size of the staging buffer it
+// shares with the engine. Its readiness probe runs every health.periodSeconds and flips on the
+// first failure: the operator, not the kubelet, decides when unready has lasted too long.
+func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role Role) (corev1.Container, int64) {
+	c := pdc.Spec.Connector
+	image := c.Image
+	if image == "" {
+		image = opts.ConnectorImage
+	}
+	blocks := ptr.Deref(c.BufferBlocks, v1alpha1.DefaultConnectorBufferBlocks)
+	blockBytes := ptr.Deref(c.BlockBytes, v1alpha1.DefaultConnectorBlockBytes)
+	args := []string{
+		"--role=" + kvRole(role),
+		fmt.Sprintf("--listen=127.0.0.1:%d", ConnectorAPIPort),
+		fmt.Sprintf("--public-listen=:%d", ConnectorPort),
+		"--kv-file=" + kvFile,
+		fmt.Sprintf("--kv-blocks=%d", blocks),
+		fmt.Sprintf("--block-bytes=%d", blockBytes),
+	}
+	ports := []corev1.ContainerPort{{Name: "connector", ContainerPort: ConnectorPort, Protocol: corev1.ProtocolTCP}}
+	if role == RolePrefill {
+		args = append(args, fmt.Sprintf("--data-listen=:%d", ConnectorDataPort), fmt.Sprintf("--advertise-data=$(POD_IP):%d", ConnectorDataPort))
+		ports = append(ports, corev1.ContainerPort{Name: "kv-data", ContainerPort: ConnectorDataPort, Protocol: corev1.ProtocolTCP})
+	}
+	resources := *c.Resources.DeepCopy()
+	if len(resources.Requests) == 0 && len(resources.Limits) == 0 {
+		resources.Requests = corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")}
+	}
+	period := ptr.Deref(c.Health.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds)
+	port := intstr.FromString("connector")
+	return corev1.Container{
+		Name:           ConnectorContainer,
+		Image:          image,
+		Args:           args,
+		Ports:          ports,
+		Env:            []corev1.EnvVar{podIPEnv()},
+		Resources:      resources,
+		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
+		LivenessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
+		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
+	}, int64(blocks) * int64(blockBytes)
 }
 
 // probe sets every field, including the ones the API server would default, so the applied
@@ -342,14 +408,12 @@ func hashOf(v any) (string, error) {
 // EngineService is the headless Service of a pool: the router needs each pod's address (the
 // Mooncake bootstrap server runs per prefill pod), not a load-balanced VIP.
 func EngineService(pdc *v1alpha1.PDCluster, role Role) *corev1.Service {
-	ports := []corev1.ServicePort{{Name: "http", Port: v1alpha1.DefaultEnginePort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}}
+	ports := []corev1.ServicePort{
+		{Name: "http", Port: v1alpha1.DefaultEnginePort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP},
+		{Name: "connector", Port: ConnectorPort, TargetPort: intstr.FromString("connector"), Protocol: corev1.ProtocolTCP},
+	}
 	if role == RolePrefill {
-		switch orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) {
-		case v1alpha1.ConnectorMooncake:
-			ports = append(ports, corev1.ServicePort{Name: "bootstrap", Port: v1alpha1.DefaultBootstrapPort, TargetPort: intstr.FromString("bootstrap"), Protocol: corev1.ProtocolTCP})
-		case v1alpha1.ConnectorNixl:
-			ports = append(ports, corev1.ServicePort{Name: "nixl", Port: v1alpha1.DefaultNixlSideChannel, TargetPort: intstr.FromString("nixl"), Protocol: corev1.ProtocolTCP})
-		}
+		ports = append(ports, corev1.ServicePort{Name: "kv-data", Port: ConnectorDataPort, TargetPort: intstr.FromString("kv-data"), Protocol: corev1.ProtocolTCP})
 	}
 	return &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
@@ -391,7 +455,7 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 		cfg.Model = pdc.Spec.Model.Path
 	}
 	if connector == v1alpha1.ConnectorMooncake {
-		cfg.BootstrapPort = v1alpha1.DefaultBootstrapPort
+		cfg.BootstrapPort = ConnectorPort
 	} else {
 		cfg.Flow = "sequential"
 	}

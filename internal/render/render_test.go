@@ -77,13 +77,107 @@ func TestRenderGolden(t *testing.T) {
 	}
 }
 
-func engineContainer(t *testing.T, pdc *v1alpha1.PDCluster, role render.Role) corev1.Container {
+func enginePod(t *testing.T, pdc *v1alpha1.PDCluster, role render.Role) corev1.PodSpec {
 	t.Helper()
-	dep, err := render.EngineDeployment(pdc, role)
+	dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), role)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return dep.Spec.Template.Spec.Containers[0]
+	return dep.Spec.Template.Spec
+}
+
+func engineContainer(t *testing.T, pdc *v1alpha1.PDCluster, role render.Role) corev1.Container {
+	t.Helper()
+	return enginePod(t, pdc, role).Containers[0]
+}
+
+func container(t *testing.T, pod corev1.PodSpec, name string) corev1.Container {
+	t.Helper()
+	for _, c := range pod.Containers {
+		if c.Name == name {
+			return c
+		}
+	}
+	t.Fatalf("pod has no container %q", name)
+	return corev1.Container{}
+}
+
+func mountPaths(c corev1.Container) map[string]string {
+	m := map[string]string{}
+	for _, v := range c.VolumeMounts {
+		m[v.Name] = v.MountPath
+	}
+	return m
+}
+
+// Every engine pod carries the connector agent: it shares the KV staging volume with the engine,
+// keeps its local API on loopback, and is probed on /readyz and /healthz on its public port.
+func TestConnectorSidecar(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	pdc.Spec.Connector.BufferBlocks = ptr.To[int32](1024)
+	pdc.Spec.Connector.BlockBytes = ptr.To[int32](8192)
+	pdc.Spec.Connector.Health.PeriodSeconds = ptr.To[int32](7)
+	for _, tc := range []struct {
+		role     render.Role
+		wantArgs []string
+		ports    []string
+	}{
+		{render.RolePrefill, []string{"--role=kv_producer", "--listen=127.0.0.1:7100", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
+			"--kv-blocks=1024", "--block-bytes=8192", "--data-listen=:7200", "--advertise-data=$(POD_IP):7200"}, []string{"connector", "kv-data"}},
+		{render.RoleDecode, []string{"--role=kv_consumer", "--listen=127.0.0.1:7100", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
+			"--kv-blocks=1024", "--block-bytes=8192"}, []string{"connector"}},
+	} {
+		t.Run(string(tc.role), func(t *testing.T) {
+			pod := enginePod(t, pdc, tc.role)
+			c := container(t, pod, render.ConnectorContainer)
+			if c.Image != render.DefaultOptions().ConnectorImage {
+				t.Errorf("image = %q, want the operator default", c.Image)
+			}
+			if d := cmp.Diff(tc.wantArgs, c.Args); d != "" {
+				t.Errorf("args (-want +got):\n%s", d)
+			}
+			var ports []string
+			for _, p := range c.Ports {
+				ports = append(ports, p.Name)
+			}
+			if d := cmp.Diff(tc.ports, ports); d != "" {
+				t.Errorf("ports (-want +got):\n%s", d)
+			}
+			if got := c.ReadinessProbe; got.HTTPGet.Path != "/readyz" || got.HTTPGet.Port.StrVal != "connector" || got.PeriodSeconds != 7 || got.FailureThreshold != 1 {
+				t.Errorf("readiness probe = %+v, want /readyz on connector every 7s, failing at once", got)
+			}
+			if got := c.LivenessProbe; got.HTTPGet.Path != "/healthz" || got.HTTPGet.Port.StrVal != "connector" {
+				t.Errorf("liveness probe = %+v, want /healthz on connector", got)
+			}
+			engine := container(t, pod, "engine")
+			if engine.Resources.Limits.Name(v1alpha1.GPUResourceName, "").IsZero() || !c.Resources.Limits.Name(v1alpha1.GPUResourceName, "").IsZero() {
+				t.Error("GPUs belong to the engine container only")
+			}
+			for _, ct := range []corev1.Container{engine, c} {
+				if got := mountPaths(ct)["connector-run"]; got != render.ConnectorDir {
+					t.Errorf("%s mounts connector-run at %q, want %s", ct.Name, got, render.ConnectorDir)
+				}
+			}
+			var size string
+			for _, v := range pod.Volumes {
+				if v.Name == "connector-run" {
+					size = v.EmptyDir.SizeLimit.String()
+				}
+			}
+			if size != "8Mi" {
+				t.Errorf("staging volume size = %q, want 8Mi (1024 blocks of 8KiB)", size)
+			}
+		})
+	}
+}
+
+func TestConnectorImageFromSpecOverridesOperatorDefault(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	pdc.Spec.Connector.Image = "registry.example/connector:dev"
+	c := container(t, enginePod(t, pdc, render.RoleDecode), render.ConnectorContainer)
+	if c.Image != "registry.example/connector:dev" {
+		t.Errorf("image = %q", c.Image)
+	}
 }
 
 func flagValue(args []string, name string) (string, bool) {
