@@ -21,6 +21,14 @@ var (
 		Name: "pdcluster_pool_ready_replicas",
 		Help: "Ready replicas of each PDCluster pool (prefill, decode, router).",
 	}, []string{"namespace", "name", "pool"})
+	connectorRestarts = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdcluster_connector_restarts_total",
+		Help: "Pods the operator restarted because their connector sidecar stayed unready, by pool.",
+	}, []string{"namespace", "name", "pool"})
+	connectorUnhealthy = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_connector_unhealthy_pods",
+		Help: "Running engine pods whose connector sidecar is not ready.",
+	}, []string{"namespace", "name"})
 	poolDesiredReplicas = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdcluster_pool_desired_replicas",
 		Help: "Desired replicas of each PDCluster pool (prefill, decode, router).",
@@ -28,7 +36,7 @@ var (
 )
 
 func init() {
-	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas)
+	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy)
 }
 
 // recordStatus exports one PDCluster's readiness and replica counts.
@@ -51,4 +59,6 @@ func forgetStatus(namespace, name string) {
 	readyGauge.DeleteLabelValues(namespace, name)
 	poolReadyReplicas.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
 	poolDesiredReplicas.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
+	connectorRestarts.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
+	connectorUnhealthy.DeleteLabelValues(namespace, name)
 }

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -20,10 +21,13 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/utils/clock"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -52,6 +56,8 @@ type PDClusterReconciler struct {
 	Scheme   *runtime.Scheme
 	Recorder events.EventRecorder
 	Options  render.Options
+	// Clock times connector health; nil is the wall clock. Tests inject a fake one.
+	Clock clock.PassiveClock
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
@@ -78,7 +84,10 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	var pending []event
 
 	applyErr := r.reconcileChildren(ctx, &pdc, status, &pending)
+	var requeueAfter time.Duration
 	if applyErr == nil {
+		// A failed restart is reported in status like a failed apply, then retried.
+		requeueAfter, applyErr = r.reconcileConnectorHealth(ctx, &pdc, status, &pending)
 		if err := r.reconcilePoolStatus(ctx, &pdc, status); err != nil {
 			return ctrl.Result{}, err
 		}
@@ -103,7 +112,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		}
 		return ctrl.Result{}, applyErr
 	}
-	return ctrl.Result{}, nil
+	return ctrl.Result{RequeueAfter: requeueAfter}, nil
 }
 
 type event struct{ kind, reason, action, note string }
@@ -227,7 +236,7 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 		var dep appsv1.Deployment
 		err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, c.role)}, &dep)
 		if apierrors.IsNotFound(err) {
-			*c.out = v1alpha1.PoolStatus{}
+			*c.out = v1alpha1.PoolStatus{ConnectorRestarts: c.out.ConnectorRestarts}
 			setCondition(status, pdc, c.condition, metav1.ConditionFalse, ReasonDeploymentAbsent, fmt.Sprintf("Deployment %s not found", render.ObjectName(pdc.Name, c.role)))
 			notReady = append(notReady, string(c.role))
 			continue
@@ -236,6 +245,7 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 			return fmt.Errorf("get %s deployment: %w", c.role, err)
 		}
 		ps, condStatus, reason, msg := poolStatus(&dep)
+		ps.ConnectorRestarts = c.out.ConnectorRestarts
 		*c.out = ps
 		setCondition(status, pdc, c.condition, condStatus, reason, msg)
 		if condStatus != metav1.ConditionTrue {
@@ -300,6 +310,17 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
 		Owns(&corev1.ConfigMap{}).
+		// Engine pods belong to ReplicaSets, not to the PDCluster: map them by label.
+		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(podToPDCluster)).
 		Named("pdcluster").
 		Complete(r)
+}
+
+// CacheOptions limit the manager's pod cache to the engine pods the operator manages: the
+// reconciler watches pods for connector health, and caching every pod of a large cluster
+// would cost the manager memory for nothing.
+func CacheOptions() cache.Options {
+	return cache.Options{ByObject: map[client.Object]cache.ByObject{
+		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{render.LabelManagedBy: render.ManagerName})},
+	}}
 }

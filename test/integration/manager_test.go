@@ -52,6 +52,7 @@ func TestManagerWatchesRepairScaleAndStatus(t *testing.T) {
 	f := newFixture(t)
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                  scheme,
+		Cache:                   controllers.CacheOptions(),
 		Metrics:                 metricsserver.Options{BindAddress: "0"},
 		LeaderElection:          true,
 		LeaderElectionID:        "pdcluster-it-" + f.ns,

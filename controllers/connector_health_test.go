@@ -1,0 +1,298 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	clocktesting "k8s.io/utils/clock/testing"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+var start = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
+
+func testScheme(t *testing.T) *runtime.Scheme {
+	t.Helper()
+	s := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(s); err != nil {
+		t.Fatal(err)
+	}
+	if err := v1alpha1.AddToScheme(s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// pdc is a PDCluster with one prefill and two decode replicas and a 30s threshold
+// (3 checks of 10s), 60s initial backoff and a budget of 2 rounds an hour.
+func pdc() *v1alpha1.PDCluster {
+	return &v1alpha1.PDCluster{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c", Generation: 1},
+		Spec: v1alpha1.PDClusterSpec{
+			Prefill: v1alpha1.PoolSpec{Replicas: ptr.To[int32](1)},
+			Decode:  v1alpha1.PoolSpec{Replicas: ptr.To[int32](2)},
+			Connector: v1alpha1.ConnectorSpec{Health: v1alpha1.ConnectorHealthPolicy{
+				PeriodSeconds: ptr.To[int32](10), FailureThreshold: ptr.To[int32](3),
+				InitialBackoffSeconds: ptr.To[int32](60), MaxBackoffSeconds: ptr.To[int32](600),
+				RestartBudget: ptr.To[int32](2), BudgetWindowSeconds: ptr.To[int32](3600),
+			}},
+		},
+	}
+}
+
+// pod is an engine pod of cluster c whose connector turned unready unreadyFor before start
+// (0: ready).
+func pod(name string, role render.Role, unreadyFor time.Duration) *corev1.Pod {
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, UID: types.UID("uid-" + name), Labels: render.Labels("c", role)},
+		Status: corev1.PodStatus{
+			Phase: corev1.PodRunning,
+			ContainerStatuses: []corev1.ContainerStatus{
+				{Name: "engine", Ready: true},
+				{Name: render.ConnectorContainer, Ready: unreadyFor == 0, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.NewTime(start.Add(-time.Hour))}}},
+			},
+		},
+	}
+	if unreadyFor > 0 {
+		p.Status.Conditions = []corev1.PodCondition{{Type: corev1.ContainersReady, Status: corev1.ConditionFalse, LastTransitionTime: metav1.NewTime(start.Add(-unreadyFor))}}
+	}
+	return p
+}
+
+type healthFixture struct {
+	r       *PDClusterReconciler
+	clock   *clocktesting.FakePassiveClock
+	pdc     *v1alpha1.PDCluster
+	status  *v1alpha1.PDClusterStatus
+	deletes []string
+}
+
+func newHealthFixture(t *testing.T, funcs interceptor.Funcs, pods ...*corev1.Pod) *healthFixture {
+	t.Helper()
+	f := &healthFixture{clock: clocktesting.NewFakePassiveClock(start), pdc: pdc()}
+	objs := []client.Object{f.pdc.DeepCopy()}
+	for _, p := range pods {
+		objs = append(objs, p)
+	}
+	// Record every delete that reached the client (after any failure the test injects).
+	next := funcs.Delete
+	funcs.Delete = func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
+		if next != nil {
+			if err := next(ctx, c, obj, opts...); err != nil {
+				return err
+			}
+		}
+		f.deletes = append(f.deletes, obj.GetName())
+		return c.Delete(ctx, obj, opts...)
+	}
+	c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(objs...).WithInterceptorFuncs(funcs).Build()
+	f.r = &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Clock: f.clock}
+	f.status = f.pdc.Status.DeepCopy()
+	return f
+}
+
+// run reconciles connector health once and carries the status over, as a status write would.
+func (f *healthFixture) run(t *testing.T) (time.Duration, []event, error) {
+	t.Helper()
+	var pending []event
+	after, err := f.r.reconcileConnectorHealth(context.Background(), f.pdc, f.status, &pending)
+	f.pdc.Status = *f.status.DeepCopy()
+	return after, pending, err
+}
+
+func (f *healthFixture) condition(t *testing.T) metav1.Condition {
+	t.Helper()
+	c := meta.FindStatusCondition(f.status.Conditions, v1alpha1.ConditionConnectorHealthy)
+	if c == nil {
+		t.Fatal("no ConnectorHealthy condition")
+	}
+	return *c
+}
+
+func reasons(events []event) []string {
+	var out []string
+	for _, e := range events {
+		out = append(out, e.kind+" "+e.reason)
+	}
+	return out
+}
+
+func TestHealthyConnectorsRestartNothing(t *testing.T) {
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", render.RolePrefill, 0), pod("d-0", render.RoleDecode, 0), pod("d-1", render.RoleDecode, 0))
+	after, evs, err := f.run(t)
+	if err != nil || after != 0 || len(f.deletes) != 0 || len(evs) != 0 {
+		t.Fatalf("after=%s events=%v deletes=%v err=%v, want nothing to do", after, reasons(evs), f.deletes, err)
+	}
+	if c := f.condition(t); c.Status != metav1.ConditionTrue || c.Reason != ReasonConnectorsReady || c.ObservedGeneration != 1 {
+		t.Errorf("condition = %+v", c)
+	}
+}
+
+// A decode connector unready for 10s waits (the clock decides when), then its pod alone is
+// restarted and the round is recorded in status, in a Warning event and in the pool count.
+func TestUnreadyDecodeConnectorIsRestartedAfterTheThreshold(t *testing.T) {
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", render.RolePrefill, 0), pod("d-0", render.RoleDecode, 10*time.Second), pod("d-1", render.RoleDecode, 0))
+	after, evs, err := f.run(t)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after != 20*time.Second || len(f.deletes) != 0 {
+		t.Fatalf("requeue after %s, deletes %v; want 20s and none", after, f.deletes)
+	}
+	if c := f.condition(t); c.Status != metav1.ConditionFalse || c.Reason != ReasonConnectorNotReady {
+		t.Errorf("condition = %+v, want ConnectorNotReady", c)
+	}
+	if d := cmp.Diff([]string{"Warning ConnectorNotReady"}, reasons(evs)); d != "" {
+		t.Errorf("events (-want +got):\n%s", d)
+	}
+
+	f.clock.SetTime(start.Add(after))
+	if _, evs, err = f.run(t); err != nil {
+		t.Fatal(err)
+	}
+	if d := cmp.Diff([]string{"d-0"}, f.deletes); d != "" {
+		t.Errorf("deleted pods (-want +got):\n%s", d)
+	}
+	if d := cmp.Diff([]string{"Warning ConnectorRestarted"}, reasons(evs)); d != "" {
+		t.Errorf("events (-want +got):\n%s", d)
+	}
+	st := f.status
+	if st.Connector.Restarts != 1 || st.Decode.ConnectorRestarts != 1 || st.Prefill.ConnectorRestarts != 0 || st.Connector.ConsecutiveRounds != 1 {
+		t.Errorf("restart counts = %+v, decode %d, prefill %d", st.Connector, st.Decode.ConnectorRestarts, st.Prefill.ConnectorRestarts)
+	}
+	if c := f.condition(t); c.Reason != ReasonConnectorRestarted {
+		t.Errorf("condition = %+v, want ConnectorRestarted", c)
+	}
+}
+
+// A prefill restart takes the decode pods connected to it along, in one round.
+func TestPrefillRestartRestartsConnectedDecodePods(t *testing.T) {
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", render.RolePrefill, time.Minute), pod("d-0", render.RoleDecode, 0), pod("d-1", render.RoleDecode, 0))
+	if _, _, err := f.run(t); err != nil {
+		t.Fatal(err)
+	}
+	sort.Strings(f.deletes)
+	if d := cmp.Diff([]string{"d-0", "d-1", "p-0"}, f.deletes); d != "" {
+		t.Errorf("deleted pods (-want +got):\n%s", d)
+	}
+	st := f.status
+	if st.Connector.Restarts != 3 || st.Prefill.ConnectorRestarts != 1 || st.Decode.ConnectorRestarts != 2 || len(st.Connector.RecentRounds) != 1 {
+		t.Errorf("status = %+v, prefill %d, decode %d; want 3 restarts in one round", st.Connector, st.Prefill.ConnectorRestarts, st.Decode.ConnectorRestarts)
+	}
+}
+
+// A delete the API refuses is reported (condition, event, error for a retry) and not counted.
+func TestFailedRestartIsReportedAndNotCounted(t *testing.T) {
+	refuse := interceptor.Funcs{Delete: func(context.Context, client.WithWatch, client.Object, ...client.DeleteOption) error {
+		return apierrors.NewForbidden(corev1.Resource("pods"), "d-0", errors.New("RBAC says no"))
+	}}
+	f := newHealthFixture(t, refuse, pod("d-0", render.RoleDecode, time.Minute), pod("d-1", render.RoleDecode, 0))
+	_, evs, err := f.run(t)
+	if !apierrors.IsForbidden(err) {
+		t.Fatalf("err = %v, want the Forbidden delete", err)
+	}
+	if c := f.condition(t); c.Status != metav1.ConditionFalse || c.Reason != ReasonRestartFailed {
+		t.Errorf("condition = %+v, want RestartFailed", c)
+	}
+	if d := cmp.Diff([]string{"Warning RestartFailed"}, reasons(evs)); d != "" {
+		t.Errorf("events (-want +got):\n%s", d)
+	}
+	if f.status.Connector.Restarts != 0 || f.status.Connector.ConsecutiveRounds != 0 || f.status.Decode.ConnectorRestarts != 0 {
+		t.Errorf("a failed restart was counted: %+v", f.status.Connector)
+	}
+}
+
+// A pod that vanished before the delete counts as restarted: its Deployment replaces it anyway.
+func TestPodAlreadyGoneCountsAsRestarted(t *testing.T) {
+	gone := interceptor.Funcs{Delete: func(context.Context, client.WithWatch, client.Object, ...client.DeleteOption) error {
+		return apierrors.NewNotFound(corev1.Resource("pods"), "d-0")
+	}}
+	f := newHealthFixture(t, gone, pod("d-0", render.RoleDecode, time.Minute))
+	if _, _, err := f.run(t); err != nil {
+		t.Fatal(err)
+	}
+	if f.status.Connector.Restarts != 1 {
+		t.Errorf("restarts = %d, want 1", f.status.Connector.Restarts)
+	}
+}
+
+// Rounds back off, and a spent budget stops restarts with one Warning event, whatever the
+// number of reconciles in between.
+func TestBackoffThenBudget(t *testing.T) {
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("d-0", render.RoleDecode, time.Minute))
+	if _, _, err := f.run(t); err != nil { // round 1 at start
+		t.Fatal(err)
+	}
+	c := f.r.Client
+	ctx := context.Background()
+	// The replacement's connector never turns ready either.
+	recreate := func(name string, at time.Time) {
+		p := pod(name, render.RoleDecode, 0)
+		p.Status.ContainerStatuses[1].Ready = false
+		p.Status.ContainerStatuses[1].State.Running.StartedAt = metav1.NewTime(at)
+		if err := c.Create(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	recreate("d-1", start)
+
+	f.clock.SetTime(start.Add(40 * time.Second)) // past the threshold, inside the 60s backoff
+	after, _, err := f.run(t)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := f.condition(t); c.Reason != ReasonRestartBackoff || after != 20*time.Second || len(f.deletes) != 1 {
+		t.Fatalf("condition %s, requeue %s, deletes %v; want backoff for 20s more", c.Reason, after, f.deletes)
+	}
+
+	f.clock.SetTime(start.Add(60 * time.Second)) // round 2
+	if _, _, err := f.run(t); err != nil {
+		t.Fatal(err)
+	}
+	recreate("d-2", start.Add(60*time.Second))
+	f.clock.SetTime(start.Add(10 * time.Minute)) // past the 120s backoff, but the budget of 2 is spent
+	var all []event
+	for range 3 {
+		after, evs, err := f.run(t)
+		if err != nil {
+			t.Fatal(err)
+		}
+		all = append(all, evs...)
+		if after != 50*time.Minute { // when round 1 leaves the hour window
+			t.Errorf("requeue after %s, want 50m", after)
+		}
+	}
+	if d := cmp.Diff([]string{"d-0", "d-1"}, f.deletes); d != "" {
+		t.Errorf("deleted pods (-want +got):\n%s", d)
+	}
+	if c := f.condition(t); c.Reason != ReasonRestartBudgetExhausted {
+		t.Errorf("condition = %+v, want RestartBudgetExhausted", c)
+	}
+	if d := cmp.Diff([]string{"Warning RestartBudgetExhausted"}, reasons(all)); d != "" {
+		t.Errorf("events over three reconciles (-want +got):\n%s", d)
+	}
+
+	f.clock.SetTime(start.Add(61 * time.Minute)) // round 1 left the window
+	if _, _, err := f.run(t); err != nil {
+		t.Fatal(err)
+	}
+	if d := cmp.Diff([]string{"d-0", "d-1", "d-2"}, f.deletes); d != "" {
+		t.Errorf("deleted pods after the window moved (-want +got):\n%s", d)
+	}
+}

@@ -1,0 +1,236 @@
+// Package connectorhealth decides when the operator restarts pods whose connector sidecar is
+// unhealthy. It is pure: the reconciler observes pods, asks Decide, deletes what it is told and
+// records the round, so every rule (threshold, backoff, budget, decode cascade) is tested
+// without a cluster or a clock.
+package connectorhealth
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// Why a decision did not restart pods that are due.
+const (
+	BlockedBackoff         = "RestartBackoff"
+	BlockedBudgetExhausted = "RestartBudgetExhausted"
+)
+
+// Policy is ConnectorHealthPolicy with its defaults applied.
+type Policy struct {
+	Period                   time.Duration
+	FailureThreshold         int32
+	InitialBackoff           time.Duration
+	MaxBackoff               time.Duration
+	Budget                   int32
+	Window                   time.Duration
+	RestartDecodeWithPrefill bool
+}
+
+// PolicyFrom applies the API defaults to spec.
+func PolicyFrom(spec v1alpha1.ConnectorHealthPolicy) Policy {
+	sec := func(p *int32, def int32) time.Duration { return time.Duration(ptr.Deref(p, def)) * time.Second }
+	return Policy{
+		Period:                   sec(spec.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds),
+		FailureThreshold:         ptr.Deref(spec.FailureThreshold, v1alpha1.DefaultHealthFailureThreshold),
+		InitialBackoff:           sec(spec.InitialBackoffSeconds, v1alpha1.DefaultInitialBackoffSeconds),
+		MaxBackoff:               sec(spec.MaxBackoffSeconds, v1alpha1.DefaultMaxBackoffSeconds),
+		Budget:                   ptr.Deref(spec.RestartBudget, v1alpha1.DefaultRestartBudget),
+		Window:                   sec(spec.BudgetWindowSeconds, v1alpha1.DefaultBudgetWindowSeconds),
+		RestartDecodeWithPrefill: ptr.Deref(spec.RestartDecodeWithPrefill, true),
+	}
+}
+
+// Threshold is how long a connector may stay unready before its pod is restarted.
+func (p Policy) Threshold() time.Duration { return p.Period * time.Duration(p.FailureThreshold) }
+
+// Backoff is the wait after the n-th consecutive restart round (n >= 1).
+func (p Policy) Backoff(n int32) time.Duration {
+	b := p.InitialBackoff
+	for i := int32(1); i < n && b < p.MaxBackoff; i++ {
+		b *= 2
+	}
+	return min(b, p.MaxBackoff)
+}
+
+// Pod is one engine pod as health sees it.
+type Pod struct {
+	Name string
+	UID  types.UID
+	Role render.Role
+	// Ready is the connector container's readiness.
+	Ready bool
+	// UnreadySince is when the connector was last seen to turn unready (zero when Ready).
+	UnreadySince time.Time
+}
+
+// Observe reads a pod's connector health. Pods that cannot have a healthy connector yet
+// (pending, terminating, not started) are not judged: ok is false.
+func Observe(pod *corev1.Pod, now time.Time) (Pod, bool) {
+	role := render.Role(pod.Labels[render.LabelRole])
+	if (role != render.RolePrefill && role != render.RoleDecode) || pod.DeletionTimestamp != nil || pod.Status.Phase != corev1.PodRunning {
+		return Pod{}, false
+	}
+	i := slices.IndexFunc(pod.Status.ContainerStatuses, func(cs corev1.ContainerStatus) bool { return cs.Name == render.ConnectorContainer })
+	if i < 0 {
+		return Pod{}, false
+	}
+	cs := pod.Status.ContainerStatuses[i]
+	p := Pod{Name: pod.Name, UID: pod.UID, Role: role, Ready: cs.Ready}
+	if p.Ready {
+		return p, true
+	}
+	// Container statuses carry no readiness time; ContainersReady turning False is the best
+	// record of it, and a container (re)started later than that has been unready since its start.
+	var since time.Time
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.ContainersReady && c.Status != corev1.ConditionTrue {
+			since = c.LastTransitionTime.Time
+		}
+	}
+	if r := cs.State.Running; r != nil && r.StartedAt.After(since) {
+		since = r.StartedAt.Time
+	}
+	if since.IsZero() || since.After(now) {
+		since = now
+	}
+	p.UnreadySince = since
+	return p, true
+}
+
+// Decision is what to do about the observed pods.
+type Decision struct {
+	// Unhealthy are the pods whose connector is not ready, by name.
+	Unhealthy []Pod
+	// Due are the unhealthy pods past the threshold.
+	Due []Pod
+	// Restart are the pods to restart now: Due, plus the decode pods connected to a due
+	// prefill pod. Empty when Blocked.
+	Restart []Pod
+	// Blocked says why due pods are not restarted (BlockedBackoff, BlockedBudgetExhausted).
+	Blocked string
+	// RequeueAfter is when the decision may change without any pod changing; 0: never.
+	RequeueAfter time.Duration
+	// Running counts the judged pods: running, not terminating, connector started.
+	Running int
+	// Status is prev with the unhealthy pods, the budget window and the consecutive rounds
+	// brought up to now; RecordRound adds a round once its pods are restarted.
+	Status v1alpha1.ConnectorStatus
+}
+
+// Decide applies the policy to the observed pods at now. desired is how many engine pods the
+// pools should run: the consecutive rounds (and with them the backoff) reset only once that many
+// pods run a ready connector, not while restarted pods are still coming back.
+func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, desired int) Decision {
+	d := Decision{Status: *prev.DeepCopy(), Running: len(pods)}
+	pods = slices.Clone(pods)
+	sort.Slice(pods, func(i, j int) bool { return pods[i].Name < pods[j].Name })
+	wake := func(after time.Duration) {
+		if after > 0 && (d.RequeueAfter == 0 || after < d.RequeueAfter) {
+			d.RequeueAfter = after
+		}
+	}
+	for _, pod := range pods {
+		if pod.Ready {
+			continue
+		}
+		d.Unhealthy = append(d.Unhealthy, pod)
+		if unready := now.Sub(pod.UnreadySince); unready >= p.Threshold() {
+			d.Due = append(d.Due, pod)
+		} else {
+			wake(p.Threshold() - unready)
+		}
+	}
+	d.Status.UnhealthyPods = Names(d.Unhealthy)
+	d.Status.RecentRounds = slices.DeleteFunc(d.Status.RecentRounds, func(t metav1.Time) bool { return !t.Add(p.Window).After(now) })
+	if len(d.Status.RecentRounds) == 0 {
+		d.Status.RecentRounds = nil
+	}
+	if len(d.Unhealthy) == 0 {
+		if len(pods) >= desired {
+			d.Status.ConsecutiveRounds = 0
+		}
+		return d
+	}
+	if len(d.Due) == 0 {
+		return d
+	}
+	if int32(len(d.Status.RecentRounds)) >= p.Budget {
+		d.Blocked = BlockedBudgetExhausted
+		if len(d.Status.RecentRounds) > 0 {
+			wake(d.Status.RecentRounds[0].Add(p.Window).Sub(now))
+		}
+		return d
+	}
+	if n := d.Status.ConsecutiveRounds; n > 0 && d.Status.LastRestartTime != nil {
+		if next := d.Status.LastRestartTime.Add(p.Backoff(n)); next.After(now) {
+			d.Blocked = BlockedBackoff
+			wake(next.Sub(now))
+			return d
+		}
+	}
+	d.Restart = append(d.Restart, d.Due...)
+	if p.RestartDecodeWithPrefill && slices.ContainsFunc(d.Due, func(x Pod) bool { return x.Role == render.RolePrefill }) {
+		for _, pod := range pods {
+			if pod.Role == render.RoleDecode && !slices.ContainsFunc(d.Restart, func(x Pod) bool { return x.Name == pod.Name }) {
+				d.Restart = append(d.Restart, pod)
+			}
+		}
+	}
+	wake(p.Threshold())
+	return d
+}
+
+// RecordRound adds a restart round of restarted pods at now to status.
+func RecordRound(status *v1alpha1.ConnectorStatus, now time.Time, restarted int) {
+	if restarted == 0 {
+		return
+	}
+	t := metav1.NewTime(now)
+	status.Restarts += int32(restarted)
+	status.ConsecutiveRounds++
+	status.LastRestartTime = &t
+	status.RecentRounds = append(status.RecentRounds, t)
+}
+
+// Names lists the pods' names.
+func Names(pods []Pod) []string {
+	if len(pods) == 0 {
+		return nil
+	}
+	out := make([]string, len(pods))
+	for i, p := range pods {
+		out[i] = p.Name
+	}
+	return out
+}
+
+// Describe is the user-facing account of d, for the ConnectorHealthy condition.
+func Describe(p Policy, d Decision) string {
+	switch {
+	case len(d.Unhealthy) == 0:
+		return fmt.Sprintf("%d running connectors ready", d.Running)
+	case d.Blocked == BlockedBudgetExhausted:
+		return fmt.Sprintf("connector not ready in %s; %d restart rounds in the last %s spent the budget, so restarts stop until the window frees one: check the connector logs",
+			strings.Join(Names(d.Unhealthy), ", "), len(d.Status.RecentRounds), p.Window)
+	case d.Blocked == BlockedBackoff:
+		return fmt.Sprintf("connector not ready in %s; next restart in %s (backoff after %d rounds)",
+			strings.Join(Names(d.Unhealthy), ", "), d.RequeueAfter.Round(time.Second), d.Status.ConsecutiveRounds)
+	case len(d.Restart) > len(d.Due):
+		return fmt.Sprintf("restarted %s: connector not ready for %s or more; restarted the decode pods connected to it too: %s",
+			strings.Join(Names(d.Due), ", "), p.Threshold(), strings.Join(Names(d.Restart[len(d.Due):]), ", "))
+	case len(d.Restart) > 0:
+		return fmt.Sprintf("restarted %s: connector not ready for %s or more", strings.Join(Names(d.Restart), ", "), p.Threshold())
+	}
+	return fmt.Sprintf("connector not ready in %s; a pod is restarted after %s unready", strings.Join(Names(d.Unhealthy), ", "), p.Threshold())
+}

@@ -1,0 +1,274 @@
+package connectorhealth
+
+import (
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+var t0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
+
+// policy: unready for 30s restarts; backoff 60s, 120s, 240s capped at 300s; 3 rounds an hour.
+var policy = Policy{Period: 10 * time.Second, FailureThreshold: 3, InitialBackoff: time.Minute, MaxBackoff: 5 * time.Minute,
+	Budget: 3, Window: time.Hour, RestartDecodeWithPrefill: true}
+
+func ready(name string, role render.Role) Pod { return Pod{Name: name, Role: role, Ready: true} }
+
+func unready(name string, role render.Role, for_ time.Duration) Pod {
+	return Pod{Name: name, Role: role, UnreadySince: t0.Add(-for_)}
+}
+
+func at(d time.Duration) metav1.Time { return metav1.NewTime(t0.Add(d)) }
+
+func TestDecide(t *testing.T) {
+	healthyFleet := []Pod{ready("p-0", render.RolePrefill), ready("d-0", render.RoleDecode), ready("d-1", render.RoleDecode)}
+	cases := []struct {
+		name        string
+		policy      Policy
+		prev        v1alpha1.ConnectorStatus
+		pods        []Pod
+		desired     int // 0: len(pods)
+		wantRestart []string
+		wantBlocked string
+		wantRequeue time.Duration
+		wantStatus  v1alpha1.ConnectorStatus
+	}{
+		{
+			name: "all ready resets the consecutive rounds and keeps the budget record",
+			prev: v1alpha1.ConnectorStatus{Restarts: 4, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-10 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-2 * time.Hour), at(-10 * time.Minute)}},
+			pods:       healthyFleet,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 4, LastRestartTime: ptr.To(at(-10 * time.Minute)), RecentRounds: []metav1.Time{at(-10 * time.Minute)}},
+		},
+		{
+			name: "all ready but pods still missing keeps the consecutive rounds (and the backoff)",
+			prev: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-10 * time.Second)),
+				RecentRounds: []metav1.Time{at(-10 * time.Second)}},
+			pods:    []Pod{ready("p-0", render.RolePrefill)},
+			desired: 2,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-10 * time.Second)),
+				RecentRounds: []metav1.Time{at(-10 * time.Second)}},
+		},
+		{
+			name:        "unready below the threshold waits for the rest of it",
+			pods:        []Pod{unready("d-0", render.RoleDecode, 12*time.Second), ready("p-0", render.RolePrefill)},
+			wantRequeue: 18 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"d-0"}},
+		},
+		{
+			name:        "a decode pod past the threshold is restarted alone",
+			pods:        []Pod{unready("d-0", render.RoleDecode, 30*time.Second), ready("d-1", render.RoleDecode), ready("p-0", render.RolePrefill)},
+			wantRestart: []string{"d-0"},
+			wantRequeue: 30 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"d-0"}},
+		},
+		{
+			name:        "a prefill restart takes the connected decode pods with it",
+			pods:        []Pod{unready("p-1", render.RolePrefill, time.Minute), ready("p-0", render.RolePrefill), ready("d-1", render.RoleDecode), ready("d-0", render.RoleDecode)},
+			wantRestart: []string{"p-1", "d-0", "d-1"},
+			wantRequeue: 30 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"p-1"}},
+		},
+		{
+			name: "without the cascade only the prefill pod restarts",
+			policy: func() Policy {
+				p := policy
+				p.RestartDecodeWithPrefill = false
+				return p
+			}(),
+			pods:        []Pod{unready("p-1", render.RolePrefill, time.Minute), ready("d-0", render.RoleDecode)},
+			wantRestart: []string{"p-1"},
+			wantRequeue: 30 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"p-1"}},
+		},
+		{
+			name: "a second round waits out the backoff (60s after one round)",
+			prev: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-45 * time.Second)),
+				RecentRounds: []metav1.Time{at(-45 * time.Second)}},
+			pods:        []Pod{unready("d-0", render.RoleDecode, 40*time.Second)},
+			wantBlocked: BlockedBackoff,
+			wantRequeue: 15 * time.Second,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-45 * time.Second)),
+				RecentRounds: []metav1.Time{at(-45 * time.Second)}, UnhealthyPods: []string{"d-0"}},
+		},
+		{
+			name: "the backoff doubles with each round (120s after two)",
+			prev: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-90 * time.Second)),
+				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-90 * time.Second)}},
+			pods:        []Pod{unready("d-0", render.RoleDecode, 40*time.Second)},
+			wantBlocked: BlockedBackoff,
+			wantRequeue: 30 * time.Second,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-90 * time.Second)),
+				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-90 * time.Second)}, UnhealthyPods: []string{"d-0"}},
+		},
+		{
+			name: "past the backoff the next round goes ahead",
+			prev: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-2 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-2 * time.Minute)}},
+			pods:        []Pod{unready("d-0", render.RoleDecode, 40*time.Second)},
+			wantRestart: []string{"d-0"},
+			wantRequeue: 30 * time.Second,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-2 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-2 * time.Minute)}, UnhealthyPods: []string{"d-0"}},
+		},
+		{
+			name: "a spent budget stops restarts until its oldest round leaves the window",
+			prev: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-50 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}},
+			pods:        []Pod{unready("d-0", render.RoleDecode, time.Hour)},
+			wantBlocked: BlockedBudgetExhausted,
+			wantRequeue: 10 * time.Minute,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-50 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: []string{"d-0"}},
+		},
+		{
+			name: "rounds older than the window give the budget back",
+			prev: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-61 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}},
+			pods:        []Pod{unready("d-0", render.RoleDecode, time.Hour)},
+			wantRestart: []string{"d-0"},
+			wantRequeue: 30 * time.Second,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: []string{"d-0"}},
+		},
+		{
+			name: "a zero budget never restarts",
+			policy: func() Policy {
+				p := policy
+				p.Budget = 0
+				return p
+			}(),
+			pods:        []Pod{unready("d-0", render.RoleDecode, time.Hour)},
+			wantBlocked: BlockedBudgetExhausted,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"d-0"}},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := tc.policy
+			if p == (Policy{}) {
+				p = policy
+			}
+			desired := tc.desired
+			if desired == 0 {
+				desired = len(tc.pods)
+			}
+			d := Decide(t0, p, tc.prev, tc.pods, desired)
+			if diff := cmp.Diff(tc.wantRestart, Names(d.Restart)); diff != "" {
+				t.Errorf("restart (-want +got):\n%s", diff)
+			}
+			if d.Blocked != tc.wantBlocked {
+				t.Errorf("blocked = %q, want %q", d.Blocked, tc.wantBlocked)
+			}
+			if d.RequeueAfter != tc.wantRequeue {
+				t.Errorf("requeue after = %s, want %s", d.RequeueAfter, tc.wantRequeue)
+			}
+			if diff := cmp.Diff(tc.wantStatus, d.Status); diff != "" {
+				t.Errorf("status (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestBackoffDoublesUpToTheCap(t *testing.T) {
+	var got []time.Duration
+	for n := int32(1); n <= 6; n++ {
+		got = append(got, policy.Backoff(n))
+	}
+	want := []time.Duration{time.Minute, 2 * time.Minute, 4 * time.Minute, 5 * time.Minute, 5 * time.Minute, 5 * time.Minute}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("backoff (-want +got):\n%s", diff)
+	}
+}
+
+func TestRecordRound(t *testing.T) {
+	st := v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, RecentRounds: []metav1.Time{at(-time.Minute)}}
+	RecordRound(&st, t0, 3)
+	RecordRound(&st, t0, 0) // nothing restarted: no round
+	want := v1alpha1.ConnectorStatus{Restarts: 4, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(0)), RecentRounds: []metav1.Time{at(-time.Minute), at(0)}}
+	if diff := cmp.Diff(want, st); diff != "" {
+		t.Errorf("status (-want +got):\n%s", diff)
+	}
+}
+
+// podBuilder makes engine pods for Observe.
+type podBuilder struct{ corev1.Pod }
+
+func enginePod(role render.Role) *podBuilder {
+	b := &podBuilder{}
+	b.Name, b.UID = "p", "uid-1"
+	b.Labels = map[string]string{render.LabelRole: string(role)}
+	b.Status.Phase = corev1.PodRunning
+	b.Status.ContainerStatuses = []corev1.ContainerStatus{
+		{Name: "engine", Ready: true},
+		{Name: render.ConnectorContainer, Ready: true, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: at(-time.Hour)}}},
+	}
+	return b
+}
+
+func (b *podBuilder) connectorUnready(containersReadyFalseAt time.Duration) *podBuilder {
+	b.Status.ContainerStatuses[1].Ready = false
+	b.Status.Conditions = append(b.Status.Conditions, corev1.PodCondition{Type: corev1.ContainersReady, Status: corev1.ConditionFalse, LastTransitionTime: at(containersReadyFalseAt)})
+	return b
+}
+
+func (b *podBuilder) connectorStartedAt(d time.Duration) *podBuilder {
+	b.Status.ContainerStatuses[1].State.Running.StartedAt = at(d)
+	return b
+}
+
+func (b *podBuilder) phase(p corev1.PodPhase) *podBuilder { b.Status.Phase = p; return b }
+
+func (b *podBuilder) deleting() *podBuilder { b.DeletionTimestamp = ptr.To(at(0)); return b }
+
+func (b *podBuilder) withoutConnector() *podBuilder {
+	b.Status.ContainerStatuses = b.Status.ContainerStatuses[:1]
+	return b
+}
+
+func TestObserve(t *testing.T) {
+	cases := []struct {
+		name   string
+		pod    *podBuilder
+		want   Pod
+		wantOK bool
+	}{
+		{"ready connector", enginePod(render.RoleDecode), Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, Ready: true}, true},
+		{"unready since ContainersReady turned false", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second),
+			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, UnreadySince: t0.Add(-40 * time.Second)}, true},
+		{"a connector restarted after that counts from its start", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second).connectorStartedAt(-5 * time.Second),
+			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, UnreadySince: t0.Add(-5 * time.Second)}, true},
+		{"no readiness record counts from now", enginePod(render.RoleDecode).connectorUnready(0).connectorStartedAt(time.Second),
+			Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, UnreadySince: t0}, true},
+		{"pending pods are not judged", enginePod(render.RoleDecode).connectorUnready(-time.Hour).phase(corev1.PodPending), Pod{}, false},
+		{"terminating pods are not judged", enginePod(render.RoleDecode).connectorUnready(-time.Hour).deleting(), Pod{}, false},
+		{"pods without a connector status are not judged", enginePod(render.RoleDecode).withoutConnector(), Pod{}, false},
+		{"router pods are not judged", enginePod(render.RoleRouter), Pod{}, false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, ok := Observe(&tc.pod.Pod, t0)
+			if ok != tc.wantOK {
+				t.Fatalf("ok = %v, want %v", ok, tc.wantOK)
+			}
+			if diff := cmp.Diff(tc.want, got); diff != "" {
+				t.Errorf("pod (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestDescribeNamesWhatHappened(t *testing.T) {
+	d := Decide(t0, policy, v1alpha1.ConnectorStatus{}, []Pod{unready("p-0", render.RolePrefill, time.Minute), ready("d-0", render.RoleDecode)}, 2)
+	want := "restarted p-0: connector not ready for 30s or more; restarted the decode pods connected to it too: d-0"
+	if got := Describe(policy, d); got != want {
+		t.Errorf("Describe = %q, want %q", got, want)
+	}
+}
