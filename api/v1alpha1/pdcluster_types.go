@@ -209,6 +209,11 @@ type PoolSpec struct {
 	// +optional
 	Replicas *int32 `json:"replicas,omitempty"`
 
+	// image overrides engine.image for this pool only, e.g. to roll a new vLLM build out to
+	// decode first.
+	// +optional
+	Image string `json:"image,omitempty"`
+
 	// parallelism is how each replica is split over GPUs.
 	// +kubebuilder:default={}
 	// +optional

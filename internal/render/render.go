@@ -275,7 +275,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role Role) (*appsv1
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
 			Name:      engineContainer,
-			Image:     pdc.Spec.Engine.Image,
+			Image:     orDefault(p.Image, pdc.Spec.Engine.Image),
 			Command:   []string{"vllm"},
 			Args:      args,
 			Ports:     []corev1.ContainerPort{{Name: "http", ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},

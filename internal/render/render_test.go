@@ -171,6 +171,17 @@ func TestConnectorSidecar(t *testing.T) {
 	}
 }
 
+func TestPoolImageOverridesEngineImageForThatPoolOnly(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	pdc.Spec.Decode.Image = "vllm/vllm-openai:v0.12.0"
+	if got := engineContainer(t, pdc, render.RoleDecode).Image; got != "vllm/vllm-openai:v0.12.0" {
+		t.Errorf("decode image = %q", got)
+	}
+	if got := engineContainer(t, pdc, render.RolePrefill).Image; got != pdc.Spec.Engine.Image {
+		t.Errorf("prefill image = %q, want engine.image %q", got, pdc.Spec.Engine.Image)
+	}
+}
+
 func TestConnectorImageFromSpecOverridesOperatorDefault(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
 	pdc.Spec.Connector.Image = "registry.example/connector:dev"

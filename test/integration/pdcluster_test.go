@@ -8,10 +8,13 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
@@ -23,6 +26,7 @@ import (
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/events"
+	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -373,5 +377,86 @@ func TestInvalidRenderReportsCondition(t *testing.T) {
 	var d appsv1.Deployment
 	if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: "bad-prefill"}, &d); !apierrors.IsNotFound(err) {
 		t.Errorf("a deployment was created for an invalid spec: %v", err)
+	}
+}
+
+// enginePodWithConnector creates a running engine pod of cluster in the test namespace, as the
+// Deployment would, with its connector's readiness set by the test (nothing runs pods here).
+func (f *fixture) enginePodWithConnector(cluster, name string, role render.Role, connectorReady bool, unreadySince time.Time) {
+	f.t.Helper()
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: f.ns, Name: name, Labels: render.Labels(cluster, role)},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{
+			{Name: "engine", Image: "vllm/vllm-openai:v0.11.0"},
+			{Name: render.ConnectorContainer, Image: render.DefaultOptions().ConnectorImage},
+		}},
+	}
+	if err := f.c.Create(f.ctx, p); err != nil {
+		f.t.Fatal(err)
+	}
+	containersReady := corev1.ConditionTrue
+	if !connectorReady {
+		containersReady = corev1.ConditionFalse
+	}
+	p.Status = corev1.PodStatus{
+		Phase:      corev1.PodRunning,
+		Conditions: []corev1.PodCondition{{Type: corev1.ContainersReady, Status: containersReady, LastTransitionTime: metav1.NewTime(unreadySince)}},
+		ContainerStatuses: []corev1.ContainerStatus{
+			{Name: "engine", Ready: true, Image: "vllm/vllm-openai:v0.11.0", ImageID: "x"},
+			{Name: render.ConnectorContainer, Ready: connectorReady, Image: render.DefaultOptions().ConnectorImage, ImageID: "x",
+				State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.NewTime(unreadySince.Add(-time.Hour))}}},
+		},
+	}
+	if err := f.c.Status().Update(f.ctx, p); err != nil {
+		f.t.Fatalf("set status of pod %s: %v", name, err)
+	}
+}
+
+// A prefill pod whose connector has been unready past the threshold is restarted through the
+// API server, with the decode pods connected to it; status and events report the round.
+func TestUnhealthyConnectorRestartsPodAndConnectedDecode(t *testing.T) {
+	f := newFixture(t)
+	now := time.Now()
+	clock := clocktesting.NewFakePassiveClock(now)
+	f.r.Clock = clock
+	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "sick").build()); err != nil {
+		t.Fatal(err)
+	}
+	f.enginePodWithConnector("sick", "sick-prefill-a", render.RolePrefill, false, now.Add(-10*time.Second))
+	f.enginePodWithConnector("sick", "sick-prefill-b", render.RolePrefill, true, now.Add(-time.Hour))
+	f.enginePodWithConnector("sick", "sick-decode-a", render.RoleDecode, true, now.Add(-time.Hour))
+	f.enginePodWithConnector("other", "other-decode-a", render.RoleDecode, true, now.Add(-time.Hour))
+	f.reconcile("sick")
+	f.events()
+	var pdc v1alpha1.PDCluster
+	f.get(&pdc, "sick")
+	if c := condition(&pdc, v1alpha1.ConditionConnectorHealthy); c.Reason != controllers.ReasonConnectorNotReady {
+		t.Fatalf("ConnectorHealthy = %+v, want ConnectorNotReady below the 30s default threshold", c)
+	}
+
+	clock.SetTime(now.Add(25 * time.Second)) // 35s unready
+	f.reconcile("sick")
+	var pods corev1.PodList
+	if err := f.c.List(f.ctx, &pods, client.InNamespace(f.ns)); err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	for _, p := range pods.Items {
+		left = append(left, p.Name)
+	}
+	if d := cmp.Diff([]string{"other-decode-a", "sick-prefill-b"}, left); d != "" {
+		t.Errorf("pods left (-want +got):\n%s", d)
+	}
+	f.get(&pdc, "sick")
+	if c := condition(&pdc, v1alpha1.ConditionConnectorHealthy); c.Status != metav1.ConditionFalse || c.Reason != controllers.ReasonConnectorRestarted {
+		t.Errorf("ConnectorHealthy = %+v, want ConnectorRestarted", c)
+	}
+	if pdc.Status.Connector.Restarts != 2 || pdc.Status.Prefill.ConnectorRestarts != 1 || pdc.Status.Decode.ConnectorRestarts != 1 {
+		t.Errorf("restart counts: %+v, prefill %d, decode %d", pdc.Status.Connector, pdc.Status.Prefill.ConnectorRestarts, pdc.Status.Decode.ConnectorRestarts)
+	}
+	if got := f.events(); !slices.ContainsFunc(got, func(e string) bool {
+		return strings.HasPrefix(e, "Warning ConnectorRestarted restarted sick-prefill-a")
+	}) {
+		t.Errorf("events = %q, want a ConnectorRestarted warning naming the pod", got)
 	}
 }
