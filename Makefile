@@ -17,7 +17,15 @@ build: ## Build every binary into bin/.
 	done
 
 .PHONY: run
-run: build ## Main job. Today: validate and render the sample PDCluster (the local cluster comes with issue 6).
+run: build ## Main job: local cluster, operator installed with Helm, sample PDCluster Ready (stop: make down).
+	hack/run.sh up
+
+.PHONY: down
+down: ## Stop the local cluster and operator that make run started.
+	hack/run.sh down
+
+.PHONY: render
+render: build ## Validate and print the objects of the sample PDCluster, as the operator creates them.
 	bin/pdctl validate -f config/samples/serving_v1alpha1_pdcluster.yaml
 	bin/pdctl render -f config/samples/serving_v1alpha1_pdcluster.yaml
 
@@ -66,8 +74,13 @@ lint: envtest-assets ## go vet, gofmt and helm lint.
 	"$$(hack/envtest-assets.sh)/helm" lint --strict charts/pdcluster-operator
 
 .PHONY: test
-test: envtest-assets ## Unit, golden, connector and envtest integration tests.
+test: envtest-assets ## Unit, golden, connector, envtest integration and local-cluster end-to-end tests.
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test ./... -count=1
+	hack/e2e.sh
+
+.PHONY: e2e
+e2e: envtest-assets ## End-to-end tests only, on a local cluster of their own.
+	hack/e2e.sh
 
 .PHONY: bench
 bench: ## Benchmarks (pulls processed per second and friends).

@@ -53,6 +53,18 @@ func (r *PDClusterReconciler) reconcileConnectorHealth(ctx context.Context, pdc 
 	status.Connector = d.Status
 	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionConnectorHealthy)
 
+	if len(d.Restart) > 0 && r.APIReader != nil {
+		// Backoff and budget were judged on the cached record; a round decided on a stale one
+		// could restart twice or lose its count, so check it first.
+		var live v1alpha1.PDCluster
+		if err := r.APIReader.Get(ctx, client.ObjectKeyFromObject(pdc), &live); err != nil {
+			return 0, fmt.Errorf("read current PDCluster before restarting pods: %w", err)
+		}
+		if live.ResourceVersion != pdc.ResourceVersion {
+			log.FromContext(ctx).V(1).Info("cached PDCluster is behind; restart round waits for the current one")
+			return time.Second, nil
+		}
+	}
 	restarted, err := r.restartPods(ctx, pdc, d.Restart)
 	connectorhealth.RecordRound(&status.Connector, now, len(restarted))
 	for _, p := range restarted {

@@ -296,3 +296,26 @@ func TestBackoffThenBudget(t *testing.T) {
 		t.Errorf("deleted pods after the window moved (-want +got):\n%s", d)
 	}
 }
+
+// A round is decided on the cached restart record; when the API server holds a newer
+// PDCluster, the round waits instead of deleting on stale backoff and budget.
+func TestRestartRoundWaitsForACurrentRecord(t *testing.T) {
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("d-0", render.RoleDecode, time.Minute))
+	f.r.APIReader = f.r.Client
+	var live v1alpha1.PDCluster
+	if err := f.r.Get(context.Background(), client.ObjectKeyFromObject(f.pdc), &live); err != nil {
+		t.Fatal(err)
+	}
+	f.pdc.ResourceVersion = "1" // the cache is behind the API server
+	after, _, err := f.run(t)
+	if err != nil || len(f.deletes) != 0 || after != time.Second {
+		t.Fatalf("stale record: deletes %v, requeue %s, err %v; want no delete and a retry in 1s", f.deletes, after, err)
+	}
+	f.pdc.ResourceVersion = live.ResourceVersion
+	if _, _, err := f.run(t); err != nil {
+		t.Fatal(err)
+	}
+	if d := cmp.Diff([]string{"d-0"}, f.deletes); d != "" {
+		t.Errorf("deleted with a current record (-want +got):\n%s", d)
+	}
+}

@@ -58,6 +58,9 @@ type PDClusterReconciler struct {
 	Options  render.Options
 	// Clock times connector health; nil is the wall clock. Tests inject a fake one.
 	Clock clock.PassiveClock
+	// APIReader reads past the cache: a restart round first checks that the cached PDCluster
+	// (and the restart record in its status) is current. nil skips the check.
+	APIReader client.Reader
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
@@ -97,7 +100,13 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 
 	if !equality.Semantic.DeepEqual(&pdc.Status, status) {
 		pdc.Status = *status
-		if err := r.Status().Update(ctx, &pdc); err != nil {
+		// Update, not a patch: status carries the restart record, which a write computed from
+		// a stale copy must not overwrite. A conflict only means the cache was behind; the
+		// watch event of the newer write reconciles again.
+		if err := r.Status().Update(ctx, &pdc); apierrors.IsConflict(err) {
+			logger.V(1).Info("status changed since it was read; reconciling again", "error", err.Error())
+			return ctrl.Result{Requeue: true}, nil
+		} else if err != nil {
 			return ctrl.Result{}, fmt.Errorf("update status of %s: %w", req.NamespacedName, err)
 		}
 	}

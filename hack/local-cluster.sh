@@ -9,11 +9,13 @@ bin="$("${root}/hack/envtest-assets.sh")"
 dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
 nodes="${PDCLUSTER_GPU_NODES:-4}"
 port="${PDCLUSTER_APISERVER_PORT:-16443}"
+etcd_port="${PDCLUSTER_ETCD_PORT:-12379}" # and the next port for etcd peers
 log() { echo "local-cluster: $*" >&2; }
 
 down() {
 	local p pid
-	for p in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+	# manager: the operator hack/run.sh starts against this cluster.
+	for p in manager kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
 		[[ -f "${dir}/${p}.pid" ]] || continue
 		pid="$(cat "${dir}/${p}.pid")"
 		kill "${pid}" 2>/dev/null || true
@@ -50,9 +52,11 @@ contexts:
   context: {cluster: local, user: admin}
 current-context: local
 KC
-	start etcd --data-dir "${dir}/etcd" --listen-client-urls http://127.0.0.1:12379 --advertise-client-urls http://127.0.0.1:12379 \
-		--listen-peer-urls http://127.0.0.1:12380 --initial-advertise-peer-urls http://127.0.0.1:12380 --initial-cluster default=http://127.0.0.1:12380
-	start kube-apiserver --etcd-servers http://127.0.0.1:12379 --secure-port "${port}" --bind-address 127.0.0.1 \
+	local etcd="http://127.0.0.1:${etcd_port}" peer="http://127.0.0.1:$((etcd_port + 1))"
+	start etcd --data-dir "${dir}/etcd" --listen-client-urls "${etcd}" --advertise-client-urls "${etcd}" \
+		--listen-peer-urls "${peer}" --initial-advertise-peer-urls "${peer}" --initial-cluster "default=${peer}" \
+		--listen-metrics-urls ""
+	start kube-apiserver --etcd-servers "${etcd}" --secure-port "${port}" --bind-address 127.0.0.1 \
 		--cert-dir "${dir}/certs" --token-auth-file "${dir}/tokens.csv" --authorization-mode RBAC \
 		--service-account-key-file "${dir}/certs/sa.pub" --service-account-signing-key-file "${dir}/certs/sa.key" \
 		--service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16
@@ -60,8 +64,8 @@ KC
 	for _ in $(seq 1 120); do "${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null 2>&1 && break; sleep 0.5; done
 	"${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null
 	start kube-controller-manager "${kc[@]}" --service-account-private-key-file "${dir}/certs/sa.key" \
-		--use-service-account-credentials=false --controllers '*' --leader-elect=false
-	start kube-scheduler "${kc[@]}" --leader-elect=false
+		--use-service-account-credentials=false --controllers '*' --leader-elect=false --secure-port 0
+	start kube-scheduler "${kc[@]}" --leader-elect=false --secure-port 0
 	# kwok ships its node and pod lifecycle Stages in its module, which installing it downloaded.
 	local stages; stages="$(go env GOMODCACHE)/sigs.k8s.io/kwok@${KWOK_VERSION:-v0.8.0}/kustomize/stage"
 	: >"${dir}/kwok.yaml"
@@ -87,7 +91,19 @@ status:
   capacity: {cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "8", rdma/hca: "4"}
 NODE
 	done
-	log "up: ${nodes} fake GPU nodes; export KUBECONFIG=${dir}/kubeconfig"
+	# An untainted CPU node for what asks for no GPU: the router, the manager.
+	cat <<NODE | "${bin}/kubectl" "${kc[@]}" apply -f - >/dev/null
+apiVersion: v1
+kind: Node
+metadata:
+  name: cpu-node-0
+  annotations: {kwok.x-k8s.io/node: fake, node.alpha.kubernetes.io/ttl: "0"}
+  labels: {kubernetes.io/hostname: cpu-node-0, type: kwok}
+status:
+  allocatable: {cpu: "32", memory: 128Gi, pods: "110"}
+  capacity: {cpu: "32", memory: 128Gi, pods: "110"}
+NODE
+	log "up: ${nodes} fake GPU nodes and a CPU node; export KUBECONFIG=${dir}/kubeconfig"
 	echo "${dir}/kubeconfig"
 }
 

@@ -55,10 +55,11 @@ func main() {
 		os.Exit(1)
 	}
 	if err := (&controllers.PDClusterReconciler{
-		Client:   mgr.GetClient(),
-		Scheme:   mgr.GetScheme(),
-		Recorder: mgr.GetEventRecorder("pdcluster-operator"),
-		Options:  opts,
+		Client:    mgr.GetClient(),
+		APIReader: mgr.GetAPIReader(),
+		Scheme:    mgr.GetScheme(),
+		Recorder:  mgr.GetEventRecorder("pdcluster-operator"),
+		Options:   opts,
 	}).SetupWithManager(mgr); err != nil {
 		setupLog.Error(err, "set up controller")
 		os.Exit(1)

@@ -62,7 +62,7 @@ func TestManagerWatchesRepairScaleAndStatus(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := (&controllers.PDClusterReconciler{
-		Client: mgr.GetClient(), Scheme: mgr.GetScheme(),
+		Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Scheme: mgr.GetScheme(),
 		Recorder: mgr.GetEventRecorder("pdcluster-operator"), Options: render.DefaultOptions(),
 	}).SetupWithManager(mgr); err != nil {
 		t.Fatal(err)

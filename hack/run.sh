@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The main job: a local cluster (hack/local-cluster.sh) with the operator installed by its Helm
+# chart and the sample PDCluster, waited on until Ready.
+#   hack/run.sh up     # leaves the cluster and the operator running
+#   hack/run.sh down
+#
+# kwok runs no containers, so the chart's manager Deployment is installed with zero replicas and
+# the manager runs here as a process instead, with a token of the chart's ServiceAccount: it has
+# exactly the RBAC a manager pod would have.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="$("${root}/hack/envtest-assets.sh")"
+dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
+export PDCLUSTER_CLUSTER_DIR="${dir}"
+release=pdcluster-operator
+namespace=pdcluster-system
+sample="${PDCLUSTER_SAMPLE:-${root}/config/samples/serving_v1alpha1_pdcluster.yaml}"
+manager_metrics="${PDCLUSTER_MANAGER_METRICS:-127.0.0.1:18080}"
+manager_probes="${PDCLUSTER_MANAGER_PROBES:-127.0.0.1:18081}"
+log() { echo "run: $*" >&2; }
+
+up() {
+	(cd "${root}" && go build -o bin/manager ./cmd/manager)
+	local kubeconfig; kubeconfig="$("${root}/hack/local-cluster.sh" up)"
+	export KUBECONFIG="${kubeconfig}"
+	local kubectl="${bin}/kubectl"
+	# helm keeps its caches out of the user's home.
+	HELM_CACHE_HOME="${dir}/helm/cache" HELM_CONFIG_HOME="${dir}/helm/config" HELM_DATA_HOME="${dir}/helm/data" \
+		"${bin}/helm" upgrade --install "${release}" "${root}/charts/pdcluster-operator" \
+		--namespace "${namespace}" --create-namespace --set replicaCount=0 --wait --timeout 2m >&2
+	log "chart installed: $("${kubectl}" get crd pdclusters.serving.pdcluster.dev -o name)"
+
+	local token; token="$("${kubectl}" create token "${release}" --namespace "${namespace}" --duration 24h)"
+	local server; server="$("${kubectl}" config view --minify -o jsonpath='{.clusters[0].cluster.server}')"
+	cat >"${dir}/operator.kubeconfig" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster: {server: "${server}", insecure-skip-tls-verify: true}
+users:
+- name: ${release}
+  user: {token: "${token}"}
+contexts:
+- name: operator
+  context: {cluster: local, user: ${release}, namespace: ${namespace}}
+current-context: operator
+KC
+	KUBECONFIG="${dir}/operator.kubeconfig" "${root}/bin/manager" \
+		--metrics-bind-address "${manager_metrics}" --health-probe-bind-address "${manager_probes}" \
+		>"${dir}/manager.log" 2>&1 &
+	echo $! >"${dir}/manager.pid"
+	for _ in $(seq 1 60); do curl -fsS "http://${manager_probes}/readyz" >/dev/null 2>&1 && break; sleep 0.5; done
+	curl -fsS "http://${manager_probes}/readyz" >/dev/null || { tail -20 "${dir}/manager.log" >&2; exit 1; }
+	log "operator running as ServiceAccount ${namespace}/${release} (log: ${dir}/manager.log)"
+
+	"${kubectl}" apply -f "${sample}" >&2
+	local ns name
+	ns="$("${kubectl}" get -f "${sample}" -o jsonpath='{.metadata.namespace}')"
+	name="$("${kubectl}" get -f "${sample}" -o jsonpath='{.metadata.name}')"
+	"${kubectl}" wait --namespace "${ns}" --for=condition=Ready "pdcluster/${name}" --timeout "${PDCLUSTER_WAIT:-300s}" >&2
+	"${kubectl}" get --namespace "${ns}" pdcluster,deployments,pods -o wide >&2
+	log "up. export KUBECONFIG=${kubeconfig}; stop with: hack/run.sh down"
+}
+
+case "${1:-up}" in
+up) up ;;
+down) "${root}/hack/local-cluster.sh" down ;;
+*) echo "usage: $0 up|down" >&2; exit 2 ;;
+esac

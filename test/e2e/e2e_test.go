@@ -1,0 +1,333 @@
+// Package e2e runs against the local cluster that hack/e2e.sh brings up with the README's main
+// command (hack/run.sh): kube-apiserver, controller-manager, scheduler and kwok GPU/RDMA nodes,
+// the operator installed by its Helm chart, and the sample PDCluster Ready. Each step builds on
+// the previous one, as a user's session would.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// The sample hack/run.sh applies: 2 prefill and 2 decode replicas, TP=2, one rdma/hca each.
+const (
+	sampleNS   = "default"
+	sampleName = "qwen3-32b"
+	timeout    = 3 * time.Minute
+)
+
+type env struct {
+	t          *testing.T
+	ctx        context.Context
+	c          client.Client
+	kubeconfig string
+	kubectl    string
+}
+
+func setup(t *testing.T) *env {
+	kubeconfig := os.Getenv("PDCLUSTER_E2E_KUBECONFIG")
+	if kubeconfig == "" {
+		t.Skip("needs the local cluster: run hack/e2e.sh (make test does)")
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	scheme := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+		t.Fatal(err)
+	}
+	if err := v1alpha1.AddToScheme(scheme); err != nil {
+		t.Fatal(err)
+	}
+	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &env{t: t, ctx: context.Background(), c: c, kubeconfig: kubeconfig,
+		kubectl: filepath.Join(os.Getenv("PDCLUSTER_E2E_BIN"), "kubectl")}
+}
+
+// eventually polls cond until it returns nil, failing with its last error after timeout.
+func (e *env) eventually(what string, cond func() error) {
+	e.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("%s: still not true after %s: %v", what, timeout, err)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+func (e *env) run(args ...string) string {
+	e.t.Helper()
+	cmd := exec.Command(e.kubectl, append([]string{"--kubeconfig", e.kubeconfig}, args...)...)
+	cmd.Dir = filepath.Join("..", "..")
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if err := cmd.Run(); err != nil {
+		e.t.Fatalf("kubectl %v: %v\n%s%s", args, err, out.String(), errb.String())
+	}
+	return out.String()
+}
+
+func (e *env) pdc() *v1alpha1.PDCluster {
+	e.t.Helper()
+	var p v1alpha1.PDCluster
+	if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: sampleName}, &p); err != nil {
+		e.t.Fatal(err)
+	}
+	return &p
+}
+
+func (e *env) patch(spec string) {
+	e.t.Helper()
+	p := &v1alpha1.PDCluster{ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: sampleName}}
+	if err := e.c.Patch(e.ctx, p, client.RawPatch(types.MergePatchType, []byte(`{"spec":`+spec+`}`))); err != nil {
+		e.t.Fatalf("patch %s: %v", spec, err)
+	}
+}
+
+// pods are the sample's running (not terminating) pods of role.
+func (e *env) pods(role render.Role) []corev1.Pod {
+	e.t.Helper()
+	var list corev1.PodList
+	if err := e.c.List(e.ctx, &list, client.InNamespace(sampleNS), client.MatchingLabels(render.Labels(sampleName, role))); err != nil {
+		e.t.Fatal(err)
+	}
+	return slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return p.DeletionTimestamp != nil })
+}
+
+func uids(pods []corev1.Pod) []types.UID {
+	var out []types.UID
+	for _, p := range pods {
+		out = append(out, p.UID)
+	}
+	return out
+}
+
+// ready is nil once the sample is Ready for its current generation with want replicas per pool
+// running and ready.
+func (e *env) ready(prefill, decode int) error {
+	p := e.pdc()
+	c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady)
+	if c == nil || c.Status != metav1.ConditionTrue || p.Status.ObservedGeneration != p.Generation {
+		return fmt.Errorf("Ready = %+v at observed generation %d of %d", c, p.Status.ObservedGeneration, p.Generation)
+	}
+	for role, want := range map[render.Role]int{render.RolePrefill: prefill, render.RoleDecode: decode} {
+		pods := e.pods(role)
+		running := 0
+		for _, pod := range pods {
+			if pod.Status.Phase == corev1.PodRunning {
+				running++
+			}
+		}
+		if len(pods) != want || running != want {
+			return fmt.Errorf("%s: %d pods, %d running, want %d", role, len(pods), running, want)
+		}
+	}
+	return nil
+}
+
+func TestLocalCluster(t *testing.T) {
+	e := setup(t)
+
+	t.Run("the chart installed the operator", func(t *testing.T) {
+		var releases corev1.SecretList
+		if err := e.c.List(e.ctx, &releases, client.InNamespace("pdcluster-system"),
+			client.MatchingLabels{"owner": "helm", "name": "pdcluster-operator", "status": "deployed"}); err != nil {
+			t.Fatal(err)
+		}
+		if len(releases.Items) == 0 {
+			t.Fatal("no deployed helm release pdcluster-operator in pdcluster-system")
+		}
+	})
+
+	t.Run("sample pods run on GPU nodes with GPU, RDMA and the connector", func(t *testing.T) {
+		e.eventually("sample Ready with 2 prefill and 2 decode pods", func() error { return e.ready(2, 2) })
+		for _, role := range []render.Role{render.RolePrefill, render.RoleDecode} {
+			for _, pod := range e.pods(role) {
+				var node corev1.Node
+				if err := e.c.Get(e.ctx, client.ObjectKey{Name: pod.Spec.NodeName}, &node); err != nil {
+					t.Fatalf("%s on node %q: %v", pod.Name, pod.Spec.NodeName, err)
+				}
+				if node.Labels["pdcluster.dev/gpu-pool"] != "true" {
+					t.Errorf("%s runs on %s, not a GPU pool node", pod.Name, node.Name)
+				}
+				engine := pod.Spec.Containers[0]
+				if got := engine.Resources.Requests[v1alpha1.GPUResourceName]; got.Value() != 2 {
+					t.Errorf("%s requests %s GPUs, want 2 (TP=2)", pod.Name, got.String())
+				}
+				if got := engine.Resources.Requests["rdma/hca"]; got.Value() != 1 {
+					t.Errorf("%s requests %s rdma/hca, want 1", pod.Name, got.String())
+				}
+				i := slices.IndexFunc(pod.Status.ContainerStatuses, func(cs corev1.ContainerStatus) bool { return cs.Name == render.ConnectorContainer })
+				if i < 0 || !pod.Status.ContainerStatuses[i].Ready {
+					t.Errorf("%s has no ready connector: %+v", pod.Name, pod.Status.ContainerStatuses)
+				}
+			}
+		}
+	})
+
+	t.Run("scale decode to 3", func(t *testing.T) {
+		e.patch(`{"decode":{"replicas":3}}`)
+		e.eventually("3 decode pods ready", func() error { return e.ready(2, 3) })
+		if got := e.pdc().Status.Decode.Ready; got != "3/3" {
+			t.Errorf("status.decode.ready = %q, want 3/3", got)
+		}
+	})
+
+	t.Run("a decode image change rolls only decode", func(t *testing.T) {
+		prefill := uids(e.pods(render.RolePrefill))
+		var router appsv1.Deployment
+		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: sampleName + "-router"}, &router); err != nil {
+			t.Fatal(err)
+		}
+		e.patch(`{"decode":{"image":"vllm/vllm-openai:v0.12.0"}}`)
+		e.eventually("decode rolled to the new image", func() error {
+			if err := e.ready(2, 3); err != nil {
+				return err
+			}
+			for _, p := range e.pods(render.RoleDecode) {
+				if p.Spec.Containers[0].Image != "vllm/vllm-openai:v0.12.0" {
+					return fmt.Errorf("decode pod %s still runs %s", p.Name, p.Spec.Containers[0].Image)
+				}
+			}
+			return nil
+		})
+		if got := uids(e.pods(render.RolePrefill)); !slices.Equal(prefill, got) {
+			t.Errorf("prefill pods changed: %v -> %v", prefill, got)
+		}
+		var after appsv1.Deployment
+		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: sampleName + "-router"}, &after); err != nil {
+			t.Fatal(err)
+		}
+		if after.Generation != router.Generation {
+			t.Errorf("router Deployment generation %d -> %d: it was rolled", router.Generation, after.Generation)
+		}
+	})
+
+	t.Run("an unhealthy prefill connector restarts its pod and the connected decode pods", func(t *testing.T) {
+		before := e.pdc().Status.Connector.Restarts
+		sick := e.pods(render.RolePrefill)[0]
+		healthyPrefill := e.pods(render.RolePrefill)[1].UID
+		decode := uids(e.pods(render.RoleDecode))
+		// What the kubelet would write after the connector's readiness probe failed 5 minutes ago.
+		patched := sick.DeepCopy()
+		long := metav1.NewTime(time.Now().Add(-5 * time.Minute))
+		for i := range patched.Status.Conditions {
+			if c := &patched.Status.Conditions[i]; c.Type == corev1.ContainersReady || c.Type == corev1.PodReady {
+				c.Status, c.LastTransitionTime = corev1.ConditionFalse, long
+			}
+		}
+		for i := range patched.Status.ContainerStatuses {
+			if cs := &patched.Status.ContainerStatuses[i]; cs.Name == render.ConnectorContainer {
+				cs.Ready = false
+			}
+		}
+		if err := e.c.Status().Patch(e.ctx, patched, client.MergeFrom(&sick)); err != nil {
+			t.Fatal(err)
+		}
+		e.eventually("the sick prefill pod and every decode pod replaced", func() error {
+			for _, p := range e.pods(render.RolePrefill) {
+				if p.UID == sick.UID {
+					return fmt.Errorf("prefill pod %s is still there", sick.Name)
+				}
+			}
+			for _, p := range e.pods(render.RoleDecode) {
+				if slices.Contains(decode, p.UID) {
+					return fmt.Errorf("decode pod %s was not restarted", p.Name)
+				}
+			}
+			return nil
+		})
+		if !slices.Contains(uids(e.pods(render.RolePrefill)), healthyPrefill) {
+			t.Error("the healthy prefill pod was restarted too")
+		}
+		st := e.pdc().Status
+		if got := st.Connector.Restarts - before; got != 4 {
+			t.Errorf("status.connector.restarts went up by %d, want 4 (1 prefill + 3 decode)", got)
+		}
+		var evs eventsv1.EventList
+		if err := e.c.List(e.ctx, &evs, client.InNamespace(sampleNS)); err != nil {
+			t.Fatal(err)
+		}
+		if !slices.ContainsFunc(evs.Items, func(ev eventsv1.Event) bool {
+			return ev.Reason == "ConnectorRestarted" && ev.Regarding.Name == sampleName && strings.Contains(ev.Note, sick.Name)
+		}) {
+			t.Errorf("no ConnectorRestarted event naming %s", sick.Name)
+		}
+		e.eventually("Ready again with fresh pods", func() error { return e.ready(2, 3) })
+		e.eventually("ConnectorHealthy again", func() error {
+			c := meta.FindStatusCondition(e.pdc().Status.Conditions, v1alpha1.ConditionConnectorHealthy)
+			if c == nil || c.Status != metav1.ConditionTrue {
+				return fmt.Errorf("ConnectorHealthy = %+v", c)
+			}
+			return nil
+		})
+	})
+
+	t.Run("delete garbage-collects every child", func(t *testing.T) {
+		if err := e.c.Delete(e.ctx, e.pdc()); err != nil {
+			t.Fatal(err)
+		}
+		sel := client.MatchingLabels{render.LabelCluster: sampleName}
+		e.eventually("children gone", func() error {
+			lists := map[string]client.ObjectList{
+				"deployments": &appsv1.DeploymentList{}, "services": &corev1.ServiceList{},
+				"configmaps": &corev1.ConfigMapList{}, "pods": &corev1.PodList{},
+			}
+			for kind, l := range lists {
+				if err := e.c.List(e.ctx, l, client.InNamespace(sampleNS), sel); err != nil {
+					return err
+				}
+				if n := meta.LenList(l); n > 0 {
+					return fmt.Errorf("%d %s left", n, kind)
+				}
+			}
+			err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: sampleName}, &v1alpha1.PDCluster{})
+			if !apierrors.IsNotFound(err) {
+				return fmt.Errorf("PDCluster still there: %v", err)
+			}
+			return nil
+		})
+	})
+
+	t.Run("a second kubectl apply -k config/default changes nothing", func(t *testing.T) {
+		e.run("apply", "-k", "config/default")
+		out := e.run("apply", "-k", "config/default")
+		for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+			if !strings.HasSuffix(line, " unchanged") {
+				t.Errorf("second apply changed something: %q", line)
+			}
+		}
+	})
+}
