@@ -16,7 +16,6 @@ const (
 	DefaultRDMACount          int32 = 1
 	DefaultEnginePort         int32 = 8000
 	DefaultBootstrapPort      int32 = 8998
-	DefaultNixlSideChannel    int32 = 5600
 	GPUResourceName                 = "nvidia.com/gpu"
 	ConditionReady                  = "Ready"
 	ConditionPrefillReady           = "PrefillReady"

@@ -29,8 +29,9 @@ func main() {
 	flag.IntVar(&cfg.BlockSize, "block-size", 16, "tokens per KV block")
 	flag.IntVar(&cfg.Capacity, "kv-blocks", 4096, "KV-cache capacity in blocks")
 	flag.IntVar(&blockBytes, "block-bytes", 4096, "bytes of simulated KV per block")
-	flag.StringVar(&kvPath, "kv-file", "", "KV-cache file shared with the connector agent (required with --kv-role)")
-	flag.StringVar(&cfg.Agent, "agent", "http://127.0.0.1:7100", "connector agent's local API")
+	// In a PDCluster pod the operator sets both in the engine's environment.
+	flag.StringVar(&kvPath, "kv-file", os.Getenv("PDCLUSTER_KV_FILE"), "KV-cache file shared with the connector agent (required with --kv-role; default $PDCLUSTER_KV_FILE)")
+	flag.StringVar(&cfg.Agent, "agent", envOr("PDCLUSTER_CONNECTOR_URL", "http://127.0.0.1:7100"), "connector agent's local API (default $PDCLUSTER_CONNECTOR_URL)")
 	flag.StringVar(&cfg.BootstrapAddr, "bootstrap-addr", "", "this producer's bootstrap registry as consumers reach it")
 	flag.IntVar(&cfg.MaxModelLen, "max-model-len", 0, "maximum prompt plus output tokens (default: the KV capacity)")
 	flag.BoolVar(&cfg.PrefixCaching, "enable-prefix-caching", true, "reuse KV of prompt prefixes seen before")
@@ -87,4 +88,11 @@ func run(cfg enginesim.Config, listen, kvPath string, blockBytes int) error {
 		return err
 	}
 	return nil
+}
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
 }
