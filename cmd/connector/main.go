@@ -32,7 +32,7 @@ func main() {
 	var cfg agent.Config
 	var o options
 	flag.StringVar(&o.role, "role", "", "kv_producer (prefill) or kv_consumer (decode)")
-	flag.StringVar(&o.listen, "listen", "127.0.0.1:7100", "HTTP address: local engine API, /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry (/register, /query)")
+	flag.StringVar(&o.listen, "listen", "127.0.0.1:7100", "local engine API (and /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry /register, /query): host:port or unix:///path/to/socket")
 	flag.StringVar(&o.publicListen, "public-listen", "", "HTTP address other pods and the kubelet reach: /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry (the local API stays on --listen); empty: none")
 	flag.StringVar(&o.dataListen, "data-listen", "127.0.0.1:7200", "TCP address of the data plane (producer)")
 	flag.StringVar(&cfg.DataAddr, "advertise-data", "", "data-plane address consumers dial (default: --data-listen)")
@@ -107,7 +107,7 @@ func run(cfg agent.Config, o options, log interface {
 		if s.addr == "" {
 			continue
 		}
-		l, err := net.Listen("tcp", s.addr)
+		l, err := agent.Listen(s.addr)
 		if err != nil {
 			return fmt.Errorf("http %s: %w", s.addr, err)
 		}

@@ -23,13 +23,13 @@ import (
 const blockBytes = 256
 
 type pair struct {
-	prod, cons       *Agent
-	prodKV, consKV   *kvfile.File
-	prodURL, consURL string
-	releases         *sinkRec
-	completions      *sinkRec
-	prodLink         *Link
-	consLink         *Link
+	prod, cons     *Agent
+	prodKV, consKV *kvfile.File
+	prodURL        string
+	releases       *sinkRec
+	completions    *sinkRec
+	prodLink       *Link
+	consLink       *Link
 }
 
 type sinkRec struct {
@@ -85,6 +85,13 @@ func openKV(t *testing.T, name string) *kvfile.File {
 // newPair runs a producer and a consumer agent on loopback, each with its engine's Link.
 func newPair(t *testing.T, mutate func(*Config)) *pair {
 	t.Helper()
+	return newPairOn(t, mutate, false)
+}
+
+// newPairOn with unixSockets serves each agent's local API on a Unix socket, as in a pod, and
+// the producer's bootstrap registry on its public TCP handler.
+func newPairOn(t *testing.T, mutate func(*Config), unixSockets bool) *pair {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &pair{prodKV: openKV(t, "p.kv"), consKV: openKV(t, "c.kv"), releases: newSink(), completions: newSink()}
 	data, err := net.Listen("tcp", "127.0.0.1:0")
@@ -109,13 +116,35 @@ func newPair(t *testing.T, mutate func(*Config)) *pair {
 	}
 	ps := httptest.NewServer(p.prod.Handler(prometheus.NewRegistry()))
 	cs := httptest.NewServer(p.cons.Handler(prometheus.NewRegistry()))
-	p.prodURL, p.consURL = ps.URL, cs.URL
+	p.prodURL = ps.URL
+	prodAPI, consAPI := ps.URL, cs.URL
+	if unixSockets {
+		ps.Close()
+		cs.Close()
+		dir := t.TempDir()
+		serve := func(h http.Handler, sock string) *httptest.Server {
+			l, err := Listen("unix://" + filepath.Join(dir, sock))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := httptest.NewUnstartedServer(h)
+			s.Listener = l
+			s.Start()
+			return s
+		}
+		ps = serve(p.prod.Handler(prometheus.NewRegistry()), "prod.sock")
+		cs = serve(p.cons.Handler(prometheus.NewRegistry()), "cons.sock")
+		prodAPI, consAPI = "unix://"+filepath.Join(dir, "prod.sock"), "unix://"+filepath.Join(dir, "cons.sock")
+		pub := httptest.NewServer(p.prod.PublicHandler(prometheus.NewRegistry()))
+		t.Cleanup(pub.Close)
+		p.prodURL = pub.URL
+	}
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() { defer wg.Done(); _ = p.prod.Serve(ctx, data) }()
 	go func() { defer wg.Done(); _ = p.cons.Serve(ctx, nil) }()
-	p.prodLink = NewLink(ps.URL, nil, p.releases)
-	p.consLink = NewLink(cs.URL, p.completions, nil)
+	p.prodLink = NewLink(prodAPI, nil, p.releases)
+	p.consLink = NewLink(consAPI, p.completions, nil)
 	wg.Add(2)
 	go func() { defer wg.Done(); p.prodLink.Run(ctx) }()
 	go func() { defer wg.Done(); p.consLink.Run(ctx) }()
@@ -142,9 +171,17 @@ func (p *pair) pull(t *testing.T, req, transfer string, blocks connector.BlockID
 }
 
 // A full pull moves the producer's blocks byte for byte into the consumer's destination
-// blocks, completes once, and releases the producer once.
+// blocks, completes once, and releases the producer once; over TCP as in the sandbox, and over
+// Unix sockets as in a pod.
 func TestPullMovesBytesAndCompletesOnce(t *testing.T) {
-	p := newPair(t, nil)
+	for _, unix := range []bool{false, true} {
+		t.Run(map[bool]string{false: "tcp", true: "unix"}[unix], func(t *testing.T) {
+			testPullMovesBytesAndCompletesOnce(t, newPairOn(t, nil, unix))
+		})
+	}
+}
+
+func testPullMovesBytesAndCompletesOnce(t *testing.T, p *pair) {
 	ctx := context.Background()
 	src := [][]byte{fill(t, p.prodKV, 3, 'a'), fill(t, p.prodKV, 4, 'b')}
 	if err := p.prodLink.Expect(ctx, "x1", "p-1"); err != nil {
@@ -321,4 +358,20 @@ func TestPublicHandlerServesHealthAndRegistryButNotTheLocalAPI(t *testing.T) {
 			t.Errorf("%s %s = %d, want %d", c.method, c.path, resp.StatusCode, c.want)
 		}
 	}
+}
+
+// A restarted agent finds its previous socket file on the shared volume; it must still bind.
+func TestListenReplacesAStaleSocket(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "agent.sock")
+	first, err := Listen("unix://" + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first.(*net.UnixListener).SetUnlinkOnClose(false) // as after a SIGKILL: the file stays
+	first.Close()
+	second, err := Listen("unix://" + path)
+	if err != nil {
+		t.Fatalf("listen over a stale socket: %v", err)
+	}
+	second.Close()
 }

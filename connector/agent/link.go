@@ -54,11 +54,12 @@ type trackedHold struct {
 	blocks  int
 }
 
-// NewLink returns a Link to the agent at base (http://host:port). completions is required for
-// a consumer engine, releases for a producer engine.
-func NewLink(base string, completions connector.CompletionSink, releases connector.ReleaseSink) *Link {
+// NewLink returns a Link to the agent's local API at endpoint (http://host:port or
+// unix:///path). completions is required for a consumer engine, releases for a producer engine.
+func NewLink(endpoint string, completions connector.CompletionSink, releases connector.ReleaseSink) *Link {
+	base, hc := endpointClient(endpoint, 10*time.Second)
 	return &Link{
-		base: base, hc: &http.Client{Timeout: 10 * time.Second}, completions: completions, releases: releases,
+		base: base, hc: hc, completions: completions, releases: releases,
 		LostAfter: 5 * time.Second, Log: logr.Discard(),
 		pulls: map[connector.RequestID]trackedPull{}, held: map[connector.TransferID]trackedHold{},
 		lost: map[connector.RequestID]struct{}{},

@@ -54,11 +54,13 @@ const (
 
 	// ConnectorContainer is the completion-gated connector agent beside each engine.
 	ConnectorContainer = "connector"
-	// connectorVolume holds the KV staging buffer the engine and the agent both map.
+	// connectorVolume holds the agent's local API socket and the KV staging buffer the engine
+	// and the agent both map.
 	connectorVolume = "connector-run"
 	ConnectorDir    = "/var/run/pdcluster"
-	// ConnectorAPIPort is the agent's local API; it binds loopback, so only its own engine reaches it.
-	ConnectorAPIPort int32 = 7100
+	// ConnectorSocket is the agent's local API: a Unix socket on the shared volume, so only the
+	// engine of the same pod reaches it.
+	ConnectorSocket = "unix://" + ConnectorDir + "/agent.sock"
 	// ConnectorPort serves /healthz, /readyz, /metrics and, on prefill, the bootstrap registry.
 	ConnectorPort int32 = v1alpha1.DefaultBootstrapPort
 	// ConnectorDataPort is the prefill agent's data plane, dialled by decode agents.
@@ -262,7 +264,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role Role) (*appsv1
 
 	env := []corev1.EnvVar{
 		podIPEnv(),
-		{Name: "PDCLUSTER_CONNECTOR_URL", Value: fmt.Sprintf("http://127.0.0.1:%d", ConnectorAPIPort)},
+		{Name: "PDCLUSTER_CONNECTOR_URL", Value: ConnectorSocket},
 		{Name: "PDCLUSTER_KV_FILE", Value: kvFile},
 	}
 	if orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) == v1alpha1.ConnectorMooncake {
@@ -324,7 +326,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role Role) (corev
 	blockBytes := ptr.Deref(c.BlockBytes, v1alpha1.DefaultConnectorBlockBytes)
 	args := []string{
 		"--role=" + kvRole(role),
-		fmt.Sprintf("--listen=127.0.0.1:%d", ConnectorAPIPort),
+		"--listen=" + ConnectorSocket,
 		fmt.Sprintf("--public-listen=:%d", ConnectorPort),
 		"--kv-file=" + kvFile,
 		fmt.Sprintf("--kv-blocks=%d", blocks),

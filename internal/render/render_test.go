@@ -111,7 +111,7 @@ func mountPaths(c corev1.Container) map[string]string {
 }
 
 // Every engine pod carries the connector agent: it shares the KV staging volume with the engine,
-// keeps its local API on loopback, and is probed on /readyz and /healthz on its public port.
+// keeps its local API on a Unix socket on that volume, and is probed on /readyz and /healthz on its public port.
 func TestConnectorSidecar(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
 	pdc.Spec.Connector.BufferBlocks = ptr.To[int32](1024)
@@ -122,9 +122,9 @@ func TestConnectorSidecar(t *testing.T) {
 		wantArgs []string
 		ports    []string
 	}{
-		{render.RolePrefill, []string{"--role=kv_producer", "--listen=127.0.0.1:7100", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
+		{render.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
 			"--kv-blocks=1024", "--block-bytes=8192", "--data-listen=:7200", "--advertise-data=$(POD_IP):7200"}, []string{"connector", "kv-data"}},
-		{render.RoleDecode, []string{"--role=kv_consumer", "--listen=127.0.0.1:7100", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
+		{render.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
 			"--kv-blocks=1024", "--block-bytes=8192"}, []string{"connector"}},
 	} {
 		t.Run(string(tc.role), func(t *testing.T) {
@@ -150,6 +150,16 @@ func TestConnectorSidecar(t *testing.T) {
 				t.Errorf("liveness probe = %+v, want /healthz on connector", got)
 			}
 			engine := container(t, pod, "engine")
+			env := map[string]string{}
+			for _, e := range engine.Env {
+				env[e.Name] = e.Value
+			}
+			if got := "--listen=" + env["PDCLUSTER_CONNECTOR_URL"]; !contains(c.Args, got) {
+				t.Errorf("engine reaches the agent at %q, the agent listens with %v", env["PDCLUSTER_CONNECTOR_URL"], c.Args)
+			}
+			if got := "--kv-file=" + env["PDCLUSTER_KV_FILE"]; !contains(c.Args, got) {
+				t.Errorf("engine maps %q, the agent %v", env["PDCLUSTER_KV_FILE"], c.Args)
+			}
 			if engine.Resources.Limits.Name(v1alpha1.GPUResourceName, "").IsZero() || !c.Resources.Limits.Name(v1alpha1.GPUResourceName, "").IsZero() {
 				t.Error("GPUs belong to the engine container only")
 			}
