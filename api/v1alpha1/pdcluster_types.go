@@ -400,6 +400,10 @@ type ConnectorStatus struct {
 	// restarts counts every pod restarted for connector health (both pools).
 	// +optional
 	Restarts int32 `json:"restarts,omitempty"`
+	// containerRestarts sums the kubelet's restarts of the connector container (failed
+	// liveness, crashes) over the current engine pods.
+	// +optional
+	ContainerRestarts int32 `json:"containerRestarts,omitempty"`
 	// unhealthyPods names the pods whose connector is not ready now.
 	// +optional
 	// +listType=atomic

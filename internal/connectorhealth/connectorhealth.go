@@ -72,6 +72,8 @@ type Pod struct {
 	Ready bool
 	// UnreadySince is when the connector was last seen to turn unready (zero when Ready).
 	UnreadySince time.Time
+	// ContainerRestarts are the kubelet's restarts of the connector container.
+	ContainerRestarts int32
 }
 
 // Observe reads a pod's connector health. Pods that cannot have a healthy connector yet
@@ -86,7 +88,7 @@ func Observe(pod *corev1.Pod, now time.Time) (Pod, bool) {
 		return Pod{}, false
 	}
 	cs := pod.Status.ContainerStatuses[i]
-	p := Pod{Name: pod.Name, UID: pod.UID, Role: role, Ready: cs.Ready}
+	p := Pod{Name: pod.Name, UID: pod.UID, Role: role, Ready: cs.Ready, ContainerRestarts: cs.RestartCount}
 	if p.Ready {
 		return p, true
 	}
@@ -140,7 +142,9 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 			d.RequeueAfter = after
 		}
 	}
+	d.Status.ContainerRestarts = 0
 	for _, pod := range pods {
+		d.Status.ContainerRestarts += pod.ContainerRestarts
 		if pod.Ready {
 			continue
 		}

@@ -57,6 +57,13 @@ func TestDecide(t *testing.T) {
 				RecentRounds: []metav1.Time{at(-10 * time.Second)}},
 		},
 		{
+			name: "the kubelet's connector restarts are summed over the current pods",
+			prev: v1alpha1.ConnectorStatus{ContainerRestarts: 9},
+			pods: []Pod{{Name: "p-0", Role: render.RolePrefill, Ready: true, ContainerRestarts: 2},
+				{Name: "d-0", Role: render.RoleDecode, Ready: true, ContainerRestarts: 1}},
+			wantStatus: v1alpha1.ConnectorStatus{ContainerRestarts: 3},
+		},
+		{
 			name:        "unready below the threshold waits for the rest of it",
 			pods:        []Pod{unready("d-0", render.RoleDecode, 12*time.Second), ready("p-0", render.RolePrefill)},
 			wantRequeue: 18 * time.Second,
@@ -208,7 +215,7 @@ func enginePod(role render.Role) *podBuilder {
 	b.Status.Phase = corev1.PodRunning
 	b.Status.ContainerStatuses = []corev1.ContainerStatus{
 		{Name: "engine", Ready: true},
-		{Name: render.ConnectorContainer, Ready: true, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: at(-time.Hour)}}},
+		{Name: render.ConnectorContainer, Ready: true, RestartCount: 4, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: at(-time.Hour)}}},
 	}
 	return b
 }
@@ -240,13 +247,13 @@ func TestObserve(t *testing.T) {
 		want   Pod
 		wantOK bool
 	}{
-		{"ready connector", enginePod(render.RoleDecode), Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, Ready: true}, true},
+		{"ready connector", enginePod(render.RoleDecode), Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, Ready: true, ContainerRestarts: 4}, true},
 		{"unready since ContainersReady turned false", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second),
-			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, UnreadySince: t0.Add(-40 * time.Second)}, true},
+			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, UnreadySince: t0.Add(-40 * time.Second), ContainerRestarts: 4}, true},
 		{"a connector restarted after that counts from its start", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second).connectorStartedAt(-5 * time.Second),
-			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, UnreadySince: t0.Add(-5 * time.Second)}, true},
+			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, UnreadySince: t0.Add(-5 * time.Second), ContainerRestarts: 4}, true},
 		{"no readiness record counts from now", enginePod(render.RoleDecode).connectorUnready(0).connectorStartedAt(time.Second),
-			Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, UnreadySince: t0}, true},
+			Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, UnreadySince: t0, ContainerRestarts: 4}, true},
 		{"pending pods are not judged", enginePod(render.RoleDecode).connectorUnready(-time.Hour).phase(corev1.PodPending), Pod{}, false},
 		{"terminating pods are not judged", enginePod(render.RoleDecode).connectorUnready(-time.Hour).deleting(), Pod{}, false},
 		{"pods without a connector status are not judged", enginePod(render.RoleDecode).withoutConnector(), Pod{}, false},
