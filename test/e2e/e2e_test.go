@@ -8,6 +8,8 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -45,6 +47,8 @@ type env struct {
 	c          client.Client
 	kubeconfig string
 	kubectl    string
+	// metricsAddr is the manager's /metrics address (hack/run.sh runs it as a process).
+	metricsAddr string
 }
 
 func setup(t *testing.T) *env {
@@ -67,8 +71,12 @@ func setup(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
+	metricsAddr := os.Getenv("PDCLUSTER_MANAGER_METRICS")
+	if metricsAddr == "" {
+		t.Fatal("PDCLUSTER_MANAGER_METRICS is unset: hack/e2e.sh sets it to the manager's metrics address")
+	}
 	return &env{t: t, ctx: context.Background(), c: c, kubeconfig: kubeconfig,
-		kubectl: filepath.Join(os.Getenv("PDCLUSTER_E2E_BIN"), "kubectl")}
+		kubectl: filepath.Join(os.Getenv("PDCLUSTER_E2E_BIN"), "kubectl"), metricsAddr: metricsAddr}
 }
 
 // eventually polls cond until it returns nil, failing with its last error after timeout.
@@ -97,6 +105,20 @@ func (e *env) run(args ...string) string {
 		e.t.Fatalf("kubectl %v: %v\n%s%s", args, err, out.String(), errb.String())
 	}
 	return out.String()
+}
+
+func (e *env) get(url string) string {
+	e.t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		e.t.Fatalf("GET %s: %d %v", url, resp.StatusCode, err)
+	}
+	return string(b)
 }
 
 func (e *env) pdc() *v1alpha1.PDCluster {
@@ -284,6 +306,13 @@ func TestLocalCluster(t *testing.T) {
 			return ev.Reason == "ConnectorRestarted" && ev.Regarding.Name == sampleName && strings.Contains(ev.Note, sick.Name)
 		}) {
 			t.Errorf("no ConnectorRestarted event naming %s", sick.Name)
+		}
+		metrics := e.get("http://" + e.metricsAddr + "/metrics")
+		for pool, want := range map[string]int{"prefill": 1, "decode": 3} {
+			line := fmt.Sprintf(`pdcluster_connector_restarts_total{name=%q,namespace=%q,pool=%q} %d`, sampleName, sampleNS, pool, want)
+			if !strings.Contains(metrics, line) {
+				t.Errorf("manager metrics lack %s", line)
+			}
 		}
 		e.eventually("Ready again with fresh pods", func() error { return e.ready(2, 3) })
 		e.eventually("ConnectorHealthy again", func() error {
