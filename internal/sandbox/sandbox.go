@@ -44,10 +44,14 @@ type Config struct {
 	Log     logr.Logger
 }
 
-// Node is one engine with its agent.
+// Node is one engine with its agent, laid out as in a pod: the agent's local API on a Unix
+// socket only its engine uses, its health, metrics and bootstrap registry on a TCP port.
 type Node struct {
-	Engine    string `json:"engine"`
-	Agent     string `json:"agent"`
+	Engine string `json:"engine"`
+	// Agent serves /healthz, /readyz, /metrics and, on prefill, the bootstrap registry.
+	Agent string `json:"agent"`
+	// AgentAPI is the local API the engine talks to (unix:///...).
+	AgentAPI  string `json:"agentAPI"`
 	Bootstrap string `json:"bootstrap,omitempty"`
 	EnginePID int    `json:"enginePID"`
 	AgentPID  int    `json:"agentPID"`
@@ -107,10 +111,15 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		kvRole := map[string]string{"prefill": "kv_producer", "decode": "kv_consumer"}[role]
 		n.Agent = fmt.Sprintf("http://127.0.0.1:%d", p[0])
 		n.Engine = fmt.Sprintf("http://127.0.0.1:%d", p[1])
-		agentArgs := append([]string{"--role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[0]),
+		sock := filepath.Join(cfg.WorkDir, name+".sock")
+		if len(sock) > 100 { // sun_path holds 108 bytes
+			return fmt.Errorf("socket path %s is too long for a Unix socket: use a shorter --work-dir", sock)
+		}
+		n.AgentAPI = "unix://" + sock
+		agentArgs := append([]string{"--role", kvRole, "--listen", n.AgentAPI, "--public-listen", fmt.Sprintf("127.0.0.1:%d", p[0]),
 			"--pull-timeout", cfg.PullTimeout.String(), "--hold-timeout", cfg.HoldTimeout.String(), "--ready-timeout", cfg.HoldTimeout.String(),
 			"--tombstone-ttl", (2 * cfg.HoldTimeout).String()}, common(name)...)
-		engineArgs := append([]string{"--kv-role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[1]), "--agent", n.Agent,
+		engineArgs := append([]string{"--kv-role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[1]), "--agent", n.AgentAPI,
 			"--block-size", strconv.Itoa(cfg.BlockSize), "--step-time", cfg.StepTime.String(), "--kv-load-failure-policy", cfg.Policy}, common(name)...)
 		if role == "prefill" {
 			n.Bootstrap = n.Agent
