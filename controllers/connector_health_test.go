@@ -319,3 +319,27 @@ func TestRestartRoundWaitsForACurrentRecord(t *testing.T) {
 		t.Errorf("deleted with a current record (-want +got):\n%s", d)
 	}
 }
+
+func TestPodEventsMapToTheirPDCluster(t *testing.T) {
+	cases := []struct {
+		name   string
+		labels map[string]string
+		want   []string
+	}{
+		{"engine pod", render.Labels("c", render.RoleDecode), []string{"ns/c"}},
+		{"pod of another manager", map[string]string{render.LabelCluster: "c", render.LabelManagedBy: "helm"}, nil},
+		{"unrelated pod", map[string]string{"app": "x"}, nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", Labels: tc.labels}}
+			var got []string
+			for _, r := range podToPDCluster(context.Background(), p) {
+				got = append(got, r.String())
+			}
+			if d := cmp.Diff(tc.want, got); d != "" {
+				t.Errorf("requests (-want +got):\n%s", d)
+			}
+		})
+	}
+}
