@@ -43,7 +43,7 @@ func (r *PDClusterReconciler) reconcileConnectorHealth(ctx context.Context, pdc 
 	}
 	var pods []connectorhealth.Pod
 	for i := range list.Items {
-		if p, ok := connectorhealth.Observe(&list.Items[i], now); ok {
+		if p, ok := connectorhealth.Observe(&list.Items[i]); ok {
 			pods = append(pods, p)
 		}
 	}

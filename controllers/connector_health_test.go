@@ -57,7 +57,7 @@ func pdc() *v1alpha1.PDCluster {
 }
 
 // pod is an engine pod of cluster c whose connector turned unready unreadyFor before start
-// (0: ready).
+// (0: ready); newHealthFixture records that the operator saw it then.
 func pod(name string, role render.Role, unreadyFor time.Duration) *corev1.Pod {
 	p := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, UID: types.UID("uid-" + name), Labels: render.Labels("c", role)},
@@ -86,6 +86,13 @@ type healthFixture struct {
 func newHealthFixture(t *testing.T, funcs interceptor.Funcs, pods ...*corev1.Pod) *healthFixture {
 	t.Helper()
 	f := &healthFixture{clock: clocktesting.NewFakePassiveClock(start), pdc: pdc()}
+	for _, p := range pods {
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.ContainersReady && c.Status == corev1.ConditionFalse {
+				f.pdc.Status.Connector.UnhealthyPods = append(f.pdc.Status.Connector.UnhealthyPods, v1alpha1.UnhealthyPod{Name: p.Name, Since: c.LastTransitionTime})
+			}
+		}
+	}
 	objs := []client.Object{f.pdc.DeepCopy()}
 	for _, p := range pods {
 		objs = append(objs, p)
@@ -241,12 +248,15 @@ func TestBackoffThenBudget(t *testing.T) {
 	}
 	c := f.r.Client
 	ctx := context.Background()
-	// The replacement's connector never turns ready either.
+	// The replacement's connector never turns ready either; the operator sees it at once.
 	recreate := func(name string, at time.Time) {
 		p := pod(name, render.RoleDecode, 0)
 		p.Status.ContainerStatuses[1].Ready = false
 		p.Status.ContainerStatuses[1].State.Running.StartedAt = metav1.NewTime(at)
 		if err := c.Create(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := f.run(t); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -395,6 +395,15 @@ type PoolStatus struct {
 	ConnectorRestarts int32 `json:"connectorRestarts,omitempty"`
 }
 
+// UnhealthyPod is an engine pod whose connector is not ready.
+type UnhealthyPod struct {
+	// name of the pod.
+	Name string `json:"name"`
+	// since is when the operator first saw the connector unready, or when the connector last
+	// started if that is later.
+	Since metav1.Time `json:"since"`
+}
+
 // ConnectorStatus is the operator's record of connector health and restarts.
 type ConnectorStatus struct {
 	// restarts counts every pod restarted for connector health (both pools).
@@ -404,10 +413,12 @@ type ConnectorStatus struct {
 	// liveness, crashes) over the current engine pods.
 	// +optional
 	ContainerRestarts int32 `json:"containerRestarts,omitempty"`
-	// unhealthyPods names the pods whose connector is not ready now.
+	// unhealthyPods are the pods whose connector is not ready now, with the time each restart
+	// threshold counts from.
 	// +optional
-	// +listType=atomic
-	UnhealthyPods []string `json:"unhealthyPods,omitempty"`
+	// +listType=map
+	// +listMapKey=name
+	UnhealthyPods []UnhealthyPod `json:"unhealthyPods,omitempty"`
 	// consecutiveRounds counts restart rounds since the connectors were last all healthy; it
 	// sets the backoff before the next round.
 	// +optional

@@ -70,15 +70,15 @@ type Pod struct {
 	Role render.Role
 	// Ready is the connector container's readiness.
 	Ready bool
-	// UnreadySince is when the connector was last seen to turn unready (zero when Ready).
-	UnreadySince time.Time
+	// StartedAt is when the connector container last started (zero when it is not running).
+	StartedAt time.Time
 	// ContainerRestarts are the kubelet's restarts of the connector container.
 	ContainerRestarts int32
 }
 
 // Observe reads a pod's connector health. Pods that cannot have a healthy connector yet
 // (pending, terminating, not started) are not judged: ok is false.
-func Observe(pod *corev1.Pod, now time.Time) (Pod, bool) {
+func Observe(pod *corev1.Pod) (Pod, bool) {
 	role := render.Role(pod.Labels[render.LabelRole])
 	if (role != render.RolePrefill && role != render.RoleDecode) || pod.DeletionTimestamp != nil || pod.Status.Phase != corev1.PodRunning {
 		return Pod{}, false
@@ -89,24 +89,9 @@ func Observe(pod *corev1.Pod, now time.Time) (Pod, bool) {
 	}
 	cs := pod.Status.ContainerStatuses[i]
 	p := Pod{Name: pod.Name, UID: pod.UID, Role: role, Ready: cs.Ready, ContainerRestarts: cs.RestartCount}
-	if p.Ready {
-		return p, true
+	if r := cs.State.Running; r != nil {
+		p.StartedAt = r.StartedAt.Time
 	}
-	// Container statuses carry no readiness time; ContainersReady turning False is the best
-	// record of it, and a container (re)started later than that has been unready since its start.
-	var since time.Time
-	for _, c := range pod.Status.Conditions {
-		if c.Type == corev1.ContainersReady && c.Status != corev1.ConditionTrue {
-			since = c.LastTransitionTime.Time
-		}
-	}
-	if r := cs.State.Running; r != nil && r.StartedAt.After(since) {
-		since = r.StartedAt.Time
-	}
-	if since.IsZero() || since.After(now) {
-		since = now
-	}
-	p.UnreadySince = since
 	return p, true
 }
 
@@ -143,19 +128,34 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 		}
 	}
 	d.Status.ContainerRestarts = 0
+	// The pod's status has no time for the connector turning unready (ContainersReady may have
+	// turned False long before, for the engine), so the threshold counts from when the operator
+	// first saw it, kept in status, or from the connector's last start if that is later.
+	seen := map[string]time.Time{}
+	for _, u := range prev.UnhealthyPods {
+		seen[u.Name] = u.Since.Time
+	}
+	d.Status.UnhealthyPods = nil
 	for _, pod := range pods {
 		d.Status.ContainerRestarts += pod.ContainerRestarts
 		if pod.Ready {
 			continue
 		}
+		since, ok := seen[pod.Name]
+		if !ok || since.After(now) {
+			since = now
+		}
+		if pod.StartedAt.After(since) && !pod.StartedAt.After(now) {
+			since = pod.StartedAt
+		}
+		d.Status.UnhealthyPods = append(d.Status.UnhealthyPods, v1alpha1.UnhealthyPod{Name: pod.Name, Since: metav1.NewTime(since)})
 		d.Unhealthy = append(d.Unhealthy, pod)
-		if unready := now.Sub(pod.UnreadySince); unready >= p.Threshold() {
+		if unready := now.Sub(since); unready >= p.Threshold() {
 			d.Due = append(d.Due, pod)
 		} else {
 			wake(p.Threshold() - unready)
 		}
 	}
-	d.Status.UnhealthyPods = Names(d.Unhealthy)
 	d.Status.RecentRounds = slices.DeleteFunc(d.Status.RecentRounds, func(t metav1.Time) bool { return !t.Add(p.Window).After(now) })
 	if len(d.Status.RecentRounds) == 0 {
 		d.Status.RecentRounds = nil

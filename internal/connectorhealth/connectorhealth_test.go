@@ -21,14 +21,24 @@ var policy = Policy{Period: 10 * time.Second, FailureThreshold: 3, InitialBackof
 
 func ready(name string, role render.Role) Pod { return Pod{Name: name, Role: role, Ready: true} }
 
-func unready(name string, role render.Role, for_ time.Duration) Pod {
-	return Pod{Name: name, Role: role, UnreadySince: t0.Add(-for_)}
-}
+func unready(name string, role render.Role) Pod { return Pod{Name: name, Role: role} }
 
 func at(d time.Duration) metav1.Time { return metav1.NewTime(t0.Add(d)) }
 
+// seen is the operator's record of a connector it first saw unready ago.
+func seen(name string, ago time.Duration) v1alpha1.UnhealthyPod {
+	return v1alpha1.UnhealthyPod{Name: name, Since: at(-ago)}
+}
+
+func records(r ...v1alpha1.UnhealthyPod) []v1alpha1.UnhealthyPod { return r }
+
 func TestDecide(t *testing.T) {
 	healthyFleet := []Pod{ready("p-0", render.RolePrefill), ready("d-0", render.RoleDecode), ready("d-1", render.RoleDecode)}
+	withPolicy := func(f func(*Policy)) Policy {
+		p := policy
+		f(&p)
+		return p
+	}
 	cases := []struct {
 		name        string
 		policy      Policy
@@ -41,9 +51,9 @@ func TestDecide(t *testing.T) {
 		wantStatus  v1alpha1.ConnectorStatus
 	}{
 		{
-			name: "all ready resets the consecutive rounds and keeps the budget record",
+			name: "all ready resets the consecutive rounds, forgets the unhealthy and keeps the budget record",
 			prev: v1alpha1.ConnectorStatus{Restarts: 4, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-10 * time.Minute)),
-				RecentRounds: []metav1.Time{at(-2 * time.Hour), at(-10 * time.Minute)}},
+				RecentRounds: []metav1.Time{at(-2 * time.Hour), at(-10 * time.Minute)}, UnhealthyPods: records(seen("d-0", time.Minute))},
 			pods:       healthyFleet,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 4, LastRestartTime: ptr.To(at(-10 * time.Minute)), RecentRounds: []metav1.Time{at(-10 * time.Minute)}},
 		},
@@ -64,97 +74,107 @@ func TestDecide(t *testing.T) {
 			wantStatus: v1alpha1.ConnectorStatus{ContainerRestarts: 3},
 		},
 		{
+			name:        "a connector first seen unready now is recorded and waits the whole threshold",
+			pods:        []Pod{unready("d-0", render.RoleDecode), ready("p-0", render.RolePrefill)},
+			wantRequeue: 30 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 0))},
+		},
+		{
 			name:        "unready below the threshold waits for the rest of it",
-			pods:        []Pod{unready("d-0", render.RoleDecode, 12*time.Second), ready("p-0", render.RolePrefill)},
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 12*time.Second))},
+			pods:        []Pod{unready("d-0", render.RoleDecode), ready("p-0", render.RolePrefill)},
 			wantRequeue: 18 * time.Second,
-			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"d-0"}},
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 12*time.Second))},
+		},
+		{
+			name:        "a connector the kubelet restarted since counts from its start",
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", time.Hour))},
+			pods:        []Pod{{Name: "d-0", Role: render.RoleDecode, StartedAt: t0.Add(-5 * time.Second)}},
+			wantRequeue: 25 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 5*time.Second))},
 		},
 		{
 			name:        "a decode pod past the threshold is restarted alone",
-			pods:        []Pod{unready("d-0", render.RoleDecode, 30*time.Second), ready("d-1", render.RoleDecode), ready("p-0", render.RolePrefill)},
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 30*time.Second))},
+			pods:        []Pod{unready("d-0", render.RoleDecode), ready("d-1", render.RoleDecode), ready("p-0", render.RolePrefill)},
 			wantRestart: []string{"d-0"},
 			wantRequeue: 30 * time.Second,
-			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"d-0"}},
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 30*time.Second))},
 		},
 		{
 			name:        "a prefill restart takes the connected decode pods with it",
-			pods:        []Pod{unready("p-1", render.RolePrefill, time.Minute), ready("p-0", render.RolePrefill), ready("d-1", render.RoleDecode), ready("d-0", render.RoleDecode)},
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
+			pods:        []Pod{unready("p-1", render.RolePrefill), ready("p-0", render.RolePrefill), ready("d-1", render.RoleDecode), ready("d-0", render.RoleDecode)},
 			wantRestart: []string{"p-1", "d-0", "d-1"},
 			wantRequeue: 30 * time.Second,
-			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"p-1"}},
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
 		},
 		{
-			name: "without the cascade only the prefill pod restarts",
-			policy: func() Policy {
-				p := policy
-				p.RestartDecodeWithPrefill = false
-				return p
-			}(),
-			pods:        []Pod{unready("p-1", render.RolePrefill, time.Minute), ready("d-0", render.RoleDecode)},
+			name:        "without the cascade only the prefill pod restarts",
+			policy:      withPolicy(func(p *Policy) { p.RestartDecodeWithPrefill = false }),
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
+			pods:        []Pod{unready("p-1", render.RolePrefill), ready("d-0", render.RoleDecode)},
 			wantRestart: []string{"p-1"},
 			wantRequeue: 30 * time.Second,
-			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"p-1"}},
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
 		},
 		{
 			name: "a second round waits out the backoff (60s after one round)",
 			prev: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-45 * time.Second)),
-				RecentRounds: []metav1.Time{at(-45 * time.Second)}},
-			pods:        []Pod{unready("d-0", render.RoleDecode, 40*time.Second)},
+				RecentRounds: []metav1.Time{at(-45 * time.Second)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
+			pods:        []Pod{unready("d-0", render.RoleDecode)},
 			wantBlocked: BlockedBackoff,
 			wantRequeue: 15 * time.Second,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-45 * time.Second)),
-				RecentRounds: []metav1.Time{at(-45 * time.Second)}, UnhealthyPods: []string{"d-0"}},
+				RecentRounds: []metav1.Time{at(-45 * time.Second)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
 		},
 		{
 			name: "the backoff doubles with each round (120s after two)",
 			prev: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-90 * time.Second)),
-				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-90 * time.Second)}},
-			pods:        []Pod{unready("d-0", render.RoleDecode, 40*time.Second)},
+				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-90 * time.Second)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
+			pods:        []Pod{unready("d-0", render.RoleDecode)},
 			wantBlocked: BlockedBackoff,
 			wantRequeue: 30 * time.Second,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-90 * time.Second)),
-				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-90 * time.Second)}, UnhealthyPods: []string{"d-0"}},
+				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-90 * time.Second)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
 		},
 		{
 			name: "past the backoff the next round goes ahead",
 			prev: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-2 * time.Minute)),
-				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-2 * time.Minute)}},
-			pods:        []Pod{unready("d-0", render.RoleDecode, 40*time.Second)},
+				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-2 * time.Minute)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
+			pods:        []Pod{unready("d-0", render.RoleDecode)},
 			wantRestart: []string{"d-0"},
 			wantRequeue: 30 * time.Second,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-2 * time.Minute)),
-				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-2 * time.Minute)}, UnhealthyPods: []string{"d-0"}},
+				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-2 * time.Minute)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
 		},
 		{
 			name: "a spent budget stops restarts until its oldest round leaves the window",
 			prev: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
-				RecentRounds: []metav1.Time{at(-50 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}},
-			pods:        []Pod{unready("d-0", render.RoleDecode, time.Hour)},
+				RecentRounds: []metav1.Time{at(-50 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: records(seen("d-0", time.Hour))},
+			pods:        []Pod{unready("d-0", render.RoleDecode)},
 			wantBlocked: BlockedBudgetExhausted,
 			wantRequeue: 10 * time.Minute,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
-				RecentRounds: []metav1.Time{at(-50 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: []string{"d-0"}},
+				RecentRounds: []metav1.Time{at(-50 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: records(seen("d-0", time.Hour))},
 		},
 		{
 			name: "rounds older than the window give the budget back",
 			prev: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
-				RecentRounds: []metav1.Time{at(-61 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}},
-			pods:        []Pod{unready("d-0", render.RoleDecode, time.Hour)},
+				RecentRounds: []metav1.Time{at(-61 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: records(seen("d-0", time.Hour))},
+			pods:        []Pod{unready("d-0", render.RoleDecode)},
 			wantRestart: []string{"d-0"},
 			wantRequeue: 30 * time.Second,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
-				RecentRounds: []metav1.Time{at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: []string{"d-0"}},
+				RecentRounds: []metav1.Time{at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: records(seen("d-0", time.Hour))},
 		},
 		{
-			name: "a zero budget never restarts",
-			policy: func() Policy {
-				p := policy
-				p.Budget = 0
-				return p
-			}(),
-			pods:        []Pod{unready("d-0", render.RoleDecode, time.Hour)},
+			name:        "a zero budget never restarts",
+			policy:      withPolicy(func(p *Policy) { p.Budget = 0 }),
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", time.Hour))},
+			pods:        []Pod{unready("d-0", render.RoleDecode)},
 			wantBlocked: BlockedBudgetExhausted,
-			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: []string{"d-0"}},
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", time.Hour))},
 		},
 	}
 	for _, tc := range cases {
@@ -241,19 +261,18 @@ func (b *podBuilder) withoutConnector() *podBuilder {
 }
 
 func TestObserve(t *testing.T) {
+	started := t0.Add(-time.Hour)
 	cases := []struct {
 		name   string
 		pod    *podBuilder
 		want   Pod
 		wantOK bool
 	}{
-		{"ready connector", enginePod(render.RoleDecode), Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, Ready: true, ContainerRestarts: 4}, true},
-		{"unready since ContainersReady turned false", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second),
-			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, UnreadySince: t0.Add(-40 * time.Second), ContainerRestarts: 4}, true},
-		{"a connector restarted after that counts from its start", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second).connectorStartedAt(-5 * time.Second),
-			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, UnreadySince: t0.Add(-5 * time.Second), ContainerRestarts: 4}, true},
-		{"no readiness record counts from now", enginePod(render.RoleDecode).connectorUnready(0).connectorStartedAt(time.Second),
-			Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, UnreadySince: t0, ContainerRestarts: 4}, true},
+		{"ready connector", enginePod(render.RoleDecode), Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, Ready: true, StartedAt: started, ContainerRestarts: 4}, true},
+		{"unready connector", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second),
+			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, StartedAt: started, ContainerRestarts: 4}, true},
+		{"restarted connector", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second).connectorStartedAt(-5 * time.Second),
+			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, StartedAt: t0.Add(-5 * time.Second), ContainerRestarts: 4}, true},
 		{"pending pods are not judged", enginePod(render.RoleDecode).connectorUnready(-time.Hour).phase(corev1.PodPending), Pod{}, false},
 		{"terminating pods are not judged", enginePod(render.RoleDecode).connectorUnready(-time.Hour).deleting(), Pod{}, false},
 		{"pods without a connector status are not judged", enginePod(render.RoleDecode).withoutConnector(), Pod{}, false},
@@ -261,7 +280,7 @@ func TestObserve(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			got, ok := Observe(&tc.pod.Pod, t0)
+			got, ok := Observe(&tc.pod.Pod)
 			if ok != tc.wantOK {
 				t.Fatalf("ok = %v, want %v", ok, tc.wantOK)
 			}
@@ -273,7 +292,8 @@ func TestObserve(t *testing.T) {
 }
 
 func TestDescribeNamesWhatHappened(t *testing.T) {
-	d := Decide(t0, policy, v1alpha1.ConnectorStatus{}, []Pod{unready("p-0", render.RolePrefill, time.Minute), ready("d-0", render.RoleDecode)}, 2)
+	d := Decide(t0, policy, v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-0", time.Minute))},
+		[]Pod{unready("p-0", render.RolePrefill), ready("d-0", render.RoleDecode)}, 2)
 	want := "restarted p-0: connector not ready for 30s or more; restarted the decode pods connected to it too: d-0"
 	if got := Describe(policy, d); got != want {
 		t.Errorf("Describe = %q, want %q", got, want)

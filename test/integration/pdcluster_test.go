@@ -433,8 +433,11 @@ func TestUnhealthyConnectorRestartsPodAndConnectedDecode(t *testing.T) {
 	if c := condition(&pdc, v1alpha1.ConditionConnectorHealthy); c.Reason != controllers.ReasonConnectorNotReady {
 		t.Fatalf("ConnectorHealthy = %+v, want ConnectorNotReady below the 30s default threshold", c)
 	}
+	if u := pdc.Status.Connector.UnhealthyPods; len(u) != 1 || u[0].Name != "sick-prefill-a" {
+		t.Errorf("status.connector.unhealthyPods = %+v, want sick-prefill-a alone", pdc.Status.Connector.UnhealthyPods)
+	}
 
-	clock.SetTime(now.Add(25 * time.Second)) // 35s unready
+	clock.SetTime(now.Add(30 * time.Second)) // the operator has seen it unready for the 30s threshold
 	f.reconcile("sick")
 	var pods corev1.PodList
 	if err := f.c.List(f.ctx, &pods, client.InNamespace(f.ns)); err != nil {
