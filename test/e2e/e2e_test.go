@@ -262,7 +262,8 @@ func TestLocalCluster(t *testing.T) {
 		sick := e.pods(render.RolePrefill)[0]
 		healthyPrefill := e.pods(render.RolePrefill)[1].UID
 		decode := uids(e.pods(render.RoleDecode))
-		// What the kubelet would write after the connector's readiness probe failed 5 minutes ago.
+		// What the kubelet writes when the connector's readiness probe fails (kwok runs no probes).
+		// The operator restarts the pod once it has seen this for the 30s default threshold.
 		patched := sick.DeepCopy()
 		long := metav1.NewTime(time.Now().Add(-5 * time.Minute))
 		for i := range patched.Status.Conditions {
