@@ -224,6 +224,8 @@ func Describe(p Policy, d Decision) string {
 	switch {
 	case len(d.Unhealthy) == 0:
 		return fmt.Sprintf("%d running connectors ready", d.Running)
+	case d.Blocked == BlockedBudgetExhausted && p.Budget == 0:
+		return fmt.Sprintf("connector not ready in %s; operator restarts are off (restartBudget: 0)", strings.Join(Names(d.Unhealthy), ", "))
 	case d.Blocked == BlockedBudgetExhausted:
 		return fmt.Sprintf("connector not ready in %s; %d restart rounds in the last %s spent the budget, so restarts stop until the window frees one: check the connector logs",
 			strings.Join(Names(d.Unhealthy), ", "), len(d.Status.RecentRounds), p.Window)

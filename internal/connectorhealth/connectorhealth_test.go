@@ -292,10 +292,32 @@ func TestObserve(t *testing.T) {
 }
 
 func TestDescribeNamesWhatHappened(t *testing.T) {
-	d := Decide(t0, policy, v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-0", time.Minute))},
-		[]Pod{unready("p-0", render.RolePrefill), ready("d-0", render.RoleDecode)}, 2)
-	want := "restarted p-0: connector not ready for 30s or more; restarted the decode pods connected to it too: d-0"
-	if got := Describe(policy, d); got != want {
-		t.Errorf("Describe = %q, want %q", got, want)
+	noBudget := policy
+	noBudget.Budget = 0
+	sick := v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-0", time.Minute))}
+	spent := *sick.DeepCopy()
+	spent.RecentRounds = []metav1.Time{at(-3 * time.Minute), at(-2 * time.Minute), at(-time.Minute)}
+	pods := []Pod{unready("p-0", render.RolePrefill), ready("d-0", render.RoleDecode)}
+	cases := []struct {
+		name   string
+		policy Policy
+		prev   v1alpha1.ConnectorStatus
+		want   string
+	}{
+		{"healthy", policy, v1alpha1.ConnectorStatus{}, "1 running connectors ready"},
+		{"restart with cascade", policy, sick, "restarted p-0: connector not ready for 30s or more; restarted the decode pods connected to it too: d-0"},
+		{"budget spent", policy, spent, "connector not ready in p-0; 3 restart rounds in the last 1h0m0s spent the budget, so restarts stop until the window frees one: check the connector logs"},
+		{"restarts off", noBudget, sick, "connector not ready in p-0; operator restarts are off (restartBudget: 0)"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			in := pods
+			if len(tc.prev.UnhealthyPods) == 0 {
+				in = pods[1:]
+			}
+			if got := Describe(tc.policy, Decide(t0, tc.policy, tc.prev, in, len(in))); got != tc.want {
+				t.Errorf("Describe = %q, want %q", got, tc.want)
+			}
+		})
 	}
 }
