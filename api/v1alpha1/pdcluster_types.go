@@ -408,7 +408,7 @@ type UnhealthyPod struct {
 type ConnectorStatus struct {
 	// restarts counts every pod restarted for connector health (both pools).
 	// +optional
-	Restarts int32 `json:"restarts,omitempty"`
+	Restarts int32 `json:"restarts"`
 	// containerRestarts sums the kubelet's restarts of the connector container (failed
 	// liveness, crashes) over the current engine pods.
 	// +optional
