@@ -183,6 +183,10 @@ func (p *Puller) deliver(c *Completion) {
 func (p *Puller) AcceptWrite(req RequestID, transfer TransferID, producer ProducerRank) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.acceptsLocked(req, transfer, producer)
+}
+
+func (p *Puller) acceptsLocked(req RequestID, transfer TransferID, producer ProducerRank) bool {
 	pl, ok := p.pulls[req]
 	return ok && pl.meta.Transfer == transfer && pl.tasks[producer] == taskPending
 }
@@ -194,8 +198,7 @@ func (p *Puller) AcceptWrite(req RequestID, transfer TransferID, producer Produc
 func (p *Puller) WriteIfAccepted(req RequestID, transfer TransferID, producer ProducerRank, write func() error) (bool, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	pl, ok := p.pulls[req]
-	if !ok || pl.meta.Transfer != transfer || pl.tasks[producer] != taskPending {
+	if !p.acceptsLocked(req, transfer, producer) {
 		return false, nil
 	}
 	return true, write()

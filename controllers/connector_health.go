@@ -75,7 +75,6 @@ func (r *PDClusterReconciler) reconcileConnectorHealth(ctx context.Context, pdc 
 		}
 		connectorRestarts.WithLabelValues(pdc.Namespace, pdc.Name, string(p.Role)).Inc()
 	}
-	connectorUnhealthy.WithLabelValues(pdc.Namespace, pdc.Name).Set(float64(len(d.Unhealthy)))
 
 	msg := connectorhealth.Describe(policy, d)
 	switch {

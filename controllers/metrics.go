@@ -39,7 +39,7 @@ func init() {
 	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy)
 }
 
-// recordStatus exports one PDCluster's readiness and replica counts.
+// recordStatus exports one PDCluster's readiness, replica counts and unhealthy connectors.
 func recordStatus(pdc *v1alpha1.PDCluster) {
 	ready := 0.0
 	for _, c := range pdc.Status.Conditions {
@@ -48,6 +48,7 @@ func recordStatus(pdc *v1alpha1.PDCluster) {
 		}
 	}
 	readyGauge.WithLabelValues(pdc.Namespace, pdc.Name).Set(ready)
+	connectorUnhealthy.WithLabelValues(pdc.Namespace, pdc.Name).Set(float64(len(pdc.Status.Connector.UnhealthyPods)))
 	for pool, ps := range map[string]v1alpha1.PoolStatus{"prefill": pdc.Status.Prefill, "decode": pdc.Status.Decode, "router": pdc.Status.Router} {
 		poolReadyReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.ReadyReplicas))
 		poolDesiredReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.Replicas))

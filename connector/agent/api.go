@@ -16,7 +16,8 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector"
 )
 
-// The local API between an engine and its agent (JSON over HTTP on the pod's loopback).
+// The local API between an engine and its agent (JSON over HTTP on a Unix socket in a pod; see
+// Listen).
 
 // Pull is POST /v1/pulls: the consumer engine's update_state_after_alloc or cleanup pull.
 type Pull struct {

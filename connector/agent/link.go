@@ -20,6 +20,9 @@ import (
 // or stayed unreachable: its state is gone, so the engine must not wait for it.
 var ErrAgentLost = errors.New("connector agent lost")
 
+// releaseAgentLost is the reason of a hold the Link released because its agent was lost.
+const releaseAgentLost connector.ReleaseReason = "agent-lost"
+
 // Link is the engine's side of the local API, vLLM's connector worker: it forwards pulls and
 // holds to the agent and delivers the agent's reports to the scheduler. It also keeps the
 // engine safe from the agent's failures: every pull that notifies the scheduler is reported
@@ -139,7 +142,7 @@ func (l *Link) Ready(ctx context.Context, transfer connector.TransferID, req con
 		return err
 	}
 	if err != nil {
-		l.releaseHold(transfer, string(connector.ReleaseAborted))
+		l.releaseHold(transfer, connector.ReleaseAborted)
 		return err
 	}
 	l.mu.Lock()
@@ -180,13 +183,13 @@ func lostCompletion(req connector.RequestID, blocks connector.BlockIDs, cause er
 	return c
 }
 
-func (l *Link) releaseHold(transfer connector.TransferID, reason string) {
+func (l *Link) releaseHold(transfer connector.TransferID, reason connector.ReleaseReason) {
 	l.mu.Lock()
 	h, ok := l.held[transfer]
 	delete(l.held, transfer)
 	l.mu.Unlock()
 	if ok {
-		l.releases.FinishedSending(connector.Release{Request: h.request, Transfer: transfer, Blocks: h.blocks, Reason: connector.ReleaseReason(reason)})
+		l.releases.FinishedSending(connector.Release{Request: h.request, Transfer: transfer, Blocks: h.blocks, Reason: reason})
 	}
 }
 
@@ -266,7 +269,7 @@ func (l *Link) deliver(ev Events) {
 		l.completions.FinishedReceiving(connector.Completion{Request: c.Request, Err: err, InvalidBlocks: c.InvalidBlocks, FailedRequest: c.FailedRequest})
 	}
 	for _, r := range ev.Releases {
-		l.releaseHold(r.Transfer, r.Reason)
+		l.releaseHold(r.Transfer, connector.ReleaseReason(r.Reason))
 	}
 }
 
@@ -280,7 +283,6 @@ func (l *Link) forget(keep string, cause error) {
 			pulls = append(pulls, lostCompletion(req, t.blocks, cause))
 			delete(l.pulls, req)
 			l.lost[req] = struct{}{} // whatever claims to report it later is not believed
-
 		}
 	}
 	var holds []connector.TransferID
@@ -300,7 +302,7 @@ func (l *Link) forget(keep string, cause error) {
 		l.completions.FinishedReceiving(c)
 	}
 	for _, id := range holds {
-		l.releaseHold(id, "agent-lost")
+		l.releaseHold(id, releaseAgentLost)
 	}
 }
 

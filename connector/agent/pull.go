@@ -6,8 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
-	"sort"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -25,11 +26,7 @@ func (a *Agent) startPull(ctx context.Context, meta connector.PullMeta) error {
 		a.cfg.Log.Info("pull has no producer", "request", meta.Request, "transfer", meta.Transfer, "err", err.Error())
 		workers = nil
 	}
-	ranks := make([]connector.ProducerRank, 0, len(workers))
-	for r := range workers {
-		ranks = append(ranks, r)
-	}
-	sort.Slice(ranks, func(i, j int) bool { return ranks[i] < ranks[j] })
+	ranks := slices.Sorted(maps.Keys(workers))
 	if err := a.puller.Begin(meta, ranks); err != nil {
 		return err
 	}

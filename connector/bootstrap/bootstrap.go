@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"strconv"
 	"sync"
@@ -91,12 +92,9 @@ func (r *Registry) Snapshot() Topology {
 	defer r.mu.Unlock()
 	out := make(Topology, len(r.topo))
 	for dp, e := range r.topo {
-		c := Engine{EngineID: e.EngineID, WorkerAddr: map[string]map[string]string{}}
+		c := Engine{EngineID: e.EngineID, WorkerAddr: make(map[string]map[string]string, len(e.WorkerAddr))}
 		for tp, pps := range e.WorkerAddr {
-			c.WorkerAddr[tp] = map[string]string{}
-			for pp, a := range pps {
-				c.WorkerAddr[tp][pp] = a
-			}
+			c.WorkerAddr[tp] = maps.Clone(pps)
 		}
 		out[dp] = c
 	}
@@ -228,15 +226,8 @@ func Register(ctx context.Context, hc *http.Client, addr string, reg Registratio
 	return fmt.Errorf("register with bootstrap %s: %w", addr, last)
 }
 
-type statusError struct {
-	code int
-	msg  string
-}
-
-func (e *statusError) Error() string { return fmt.Sprintf("%d: %s", e.code, e.msg) }
-
 func registerOnce(ctx context.Context, hc *http.Client, addr string, body []byte) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, addr+"/register", bytesReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, addr+"/register", bytes.NewReader(body))
 	if err != nil {
 		return err
 	}
@@ -248,9 +239,7 @@ func registerOnce(ctx context.Context, hc *http.Client, addr string, body []byte
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return &statusError{resp.StatusCode, string(b)}
+		return fmt.Errorf("%d: %s", resp.StatusCode, b)
 	}
 	return nil
 }
-
-func bytesReader(b []byte) io.Reader { return bytes.NewReader(b) }

@@ -19,6 +19,7 @@ import (
 
 	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/agent"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
 	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
 )
@@ -37,7 +38,8 @@ type Config struct {
 	StepTime time.Duration
 	// KV is the KV-cache memory shared with the agent; required with a Role.
 	KV *kvfile.File
-	// Agent is the connector agent's local API (http://127.0.0.1:port); required with a Role.
+	// Agent is the connector agent's local API (http://host:port or unix:///path); required
+	// with a Role.
 	Agent string
 	// BootstrapAddr is how consumers reach this producer's bootstrap registry, returned in
 	// kv_transfer_params (the NIXL-style sequential flow needs it).
@@ -47,9 +49,12 @@ type Config struct {
 
 // Engine is one simulated vLLM engine.
 type Engine struct {
-	cfg    Config
-	sched  *vllmsched.Scheduler
-	link   *agent.Link
+	cfg   Config
+	sched *vllmsched.Scheduler
+	link  *agent.Link
+	// boot asks this producer's bootstrap registry for its engine id (never cached: it changes
+	// when the agent restarts).
+	boot   *bootstrap.Client
 	wake   chan struct{}
 	nextID atomic.Uint64
 
@@ -99,7 +104,8 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.MaxModelLen <= 0 {
 		cfg.MaxModelLen = cfg.Capacity * cfg.BlockSize
 	}
-	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[connector.RequestID]*request{}, prefix: map[uint64]struct{}{}}
+	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[connector.RequestID]*request{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
+	e.boot.NoCache = true
 	if cfg.Role != "" {
 		e.link = agent.NewLink(cfg.Agent, connector.CompletionFunc(e.finishedReceiving), connector.ReleaseFunc(e.finishedSending))
 		e.link.Log = cfg.Log

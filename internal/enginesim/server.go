@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
 )
 
@@ -283,15 +282,12 @@ func (e *Engine) producedParams(r *request, body *CompletionRequest) *KVTransfer
 	}
 }
 
-// engineIDOf asks the bootstrap registry for this producer's engine id (dp rank 0). It is not
-// cached: the id changes whenever the agent restarts.
+// engineIDOf asks the bootstrap registry for this producer's engine id (dp rank 0).
 func (e *Engine) engineIDOf() string {
 	if e.cfg.BootstrapAddr == "" {
 		return ""
 	}
-	c := bootstrap.NewClient()
-	c.NoCache = true
-	t, err := c.Query(context.Background(), e.cfg.BootstrapAddr)
+	t, err := e.boot.Query(context.Background(), e.cfg.BootstrapAddr)
 	if err != nil {
 		return ""
 	}

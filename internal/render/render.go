@@ -61,6 +61,8 @@ const (
 	// ConnectorSocket is the agent's local API: a Unix socket on the shared volume, so only the
 	// engine of the same pod reaches it.
 	ConnectorSocket = "unix://" + ConnectorDir + "/agent.sock"
+	// kvFile is the KV staging buffer on that volume.
+	kvFile = ConnectorDir + "/kv.blocks"
 	// ConnectorPort serves /healthz, /readyz, /metrics and, on prefill, the bootstrap registry.
 	ConnectorPort int32 = v1alpha1.DefaultBootstrapPort
 	// ConnectorDataPort is the prefill agent's data plane, dialled by decode agents.
@@ -307,8 +309,6 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role Role) (*appsv1
 	return deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
 }
 
-const kvFile = ConnectorDir + "/kv.blocks"
-
 func podIPEnv() corev1.EnvVar {
 	return corev1.EnvVar{Name: "POD_IP", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{APIVersion: "v1", FieldPath: "status.podIP"}}}
 }
@@ -318,10 +318,6 @@ func podIPEnv() corev1.EnvVar {
 // first failure: the operator, not the kubelet, decides when unready has lasted too long.
 func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role Role) (corev1.Container, int64) {
 	c := pdc.Spec.Connector
-	image := c.Image
-	if image == "" {
-		image = opts.ConnectorImage
-	}
 	blocks := ptr.Deref(c.BufferBlocks, v1alpha1.DefaultConnectorBufferBlocks)
 	blockBytes := ptr.Deref(c.BlockBytes, v1alpha1.DefaultConnectorBlockBytes)
 	args := []string{
@@ -345,7 +341,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role Role) (corev
 	port := intstr.FromString("connector")
 	return corev1.Container{
 		Name:           ConnectorContainer,
-		Image:          image,
+		Image:          orDefault(c.Image, opts.ConnectorImage),
 		Args:           args,
 		Ports:          ports,
 		Env:            []corev1.EnvVar{podIPEnv()},

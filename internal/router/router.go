@@ -12,8 +12,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
-	"sort"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -167,7 +168,7 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 
 // prefillBody is the prefill leg: one token, no streaming, the given transfer params.
 func prefillBody(body map[string]any, params map[string]any) map[string]any {
-	pb := clone(body)
+	pb := maps.Clone(body)
 	pb["kv_transfer_params"] = params
 	pb["max_tokens"] = 1
 	if _, ok := pb["max_completion_tokens"]; ok {
@@ -176,14 +177,6 @@ func prefillBody(body map[string]any, params map[string]any) map[string]any {
 	pb["stream"] = false
 	delete(pb, "stream_options")
 	return pb
-}
-
-func clone(m map[string]any) map[string]any {
-	out := make(map[string]any, len(m)+1)
-	for k, v := range m {
-		out[k] = v
-	}
-	return out
 }
 
 // mooncake runs both legs at once. The prefill leg is never cancelled by the client: its
@@ -196,7 +189,7 @@ func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[str
 	}
 	transfer := "xfer-" + newID()
 	pb := prefillBody(body, map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer})
-	db := clone(body)
+	db := maps.Clone(body)
 	db["kv_transfer_params"] = map[string]any{
 		"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": transfer,
 		"remote_bootstrap_addr": p.Bootstrap, "remote_engine_id": engineID,
@@ -277,7 +270,7 @@ func (r *Router) nixl(w http.ResponseWriter, req *http.Request, body map[string]
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill leg %s returned no kv_transfer_params", p.URL))
 		return
 	}
-	db := clone(body)
+	db := maps.Clone(body)
 	db["kv_transfer_params"] = pr.KVTransferParams
 	resp, err := r.post(req.Context(), d+req.URL.Path, db, reqID, nil)
 	if err != nil {
@@ -301,12 +294,8 @@ func (r *Router) engine(ctx context.Context, addr string) (engineID, dp string, 
 		r.boot.Invalidate(addr)
 		return "", "", errors.New("no prefill worker registered yet")
 	}
-	ranks := make([]string, 0, len(topo))
-	for k := range topo {
-		ranks = append(ranks, k)
-	}
-	sort.Strings(ranks)
-	return topo[ranks[0]].EngineID, ranks[0], nil
+	dp = slices.Min(slices.Collect(maps.Keys(topo)))
+	return topo[dp].EngineID, dp, nil
 }
 
 func (r *Router) post(ctx context.Context, url string, body map[string]any, reqID string, headers map[string]string) (*http.Response, error) {
