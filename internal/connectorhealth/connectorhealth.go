@@ -106,6 +106,8 @@ type Decision struct {
 	Restart []Pod
 	// Blocked says why due pods are not restarted (BlockedBackoff, BlockedBudgetExhausted).
 	Blocked string
+	// BlockedFor is how long the block lasts (RequeueAfter may be sooner, for another pod).
+	BlockedFor time.Duration
 	// RequeueAfter is when the decision may change without any pod changing; 0: never.
 	RequeueAfter time.Duration
 	// Running counts the judged pods: running, not terminating, connector started.
@@ -172,14 +174,15 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 	if int32(len(d.Status.RecentRounds)) >= p.Budget {
 		d.Blocked = BlockedBudgetExhausted
 		if len(d.Status.RecentRounds) > 0 {
-			wake(d.Status.RecentRounds[0].Add(p.Window).Sub(now))
+			d.BlockedFor = d.Status.RecentRounds[0].Add(p.Window).Sub(now)
+			wake(d.BlockedFor)
 		}
 		return d
 	}
 	if n := d.Status.ConsecutiveRounds; n > 0 && d.Status.LastRestartTime != nil {
 		if next := d.Status.LastRestartTime.Add(p.Backoff(n)); next.After(now) {
-			d.Blocked = BlockedBackoff
-			wake(next.Sub(now))
+			d.Blocked, d.BlockedFor = BlockedBackoff, next.Sub(now)
+			wake(d.BlockedFor)
 			return d
 		}
 	}
@@ -231,7 +234,7 @@ func Describe(p Policy, d Decision) string {
 			strings.Join(Names(d.Unhealthy), ", "), len(d.Status.RecentRounds), p.Window)
 	case d.Blocked == BlockedBackoff:
 		return fmt.Sprintf("connector not ready in %s; next restart in %s (backoff after %d rounds)",
-			strings.Join(Names(d.Unhealthy), ", "), d.RequeueAfter.Round(time.Second), d.Status.ConsecutiveRounds)
+			strings.Join(Names(d.Unhealthy), ", "), d.BlockedFor.Round(time.Second), d.Status.ConsecutiveRounds)
 	case len(d.Restart) > len(d.Due):
 		return fmt.Sprintf("restarted %s: connector not ready for %s or more; restarted the decode pods connected to it too: %s",
 			strings.Join(Names(d.Due), ", "), p.Threshold(), strings.Join(Names(d.Restart[len(d.Due):]), ", "))

@@ -1,6 +1,7 @@
 package connectorhealth
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -308,12 +309,20 @@ func TestDescribeNamesWhatHappened(t *testing.T) {
 		{"restart with cascade", policy, sick, "restarted p-0: connector not ready for 30s or more; restarted the decode pods connected to it too: d-0"},
 		{"budget spent", policy, spent, "connector not ready in p-0; 3 restart rounds in the last 1h0m0s spent the budget, so restarts stop until the window frees one: check the connector logs"},
 		{"restarts off", noBudget, sick, "connector not ready in p-0; operator restarts are off (restartBudget: 0)"},
+		// d-1 turned unready 25s ago and is due in 5s, sooner than the backoff lifts: the
+		// message still names the backoff's own wait.
+		{"backoff", policy, v1alpha1.ConnectorStatus{ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-10 * time.Second)),
+			UnhealthyPods: records(seen("p-0", time.Minute), seen("d-1", 25*time.Second))},
+			"connector not ready in d-1, p-0; next restart in 50s (backoff after 1 rounds)"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			in := pods
-			if len(tc.prev.UnhealthyPods) == 0 {
+			switch len(tc.prev.UnhealthyPods) {
+			case 0:
 				in = pods[1:]
+			case 2:
+				in = append(slices.Clone(pods), unready("d-1", render.RoleDecode))
 			}
 			if got := Describe(tc.policy, Decide(t0, tc.policy, tc.prev, in, len(in))); got != tc.want {
 				t.Errorf("Describe = %q, want %q", got, tc.want)
