@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"net"
 	"net/http"
 	"os"
 	"os/signal"
@@ -12,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
@@ -23,21 +25,53 @@ type list []string
 func (l *list) String() string     { return strings.Join(*l, ",") }
 func (l *list) Set(v string) error { *l = append(*l, v); return nil }
 
+// options are the command line; parseFlags is separate so a test can check that the arguments
+// the operator renders are ones this command accepts.
+type options struct {
+	listen, mode, configPath string
+	prefill, decode          list
+	refresh                  time.Duration
+	zap                      zap.Options
+}
+
+func parseFlags(args []string) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("router", flag.ContinueOnError)
+	fs.StringVar(&o.listen, "listen", "127.0.0.1:8080", "HTTP address of the proxy")
+	fs.StringVar(&o.configPath, "config", "", "router.json as the operator renders it: the flow and the pools' headless Services, resolved every --refresh (replaces --mode, --prefill and --decode)")
+	fs.DurationVar(&o.refresh, "refresh", 5*time.Second, "how often --config's Services are resolved again")
+	fs.StringVar(&o.mode, "mode", "mooncake", "mooncake (concurrent legs) or nixl (sequential)")
+	fs.Var(&o.prefill, "prefill", "prefill engine as URL or URL,BOOTSTRAP_URL (repeatable)")
+	fs.Var(&o.decode, "decode", "decode engine URL (repeatable)")
+	o.zap.BindFlags(fs)
+	return o, fs.Parse(args)
+}
+
 func main() {
-	var listen, mode string
-	var prefill, decode list
-	flag.StringVar(&listen, "listen", "127.0.0.1:8080", "HTTP address of the proxy")
-	flag.StringVar(&mode, "mode", "mooncake", "mooncake (concurrent legs) or nixl (sequential)")
-	flag.Var(&prefill, "prefill", "prefill engine as URL or URL,BOOTSTRAP_URL (repeatable)")
-	flag.Var(&decode, "decode", "decode engine URL (repeatable)")
-	zo := zap.Options{}
-	zo.BindFlags(flag.CommandLine)
-	flag.Parse()
-	log := zap.New(zap.UseFlagOptions(&zo))
-	cfg := router.Config{Mode: router.Mode(mode), Decode: decode}
-	for _, p := range prefill {
+	o, err := parseFlags(os.Args[1:])
+	if err != nil {
+		os.Exit(2) // the FlagSet printed why
+	}
+	log := zap.New(zap.UseFlagOptions(&o.zap))
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	cfg := router.Config{Mode: router.Mode(o.mode), Decode: o.decode}
+	for _, p := range o.prefill {
 		url, boot, _ := strings.Cut(p, ",")
 		cfg.Prefill = append(cfg.Prefill, router.Prefill{URL: url, Bootstrap: boot})
+	}
+	var fc router.FileConfig
+	if o.configPath != "" {
+		if fc, err = router.LoadFileConfig(o.configPath); err != nil {
+			log.Error(err, "configure router")
+			os.Exit(1)
+		}
+		cfg.Mode, _ = fc.Mode() // LoadFileConfig checked it
+		cfg.Prefill, cfg.Decode = nil, nil
+	} else if len(cfg.Prefill) == 0 || len(cfg.Decode) == 0 {
+		log.Error(errors.New("need --config, or at least one --prefill and one --decode"), "configure router")
+		os.Exit(1)
 	}
 	reg := prometheus.NewRegistry()
 	r, err := router.New(cfg, log, reg)
@@ -45,18 +79,40 @@ func main() {
 		log.Error(err, "configure router")
 		os.Exit(1)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	srv := &http.Server{Addr: listen, Handler: r.Handler(reg), ReadHeaderTimeout: 10 * time.Second}
+	if o.configPath != "" {
+		go resolveLoop(ctx, r, fc, o.refresh, log)
+	}
+	srv := &http.Server{Addr: o.listen, Handler: r.Handler(reg), ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
 		c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = srv.Shutdown(c)
 	}()
-	log.Info("router serving", "listen", listen, "mode", mode, "prefill", prefill.String(), "decode", decode.String())
+	log.Info("router serving", "listen", o.listen, "mode", cfg.Mode, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String())
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		log.Error(err, "serve")
 		os.Exit(1)
+	}
+}
+
+// resolveLoop keeps the router's pools at the ready pods behind the config's Services. A failed
+// resolution keeps the last pools: a DNS hiccup must not empty the router.
+func resolveLoop(ctx context.Context, r *router.Router, fc router.FileConfig, every time.Duration, log logr.Logger) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		pools, err := router.ResolvePools(ctx, fc, net.DefaultResolver.LookupHost)
+		if err == nil {
+			err = r.SetPools(pools)
+		}
+		if err != nil {
+			log.Info("pools not refreshed", "err", err.Error())
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
 	}
 }

@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/router"
 )
 
 // Role is the part a workload plays in a PDCluster.
@@ -425,23 +426,11 @@ func EngineService(pdc *v1alpha1.PDCluster, role Role) *corev1.Service {
 	}
 }
 
-// RouterConfig is what the router reads from its ConfigMap.
-type RouterConfig struct {
-	// Flow is "concurrent" (Mooncake: both legs at once, shared transfer_id) or "sequential"
-	// (NIXL: prefill first, its kv_transfer_params passed to decode).
-	Flow          string `json:"flow"`
-	Connector     string `json:"connector"`
-	PrefillHost   string `json:"prefillHost"`
-	DecodeHost    string `json:"decodeHost"`
-	EnginePort    int32  `json:"enginePort"`
-	BootstrapPort int32  `json:"bootstrapPort,omitempty"`
-	Model         string `json:"model"`
-}
-
-// RouterConfigMap carries the router's view of the pools.
+// RouterConfigMap carries the router's view of the pools: router.json, which cmd/router reads
+// with --config (the format is router.FileConfig).
 func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 	connector := orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake)
-	cfg := RouterConfig{
+	cfg := router.FileConfig{
 		Flow:        "concurrent",
 		Connector:   string(connector),
 		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, RolePrefill), pdc.Namespace),
@@ -470,7 +459,7 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 
 // RouterDeployment runs the P/D proxy.
 func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.ConfigMap) (*appsv1.Deployment, error) {
-	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromString("http")}}
+	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString("http")}}
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
 			Name:  routerContainer,

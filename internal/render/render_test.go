@@ -19,6 +19,7 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/manifest"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/router"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files")
@@ -372,5 +373,52 @@ func TestRenderIsDeterministic(t *testing.T) {
 		if string(a) != string(b) {
 			t.Fatalf("render %d differs from the first", i)
 		}
+	}
+}
+
+// The router reads the router.json render writes, from where its Deployment mounts it, and
+// probes what the router serves.
+func TestRouterReadsTheRenderedConfig(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		mode router.Mode
+	}{{"testdata/mooncake-rdma.yaml", router.ModeMooncake}, {"testdata/nixl-tcp.yaml", router.ModeNIXL}} {
+		t.Run(tc.in, func(t *testing.T) {
+			pdc := load(t, tc.in)
+			cm, err := render.RouterConfigMap(pdc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pod := dep.Spec.Template.Spec
+			c := pod.Containers[0]
+			var path string
+			for _, a := range c.Args {
+				if v, ok := strings.CutPrefix(a, "--config="); ok {
+					path = v
+				}
+			}
+			mounts := mountPaths(c)
+			if path != filepath.Join(mounts["config"], "router.json") || pod.Volumes[0].ConfigMap.Name != cm.Name {
+				t.Fatalf("--config=%s, config volume at %q from ConfigMap %q; want router.json of %s", path, mounts["config"], pod.Volumes[0].ConfigMap.Name, cm.Name)
+			}
+			file := filepath.Join(t.TempDir(), "router.json")
+			if err := os.WriteFile(file, []byte(cm.Data["router.json"]), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			fc, err := router.LoadFileConfig(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if m, _ := fc.Mode(); m != tc.mode || fc.PrefillHost != render.ObjectName(pdc.Name, render.RolePrefill)+"."+pdc.Namespace+".svc" {
+				t.Errorf("router config %+v, want mode %s and the prefill Service", fc, tc.mode)
+			}
+			if got := c.ReadinessProbe.HTTPGet.Path; got != "/health" {
+				t.Errorf("router probed on %s; it serves /health", got)
+			}
+		})
 	}
 }

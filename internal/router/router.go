@@ -39,13 +39,14 @@ type Prefill struct {
 	Bootstrap string `json:"bootstrap"`
 }
 
-// Config is the router's configuration (the operator renders it as router.json).
+// Config is the router's configuration: its mode and the engines it starts with (SetPools
+// replaces them, e.g. from ResolvePools as pods come and go).
 type Config struct {
-	Mode    Mode      `json:"mode"`
-	Prefill []Prefill `json:"prefill"`
-	Decode  []string  `json:"decode"`
+	Mode    Mode
+	Prefill []Prefill
+	Decode  []string
 	// PrefillTimeout bounds the prefill leg.
-	PrefillTimeout time.Duration `json:"-"`
+	PrefillTimeout time.Duration
 }
 
 // Validate reports a configuration the router cannot serve with.
@@ -53,11 +54,12 @@ func (c Config) Validate() error {
 	if c.Mode != ModeMooncake && c.Mode != ModeNIXL {
 		return fmt.Errorf("mode must be %q or %q, got %q", ModeMooncake, ModeNIXL, c.Mode)
 	}
-	if len(c.Prefill) == 0 || len(c.Decode) == 0 {
-		return fmt.Errorf("need at least one prefill and one decode engine, got %d and %d", len(c.Prefill), len(c.Decode))
-	}
-	for i, p := range c.Prefill {
-		if p.URL == "" || (c.Mode == ModeMooncake && p.Bootstrap == "") {
+	return c.Mode.validatePrefill(c.Prefill)
+}
+
+func (m Mode) validatePrefill(prefill []Prefill) error {
+	for i, p := range prefill {
+		if p.URL == "" || (m == ModeMooncake && p.Bootstrap == "") {
 			return fmt.Errorf("prefill[%d]: url and (for mooncake) bootstrap are required", i)
 		}
 	}
@@ -66,9 +68,10 @@ func (c Config) Validate() error {
 
 // Router proxies requests to prefill and decode engines.
 type Router struct {
-	cfg  Config
-	hc   *http.Client
-	boot *bootstrap.Client
+	cfg   Config
+	pools atomic.Pointer[Pools]
+	hc    *http.Client
+	boot  *bootstrap.Client
 	// nextP and nextD round-robin each pool on its own: one shared counter, advanced twice per
 	// request, would pin every request to the same pair when both pools have an even size.
 	nextP, nextD atomic.Uint64
@@ -97,7 +100,17 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			return nil, err
 		}
 	}
+	r.pools.Store(&Pools{Prefill: cfg.Prefill, Decode: cfg.Decode})
 	return r, nil
+}
+
+// SetPools replaces the engines requests go to; requests in flight keep theirs.
+func (r *Router) SetPools(p Pools) error {
+	if err := r.cfg.Mode.validatePrefill(p.Prefill); err != nil {
+		return fmt.Errorf("router: %w", err)
+	}
+	r.pools.Store(&p)
+	return nil
 }
 
 // Handler serves the OpenAI routes, /health and /metrics (from gatherer, if not nil).
@@ -107,7 +120,12 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", r.proxy)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, req *http.Request) {
-		resp, err := r.hc.Get(r.cfg.Decode[0] + "/v1/models")
+		pools := r.pools.Load()
+		if len(pools.Decode) == 0 {
+			writeError(w, http.StatusServiceUnavailable, "no ready decode engine")
+			return
+		}
+		resp, err := r.hc.Get(pools.Decode[0] + "/v1/models")
 		if err != nil {
 			writeError(w, http.StatusBadGateway, "decode engine unreachable: "+err.Error())
 			return
@@ -156,8 +174,13 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	if reqID == "" {
 		reqID = newID()
 	}
-	p := r.cfg.Prefill[pick(&r.nextP, len(r.cfg.Prefill))]
-	d := r.cfg.Decode[pick(&r.nextD, len(r.cfg.Decode))]
+	pools := r.pools.Load()
+	if len(pools.Prefill) == 0 || len(pools.Decode) == 0 {
+		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(pools.Prefill), len(pools.Decode)))
+		return
+	}
+	p := pools.Prefill[pick(&r.nextP, len(pools.Prefill))]
+	d := pools.Decode[pick(&r.nextD, len(pools.Decode))]
 	switch r.cfg.Mode {
 	case ModeMooncake:
 		r.mooncake(sw, req, body, reqID, p, d)

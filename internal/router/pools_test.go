@@ -1,0 +1,127 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/go-logr/logr"
+	"github.com/google/go-cmp/cmp"
+)
+
+func fakeLookup(answers map[string][]string) Lookup {
+	return func(_ context.Context, host string) ([]string, error) {
+		ips, ok := answers[host]
+		if !ok {
+			return nil, errors.New("no such host")
+		}
+		return append([]string(nil), ips...), nil
+	}
+}
+
+var mooncakeFile = FileConfig{Flow: "concurrent", PrefillHost: "c-prefill.ns.svc", DecodeHost: "c-decode.ns.svc", EnginePort: 8000, BootstrapPort: 8998}
+
+func TestResolvePoolsGivesOneEndpointPerPodInAStableOrder(t *testing.T) {
+	lookup := fakeLookup(map[string][]string{
+		"c-prefill.ns.svc": {"10.0.0.2", "10.0.0.1"},
+		"c-decode.ns.svc":  {"fd00::3"},
+	})
+	got, err := ResolvePools(context.Background(), mooncakeFile, lookup)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Pools{
+		Prefill: []Prefill{{URL: "http://10.0.0.1:8000", Bootstrap: "http://10.0.0.1:8998"}, {URL: "http://10.0.0.2:8000", Bootstrap: "http://10.0.0.2:8998"}},
+		Decode:  []string{"http://[fd00::3]:8000"},
+	}
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("pools (-want +got):\n%s", d)
+	}
+	nixl := mooncakeFile
+	nixl.Flow, nixl.BootstrapPort = "sequential", 0
+	got, err = ResolvePools(context.Background(), nixl, lookup)
+	if err != nil || got.Prefill[0].Bootstrap != "" {
+		t.Errorf("sequential flow: %+v, %v; want prefill without a bootstrap", got, err)
+	}
+	if _, err := ResolvePools(context.Background(), mooncakeFile, fakeLookup(nil)); err == nil || !strings.Contains(err.Error(), "c-prefill.ns.svc") {
+		t.Errorf("err = %v, want the host that did not resolve", err)
+	}
+}
+
+func TestLoadFileConfig(t *testing.T) {
+	cases := []struct {
+		name, json, wantErr string
+		wantMode            Mode
+	}{
+		{"concurrent", `{"flow":"concurrent","prefillHost":"p","decodeHost":"d","enginePort":8000,"bootstrapPort":8998}`, "", ModeMooncake},
+		{"sequential", `{"flow":"sequential","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "", ModeNIXL},
+		{"concurrent without bootstrap", `{"flow":"concurrent","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "needs bootstrapPort", ""},
+		{"unknown flow", `{"flow":"x","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "flow must be concurrent or sequential", ""},
+		{"no hosts", `{"flow":"sequential","enginePort":8000}`, "prefillHost, decodeHost and enginePort are required", ""},
+		{"not JSON", `flow: x`, "decode router config", ""},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "router.json")
+			if err := os.WriteFile(path, []byte(tc.json), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			fc, err := LoadFileConfig(path)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if m, _ := fc.Mode(); m != tc.wantMode {
+				t.Errorf("mode = %s, want %s", m, tc.wantMode)
+			}
+		})
+	}
+}
+
+// A router started from a config file has no engines until the first resolution: it answers
+// 503, then proxies to the pools SetPools gives it.
+func TestRouterServesThePoolsItIsGiven(t *testing.T) {
+	r, err := New(Config{Mode: ModeNIXL}, logr.Discard(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(r.Handler(nil))
+	defer srv.Close()
+	if code, body := send(t, srv.URL, `{"prompt":"x"}`); code != http.StatusServiceUnavailable || !strings.Contains(body, "no ready engines") {
+		t.Errorf("without engines: %d %s, want 503", code, body)
+	}
+	if resp, err := http.Get(srv.URL + "/v1/models"); err != nil || resp.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("/v1/models without engines: %v %v, want 503", resp, err)
+	}
+
+	p := &fakeEngine{reply: `{"kv_transfer_params":{"do_remote_prefill":true,"transfer_id":"t"}}`}
+	d := &fakeEngine{reply: `{"choices":[]}`}
+	ps, ds := httptest.NewServer(p), httptest.NewServer(d)
+	defer ps.Close()
+	defer ds.Close()
+	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL}}, Decode: []string{ds.URL}}); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := send(t, srv.URL, `{"prompt":"x"}`); code != http.StatusOK {
+		t.Fatalf("with engines: %d %s", code, body)
+	}
+	d.last(t) // decode got the request
+
+	moon, err := New(Config{Mode: ModeMooncake}, logr.Discard(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := moon.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL}}, Decode: []string{ds.URL}}); err == nil {
+		t.Error("mooncake pools without a bootstrap registry were accepted")
+	}
+}
