@@ -26,37 +26,48 @@ import (
 type options struct {
 	role, listen, publicListen, dataListen, kvPath string
 	blocks, blockBytes, consumerRank               int
+	zap                                            zap.Options
+}
+
+// parseFlags is separate from main so a test can check that the arguments the operator renders
+// for the sidecar are ones this command accepts.
+func parseFlags(args []string) (agent.Config, options, error) {
+	var cfg agent.Config
+	var o options
+	fs := flag.NewFlagSet("connector", flag.ContinueOnError)
+	fs.StringVar(&o.role, "role", "", "kv_producer (prefill) or kv_consumer (decode)")
+	fs.StringVar(&o.listen, "listen", "127.0.0.1:7100", "local engine API (and /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry /register, /query): host:port or unix:///path/to/socket")
+	fs.StringVar(&o.publicListen, "public-listen", "", "HTTP address other pods and the kubelet reach: /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry (the local API stays on --listen); empty: none")
+	fs.StringVar(&o.dataListen, "data-listen", "127.0.0.1:7200", "TCP address of the data plane (producer)")
+	fs.StringVar(&cfg.DataAddr, "advertise-data", "", "data-plane address consumers dial (default: --data-listen)")
+	fs.StringVar(&o.kvPath, "kv-file", "", "KV-cache file shared with the engine")
+	fs.IntVar(&o.blocks, "kv-blocks", 0, "KV blocks in the file")
+	fs.IntVar(&o.blockBytes, "block-bytes", 4096, "bytes per KV block")
+	fs.StringVar(&cfg.EngineID, "engine-id", "", "producer engine id (default: a fresh id per start)")
+	fs.StringVar(&cfg.Bootstrap, "bootstrap", "", "bootstrap registry to register with (http://host:port); empty: serve it here")
+	fs.IntVar(&cfg.DPRank, "dp-rank", 0, "producer data-parallel rank")
+	fs.IntVar(&cfg.TPRank, "tp-rank", 0, "producer tensor-parallel rank")
+	fs.IntVar(&cfg.PPRank, "pp-rank", 0, "producer pipeline-parallel rank")
+	fs.IntVar(&o.consumerRank, "consumer-rank", 0, "consumer tensor-parallel rank")
+	fs.IntVar(&cfg.Consumers, "consumers", 1, "consumer ranks that pull each transfer from each producer worker")
+	fs.DurationVar(&cfg.HoldTimeout, "hold-timeout", 480*time.Second, "free held blocks no consumer came for after this long")
+	fs.DurationVar(&cfg.ReadyTimeout, "ready-timeout", 480*time.Second, "how long a pull may wait for prefill to finish")
+	fs.DurationVar(&cfg.PullTimeout, "pull-timeout", 540*time.Second, "fail a pull after this long (longer than the producer's ready timeout)")
+	fs.DurationVar(&cfg.TombstoneTTL, "tombstone-ttl", 600*time.Second, "remember released transfers this long, to answer late pulls")
+	fs.DurationVar(&cfg.UnknownTransferGrace, "unknown-transfer-grace", 10*time.Second, "how long a consumer retries a pull the producer has not heard of yet")
+	fs.DurationVar(&cfg.SendDelay, "send-delay", 0, "delay before each block sent (simulates a slow link)")
+	fs.BoolVar(&cfg.UngatedCompletions, "unsafe-ungated-completions", false, "reproduce the seed bug: report notify-only pulls as finished receiving (kills vLLM)")
+	o.zap.BindFlags(fs)
+	err := fs.Parse(args)
+	return cfg, o, err
 }
 
 func main() {
-	var cfg agent.Config
-	var o options
-	flag.StringVar(&o.role, "role", "", "kv_producer (prefill) or kv_consumer (decode)")
-	flag.StringVar(&o.listen, "listen", "127.0.0.1:7100", "local engine API (and /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry /register, /query): host:port or unix:///path/to/socket")
-	flag.StringVar(&o.publicListen, "public-listen", "", "HTTP address other pods and the kubelet reach: /healthz, /readyz, /metrics and, on a producer that hosts it, the bootstrap registry (the local API stays on --listen); empty: none")
-	flag.StringVar(&o.dataListen, "data-listen", "127.0.0.1:7200", "TCP address of the data plane (producer)")
-	flag.StringVar(&cfg.DataAddr, "advertise-data", "", "data-plane address consumers dial (default: --data-listen)")
-	flag.StringVar(&o.kvPath, "kv-file", "", "KV-cache file shared with the engine")
-	flag.IntVar(&o.blocks, "kv-blocks", 0, "KV blocks in the file")
-	flag.IntVar(&o.blockBytes, "block-bytes", 4096, "bytes per KV block")
-	flag.StringVar(&cfg.EngineID, "engine-id", "", "producer engine id (default: a fresh id per start)")
-	flag.StringVar(&cfg.Bootstrap, "bootstrap", "", "bootstrap registry to register with (http://host:port); empty: serve it here")
-	flag.IntVar(&cfg.DPRank, "dp-rank", 0, "producer data-parallel rank")
-	flag.IntVar(&cfg.TPRank, "tp-rank", 0, "producer tensor-parallel rank")
-	flag.IntVar(&cfg.PPRank, "pp-rank", 0, "producer pipeline-parallel rank")
-	flag.IntVar(&o.consumerRank, "consumer-rank", 0, "consumer tensor-parallel rank")
-	flag.IntVar(&cfg.Consumers, "consumers", 1, "consumer ranks that pull each transfer from each producer worker")
-	flag.DurationVar(&cfg.HoldTimeout, "hold-timeout", 480*time.Second, "free held blocks no consumer came for after this long")
-	flag.DurationVar(&cfg.ReadyTimeout, "ready-timeout", 480*time.Second, "how long a pull may wait for prefill to finish")
-	flag.DurationVar(&cfg.PullTimeout, "pull-timeout", 540*time.Second, "fail a pull after this long (longer than the producer's ready timeout)")
-	flag.DurationVar(&cfg.TombstoneTTL, "tombstone-ttl", 600*time.Second, "remember released transfers this long, to answer late pulls")
-	flag.DurationVar(&cfg.UnknownTransferGrace, "unknown-transfer-grace", 10*time.Second, "how long a consumer retries a pull the producer has not heard of yet")
-	flag.DurationVar(&cfg.SendDelay, "send-delay", 0, "delay before each block sent (simulates a slow link)")
-	flag.BoolVar(&cfg.UngatedCompletions, "unsafe-ungated-completions", false, "reproduce the seed bug: report notify-only pulls as finished receiving (kills vLLM)")
-	zo := zap.Options{}
-	zo.BindFlags(flag.CommandLine)
-	flag.Parse()
-	log := zap.New(zap.UseFlagOptions(&zo)).WithValues("role", o.role)
+	cfg, o, err := parseFlags(os.Args[1:])
+	if err != nil {
+		os.Exit(2) // the FlagSet printed why
+	}
+	log := zap.New(zap.UseFlagOptions(&o.zap)).WithValues("role", o.role)
 	if err := run(cfg, o, log); err != nil {
 		log.Error(err, "connector agent failed")
 		os.Exit(1)
