@@ -9,8 +9,10 @@ import (
 	"github.com/google/go-cmp/cmp/cmpopts"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
+	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 type recorder struct{ got []connector.Completion }
@@ -28,19 +30,6 @@ func newPuller(t *testing.T) (*connector.Puller, *recorder, *clocktesting.FakeCl
 	return p, rec, clk
 }
 
-// pullBuilder builds PullMeta fixtures.
-type pullBuilder struct{ m connector.PullMeta }
-
-func aPull(id string) *pullBuilder {
-	return &pullBuilder{m: connector.PullMeta{Request: connector.RequestID(id), Transfer: connector.TransferID("x-" + id)}}
-}
-func (b *pullBuilder) waiting() *pullBuilder { b.m.WaitingForRemote = true; return b }
-func (b *pullBuilder) blocks(g ...[]connector.BlockID) *pullBuilder {
-	b.m.LocalBlock = g
-	return b
-}
-func (b *pullBuilder) build() connector.PullMeta { return b.m }
-
 var errBoom = errors.New("boom")
 
 type taskResult struct {
@@ -56,33 +45,33 @@ func TestPullerReportsOnlyDrainedPullsWithLocalBlocks(t *testing.T) {
 		results []taskResult
 		want    []connector.Completion
 	}{
-		{name: "empty pull nil", meta: aPull("a").waiting().build(), results: []taskResult{{0, nil}, {1, nil}}},
-		{name: "empty pull [[]]", meta: aPull("a").waiting().blocks([]connector.BlockID{}).build(), results: []taskResult{{0, nil}, {1, nil}}},
-		{name: "empty pull [[],[]]", meta: aPull("a").waiting().blocks([]connector.BlockID{}, []connector.BlockID{}).build(), results: []taskResult{{0, nil}, {1, nil}}},
-		{name: "empty pull that fails", meta: aPull("a").waiting().blocks([]connector.BlockID{}).build(), results: []taskResult{{0, errBoom}, {1, nil}}},
-		{name: "cleanup pull of a request not waiting", meta: aPull("a").blocks([]connector.BlockID{4}).build(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull nil", meta: wrappers.MakePull("a").Waiting().Obj(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull [[]]", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull [[],[]]", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{}, []connector.BlockID{}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull that fails", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{}).Obj(), results: []taskResult{{0, errBoom}, {1, nil}}},
+		{name: "cleanup pull of a request not waiting", meta: wrappers.MakePull("a").Blocks([]connector.BlockID{4}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
 		{
-			name: "pull with blocks, all ok", meta: aPull("a").waiting().blocks([]connector.BlockID{4, 5}).build(),
+			name: "pull with blocks, all ok", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{4, 5}).Obj(),
 			results: []taskResult{{1, nil}, {0, nil}},
 			want:    []connector.Completion{{Request: "a"}},
 		},
 		{
-			name: "blocks in the second group only", meta: aPull("a").waiting().blocks([]connector.BlockID{}, []connector.BlockID{9}).build(),
+			name: "blocks in the second group only", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{}, []connector.BlockID{9}).Obj(),
 			results: []taskResult{{0, nil}, {1, nil}},
 			want:    []connector.Completion{{Request: "a"}},
 		},
 		{
-			name: "one group failing reports invalid blocks", meta: aPull("a").waiting().blocks([]connector.BlockID{4, 5}).build(),
+			name: "one group failing reports invalid blocks", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{4, 5}).Obj(),
 			results: []taskResult{{0, errBoom}, {1, nil}},
 			want:    []connector.Completion{{Request: "a", Err: errBoom, InvalidBlocks: []connector.BlockID{4, 5}}},
 		},
 		{
-			name: "several groups failing report the request", meta: aPull("a").waiting().blocks([]connector.BlockID{4}, []connector.BlockID{4}).build(),
+			name: "several groups failing report the request", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{4}, []connector.BlockID{4}).Obj(),
 			results: []taskResult{{0, nil}, {1, errBoom}},
 			want:    []connector.Completion{{Request: "a", Err: errBoom, FailedRequest: true}},
 		},
 		{
-			name: "duplicate and foreign results change nothing", meta: aPull("a").waiting().blocks([]connector.BlockID{1}).build(),
+			name: "duplicate and foreign results change nothing", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{1}).Obj(),
 			results: []taskResult{{0, nil}, {0, errBoom}, {7, errBoom}, {1, nil}},
 			want:    []connector.Completion{{Request: "a"}},
 		},
@@ -112,7 +101,7 @@ func TestPullerReportsOnlyDrainedPullsWithLocalBlocks(t *testing.T) {
 // Invariant 3: a failing task does not release the blocks while another producer may write.
 func TestPullerFailureWaitsForOtherWriters(t *testing.T) {
 	p, rec, _ := newPuller(t)
-	meta := aPull("a").waiting().blocks([]connector.BlockID{1, 2}).build()
+	meta := wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{1, 2}).Obj()
 	if err := p.Begin(meta, []connector.ProducerRank{0, 1, 2}); err != nil {
 		t.Fatal(err)
 	}
@@ -143,7 +132,7 @@ func TestPullerFailureWaitsForOtherWriters(t *testing.T) {
 // Invariant 4: a pull whose producer never answers ends at its deadline.
 func TestPullerTimeoutReportsFailure(t *testing.T) {
 	p, rec, clk := newPuller(t)
-	meta := aPull("a").waiting().blocks([]connector.BlockID{3}).build()
+	meta := wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{3}).Obj()
 	if err := p.Begin(meta, []connector.ProducerRank{0, 1}); err != nil {
 		t.Fatal(err)
 	}
@@ -170,10 +159,10 @@ func TestPullerTimeoutReportsFailure(t *testing.T) {
 
 func TestPullerWithoutProducersFailsAtOnce(t *testing.T) {
 	p, rec, _ := newPuller(t)
-	if err := p.Begin(aPull("a").waiting().blocks([]connector.BlockID{3}).build(), nil); err != nil {
+	if err := p.Begin(wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{3}).Obj(), nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Begin(aPull("b").blocks().build(), nil); err != nil {
+	if err := p.Begin(wrappers.MakePull("b").Blocks().Obj(), nil); err != nil {
 		t.Fatal(err)
 	}
 	if len(rec.got) != 1 || !errors.Is(rec.got[0].Err, connector.ErrNoProducers) {
@@ -183,7 +172,7 @@ func TestPullerWithoutProducersFailsAtOnce(t *testing.T) {
 
 func TestPullerRefusesSecondPullOfARequest(t *testing.T) {
 	p, _, _ := newPuller(t)
-	meta := aPull("a").waiting().blocks([]connector.BlockID{3}).build()
+	meta := wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{3}).Obj()
 	if err := p.Begin(meta, []connector.ProducerRank{0}); err != nil {
 		t.Fatal(err)
 	}
@@ -195,7 +184,7 @@ func TestPullerRefusesSecondPullOfARequest(t *testing.T) {
 func TestPullerFailTasksOfALostProducer(t *testing.T) {
 	p, rec, _ := newPuller(t)
 	for _, id := range []string{"a", "b"} {
-		if err := p.Begin(aPull(id).waiting().blocks([]connector.BlockID{1}).build(), []connector.ProducerRank{0, 1}); err != nil {
+		if err := p.Begin(wrappers.MakePull(id).Waiting().Blocks([]connector.BlockID{1}).Obj(), []connector.ProducerRank{0, 1}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -216,7 +205,7 @@ func TestPullerFailTasksOfALostProducer(t *testing.T) {
 func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 	var pulls []connector.PullMeta
 	newDecode := func() *vllmsched.Scheduler {
-		s, err := vllmsched.New(vllmsched.Config{Role: vllmsched.Consumer, BlockSize: 64, Capacity: 16,
+		s, err := vllmsched.New(vllmsched.Config{Role: v1alpha1.KVConsumer, BlockSize: 64, Capacity: 16,
 			OnPull: func(m connector.PullMeta) { pulls = append(pulls, m) }})
 		if err != nil {
 			t.Fatal(err)
@@ -264,7 +253,7 @@ func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 // can slip in between the check and the write.
 func TestPullerWriteIfAccepted(t *testing.T) {
 	p, rec, clk := newPuller(t)
-	meta := aPull("a").waiting().blocks([]connector.BlockID{1}).build()
+	meta := wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{1}).Obj()
 	if err := p.Begin(meta, []connector.ProducerRank{0}); err != nil {
 		t.Fatal(err)
 	}

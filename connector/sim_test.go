@@ -9,8 +9,9 @@ import (
 
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
+	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
 
 // sim wires a decode engine (vLLM scheduler model + Puller) to a prefill engine (model + one
@@ -69,13 +70,13 @@ func newSim(t testing.TB, seed uint64, ranks int, policy vllmsched.Policy) *sim 
 	}
 	var err error
 	s.decode, err = vllmsched.New(vllmsched.Config{
-		Role: vllmsched.Consumer, BlockSize: blockSize, Capacity: 4096, Policy: policy, OnPull: s.beginPull,
+		Role: v1alpha1.KVConsumer, BlockSize: blockSize, Capacity: 4096, Policy: policy, OnPull: s.beginPull,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	s.prefill, err = vllmsched.New(vllmsched.Config{
-		Role: vllmsched.Producer, BlockSize: blockSize, Capacity: 4096, OnHold: s.hold, OnDrop: s.drop,
+		Role: v1alpha1.KVProducer, BlockSize: blockSize, Capacity: 4096, OnHold: s.hold, OnDrop: s.drop,
 	})
 	if err != nil {
 		t.Fatal(err)

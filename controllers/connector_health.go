@@ -16,29 +16,18 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/internal/connectorhealth"
-	"pdcluster.dev/pdcluster-operator/internal/render"
-)
-
-// ConnectorHealthy reasons.
-const (
-	ReasonConnectorsReady        = "ConnectorsReady"
-	ReasonConnectorNotReady      = "ConnectorNotReady"
-	ReasonConnectorRestarted     = "ConnectorRestarted"
-	ReasonRestartBackoff         = connectorhealth.BlockedBackoff
-	ReasonRestartBudgetExhausted = connectorhealth.BlockedBudgetExhausted
-	ReasonRestartFailed          = "RestartFailed"
+	"pdcluster.dev/pdcluster-operator/controllers/connectorhealth"
 )
 
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch;delete
 
 // reconcileConnectorHealth restarts the pods whose connector has been unready too long (see
-// internal/connectorhealth for the rules), records the round in status and sets
+// controllers/connectorhealth for the rules), records the round in status and sets
 // ConnectorHealthy. It returns when to look again although no pod changed.
 func (r *PDClusterReconciler) reconcileConnectorHealth(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) (time.Duration, error) {
 	now := r.now()
 	var list corev1.PodList
-	if err := r.List(ctx, &list, client.InNamespace(pdc.Namespace), client.MatchingLabels{render.LabelCluster: pdc.Name}); err != nil {
+	if err := r.List(ctx, &list, client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}); err != nil {
 		return 0, fmt.Errorf("list pods: %w", err)
 	}
 	var pods []connectorhealth.Pod
@@ -68,7 +57,7 @@ func (r *PDClusterReconciler) reconcileConnectorHealth(ctx context.Context, pdc 
 	restarted, err := r.restartPods(ctx, pdc, d.Restart)
 	connectorhealth.RecordRound(&status.Connector, now, len(restarted))
 	for _, p := range restarted {
-		if p.Role == render.RolePrefill {
+		if p.Role == v1alpha1.RolePrefill {
 			status.Prefill.ConnectorRestarts++
 		} else {
 			status.Decode.ConnectorRestarts++
@@ -80,26 +69,26 @@ func (r *PDClusterReconciler) reconcileConnectorHealth(ctx context.Context, pdc 
 	switch {
 	case err != nil:
 		msg = fmt.Sprintf("restart pods with an unready connector: %v", err)
-		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, ReasonRestartFailed, msg)
-		*pending = append(*pending, event{corev1.EventTypeWarning, ReasonRestartFailed, "RestartPod", msg})
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, v1alpha1.ReasonRestartFailed, msg)
+		*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonRestartFailed, "RestartPod", msg})
 	case len(d.Unhealthy) == 0:
-		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionTrue, ReasonConnectorsReady, msg)
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionTrue, v1alpha1.ReasonConnectorsReady, msg)
 		if before != nil && before.Status != metav1.ConditionTrue {
-			*pending = append(*pending, event{corev1.EventTypeNormal, ReasonConnectorsReady, "Observe", msg})
+			*pending = append(*pending, event{corev1.EventTypeNormal, v1alpha1.ReasonConnectorsReady, "Observe", msg})
 		}
 	case len(restarted) > 0:
-		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, ReasonConnectorRestarted, msg)
-		*pending = append(*pending, event{corev1.EventTypeWarning, ReasonConnectorRestarted, "RestartPod",
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, v1alpha1.ReasonConnectorRestarted, msg)
+		*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonConnectorRestarted, "RestartPod",
 			fmt.Sprintf("%s (round %d; %d of %d rounds in %s spent)", msg, status.Connector.ConsecutiveRounds, len(status.Connector.RecentRounds), policy.Budget, policy.Window)})
 	case d.Blocked != "":
 		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, d.Blocked, msg)
-		if d.Blocked == connectorhealth.BlockedBudgetExhausted && (before == nil || before.Reason != d.Blocked) {
+		if d.Blocked == v1alpha1.ReasonRestartBudgetExhausted && (before == nil || before.Reason != d.Blocked) {
 			*pending = append(*pending, event{corev1.EventTypeWarning, d.Blocked, "RestartPod", msg})
 		}
 	default:
-		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, ReasonConnectorNotReady, msg)
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, v1alpha1.ReasonConnectorNotReady, msg)
 		if before == nil || before.Status == metav1.ConditionTrue {
-			*pending = append(*pending, event{corev1.EventTypeWarning, ReasonConnectorNotReady, "Observe", msg})
+			*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonConnectorNotReady, "Observe", msg})
 		}
 	}
 	if err != nil {
@@ -141,8 +130,8 @@ func (r *PDClusterReconciler) now() time.Time {
 
 // podToPDCluster maps an engine pod to the PDCluster named in its labels.
 func podToPDCluster(_ context.Context, obj client.Object) []reconcile.Request {
-	name := obj.GetLabels()[render.LabelCluster]
-	if name == "" || obj.GetLabels()[render.LabelManagedBy] != render.ManagerName {
+	name := obj.GetLabels()[v1alpha1.LabelCluster]
+	if name == "" || obj.GetLabels()[v1alpha1.LabelManagedBy] != v1alpha1.OperatorName {
 		return nil
 	}
 	return []reconcile.Request{{NamespacedName: client.ObjectKey{Namespace: obj.GetNamespace(), Name: name}}}

@@ -13,7 +13,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
@@ -23,6 +22,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 var start = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
@@ -42,37 +42,21 @@ func testScheme(t *testing.T) *runtime.Scheme {
 // pdc is a PDCluster with one prefill and two decode replicas and a 30s threshold
 // (3 checks of 10s), 60s initial backoff and a budget of 2 rounds an hour.
 func pdc() *v1alpha1.PDCluster {
-	return &v1alpha1.PDCluster{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c", Generation: 1},
-		Spec: v1alpha1.PDClusterSpec{
-			Prefill: v1alpha1.PoolSpec{Replicas: ptr.To[int32](1)},
-			Decode:  v1alpha1.PoolSpec{Replicas: ptr.To[int32](2)},
-			Connector: v1alpha1.ConnectorSpec{Health: v1alpha1.ConnectorHealthPolicy{
-				PeriodSeconds: ptr.To[int32](10), FailureThreshold: ptr.To[int32](3),
-				InitialBackoffSeconds: ptr.To[int32](60), MaxBackoffSeconds: ptr.To[int32](600),
-				RestartBudget: ptr.To[int32](2), BudgetWindowSeconds: ptr.To[int32](3600),
-			}},
-		},
-	}
+	return wrappers.MakePDCluster("ns", "c").Generation(1).Replicas(1, 2).Health(v1alpha1.ConnectorHealthPolicy{
+		PeriodSeconds: ptr.To[int32](10), FailureThreshold: ptr.To[int32](3),
+		InitialBackoffSeconds: ptr.To[int32](60), MaxBackoffSeconds: ptr.To[int32](600),
+		RestartBudget: ptr.To[int32](2), BudgetWindowSeconds: ptr.To[int32](3600),
+	}).Obj()
 }
 
 // pod is an engine pod of cluster c whose connector turned unready unreadyFor before start
 // (0: ready); newHealthFixture records that the operator saw it then.
-func pod(name string, role render.Role, unreadyFor time.Duration) *corev1.Pod {
-	p := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, UID: types.UID("uid-" + name), Labels: render.Labels("c", role)},
-		Status: corev1.PodStatus{
-			Phase: corev1.PodRunning,
-			ContainerStatuses: []corev1.ContainerStatus{
-				{Name: "engine", Ready: true},
-				{Name: render.ConnectorContainer, Ready: unreadyFor == 0, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.NewTime(start.Add(-time.Hour))}}},
-			},
-		},
-	}
+func pod(name string, role v1alpha1.Role, unreadyFor time.Duration) *corev1.Pod {
+	w := wrappers.MakeEnginePod("ns", name, "c", role, start.Add(-time.Hour))
 	if unreadyFor > 0 {
-		p.Status.Conditions = []corev1.PodCondition{{Type: corev1.ContainersReady, Status: corev1.ConditionFalse, LastTransitionTime: metav1.NewTime(start.Add(-unreadyFor))}}
+		w.ConnectorUnready(start.Add(-unreadyFor))
 	}
-	return p
+	return w.Obj()
 }
 
 type healthFixture struct {
@@ -141,12 +125,12 @@ func reasons(events []event) []string {
 }
 
 func TestHealthyConnectorsRestartNothing(t *testing.T) {
-	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", render.RolePrefill, 0), pod("d-0", render.RoleDecode, 0), pod("d-1", render.RoleDecode, 0))
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", v1alpha1.RolePrefill, 0), pod("d-0", v1alpha1.RoleDecode, 0), pod("d-1", v1alpha1.RoleDecode, 0))
 	after, evs, err := f.run(t)
 	if err != nil || after != 0 || len(f.deletes) != 0 || len(evs) != 0 {
 		t.Fatalf("after=%s events=%v deletes=%v err=%v, want nothing to do", after, reasons(evs), f.deletes, err)
 	}
-	if c := f.condition(t); c.Status != metav1.ConditionTrue || c.Reason != ReasonConnectorsReady || c.ObservedGeneration != 1 {
+	if c := f.condition(t); c.Status != metav1.ConditionTrue || c.Reason != v1alpha1.ReasonConnectorsReady || c.ObservedGeneration != 1 {
 		t.Errorf("condition = %+v", c)
 	}
 }
@@ -154,7 +138,7 @@ func TestHealthyConnectorsRestartNothing(t *testing.T) {
 // A decode connector unready for 10s waits (the clock decides when), then its pod alone is
 // restarted and the round is recorded in status, in a Warning event and in the pool count.
 func TestUnreadyDecodeConnectorIsRestartedAfterTheThreshold(t *testing.T) {
-	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", render.RolePrefill, 0), pod("d-0", render.RoleDecode, 10*time.Second), pod("d-1", render.RoleDecode, 0))
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", v1alpha1.RolePrefill, 0), pod("d-0", v1alpha1.RoleDecode, 10*time.Second), pod("d-1", v1alpha1.RoleDecode, 0))
 	after, evs, err := f.run(t)
 	if err != nil {
 		t.Fatal(err)
@@ -162,7 +146,7 @@ func TestUnreadyDecodeConnectorIsRestartedAfterTheThreshold(t *testing.T) {
 	if after != 20*time.Second || len(f.deletes) != 0 {
 		t.Fatalf("requeue after %s, deletes %v; want 20s and none", after, f.deletes)
 	}
-	if c := f.condition(t); c.Status != metav1.ConditionFalse || c.Reason != ReasonConnectorNotReady {
+	if c := f.condition(t); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonConnectorNotReady {
 		t.Errorf("condition = %+v, want ConnectorNotReady", c)
 	}
 	if d := cmp.Diff([]string{"Warning ConnectorNotReady"}, reasons(evs)); d != "" {
@@ -183,14 +167,14 @@ func TestUnreadyDecodeConnectorIsRestartedAfterTheThreshold(t *testing.T) {
 	if st.Connector.Restarts != 1 || st.Decode.ConnectorRestarts != 1 || st.Prefill.ConnectorRestarts != 0 || st.Connector.ConsecutiveRounds != 1 {
 		t.Errorf("restart counts = %+v, decode %d, prefill %d", st.Connector, st.Decode.ConnectorRestarts, st.Prefill.ConnectorRestarts)
 	}
-	if c := f.condition(t); c.Reason != ReasonConnectorRestarted {
+	if c := f.condition(t); c.Reason != v1alpha1.ReasonConnectorRestarted {
 		t.Errorf("condition = %+v, want ConnectorRestarted", c)
 	}
 }
 
 // A prefill restart takes the decode pods connected to it along, in one round.
 func TestPrefillRestartRestartsConnectedDecodePods(t *testing.T) {
-	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", render.RolePrefill, time.Minute), pod("d-0", render.RoleDecode, 0), pod("d-1", render.RoleDecode, 0))
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", v1alpha1.RolePrefill, time.Minute), pod("d-0", v1alpha1.RoleDecode, 0), pod("d-1", v1alpha1.RoleDecode, 0))
 	if _, _, err := f.run(t); err != nil {
 		t.Fatal(err)
 	}
@@ -209,12 +193,12 @@ func TestFailedRestartIsReportedAndNotCounted(t *testing.T) {
 	refuse := interceptor.Funcs{Delete: func(context.Context, client.WithWatch, client.Object, ...client.DeleteOption) error {
 		return apierrors.NewForbidden(corev1.Resource("pods"), "d-0", errors.New("RBAC says no"))
 	}}
-	f := newHealthFixture(t, refuse, pod("d-0", render.RoleDecode, time.Minute), pod("d-1", render.RoleDecode, 0))
+	f := newHealthFixture(t, refuse, pod("d-0", v1alpha1.RoleDecode, time.Minute), pod("d-1", v1alpha1.RoleDecode, 0))
 	_, evs, err := f.run(t)
 	if !apierrors.IsForbidden(err) {
 		t.Fatalf("err = %v, want the Forbidden delete", err)
 	}
-	if c := f.condition(t); c.Status != metav1.ConditionFalse || c.Reason != ReasonRestartFailed {
+	if c := f.condition(t); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonRestartFailed {
 		t.Errorf("condition = %+v, want RestartFailed", c)
 	}
 	if d := cmp.Diff([]string{"Warning RestartFailed"}, reasons(evs)); d != "" {
@@ -230,7 +214,7 @@ func TestPodAlreadyGoneCountsAsRestarted(t *testing.T) {
 	gone := interceptor.Funcs{Delete: func(context.Context, client.WithWatch, client.Object, ...client.DeleteOption) error {
 		return apierrors.NewNotFound(corev1.Resource("pods"), "d-0")
 	}}
-	f := newHealthFixture(t, gone, pod("d-0", render.RoleDecode, time.Minute))
+	f := newHealthFixture(t, gone, pod("d-0", v1alpha1.RoleDecode, time.Minute))
 	if _, _, err := f.run(t); err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +226,7 @@ func TestPodAlreadyGoneCountsAsRestarted(t *testing.T) {
 // Rounds back off, and a spent budget stops restarts with one Warning event, whatever the
 // number of reconciles in between.
 func TestBackoffThenBudget(t *testing.T) {
-	f := newHealthFixture(t, interceptor.Funcs{}, pod("d-0", render.RoleDecode, time.Minute))
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("d-0", v1alpha1.RoleDecode, time.Minute))
 	if _, _, err := f.run(t); err != nil { // round 1 at start
 		t.Fatal(err)
 	}
@@ -250,7 +234,7 @@ func TestBackoffThenBudget(t *testing.T) {
 	ctx := context.Background()
 	// The replacement's connector never turns ready either; the operator sees it at once.
 	recreate := func(name string, at time.Time) {
-		p := pod(name, render.RoleDecode, 0)
+		p := pod(name, v1alpha1.RoleDecode, 0)
 		p.Status.ContainerStatuses[1].Ready = false
 		p.Status.ContainerStatuses[1].State.Running.StartedAt = metav1.NewTime(at)
 		if err := c.Create(ctx, p); err != nil {
@@ -267,7 +251,7 @@ func TestBackoffThenBudget(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c := f.condition(t); c.Reason != ReasonRestartBackoff || after != 20*time.Second || len(f.deletes) != 1 {
+	if c := f.condition(t); c.Reason != v1alpha1.ReasonRestartBackoff || after != 20*time.Second || len(f.deletes) != 1 {
 		t.Fatalf("condition %s, requeue %s, deletes %v; want backoff for 20s more", c.Reason, after, f.deletes)
 	}
 
@@ -291,7 +275,7 @@ func TestBackoffThenBudget(t *testing.T) {
 	if d := cmp.Diff([]string{"d-0", "d-1"}, f.deletes); d != "" {
 		t.Errorf("deleted pods (-want +got):\n%s", d)
 	}
-	if c := f.condition(t); c.Reason != ReasonRestartBudgetExhausted {
+	if c := f.condition(t); c.Reason != v1alpha1.ReasonRestartBudgetExhausted {
 		t.Errorf("condition = %+v, want RestartBudgetExhausted", c)
 	}
 	if d := cmp.Diff([]string{"Warning RestartBudgetExhausted"}, reasons(all)); d != "" {
@@ -310,7 +294,7 @@ func TestBackoffThenBudget(t *testing.T) {
 // A round is decided on the cached restart record; when the API server holds a newer
 // PDCluster, the round waits instead of deleting on stale backoff and budget.
 func TestRestartRoundWaitsForACurrentRecord(t *testing.T) {
-	f := newHealthFixture(t, interceptor.Funcs{}, pod("d-0", render.RoleDecode, time.Minute))
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("d-0", v1alpha1.RoleDecode, time.Minute))
 	f.r.APIReader = f.r.Client
 	var live v1alpha1.PDCluster
 	if err := f.r.Get(context.Background(), client.ObjectKeyFromObject(f.pdc), &live); err != nil {
@@ -336,8 +320,8 @@ func TestPodEventsMapToTheirPDCluster(t *testing.T) {
 		labels map[string]string
 		want   []string
 	}{
-		{"engine pod", render.Labels("c", render.RoleDecode), []string{"ns/c"}},
-		{"pod of another manager", map[string]string{render.LabelCluster: "c", render.LabelManagedBy: "helm"}, nil},
+		{"engine pod", render.Labels("c", v1alpha1.RoleDecode), []string{"ns/c"}},
+		{"pod of another manager", map[string]string{v1alpha1.LabelCluster: "c", v1alpha1.LabelManagedBy: "helm"}, nil},
 		{"unrelated pod", map[string]string{"app": "x"}, nil},
 	}
 	for _, tc := range cases {

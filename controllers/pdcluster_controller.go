@@ -12,7 +12,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -22,7 +21,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/clock"
-	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -32,22 +30,6 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
-)
-
-// FieldOwner is the server-side apply field manager of every object the operator writes.
-const FieldOwner = "pdcluster-operator"
-
-// Condition reasons a user can act on.
-const (
-	ReasonInvalidSpec      = "InvalidSpec"
-	ReasonApplyFailed      = "ApplyFailed"
-	ReasonReplicasReady    = "ReplicasReady"
-	ReasonReplicasNotReady = "ReplicasNotReady"
-	ReasonRollingOut       = "RollingOut"
-	ReasonScaledToZero     = "ScaledToZero"
-	ReasonDeploymentAbsent = "DeploymentNotFound"
-	ReasonAllReady         = "AllComponentsReady"
-	ReasonNotReady         = "ComponentsNotReady"
 )
 
 // PDClusterReconciler reconciles PDCluster objects.
@@ -91,8 +73,10 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	if applyErr == nil {
 		// A failed restart is reported in status like a failed apply, then retried.
 		requeueAfter, applyErr = r.reconcileConnectorHealth(ctx, &pdc, status, &pending)
+		// A pool status that cannot be read must not keep a restart round that already
+		// deleted pods out of status: backoff and budget count on that record.
 		if err := r.reconcilePoolStatus(ctx, &pdc, status); err != nil {
-			return ctrl.Result{}, err
+			applyErr = errors.Join(applyErr, err)
 		}
 	}
 	pending = append(pending, readinessEvents(pdc.Status.Conditions, status)...)
@@ -105,7 +89,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		// watch event of the newer write reconciles again.
 		if err := r.Status().Update(ctx, &pdc); apierrors.IsConflict(err) {
 			logger.V(1).Info("status changed since it was read; reconciling again", "error", err.Error())
-			return ctrl.Result{Requeue: true}, nil
+			return ctrl.Result{RequeueAfter: conflictRetry}, nil
 		} else if err != nil {
 			return ctrl.Result{}, fmt.Errorf("update status of %s: %w", req.NamespacedName, err)
 		}
@@ -124,6 +108,10 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	return ctrl.Result{RequeueAfter: requeueAfter}, nil
 }
 
+// conflictRetry is how soon a reconcile whose status write met a newer PDCluster runs again, in
+// case no watch event of that newer write arrives.
+const conflictRetry = time.Second
+
 type event struct{ kind, reason, action, note string }
 
 type permanentError struct{ error }
@@ -140,8 +128,8 @@ func isPermanent(err error) bool {
 func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) error {
 	objs, err := render.Render(pdc, r.Options)
 	if err != nil {
-		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, ReasonInvalidSpec, err.Error())
-		*pending = append(*pending, event{corev1.EventTypeWarning, ReasonInvalidSpec, "Render", err.Error()})
+		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonInvalidSpec, err.Error())
+		*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonInvalidSpec, "Render", err.Error()})
 		return permanentError{fmt.Errorf("render: %w", err)}
 	}
 	for _, obj := range objs {
@@ -151,8 +139,8 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 		ev, err := r.reconcileObject(ctx, obj)
 		if err != nil {
 			msg := fmt.Sprintf("apply %T %s: %v", obj, obj.GetName(), err)
-			setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, ReasonApplyFailed, msg)
-			*pending = append(*pending, event{corev1.EventTypeWarning, ReasonApplyFailed, "Apply", msg})
+			setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonApplyFailed, msg)
+			*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonApplyFailed, "Apply", msg})
 			return fmt.Errorf("apply %s: %w", obj.GetName(), err)
 		}
 		if ev != nil {
@@ -225,91 +213,7 @@ func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) erro
 		return err
 	}
 	u := &unstructured.Unstructured{Object: m}
-	return r.Client.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(FieldOwner), client.ForceOwnership)
-}
-
-// reconcilePoolStatus copies each Deployment's replica counts and sets the per-component
-// conditions and Ready.
-func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus) error {
-	components := []struct {
-		role      render.Role
-		condition string
-		out       *v1alpha1.PoolStatus
-	}{
-		{render.RolePrefill, v1alpha1.ConditionPrefillReady, &status.Prefill},
-		{render.RoleDecode, v1alpha1.ConditionDecodeReady, &status.Decode},
-		{render.RoleRouter, v1alpha1.ConditionRouterReady, &status.Router},
-	}
-	var notReady []string
-	for _, c := range components {
-		var dep appsv1.Deployment
-		err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, c.role)}, &dep)
-		if apierrors.IsNotFound(err) {
-			*c.out = v1alpha1.PoolStatus{ConnectorRestarts: c.out.ConnectorRestarts}
-			setCondition(status, pdc, c.condition, metav1.ConditionFalse, ReasonDeploymentAbsent, fmt.Sprintf("Deployment %s not found", render.ObjectName(pdc.Name, c.role)))
-			notReady = append(notReady, string(c.role))
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("get %s deployment: %w", c.role, err)
-		}
-		ps, condStatus, reason, msg := poolStatus(&dep)
-		ps.ConnectorRestarts = c.out.ConnectorRestarts
-		*c.out = ps
-		setCondition(status, pdc, c.condition, condStatus, reason, msg)
-		if condStatus != metav1.ConditionTrue {
-			notReady = append(notReady, string(c.role))
-		}
-	}
-	if len(notReady) == 0 {
-		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionTrue, ReasonAllReady, "prefill, decode and router are ready")
-	} else {
-		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, ReasonNotReady, fmt.Sprintf("not ready: %v", notReady))
-	}
-	return nil
-}
-
-// poolStatus summarises a Deployment: ready only when every desired replica is ready and runs
-// the current template.
-func poolStatus(dep *appsv1.Deployment) (v1alpha1.PoolStatus, metav1.ConditionStatus, string, string) {
-	desired := ptr.Deref(dep.Spec.Replicas, 1)
-	ps := v1alpha1.PoolStatus{
-		Replicas:        desired,
-		ReadyReplicas:   dep.Status.ReadyReplicas,
-		UpdatedReplicas: dep.Status.UpdatedReplicas,
-		Ready:           fmt.Sprintf("%d/%d", dep.Status.ReadyReplicas, desired),
-	}
-	switch {
-	case desired == 0:
-		return ps, metav1.ConditionTrue, ReasonScaledToZero, "scaled to zero replicas"
-	case dep.Status.ObservedGeneration < dep.Generation || dep.Status.UpdatedReplicas < desired:
-		return ps, metav1.ConditionFalse, ReasonRollingOut, fmt.Sprintf("%d/%d replicas updated", dep.Status.UpdatedReplicas, desired)
-	case dep.Status.ReadyReplicas < desired:
-		return ps, metav1.ConditionFalse, ReasonReplicasNotReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
-	}
-	return ps, metav1.ConditionTrue, ReasonReplicasReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
-}
-
-func setCondition(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, typ string, s metav1.ConditionStatus, reason, msg string) {
-	meta.SetStatusCondition(&status.Conditions, metav1.Condition{
-		Type: typ, Status: s, Reason: reason, Message: msg, ObservedGeneration: pdc.Generation,
-	})
-}
-
-// readinessEvents are the Degraded and Recovered events of a Ready transition.
-func readinessEvents(before []metav1.Condition, after *v1alpha1.PDClusterStatus) []event {
-	old := meta.FindStatusCondition(before, v1alpha1.ConditionReady)
-	cur := meta.FindStatusCondition(after.Conditions, v1alpha1.ConditionReady)
-	if cur == nil || (old != nil && old.Status == cur.Status) {
-		return nil
-	}
-	switch {
-	case cur.Status == metav1.ConditionTrue:
-		return []event{{corev1.EventTypeNormal, "Ready", "Reconcile", cur.Message}}
-	case old != nil && old.Status == metav1.ConditionTrue:
-		return []event{{corev1.EventTypeWarning, "Degraded", "Reconcile", cur.Message}}
-	}
-	return nil
+	return r.Client.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.OperatorName), client.ForceOwnership)
 }
 
 // SetupWithManager registers the controller and its watches on owned children.
@@ -330,6 +234,6 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 // would cost the manager memory for nothing.
 func CacheOptions() cache.Options {
 	return cache.Options{ByObject: map[client.Object]cache.ByObject{
-		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{render.LabelManagedBy: render.ManagerName})},
+		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{v1alpha1.LabelManagedBy: v1alpha1.OperatorName})},
 	}}
 }

@@ -17,9 +17,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/agent"
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
 )
 
 // options are the command-line settings besides the agent's own Config.
@@ -85,9 +87,9 @@ func run(cfg agent.Config, o options, log interface {
 		return err
 	}
 	defer kv.Close()
-	cfg.Role, cfg.KV, cfg.ConsumerRank = agent.Role(o.role), kv, connector.ConsumerRank(o.consumerRank)
+	cfg.Role, cfg.KV, cfg.ConsumerRank = v1alpha1.KVRole(o.role), kv, connector.ConsumerRank(o.consumerRank)
 	var data net.Listener
-	if cfg.Role == agent.RoleProducer {
+	if cfg.Role == v1alpha1.KVProducer {
 		if data, err = net.Listen("tcp", o.dataListen); err != nil {
 			return fmt.Errorf("data plane: %w", err)
 		}
@@ -118,7 +120,7 @@ func run(cfg agent.Config, o options, log interface {
 		if s.addr == "" {
 			continue
 		}
-		l, err := agent.Listen(s.addr)
+		l, err := localapi.Listen(s.addr)
 		if err != nil {
 			return fmt.Errorf("http %s: %w", s.addr, err)
 		}

@@ -12,13 +12,13 @@ import (
 func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 	pdc := &v1alpha1.PDCluster{}
 	pdc.Name, pdc.Namespace = "c", "ns"
-	for _, role := range []render.Role{render.RolePrefill, render.RoleDecode} {
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), role)
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, c := range dep.Spec.Template.Spec.Containers {
-			if c.Name != render.ConnectorContainer {
+			if c.Name != v1alpha1.ConnectorContainerName {
 				continue
 			}
 			_, o, err := parseFlags(c.Args)

@@ -58,7 +58,7 @@ func main() {
 		Client:    mgr.GetClient(),
 		APIReader: mgr.GetAPIReader(),
 		Scheme:    mgr.GetScheme(),
-		Recorder:  mgr.GetEventRecorder("pdcluster-operator"),
+		Recorder:  mgr.GetEventRecorder(v1alpha1.OperatorName),
 		Options:   opts,
 	}).SetupWithManager(mgr); err != nil {
 		setupLog.Error(err, "set up controller")

@@ -18,6 +18,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"pdcluster.dev/pdcluster-operator/internal/router"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 type list []string
@@ -28,7 +29,7 @@ func (l *list) Set(v string) error { *l = append(*l, v); return nil }
 // options are the command line; parseFlags is separate so a test can check that the arguments
 // the operator renders are ones this command accepts.
 type options struct {
-	listen, mode, configPath string
+	listen, flow, configPath string
 	prefill, decode          list
 	refresh                  time.Duration
 	zap                      zap.Options
@@ -38,9 +39,9 @@ func parseFlags(args []string) (*options, error) {
 	o := &options{}
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
 	fs.StringVar(&o.listen, "listen", "127.0.0.1:8080", "HTTP address of the proxy")
-	fs.StringVar(&o.configPath, "config", "", "router.json as the operator renders it: the flow and the pools' headless Services, resolved every --refresh (replaces --mode, --prefill and --decode)")
+	fs.StringVar(&o.configPath, "config", "", "router.json as the operator renders it: the flow and the pools' headless Services, resolved every --refresh (replaces --flow, --prefill and --decode)")
 	fs.DurationVar(&o.refresh, "refresh", 5*time.Second, "how often --config's Services are resolved again")
-	fs.StringVar(&o.mode, "mode", "mooncake", "mooncake (concurrent legs) or nixl (sequential)")
+	fs.StringVar(&o.flow, "flow", string(routerconfig.FlowMooncake), "transfer flow: mooncake (both legs at once) or nixl (prefill first)")
 	fs.Var(&o.prefill, "prefill", "prefill engine as URL or URL,BOOTSTRAP_URL (repeatable)")
 	fs.Var(&o.decode, "decode", "decode engine URL (repeatable)")
 	o.zap.BindFlags(fs)
@@ -56,18 +57,18 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	cfg := router.Config{Mode: router.Mode(o.mode), Decode: o.decode}
+	cfg := router.Config{Flow: routerconfig.Flow(o.flow), Decode: o.decode}
 	for _, p := range o.prefill {
 		url, boot, _ := strings.Cut(p, ",")
 		cfg.Prefill = append(cfg.Prefill, router.Prefill{URL: url, Bootstrap: boot})
 	}
-	var fc router.FileConfig
+	var fc routerconfig.File
 	if o.configPath != "" {
-		if fc, err = router.LoadFileConfig(o.configPath); err != nil {
+		if fc, err = routerconfig.Load(o.configPath); err != nil {
 			log.Error(err, "configure router")
 			os.Exit(1)
 		}
-		cfg.Mode, _ = fc.Mode() // LoadFileConfig checked it
+		cfg.Flow = fc.Flow
 		cfg.Prefill, cfg.Decode = nil, nil
 	} else if len(cfg.Prefill) == 0 || len(cfg.Decode) == 0 {
 		log.Error(errors.New("need --config, or at least one --prefill and one --decode"), "configure router")
@@ -89,7 +90,7 @@ func main() {
 		defer cancel()
 		_ = srv.Shutdown(c)
 	}()
-	log.Info("router serving", "listen", o.listen, "mode", cfg.Mode, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String())
+	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String())
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		log.Error(err, "serve")
 		os.Exit(1)
@@ -98,7 +99,7 @@ func main() {
 
 // resolveLoop keeps the router's pools at the ready pods behind the config's Services. A failed
 // resolution keeps the last pools: a DNS hiccup must not empty the router.
-func resolveLoop(ctx context.Context, r *router.Router, fc router.FileConfig, every time.Duration, log logr.Logger) {
+func resolveLoop(ctx context.Context, r *router.Router, fc routerconfig.File, every time.Duration, log logr.Logger) {
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {

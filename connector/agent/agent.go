@@ -18,22 +18,16 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
-)
-
-// Role is the engine's kv_role.
-type Role string
-
-const (
-	RoleProducer Role = "kv_producer"
-	RoleConsumer Role = "kv_consumer"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
 )
 
 // Config configures an Agent.
 type Config struct {
-	Role Role
+	Role v1alpha1.KVRole
 	// KV is the engine's KV-cache memory.
 	KV *kvfile.File
 	// EngineID names this producer in the bootstrap registry; a fresh one per start when empty,
@@ -92,8 +86,8 @@ type waiterKey struct {
 
 // New validates cfg and builds an agent; Serve starts it.
 func New(cfg Config) (*Agent, error) {
-	if cfg.Role != RoleProducer && cfg.Role != RoleConsumer {
-		return nil, fmt.Errorf("agent: role must be %s or %s, got %q", RoleProducer, RoleConsumer, cfg.Role)
+	if cfg.Role != v1alpha1.KVProducer && cfg.Role != v1alpha1.KVConsumer {
+		return nil, fmt.Errorf("agent: role must be %s or %s, got %q", v1alpha1.KVProducer, v1alpha1.KVConsumer, cfg.Role)
 	}
 	if cfg.KV == nil {
 		return nil, errors.New("agent: a KV file is required")
@@ -111,7 +105,7 @@ func New(cfg Config) (*Agent, error) {
 	a.dialer.Timeout = 5 * time.Second
 	var err error
 	switch cfg.Role {
-	case RoleProducer:
+	case v1alpha1.KVProducer:
 		if cfg.DataAddr == "" {
 			return nil, errors.New("agent: a producer needs its data address")
 		}
@@ -125,7 +119,7 @@ func New(cfg Config) (*Agent, error) {
 			Sink: connector.ReleaseFunc(a.onRelease), Rank: connector.ProducerRank(cfg.TPRank),
 			HoldTimeout: cfg.HoldTimeout, ReadyTimeout: cfg.ReadyTimeout, TombstoneTTL: cfg.TombstoneTTL,
 		})
-	case RoleConsumer:
+	case v1alpha1.KVConsumer:
 		a.puller, err = connector.NewPuller(connector.PullerConfig{Sink: connector.CompletionFunc(a.onCompletion), Timeout: cfg.PullTimeout})
 	}
 	if err != nil {
@@ -162,7 +156,7 @@ func (a *Agent) Serve(ctx context.Context, data net.Listener) error {
 	defer wg.Wait()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	if a.cfg.Role == RoleProducer {
+	if a.cfg.Role == v1alpha1.KVProducer {
 		if data == nil {
 			return errors.New("agent: a producer needs a data listener")
 		}
@@ -216,13 +210,13 @@ func (a *Agent) expire() {
 // onCompletion is the Puller's sink: completions queue for the engine.
 func (a *Agent) onCompletion(c connector.Completion) {
 	a.metrics.completed(c)
-	a.events.push(eventCompletion(c), nil)
+	a.events.push(localapi.CompletionOf(c), nil)
 }
 
 // onRelease is the Producer's sink.
 func (a *Agent) onRelease(r connector.Release) {
 	a.metrics.released(r)
-	a.events.push(nil, &Release{Request: r.Request, Transfer: r.Transfer, Blocks: r.Blocks, Reason: string(r.Reason)})
+	a.events.push(nil, &localapi.Release{Request: r.Request, Transfer: r.Transfer, Blocks: r.Blocks, Reason: string(r.Reason)})
 }
 
 // dispatch hands decisions for parked pulls to the connections waiting for them.

@@ -3,7 +3,6 @@ package agent
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"net"
 	"net/http"
@@ -16,8 +15,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
+	"pdcluster.dev/pdcluster-operator/connector/link"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 const blockBytes = 256
@@ -26,51 +29,10 @@ type pair struct {
 	prod, cons     *Agent
 	prodKV, consKV *kvfile.File
 	prodURL        string
-	releases       *sinkRec
-	completions    *sinkRec
-	prodLink       *Link
-	consLink       *Link
-}
-
-type sinkRec struct {
-	mu   sync.Mutex
-	c    []connector.Completion
-	r    []connector.Release
-	wake chan struct{}
-}
-
-func newSink() *sinkRec { return &sinkRec{wake: make(chan struct{}, 100)} }
-
-func (s *sinkRec) FinishedReceiving(c connector.Completion) {
-	s.mu.Lock()
-	s.c = append(s.c, c)
-	s.mu.Unlock()
-	s.wake <- struct{}{}
-}
-
-func (s *sinkRec) FinishedSending(r connector.Release) {
-	s.mu.Lock()
-	s.r = append(s.r, r)
-	s.mu.Unlock()
-	s.wake <- struct{}{}
-}
-
-func (s *sinkRec) wait(t *testing.T, n int, what string) {
-	t.Helper()
-	deadline := time.After(10 * time.Second)
-	for {
-		s.mu.Lock()
-		got := len(s.c) + len(s.r)
-		s.mu.Unlock()
-		if got >= n {
-			return
-		}
-		select {
-		case <-s.wake:
-		case <-deadline:
-			t.Fatalf("timed out waiting for %s", what)
-		}
-	}
+	releases       *wrappers.Sink
+	completions    *wrappers.Sink
+	prodLink       *link.Link
+	consLink       *link.Link
 }
 
 func openKV(t *testing.T, name string) *kvfile.File {
@@ -93,7 +55,7 @@ func newPair(t *testing.T, mutate func(*Config)) *pair {
 func newPairOn(t *testing.T, mutate func(*Config), unixSockets bool) *pair {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &pair{prodKV: openKV(t, "p.kv"), consKV: openKV(t, "c.kv"), releases: newSink(), completions: newSink()}
+	p := &pair{prodKV: openKV(t, "p.kv"), consKV: openKV(t, "c.kv"), releases: wrappers.NewSink(), completions: wrappers.NewSink()}
 	data, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -101,9 +63,9 @@ func newPairOn(t *testing.T, mutate func(*Config), unixSockets bool) *pair {
 	base := Config{HoldTimeout: 5 * time.Second, ReadyTimeout: 5 * time.Second, TombstoneTTL: 10 * time.Second, PullTimeout: 8 * time.Second,
 		UnknownTransferGrace: 2 * time.Second, ExpireEvery: 20 * time.Millisecond}
 	pc := base
-	pc.Role, pc.KV, pc.DataAddr = RoleProducer, p.prodKV, data.Addr().String()
+	pc.Role, pc.KV, pc.DataAddr = v1alpha1.KVProducer, p.prodKV, data.Addr().String()
 	cc := base
-	cc.Role, cc.KV = RoleConsumer, p.consKV
+	cc.Role, cc.KV = v1alpha1.KVConsumer, p.consKV
 	if mutate != nil {
 		mutate(&pc)
 		mutate(&cc)
@@ -123,7 +85,7 @@ func newPairOn(t *testing.T, mutate func(*Config), unixSockets bool) *pair {
 		cs.Close()
 		dir := t.TempDir()
 		serve := func(h http.Handler, sock string) *httptest.Server {
-			l, err := Listen("unix://" + filepath.Join(dir, sock))
+			l, err := localapi.Listen("unix://" + filepath.Join(dir, sock))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -143,8 +105,8 @@ func newPairOn(t *testing.T, mutate func(*Config), unixSockets bool) *pair {
 	wg.Add(2)
 	go func() { defer wg.Done(); _ = p.prod.Serve(ctx, data) }()
 	go func() { defer wg.Done(); _ = p.cons.Serve(ctx, nil) }()
-	p.prodLink = NewLink(prodAPI, nil, p.releases)
-	p.consLink = NewLink(consAPI, p.completions, nil)
+	p.prodLink = link.New(prodAPI, nil, p.releases)
+	p.consLink = link.New(consAPI, p.completions, nil)
 	wg.Add(2)
 	go func() { defer wg.Done(); p.prodLink.Run(ctx) }()
 	go func() { defer wg.Done(); p.consLink.Run(ctx) }()
@@ -163,7 +125,7 @@ func fill(t *testing.T, kv *kvfile.File, id int64, b byte) []byte {
 
 func (p *pair) pull(t *testing.T, req, transfer string, blocks connector.BlockIDs, waiting bool) {
 	t.Helper()
-	err := p.consLink.Pull(context.Background(), Pull{Request: connector.RequestID(req), Transfer: connector.TransferID(transfer),
+	err := p.consLink.Pull(context.Background(), localapi.Pull{Request: connector.RequestID(req), Transfer: connector.TransferID(transfer),
 		Blocks: blocks, WaitingForRemote: waiting, RemoteEngine: p.prod.EngineID(), RemoteBootstrap: p.prodURL})
 	if err != nil {
 		t.Fatal(err)
@@ -191,13 +153,13 @@ func testPullMovesBytesAndCompletesOnce(t *testing.T, p *pair) {
 	if err := p.prodLink.Ready(ctx, "x1", "p-1", connector.BlockIDs{{3, 4}}); err != nil {
 		t.Fatal(err)
 	}
-	p.completions.wait(t, 1, "completion")
-	p.releases.wait(t, 1, "release")
-	if len(p.completions.c) != 1 || p.completions.c[0].Err != nil || p.completions.c[0].Request != "d-1" {
-		t.Fatalf("completions = %+v, want one success for d-1", p.completions.c)
+	p.completions.Wait(t, 1, "completion")
+	p.releases.Wait(t, 1, "release")
+	if len(p.completions.Completions()) != 1 || p.completions.Completions()[0].Err != nil || p.completions.Completions()[0].Request != "d-1" {
+		t.Fatalf("completions = %+v, want one success for d-1", p.completions.Completions())
 	}
-	if len(p.releases.r) != 1 || p.releases.r[0].Reason != connector.ReleaseServed || p.releases.r[0].Blocks != 2 {
-		t.Fatalf("releases = %+v, want one served release of 2 blocks", p.releases.r)
+	if len(p.releases.Releases()) != 1 || p.releases.Releases()[0].Reason != connector.ReleaseServed || p.releases.Releases()[0].Blocks != 2 {
+		t.Fatalf("releases = %+v, want one served release of 2 blocks", p.releases.Releases())
 	}
 	got := make([]byte, blockBytes)
 	for i, dst := range []int64{10, 11} {
@@ -216,10 +178,10 @@ func TestEmptyPullReleasesProducerAndReportsNothing(t *testing.T) {
 		_ = p.prodLink.Expect(ctx, "x", "p")
 		_ = p.prodLink.Ready(ctx, "x", "p", connector.BlockIDs{{1, 2}})
 		p.pull(t, "d", "x", blocks, true)
-		p.releases.wait(t, 1, "release")
+		p.releases.Wait(t, 1, "release")
 		time.Sleep(100 * time.Millisecond) // a wrong completion would have come by now
-		if len(p.completions.c) != 0 {
-			t.Errorf("blocks %v: completions %+v, want none", blocks, p.completions.c)
+		if len(p.completions.Completions()) != 0 {
+			t.Errorf("blocks %v: completions %+v, want none", blocks, p.completions.Completions())
 		}
 		if st := p.cons.puller.Stats(); st.NotifiedOnly != 1 || st.InFlight != 0 {
 			t.Errorf("blocks %v: puller stats %+v", blocks, st)
@@ -235,15 +197,15 @@ func TestUnknownEngineFailsByThePolicyRules(t *testing.T) {
 		req    string
 		blocks connector.BlockIDs
 	}{{"empty", nil}, {"full", connector.BlockIDs{{7, 8}}}} {
-		err := p.consLink.Pull(context.Background(), Pull{Request: connector.RequestID(tc.req), Transfer: "x", Blocks: tc.blocks,
+		err := p.consLink.Pull(context.Background(), localapi.Pull{Request: connector.RequestID(tc.req), Transfer: "x", Blocks: tc.blocks,
 			WaitingForRemote: true, RemoteEngine: "engine-gone", RemoteBootstrap: p.prodURL})
 		if err != nil {
 			t.Fatal(err)
 		}
 	}
-	p.completions.wait(t, 1, "failed completion")
+	p.completions.Wait(t, 1, "failed completion")
 	time.Sleep(100 * time.Millisecond)
-	c := p.completions.c
+	c := p.completions.Completions()
 	if len(c) != 1 || c[0].Request != "full" || c[0].Err == nil || len(c[0].InvalidBlocks) != 2 {
 		t.Fatalf("completions = %+v, want one failure for the pull with blocks, with 2 invalid blocks", c)
 	}
@@ -259,8 +221,8 @@ func TestEarlyPullIsRetried(t *testing.T) {
 	ctx := context.Background()
 	_ = p.prodLink.Expect(ctx, "early", "p")
 	_ = p.prodLink.Ready(ctx, "early", "p", connector.BlockIDs{{5}})
-	p.completions.wait(t, 1, "completion")
-	if c := p.completions.c[0]; c.Err != nil {
+	p.completions.Wait(t, 1, "completion")
+	if c := p.completions.Completions()[0]; c.Err != nil {
 		t.Fatalf("early pull failed: %v", c.Err)
 	}
 }
@@ -280,53 +242,6 @@ func TestChecksumCatchesCorruption(t *testing.T) {
 	frame[len(frame)-1] ^= 1
 	if _, _, _, err := parseBlock(frame); !errors.Is(err, ErrChecksum) {
 		t.Fatalf("corrupted block: err %v, want ErrChecksum", err)
-	}
-}
-
-// The Link: an agent that restarts loses its pulls and holds; the engine hears of each once.
-func TestLinkFailsWhatARestartedAgentLost(t *testing.T) {
-	var mu sync.Mutex
-	epoch := "run-1"
-	var pending []Completion
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		mu.Lock()
-		defer mu.Unlock()
-		switch r.URL.Path {
-		case "/v1/events":
-			_ = json.NewEncoder(w).Encode(Events{Epoch: epoch, Completions: pending})
-			pending = nil
-		default:
-			_ = json.NewEncoder(w).Encode(epochReply{Epoch: epoch})
-		}
-	}))
-	defer srv.Close()
-	comp, rel := newSink(), newSink()
-	l := NewLink(srv.URL, comp, rel)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go l.Run(ctx)
-
-	_ = l.Pull(ctx, Pull{Request: "a", Transfer: "x", Blocks: connector.BlockIDs{{1}}, WaitingForRemote: true})
-	_ = l.Pull(ctx, Pull{Request: "quiet", Transfer: "y", WaitingForRemote: true}) // notify-only: never tracked
-	_ = l.Ready(ctx, "h", "p", connector.BlockIDs{{4, 5}})
-	mu.Lock()
-	epoch = "run-2" // the agent restarted
-	mu.Unlock()
-	comp.wait(t, 1, "lost pull failed")
-	rel.wait(t, 1, "lost hold released")
-	// The dead run's report, if it ever came, must not be delivered a second time.
-	mu.Lock()
-	pending = []Completion{{Request: "a"}}
-	mu.Unlock()
-	time.Sleep(1500 * time.Millisecond)
-	if len(comp.c) != 1 || !errors.Is(comp.c[0].Err, ErrAgentLost) || comp.c[0].Request != "a" {
-		t.Errorf("completions = %+v, want one ErrAgentLost for a", comp.c)
-	}
-	if len(rel.r) != 1 || rel.r[0].Request != "p" || rel.r[0].Blocks != 2 {
-		t.Errorf("releases = %+v, want one for p", rel.r)
-	}
-	if pulls, holds := l.Outstanding(); pulls != 0 || holds != 0 {
-		t.Errorf("outstanding %d pulls %d holds, want none", pulls, holds)
 	}
 }
 
@@ -363,13 +278,13 @@ func TestPublicHandlerServesHealthAndRegistryButNotTheLocalAPI(t *testing.T) {
 // A restarted agent finds its previous socket file on the shared volume; it must still bind.
 func TestListenReplacesAStaleSocket(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "agent.sock")
-	first, err := Listen("unix://" + path)
+	first, err := localapi.Listen("unix://" + path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	first.(*net.UnixListener).SetUnlinkOnClose(false) // as after a SIGKILL: the file stays
 	first.Close()
-	second, err := Listen("unix://" + path)
+	second, err := localapi.Listen("unix://" + path)
 	if err != nil {
 		t.Fatalf("listen over a stale socket: %v", err)
 	}

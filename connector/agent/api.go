@@ -14,74 +14,20 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
 )
-
-// The local API between an engine and its agent (JSON over HTTP on a Unix socket in a pod; see
-// Listen).
-
-// Pull is POST /v1/pulls: the consumer engine's update_state_after_alloc or cleanup pull.
-type Pull struct {
-	Request          connector.RequestID  `json:"request_id"`
-	Transfer         connector.TransferID `json:"transfer_id"`
-	Blocks           connector.BlockIDs   `json:"local_block_ids"`
-	WaitingForRemote bool                 `json:"waiting_for_remote_kvs"`
-	RemoteEngine     string               `json:"remote_engine_id"`
-	RemoteBootstrap  string               `json:"remote_bootstrap_addr"`
-}
-
-func (p Pull) meta() connector.PullMeta {
-	return connector.PullMeta{Request: p.Request, Transfer: p.Transfer, LocalBlock: p.Blocks, WaitingForRemote: p.WaitingForRemote, RemoteEngine: p.RemoteEngine, RemoteBootstrap: p.RemoteBootstrap}
-}
-
-// Hold is POST /v1/expect, /v1/ready and /v1/abort on a producer.
-type Hold struct {
-	Transfer connector.TransferID `json:"transfer_id"`
-	Request  connector.RequestID  `json:"request_id,omitempty"`
-	Blocks   connector.BlockIDs   `json:"block_ids,omitempty"`
-}
-
-// Completion is a finished_recving report (with failed blocks or failed_recving on error).
-type Completion struct {
-	Request       connector.RequestID `json:"request_id"`
-	Error         string              `json:"error,omitempty"`
-	InvalidBlocks []connector.BlockID `json:"invalid_block_ids,omitempty"`
-	FailedRequest bool                `json:"failed_request,omitempty"`
-}
-
-func eventCompletion(c connector.Completion) *Completion {
-	out := &Completion{Request: c.Request, InvalidBlocks: c.InvalidBlocks, FailedRequest: c.FailedRequest}
-	if c.Err != nil {
-		out.Error = c.Err.Error()
-	}
-	return out
-}
-
-// Release is a finished_sending report: the producer engine may free the request's blocks.
-type Release struct {
-	Request  connector.RequestID  `json:"request_id"`
-	Transfer connector.TransferID `json:"transfer_id"`
-	Blocks   int                  `json:"blocks"`
-	Reason   string               `json:"reason"`
-}
-
-// Events is GET /v1/events: what happened since the last call, and the agent's epoch.
-type Events struct {
-	Epoch       string       `json:"epoch"`
-	Completions []Completion `json:"completions,omitempty"`
-	Releases    []Release    `json:"releases,omitempty"`
-}
 
 // eventQueue holds reports until the engine drains them.
 type eventQueue struct {
 	mu          sync.Mutex
-	completions []Completion
-	releases    []Release
+	completions []localapi.Completion
+	releases    []localapi.Release
 	signal      chan struct{} // closed and replaced on every push
 }
 
 func newEventQueue() *eventQueue { return &eventQueue{signal: make(chan struct{})} }
 
-func (q *eventQueue) push(c *Completion, r *Release) {
+func (q *eventQueue) push(c *localapi.Completion, r *localapi.Release) {
 	q.mu.Lock()
 	if c != nil {
 		q.completions = append(q.completions, *c)
@@ -95,7 +41,7 @@ func (q *eventQueue) push(c *Completion, r *Release) {
 }
 
 // drain returns the queued reports, waiting up to wait for one.
-func (q *eventQueue) drain(ctx context.Context, wait time.Duration) ([]Completion, []Release) {
+func (q *eventQueue) drain(ctx context.Context, wait time.Duration) ([]localapi.Completion, []localapi.Release) {
 	deadline := time.NewTimer(wait)
 	defer deadline.Stop()
 	for {
@@ -123,8 +69,8 @@ func (q *eventQueue) drain(ctx context.Context, wait time.Duration) ([]Completio
 func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
 	a.handlePublic(mux, gatherer)
-	mux.HandleFunc("POST /v1/pulls", func(w http.ResponseWriter, r *http.Request) {
-		var p Pull
+	mux.HandleFunc("POST "+localapi.PathPulls, func(w http.ResponseWriter, r *http.Request) {
+		var p localapi.Pull
 		if !decode(w, r, &p) {
 			return
 		}
@@ -136,7 +82,7 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 			http.Error(w, "request_id and transfer_id are required", http.StatusBadRequest)
 			return
 		}
-		if err := a.startPull(r.Context(), p.meta()); err != nil {
+		if err := a.startPull(r.Context(), p.Meta()); err != nil {
 			status := http.StatusInternalServerError
 			if errors.Is(err, connector.ErrDuplicateRequest) {
 				status = http.StatusConflict
@@ -146,11 +92,11 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusAccepted)
-		_ = json.NewEncoder(w).Encode(epochReply{Epoch: a.epoch})
+		_ = json.NewEncoder(w).Encode(localapi.EpochReply{Epoch: a.epoch})
 	})
-	producerOp := func(op func(Hold) []connector.Decision) http.HandlerFunc {
+	producerOp := func(op func(localapi.Hold) []connector.Decision) http.HandlerFunc {
 		return func(w http.ResponseWriter, r *http.Request) {
-			var h Hold
+			var h localapi.Hold
 			if !decode(w, r, &h) {
 				return
 			}
@@ -163,23 +109,23 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 				return
 			}
 			a.dispatch(op(h))
-			writeJSON(w, epochReply{Epoch: a.epoch})
+			writeJSON(w, localapi.EpochReply{Epoch: a.epoch})
 		}
 	}
-	mux.HandleFunc("POST /v1/expect", producerOp(func(h Hold) []connector.Decision {
+	mux.HandleFunc("POST "+localapi.PathExpect, producerOp(func(h localapi.Hold) []connector.Decision {
 		a.producer.Expect(h.Transfer, h.Request)
 		return nil
 	}))
-	mux.HandleFunc("POST /v1/ready", producerOp(func(h Hold) []connector.Decision {
+	mux.HandleFunc("POST "+localapi.PathReady, producerOp(func(h localapi.Hold) []connector.Decision {
 		return a.producer.Ready(h.Transfer, h.Request, h.Blocks)
 	}))
-	mux.HandleFunc("POST /v1/abort", producerOp(func(h Hold) []connector.Decision {
+	mux.HandleFunc("POST "+localapi.PathAbort, producerOp(func(h localapi.Hold) []connector.Decision {
 		return a.producer.Abort(h.Transfer)
 	}))
-	mux.HandleFunc("GET /v1/events", func(w http.ResponseWriter, r *http.Request) {
+	mux.HandleFunc("GET "+localapi.PathEvents, func(w http.ResponseWriter, r *http.Request) {
 		wait, _ := strconv.Atoi(r.URL.Query().Get("wait_ms"))
 		c, rel := a.events.drain(r.Context(), time.Duration(min(max(wait, 0), 30_000))*time.Millisecond)
-		writeJSON(w, Events{Epoch: a.epoch, Completions: c, Releases: rel})
+		writeJSON(w, localapi.Events{Epoch: a.epoch, Completions: c, Releases: rel})
 	})
 	return mux
 }

@@ -15,6 +15,7 @@ import (
 
 	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
 )
 
 // startPull begins meta's pull: it resolves the producer workers through the bootstrap
@@ -95,7 +96,7 @@ func (a *Agent) runTask(meta connector.PullMeta, rank connector.ProducerRank, ad
 	a.puller.TaskDone(meta.Request, meta.Transfer, rank, err)
 	if a.cfg.UngatedCompletions && err == nil && !meta.NotifiesScheduler() && a.puller.PendingTasks(meta.Request) == 0 {
 		// The seed bug, on purpose: a drained notify-only pull reported as finished receiving.
-		a.events.push(&Completion{Request: meta.Request}, nil)
+		a.events.push(&localapi.Completion{Request: meta.Request}, nil)
 	}
 }
 

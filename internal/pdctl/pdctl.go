@@ -11,8 +11,8 @@ import (
 	"github.com/spf13/cobra"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"pdcluster.dev/pdcluster-operator/internal/manifest"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/validation"
 )
 
 // Execute runs pdctl with args and returns the process exit code.
@@ -32,15 +32,15 @@ func Execute(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 func NewRootCommand(stdin io.Reader) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "pdctl",
-		Short:         "Work with PDCluster manifests: validate, render, run a local sandbox",
+		Short:         "Work with PDCluster manifests: validate and render",
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newValidateCommand(stdin), newRenderCommand(stdin), newSandboxCommand())
+	root.AddCommand(newValidateCommand(stdin), newRenderCommand(stdin))
 	return root
 }
 
-func readInput(ctx context.Context, path string, stdin io.Reader) ([]manifest.Document, error) {
+func readInput(ctx context.Context, path string, stdin io.Reader) ([]validation.Document, error) {
 	if path == "" {
 		return nil, errors.New("-f FILE is required (use -f - for standard input)")
 	}
@@ -53,7 +53,7 @@ func readInput(ctx context.Context, path string, stdin io.Reader) ([]manifest.Do
 		defer f.Close()
 		r = f
 	}
-	loader, err := manifest.NewLoader()
+	loader, err := validation.NewLoader()
 	if err != nil {
 		return nil, err
 	}

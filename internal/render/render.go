@@ -22,39 +22,13 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/internal/router"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
-// Role is the part a workload plays in a PDCluster.
-type Role string
-
+// Names and paths inside the rendered pods.
 const (
-	RolePrefill Role = "prefill"
-	RoleDecode  Role = "decode"
-	RoleRouter  Role = "router"
-)
+	shmVolume = "dshm"
 
-// Label and annotation keys on every rendered object.
-const (
-	LabelName      = "app.kubernetes.io/name"
-	LabelInstance  = "app.kubernetes.io/instance"
-	LabelComponent = "app.kubernetes.io/component"
-	LabelManagedBy = "app.kubernetes.io/managed-by"
-	LabelCluster   = "serving.pdcluster.dev/cluster"
-	LabelRole      = "serving.pdcluster.dev/role"
-
-	// AnnotationConfigHash on a pod template changes whenever the pod spec does, so a spec
-	// change rolls exactly the pool whose pods it affects.
-	AnnotationConfigHash = "serving.pdcluster.dev/config-hash"
-
-	ManagerName = "pdcluster-operator"
-
-	engineContainer = "engine"
-	routerContainer = "router"
-	shmVolume       = "dshm"
-
-	// ConnectorContainer is the completion-gated connector agent beside each engine.
-	ConnectorContainer = "connector"
 	// connectorVolume holds the agent's local API socket and the KV staging buffer the engine
 	// and the agent both map.
 	connectorVolume = "connector-run"
@@ -84,24 +58,24 @@ func DefaultOptions() Options {
 }
 
 // ObjectName is the name of the child object of cluster for role.
-func ObjectName(cluster string, role Role) string { return cluster + "-" + string(role) }
+func ObjectName(cluster string, role v1alpha1.Role) string { return cluster + "-" + string(role) }
 
 // Labels are the selector labels of role's pods in cluster.
-func Labels(cluster string, role Role) map[string]string {
+func Labels(cluster string, role v1alpha1.Role) map[string]string {
 	return map[string]string{
-		LabelName:      "pdcluster",
-		LabelInstance:  cluster,
-		LabelComponent: string(role),
-		LabelManagedBy: ManagerName,
-		LabelCluster:   cluster,
-		LabelRole:      string(role),
+		v1alpha1.LabelName:      "pdcluster",
+		v1alpha1.LabelInstance:  cluster,
+		v1alpha1.LabelComponent: string(role),
+		v1alpha1.LabelManagedBy: v1alpha1.OperatorName,
+		v1alpha1.LabelCluster:   cluster,
+		v1alpha1.LabelRole:      string(role),
 	}
 }
 
 // Render returns every object the operator creates for pdc, in a stable order.
 func Render(pdc *v1alpha1.PDCluster, opts Options) ([]client.Object, error) {
 	var objs []client.Object
-	for _, role := range []Role{RolePrefill, RoleDecode} {
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		dep, err := EngineDeployment(pdc, opts, role)
 		if err != nil {
 			return nil, fmt.Errorf("render %s pool: %w", role, err)
@@ -120,18 +94,11 @@ func Render(pdc *v1alpha1.PDCluster, opts Options) ([]client.Object, error) {
 	return objs, nil
 }
 
-func pool(pdc *v1alpha1.PDCluster, role Role) *v1alpha1.PoolSpec {
-	if role == RolePrefill {
+func pool(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *v1alpha1.PoolSpec {
+	if role == v1alpha1.RolePrefill {
 		return &pdc.Spec.Prefill
 	}
 	return &pdc.Spec.Decode
-}
-
-func kvRole(role Role) string {
-	if role == RolePrefill {
-		return "kv_producer"
-	}
-	return "kv_consumer"
 }
 
 // GPUsPerReplica is tensor*data*pipeline of a pool.
@@ -148,7 +115,7 @@ var reservedExtraConfigKeys = map[string]string{
 }
 
 // KVTransferConfig is the JSON passed to --kv-transfer-config for role.
-func KVTransferConfig(kv v1alpha1.KVTransferSpec, role Role) (string, error) {
+func KVTransferConfig(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) (string, error) {
 	extra := map[string]any{}
 	if kv.ExtraConfig != nil && len(kv.ExtraConfig.Raw) > 0 {
 		if err := json.Unmarshal(kv.ExtraConfig.Raw, &extra); err != nil {
@@ -170,7 +137,7 @@ func KVTransferConfig(kv v1alpha1.KVTransferSpec, role Role) (string, error) {
 	}
 	cfg := map[string]any{
 		"kv_connector":           string(connector),
-		"kv_role":                kvRole(role),
+		"kv_role":                string(role.KVRole()),
 		"kv_buffer_device":       string(orDefault(kv.BufferDevice, v1alpha1.BufferDeviceCUDA)),
 		"kv_load_failure_policy": string(orDefault(kv.LoadFailurePolicy, v1alpha1.LoadFailurePolicyFail)),
 	}
@@ -202,7 +169,7 @@ func sortedKeys[V any](m map[string]V) []string {
 }
 
 // EngineArgs is the full `vllm serve` argument list for role.
-func EngineArgs(pdc *v1alpha1.PDCluster, role Role) ([]string, error) {
+func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 	spec := pdc.Spec
 	p := pool(pdc, role)
 	kvcfg, err := KVTransferConfig(spec.KVTransfer, role)
@@ -237,7 +204,7 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role Role) ([]string, error) {
 	return args, nil
 }
 
-func objectMeta(pdc *v1alpha1.PDCluster, role Role) metav1.ObjectMeta {
+func objectMeta(pdc *v1alpha1.PDCluster, role v1alpha1.Role) metav1.ObjectMeta {
 	return metav1.ObjectMeta{
 		Name:      ObjectName(pdc.Name, role),
 		Namespace: pdc.Namespace,
@@ -247,7 +214,7 @@ func objectMeta(pdc *v1alpha1.PDCluster, role Role) metav1.ObjectMeta {
 
 // EngineDeployment is the prefill (kv_producer) or decode (kv_consumer) Deployment: the engine
 // and, beside it, the connector agent it hands KV transfers to.
-func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role Role) (*appsv1.Deployment, error) {
+func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) (*appsv1.Deployment, error) {
 	p := pool(pdc, role)
 	args, err := EngineArgs(pdc, role)
 	if err != nil {
@@ -279,7 +246,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role Role) (*appsv1
 	connector, bufferBytes := connectorContainer(pdc, opts, role)
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
-			Name:      engineContainer,
+			Name:      v1alpha1.EngineContainerName,
 			Image:     orDefault(p.Image, pdc.Spec.Engine.Image),
 			Command:   []string{"vllm"},
 			Args:      args,
@@ -317,12 +284,12 @@ func podIPEnv() corev1.EnvVar {
 // connectorContainer is the connector agent of role and the size of the staging buffer it
 // shares with the engine. Its readiness probe runs every health.periodSeconds and flips on the
 // first failure: the operator, not the kubelet, decides when unready has lasted too long.
-func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role Role) (corev1.Container, int64) {
+func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) (corev1.Container, int64) {
 	c := pdc.Spec.Connector
 	blocks := ptr.Deref(c.BufferBlocks, v1alpha1.DefaultConnectorBufferBlocks)
 	blockBytes := ptr.Deref(c.BlockBytes, v1alpha1.DefaultConnectorBlockBytes)
 	args := []string{
-		"--role=" + kvRole(role),
+		"--role=" + string(role.KVRole()),
 		"--listen=" + ConnectorSocket,
 		fmt.Sprintf("--public-listen=:%d", ConnectorPort),
 		"--kv-file=" + kvFile,
@@ -330,7 +297,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role Role) (corev
 		fmt.Sprintf("--block-bytes=%d", blockBytes),
 	}
 	ports := []corev1.ContainerPort{{Name: "connector", ContainerPort: ConnectorPort, Protocol: corev1.ProtocolTCP}}
-	if role == RolePrefill {
+	if role == v1alpha1.RolePrefill {
 		args = append(args, fmt.Sprintf("--data-listen=:%d", ConnectorDataPort), fmt.Sprintf("--advertise-data=$(POD_IP):%d", ConnectorDataPort))
 		ports = append(ports, corev1.ContainerPort{Name: "kv-data", ContainerPort: ConnectorDataPort, Protocol: corev1.ProtocolTCP})
 	}
@@ -341,7 +308,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role Role) (corev
 	period := ptr.Deref(c.Health.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds)
 	port := intstr.FromString("connector")
 	return corev1.Container{
-		Name:           ConnectorContainer,
+		Name:           v1alpha1.ConnectorContainerName,
 		Image:          orDefault(c.Image, opts.ConnectorImage),
 		Args:           args,
 		Ports:          ports,
@@ -372,7 +339,7 @@ func setResource(r *corev1.ResourceRequirements, name corev1.ResourceName, q res
 
 // deployment wraps podSpec; inputs that pods read but the pod spec does not hold (a ConfigMap's
 // data) go into the config hash too, so changing them rolls the pods.
-func deployment(pdc *v1alpha1.PDCluster, role Role, replicas int32, podSpec corev1.PodSpec, inputs ...any) (*appsv1.Deployment, error) {
+func deployment(pdc *v1alpha1.PDCluster, role v1alpha1.Role, replicas int32, podSpec corev1.PodSpec, inputs ...any) (*appsv1.Deployment, error) {
 	hash, err := hashOf(append([]any{podSpec}, inputs...))
 	if err != nil {
 		return nil, err
@@ -387,7 +354,7 @@ func deployment(pdc *v1alpha1.PDCluster, role Role, replicas int32, podSpec core
 			Template: corev1.PodTemplateSpec{
 				ObjectMeta: metav1.ObjectMeta{
 					Labels:      labels,
-					Annotations: map[string]string{AnnotationConfigHash: hash},
+					Annotations: map[string]string{v1alpha1.AnnotationConfigHash: hash},
 				},
 				Spec: podSpec,
 			},
@@ -406,12 +373,12 @@ func hashOf(v any) (string, error) {
 
 // EngineService is the headless Service of a pool: the router needs each pod's address (the
 // Mooncake bootstrap server runs per prefill pod), not a load-balanced VIP.
-func EngineService(pdc *v1alpha1.PDCluster, role Role) *corev1.Service {
+func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Service {
 	ports := []corev1.ServicePort{
 		{Name: "http", Port: v1alpha1.DefaultEnginePort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP},
 		{Name: "connector", Port: ConnectorPort, TargetPort: intstr.FromString("connector"), Protocol: corev1.ProtocolTCP},
 	}
-	if role == RolePrefill {
+	if role == v1alpha1.RolePrefill {
 		ports = append(ports, corev1.ServicePort{Name: "kv-data", Port: ConnectorDataPort, TargetPort: intstr.FromString("kv-data"), Protocol: corev1.ProtocolTCP})
 	}
 	return &corev1.Service{
@@ -427,14 +394,13 @@ func EngineService(pdc *v1alpha1.PDCluster, role Role) *corev1.Service {
 }
 
 // RouterConfigMap carries the router's view of the pools: router.json, which cmd/router reads
-// with --config (the format is router.FileConfig).
+// with --config.
 func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 	connector := orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake)
-	cfg := router.FileConfig{
-		Flow:        "concurrent",
-		Connector:   string(connector),
-		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, RolePrefill), pdc.Namespace),
-		DecodeHost:  fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, RoleDecode), pdc.Namespace),
+	cfg := routerconfig.File{
+		Flow:        routerconfig.FlowMooncake,
+		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RolePrefill), pdc.Namespace),
+		DecodeHost:  fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RoleDecode), pdc.Namespace),
 		EnginePort:  v1alpha1.DefaultEnginePort,
 		Model:       pdc.Spec.Model.ServedModelName,
 	}
@@ -444,7 +410,7 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 	if connector == v1alpha1.ConnectorMooncake {
 		cfg.BootstrapPort = ConnectorPort
 	} else {
-		cfg.Flow = "sequential"
+		cfg.Flow = routerconfig.FlowNIXL
 	}
 	b, err := json.MarshalIndent(cfg, "", "  ")
 	if err != nil {
@@ -452,8 +418,8 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 	}
 	return &corev1.ConfigMap{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
-		ObjectMeta: objectMeta(pdc, RoleRouter),
-		Data:       map[string]string{"router.json": string(b)},
+		ObjectMeta: objectMeta(pdc, v1alpha1.RoleRouter),
+		Data:       map[string]string{routerconfig.FileName: string(b)},
 	}, nil
 }
 
@@ -462,9 +428,9 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString("http")}}
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
-			Name:  routerContainer,
+			Name:  v1alpha1.RouterContainerName,
 			Image: opts.RouterImage,
-			Args:  []string{"--config=/etc/pdcluster/router.json", "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
+			Args:  []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
 			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
 			Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
 				corev1.ResourceCPU:    resource.MustParse("100m"),
@@ -475,19 +441,19 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 			VolumeMounts:   []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
 		}},
 		Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
-			LocalObjectReference: corev1.LocalObjectReference{Name: ObjectName(pdc.Name, RoleRouter)},
+			LocalObjectReference: corev1.LocalObjectReference{Name: ObjectName(pdc.Name, v1alpha1.RoleRouter)},
 		}}}},
 	}
-	return deployment(pdc, RoleRouter, ptr.Deref(pdc.Spec.Router.Replicas, v1alpha1.DefaultReplicas), podSpec, config.Data)
+	return deployment(pdc, v1alpha1.RoleRouter, ptr.Deref(pdc.Spec.Router.Replicas, v1alpha1.DefaultReplicas), podSpec, config.Data)
 }
 
 // RouterService is the client-facing OpenAI endpoint of the cluster.
 func RouterService(pdc *v1alpha1.PDCluster) *corev1.Service {
 	return &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
-		ObjectMeta: objectMeta(pdc, RoleRouter),
+		ObjectMeta: objectMeta(pdc, v1alpha1.RoleRouter),
 		Spec: corev1.ServiceSpec{
-			Selector: Labels(pdc.Name, RoleRouter),
+			Selector: Labels(pdc.Name, v1alpha1.RoleRouter),
 			Ports:    []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}},
 		},
 	}

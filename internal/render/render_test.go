@@ -17,16 +17,16 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/internal/manifest"
 	"pdcluster.dev/pdcluster-operator/internal/render"
-	"pdcluster.dev/pdcluster-operator/internal/router"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+	"pdcluster.dev/pdcluster-operator/internal/validation"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files")
 
 func load(t *testing.T, path string) *v1alpha1.PDCluster {
 	t.Helper()
-	l, err := manifest.NewLoader()
+	l, err := validation.NewLoader()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +78,7 @@ func TestRenderGolden(t *testing.T) {
 	}
 }
 
-func enginePod(t *testing.T, pdc *v1alpha1.PDCluster, role render.Role) corev1.PodSpec {
+func enginePod(t *testing.T, pdc *v1alpha1.PDCluster, role v1alpha1.Role) corev1.PodSpec {
 	t.Helper()
 	dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), role)
 	if err != nil {
@@ -87,7 +87,7 @@ func enginePod(t *testing.T, pdc *v1alpha1.PDCluster, role render.Role) corev1.P
 	return dep.Spec.Template.Spec
 }
 
-func engineContainer(t *testing.T, pdc *v1alpha1.PDCluster, role render.Role) corev1.Container {
+func engineContainer(t *testing.T, pdc *v1alpha1.PDCluster, role v1alpha1.Role) corev1.Container {
 	t.Helper()
 	return enginePod(t, pdc, role).Containers[0]
 }
@@ -119,18 +119,18 @@ func TestConnectorSidecar(t *testing.T) {
 	pdc.Spec.Connector.BlockBytes = ptr.To[int32](8192)
 	pdc.Spec.Connector.Health.PeriodSeconds = ptr.To[int32](7)
 	for _, tc := range []struct {
-		role     render.Role
+		role     v1alpha1.Role
 		wantArgs []string
 		ports    []string
 	}{
-		{render.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
+		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
 			"--kv-blocks=1024", "--block-bytes=8192", "--data-listen=:7200", "--advertise-data=$(POD_IP):7200"}, []string{"connector", "kv-data"}},
-		{render.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
+		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
 			"--kv-blocks=1024", "--block-bytes=8192"}, []string{"connector"}},
 	} {
 		t.Run(string(tc.role), func(t *testing.T) {
 			pod := enginePod(t, pdc, tc.role)
-			c := container(t, pod, render.ConnectorContainer)
+			c := container(t, pod, v1alpha1.ConnectorContainerName)
 			if c.Image != render.DefaultOptions().ConnectorImage {
 				t.Errorf("image = %q, want the operator default", c.Image)
 			}
@@ -185,10 +185,10 @@ func TestConnectorSidecar(t *testing.T) {
 func TestPoolImageOverridesEngineImageForThatPoolOnly(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
 	pdc.Spec.Decode.Image = "vllm/vllm-openai:v0.12.0"
-	if got := engineContainer(t, pdc, render.RoleDecode).Image; got != "vllm/vllm-openai:v0.12.0" {
+	if got := engineContainer(t, pdc, v1alpha1.RoleDecode).Image; got != "vllm/vllm-openai:v0.12.0" {
 		t.Errorf("decode image = %q", got)
 	}
-	if got := engineContainer(t, pdc, render.RolePrefill).Image; got != pdc.Spec.Engine.Image {
+	if got := engineContainer(t, pdc, v1alpha1.RolePrefill).Image; got != pdc.Spec.Engine.Image {
 		t.Errorf("prefill image = %q, want engine.image %q", got, pdc.Spec.Engine.Image)
 	}
 }
@@ -196,7 +196,7 @@ func TestPoolImageOverridesEngineImageForThatPoolOnly(t *testing.T) {
 func TestConnectorImageFromSpecOverridesOperatorDefault(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
 	pdc.Spec.Connector.Image = "registry.example/connector:dev"
-	c := container(t, enginePod(t, pdc, render.RoleDecode), render.ConnectorContainer)
+	c := container(t, enginePod(t, pdc, v1alpha1.RoleDecode), v1alpha1.ConnectorContainerName)
 	if c.Image != "registry.example/connector:dev" {
 		t.Errorf("image = %q", c.Image)
 	}
@@ -214,9 +214,9 @@ func flagValue(args []string, name string) (string, bool) {
 func TestEngineFlagsPerRole(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
 	for _, tc := range []struct {
-		role   render.Role
+		role   v1alpha1.Role
 		kvRole string
-	}{{render.RolePrefill, "kv_producer"}, {render.RoleDecode, "kv_consumer"}} {
+	}{{v1alpha1.RolePrefill, "kv_producer"}, {v1alpha1.RoleDecode, "kv_consumer"}} {
 		t.Run(string(tc.role), func(t *testing.T) {
 			c := engineContainer(t, pdc, tc.role)
 			if diff := cmp.Diff([]string{"serve", "Qwen/Qwen3-32B"}, c.Args[:2]); diff != "" {
@@ -279,7 +279,7 @@ func TestGPUsAreTensorTimesDataTimesPipeline(t *testing.T) {
 
 func TestTCPRequestsNoRDMA(t *testing.T) {
 	pdc := load(t, "testdata/nixl-tcp.yaml")
-	c := engineContainer(t, pdc, render.RoleDecode)
+	c := engineContainer(t, pdc, v1alpha1.RoleDecode)
 	if _, ok := c.Resources.Requests["rdma/hca"]; ok {
 		t.Errorf("tcp pool requests rdma/hca: %v", c.Resources.Requests)
 	}
@@ -291,7 +291,7 @@ func TestTCPRequestsNoRDMA(t *testing.T) {
 			t.Errorf("decode args %v lack %s", c.Args, f)
 		}
 	}
-	if contains(engineContainer(t, pdc, render.RolePrefill).Args, "--max-num-seqs=256") {
+	if contains(engineContainer(t, pdc, v1alpha1.RolePrefill).Args, "--max-num-seqs=256") {
 		t.Error("decode-only args leaked into prefill")
 	}
 }
@@ -324,7 +324,7 @@ func TestConfigHashChangesOnlyForTheChangedPool(t *testing.T) {
 		out := map[string]string{}
 		for _, o := range objs {
 			if d, ok := o.(*appsv1.Deployment); ok {
-				out[d.Name] = d.Spec.Template.Annotations[render.AnnotationConfigHash]
+				out[d.Name] = d.Spec.Template.Annotations[v1alpha1.AnnotationConfigHash]
 			}
 		}
 		return out
@@ -381,8 +381,8 @@ func TestRenderIsDeterministic(t *testing.T) {
 func TestRouterReadsTheRenderedConfig(t *testing.T) {
 	for _, tc := range []struct {
 		in   string
-		mode router.Mode
-	}{{"testdata/mooncake-rdma.yaml", router.ModeMooncake}, {"testdata/nixl-tcp.yaml", router.ModeNIXL}} {
+		flow routerconfig.Flow
+	}{{"testdata/mooncake-rdma.yaml", routerconfig.FlowMooncake}, {"testdata/nixl-tcp.yaml", routerconfig.FlowNIXL}} {
 		t.Run(tc.in, func(t *testing.T) {
 			pdc := load(t, tc.in)
 			cm, err := render.RouterConfigMap(pdc)
@@ -409,12 +409,12 @@ func TestRouterReadsTheRenderedConfig(t *testing.T) {
 			if err := os.WriteFile(file, []byte(cm.Data["router.json"]), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			fc, err := router.LoadFileConfig(file)
+			fc, err := routerconfig.Load(file)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if m, _ := fc.Mode(); m != tc.mode || fc.PrefillHost != render.ObjectName(pdc.Name, render.RolePrefill)+"."+pdc.Namespace+".svc" {
-				t.Errorf("router config %+v, want mode %s and the prefill Service", fc, tc.mode)
+			if fc.Flow != tc.flow || fc.PrefillHost != render.ObjectName(pdc.Name, v1alpha1.RolePrefill)+"."+pdc.Namespace+".svc" {
+				t.Errorf("router config %+v, want flow %s and the prefill Service", fc, tc.flow)
 			}
 			if got := c.ReadinessProbe.HTTPGet.Path; got != "/health" {
 				t.Errorf("router probed on %s; it serves /health", got)

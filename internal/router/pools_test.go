@@ -5,13 +5,13 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/go-logr/logr"
 	"github.com/google/go-cmp/cmp"
+
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 func fakeLookup(answers map[string][]string) Lookup {
@@ -24,7 +24,7 @@ func fakeLookup(answers map[string][]string) Lookup {
 	}
 }
 
-var mooncakeFile = FileConfig{Flow: "concurrent", PrefillHost: "c-prefill.ns.svc", DecodeHost: "c-decode.ns.svc", EnginePort: 8000, BootstrapPort: 8998}
+var mooncakeFile = routerconfig.File{Flow: routerconfig.FlowMooncake, PrefillHost: "c-prefill.ns.svc", DecodeHost: "c-decode.ns.svc", EnginePort: 8000, BootstrapPort: 8998}
 
 func TestResolvePoolsGivesOneEndpointPerPodInAStableOrder(t *testing.T) {
 	lookup := fakeLookup(map[string][]string{
@@ -53,45 +53,10 @@ func TestResolvePoolsGivesOneEndpointPerPodInAStableOrder(t *testing.T) {
 	}
 }
 
-func TestLoadFileConfig(t *testing.T) {
-	cases := []struct {
-		name, json, wantErr string
-		wantMode            Mode
-	}{
-		{"concurrent", `{"flow":"concurrent","prefillHost":"p","decodeHost":"d","enginePort":8000,"bootstrapPort":8998}`, "", ModeMooncake},
-		{"sequential", `{"flow":"sequential","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "", ModeNIXL},
-		{"concurrent without bootstrap", `{"flow":"concurrent","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "needs bootstrapPort", ""},
-		{"unknown flow", `{"flow":"x","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "flow must be concurrent or sequential", ""},
-		{"no hosts", `{"flow":"sequential","enginePort":8000}`, "prefillHost, decodeHost and enginePort are required", ""},
-		{"not JSON", `flow: x`, "decode router config", ""},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			path := filepath.Join(t.TempDir(), "router.json")
-			if err := os.WriteFile(path, []byte(tc.json), 0o600); err != nil {
-				t.Fatal(err)
-			}
-			fc, err := LoadFileConfig(path)
-			if tc.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("err = %v, want %q", err, tc.wantErr)
-				}
-				return
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			if m, _ := fc.Mode(); m != tc.wantMode {
-				t.Errorf("mode = %s, want %s", m, tc.wantMode)
-			}
-		})
-	}
-}
-
 // A router started from a config file has no engines until the first resolution: it answers
 // 503, then proxies to the pools SetPools gives it.
 func TestRouterServesThePoolsItIsGiven(t *testing.T) {
-	r, err := New(Config{Mode: ModeNIXL}, logr.Discard(), nil)
+	r, err := New(Config{Flow: routerconfig.FlowNIXL}, logr.Discard(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +82,7 @@ func TestRouterServesThePoolsItIsGiven(t *testing.T) {
 	}
 	d.last(t) // decode got the request
 
-	moon, err := New(Config{Mode: ModeMooncake}, logr.Discard(), nil)
+	moon, err := New(Config{Flow: routerconfig.FlowMooncake}, logr.Discard(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

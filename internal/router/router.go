@@ -23,14 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-)
-
-// Mode is the transfer flow.
-type Mode string
-
-const (
-	ModeMooncake Mode = "mooncake" // concurrent: P and D at once, shared transfer_id
-	ModeNIXL     Mode = "nixl"     // sequential: P first, its kv_transfer_params to D
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // Prefill is one prefill engine and its bootstrap registry.
@@ -42,7 +35,7 @@ type Prefill struct {
 // Config is the router's configuration: its mode and the engines it starts with (SetPools
 // replaces them, e.g. from ResolvePools as pods come and go).
 type Config struct {
-	Mode    Mode
+	Flow    routerconfig.Flow
 	Prefill []Prefill
 	Decode  []string
 	// PrefillTimeout bounds the prefill leg.
@@ -51,15 +44,15 @@ type Config struct {
 
 // Validate reports a configuration the router cannot serve with.
 func (c Config) Validate() error {
-	if c.Mode != ModeMooncake && c.Mode != ModeNIXL {
-		return fmt.Errorf("mode must be %q or %q, got %q", ModeMooncake, ModeNIXL, c.Mode)
+	if err := c.Flow.Validate(); err != nil {
+		return err
 	}
-	return c.Mode.validatePrefill(c.Prefill)
+	return validatePrefill(c.Flow, c.Prefill)
 }
 
-func (m Mode) validatePrefill(prefill []Prefill) error {
+func validatePrefill(flow routerconfig.Flow, prefill []Prefill) error {
 	for i, p := range prefill {
-		if p.URL == "" || (m == ModeMooncake && p.Bootstrap == "") {
+		if p.URL == "" || (flow == routerconfig.FlowMooncake && p.Bootstrap == "") {
 			return fmt.Errorf("prefill[%d]: url and (for mooncake) bootstrap are required", i)
 		}
 	}
@@ -93,7 +86,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		cfg: cfg, hc: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}, boot: boot, log: log,
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
-		}, []string{"mode", "code"}),
+		}, []string{"flow", "code"}),
 	}
 	if reg != nil {
 		if err := reg.Register(r.requests); err != nil {
@@ -106,7 +99,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 
 // SetPools replaces the engines requests go to; requests in flight keep theirs.
 func (r *Router) SetPools(p Pools) error {
-	if err := r.cfg.Mode.validatePrefill(p.Prefill); err != nil {
+	if err := validatePrefill(r.cfg.Flow, p.Prefill); err != nil {
 		return fmt.Errorf("router: %w", err)
 	}
 	r.pools.Store(&p)
@@ -149,7 +142,7 @@ func pick(next *atomic.Uint64, n int) int { return int(next.Add(1)-1) % n }
 
 func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	sw := &statusWriter{ResponseWriter: w}
-	defer func() { r.requests.WithLabelValues(string(r.cfg.Mode), fmt.Sprint(sw.code())).Inc() }()
+	defer func() { r.requests.WithLabelValues(string(r.cfg.Flow), fmt.Sprint(sw.code())).Inc() }()
 	raw, err := io.ReadAll(io.LimitReader(req.Body, 32<<20))
 	if err != nil {
 		writeError(sw, http.StatusBadRequest, "read body: "+err.Error())
@@ -181,10 +174,10 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	}
 	p := pools.Prefill[pick(&r.nextP, len(pools.Prefill))]
 	d := pools.Decode[pick(&r.nextD, len(pools.Decode))]
-	switch r.cfg.Mode {
-	case ModeMooncake:
+	switch r.cfg.Flow {
+	case routerconfig.FlowMooncake:
 		r.mooncake(sw, req, body, reqID, p, d)
-	case ModeNIXL:
+	case routerconfig.FlowNIXL:
 		r.nixl(sw, req, body, reqID, p, d)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 type seen struct {
@@ -53,14 +54,14 @@ func (f *fakeEngine) last(t *testing.T) seen {
 	return f.got[len(f.got)-1]
 }
 
-func newRouter(t *testing.T, mode Mode, p, d *fakeEngine) *httptest.Server {
+func newRouter(t *testing.T, flow routerconfig.Flow, p, d *fakeEngine) *httptest.Server {
 	t.Helper()
 	reg := bootstrap.NewRegistry()
 	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://p:1"})
 	boot := httptest.NewServer(reg.Handler())
 	ps, ds := httptest.NewServer(p), httptest.NewServer(d)
 	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
-	r, err := New(Config{Mode: mode, Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}, logr.Discard(), nil)
+	r, err := New(Config{Flow: flow, Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}, logr.Discard(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +100,7 @@ func (f *fakeEngine) wait(t *testing.T) seen {
 
 func TestMooncakeLegsShareTheTransfer(t *testing.T) {
 	p, d := &fakeEngine{}, &fakeEngine{reply: `{"choices":[{"text":"ok"}]}`}
-	srv := newRouter(t, ModeMooncake, p, d)
+	srv := newRouter(t, routerconfig.FlowMooncake, p, d)
 	code, body := send(t, srv.URL, `{"prompt":"hi","max_tokens":32,"stream":true,"stream_options":{"include_usage":true}}`)
 	if code != 200 || !strings.Contains(body, `"ok"`) {
 		t.Fatalf("got %d %s", code, body)
@@ -131,7 +132,7 @@ func TestMooncakeLegsShareTheTransfer(t *testing.T) {
 func TestNIXLPassesPrefillParamsToDecode(t *testing.T) {
 	p := &fakeEngine{reply: `{"kv_transfer_params":{"do_remote_prefill":true,"transfer_id":"t-9","remote_engine_id":"e"}}`}
 	d := &fakeEngine{reply: `{"choices":[]}`}
-	srv := newRouter(t, ModeNIXL, p, d)
+	srv := newRouter(t, routerconfig.FlowNIXL, p, d)
 	if code, body := send(t, srv.URL, `{"prompt":"hi","max_tokens":5}`); code != 200 {
 		t.Fatalf("got %d %s", code, body)
 	}
@@ -148,7 +149,7 @@ func TestNIXLPassesPrefillParamsToDecode(t *testing.T) {
 func TestFailuresSayWhy(t *testing.T) {
 	t.Run("nixl prefill 4xx is the client's answer", func(t *testing.T) {
 		p := &fakeEngine{status: 400, reply: `{"error":{"message":"max_tokens must be at least 1"}}`}
-		srv := newRouter(t, ModeNIXL, p, &fakeEngine{})
+		srv := newRouter(t, routerconfig.FlowNIXL, p, &fakeEngine{})
 		if code, body := send(t, srv.URL, `{"prompt":"hi"}`); code != 400 || !strings.Contains(body, "max_tokens") {
 			t.Errorf("got %d %s", code, body)
 		}
@@ -156,14 +157,14 @@ func TestFailuresSayWhy(t *testing.T) {
 	t.Run("decode 5xx names both legs", func(t *testing.T) {
 		p := &fakeEngine{status: 503, reply: `agent down`}
 		d := &fakeEngine{status: 500, reply: `{"error":{"message":"KV load failed"}}`}
-		srv := newRouter(t, ModeMooncake, p, d)
+		srv := newRouter(t, routerconfig.FlowMooncake, p, d)
 		code, body := send(t, srv.URL, `{"prompt":"hi"}`)
 		if code != 500 || !strings.Contains(body, "KV load failed") || !strings.Contains(body, "decode leg") {
 			t.Errorf("got %d %s", code, body)
 		}
 	})
 	t.Run("bad bodies", func(t *testing.T) {
-		srv := newRouter(t, ModeMooncake, &fakeEngine{}, &fakeEngine{})
+		srv := newRouter(t, routerconfig.FlowMooncake, &fakeEngine{}, &fakeEngine{})
 		for body, want := range map[string]string{
 			`[1]`:                                    "JSON object",
 			`{"max_tokens":1}`:                       "prompt",
@@ -175,10 +176,10 @@ func TestFailuresSayWhy(t *testing.T) {
 		}
 	})
 	t.Run("config", func(t *testing.T) {
-		if _, err := New(Config{Mode: "x"}, logr.Discard(), nil); err == nil {
+		if _, err := New(Config{Flow: "x"}, logr.Discard(), nil); err == nil {
 			t.Error("bad mode accepted")
 		}
-		if _, err := New(Config{Mode: ModeMooncake, Prefill: []Prefill{{URL: "http://p"}}, Decode: []string{"http://d"}}, logr.Discard(), nil); err == nil {
+		if _, err := New(Config{Flow: routerconfig.FlowMooncake, Prefill: []Prefill{{URL: "http://p"}}, Decode: []string{"http://d"}}, logr.Discard(), nil); err == nil {
 			t.Error("mooncake without bootstrap accepted")
 		}
 	})

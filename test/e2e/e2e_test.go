@@ -139,7 +139,7 @@ func (e *env) patch(spec string) {
 }
 
 // pods are the sample's running (not terminating) pods of role.
-func (e *env) pods(role render.Role) []corev1.Pod {
+func (e *env) pods(role v1alpha1.Role) []corev1.Pod {
 	e.t.Helper()
 	var list corev1.PodList
 	if err := e.c.List(e.ctx, &list, client.InNamespace(sampleNS), client.MatchingLabels(render.Labels(sampleName, role))); err != nil {
@@ -164,7 +164,7 @@ func (e *env) ready(prefill, decode int) error {
 	if c == nil || c.Status != metav1.ConditionTrue || p.Status.ObservedGeneration != p.Generation {
 		return fmt.Errorf("Ready = %+v at observed generation %d of %d", c, p.Status.ObservedGeneration, p.Generation)
 	}
-	for role, want := range map[render.Role]int{render.RolePrefill: prefill, render.RoleDecode: decode} {
+	for role, want := range map[v1alpha1.Role]int{v1alpha1.RolePrefill: prefill, v1alpha1.RoleDecode: decode} {
 		pods := e.pods(role)
 		running := 0
 		for _, pod := range pods {
@@ -195,7 +195,7 @@ func TestLocalCluster(t *testing.T) {
 
 	t.Run("sample pods run on GPU nodes with GPU, RDMA and the connector", func(t *testing.T) {
 		e.eventually("sample Ready with 2 prefill and 2 decode pods", func() error { return e.ready(2, 2) })
-		for _, role := range []render.Role{render.RolePrefill, render.RoleDecode} {
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 			for _, pod := range e.pods(role) {
 				var node corev1.Node
 				if err := e.c.Get(e.ctx, client.ObjectKey{Name: pod.Spec.NodeName}, &node); err != nil {
@@ -211,7 +211,7 @@ func TestLocalCluster(t *testing.T) {
 				if got := engine.Resources.Requests["rdma/hca"]; got.Value() != 1 {
 					t.Errorf("%s requests %s rdma/hca, want 1", pod.Name, got.String())
 				}
-				i := slices.IndexFunc(pod.Status.ContainerStatuses, func(cs corev1.ContainerStatus) bool { return cs.Name == render.ConnectorContainer })
+				i := slices.IndexFunc(pod.Status.ContainerStatuses, func(cs corev1.ContainerStatus) bool { return cs.Name == v1alpha1.ConnectorContainerName })
 				if i < 0 || !pod.Status.ContainerStatuses[i].Ready {
 					t.Errorf("%s has no ready connector: %+v", pod.Name, pod.Status.ContainerStatuses)
 				}
@@ -228,7 +228,7 @@ func TestLocalCluster(t *testing.T) {
 	})
 
 	t.Run("a decode image change rolls only decode", func(t *testing.T) {
-		prefill := uids(e.pods(render.RolePrefill))
+		prefill := uids(e.pods(v1alpha1.RolePrefill))
 		var router appsv1.Deployment
 		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: sampleName + "-router"}, &router); err != nil {
 			t.Fatal(err)
@@ -238,14 +238,14 @@ func TestLocalCluster(t *testing.T) {
 			if err := e.ready(2, 3); err != nil {
 				return err
 			}
-			for _, p := range e.pods(render.RoleDecode) {
+			for _, p := range e.pods(v1alpha1.RoleDecode) {
 				if p.Spec.Containers[0].Image != "vllm/vllm-openai:v0.12.0" {
 					return fmt.Errorf("decode pod %s still runs %s", p.Name, p.Spec.Containers[0].Image)
 				}
 			}
 			return nil
 		})
-		if got := uids(e.pods(render.RolePrefill)); !slices.Equal(prefill, got) {
+		if got := uids(e.pods(v1alpha1.RolePrefill)); !slices.Equal(prefill, got) {
 			t.Errorf("prefill pods changed: %v -> %v", prefill, got)
 		}
 		var after appsv1.Deployment
@@ -259,9 +259,9 @@ func TestLocalCluster(t *testing.T) {
 
 	t.Run("an unhealthy prefill connector restarts its pod and the connected decode pods", func(t *testing.T) {
 		before := e.pdc().Status.Connector.Restarts
-		sick := e.pods(render.RolePrefill)[0]
-		healthyPrefill := e.pods(render.RolePrefill)[1].UID
-		decode := uids(e.pods(render.RoleDecode))
+		sick := e.pods(v1alpha1.RolePrefill)[0]
+		healthyPrefill := e.pods(v1alpha1.RolePrefill)[1].UID
+		decode := uids(e.pods(v1alpha1.RoleDecode))
 		// What the kubelet writes when the connector's readiness probe fails (kwok runs no probes).
 		// The operator restarts the pod once it has seen this for the 30s default threshold.
 		patched := sick.DeepCopy()
@@ -272,7 +272,7 @@ func TestLocalCluster(t *testing.T) {
 			}
 		}
 		for i := range patched.Status.ContainerStatuses {
-			if cs := &patched.Status.ContainerStatuses[i]; cs.Name == render.ConnectorContainer {
+			if cs := &patched.Status.ContainerStatuses[i]; cs.Name == v1alpha1.ConnectorContainerName {
 				cs.Ready = false
 			}
 		}
@@ -280,19 +280,19 @@ func TestLocalCluster(t *testing.T) {
 			t.Fatal(err)
 		}
 		e.eventually("the sick prefill pod and every decode pod replaced", func() error {
-			for _, p := range e.pods(render.RolePrefill) {
+			for _, p := range e.pods(v1alpha1.RolePrefill) {
 				if p.UID == sick.UID {
 					return fmt.Errorf("prefill pod %s is still there", sick.Name)
 				}
 			}
-			for _, p := range e.pods(render.RoleDecode) {
+			for _, p := range e.pods(v1alpha1.RoleDecode) {
 				if slices.Contains(decode, p.UID) {
 					return fmt.Errorf("decode pod %s was not restarted", p.Name)
 				}
 			}
 			return nil
 		})
-		if !slices.Contains(uids(e.pods(render.RolePrefill)), healthyPrefill) {
+		if !slices.Contains(uids(e.pods(v1alpha1.RolePrefill)), healthyPrefill) {
 			t.Error("the healthy prefill pod was restarted too")
 		}
 		st := e.pdc().Status
@@ -329,7 +329,7 @@ func TestLocalCluster(t *testing.T) {
 		if err := e.c.Delete(e.ctx, e.pdc()); err != nil {
 			t.Fatal(err)
 		}
-		sel := client.MatchingLabels{render.LabelCluster: sampleName}
+		sel := client.MatchingLabels{v1alpha1.LabelCluster: sampleName}
 		e.eventually("children gone", func() error {
 			lists := map[string]client.ObjectList{
 				"deployments": &appsv1.DeploymentList{}, "services": &corev1.ServiceList{},

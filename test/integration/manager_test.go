@@ -27,6 +27,7 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/controllers"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 // eventually polls check until it returns nil or the deadline passes. The deadline only bounds
@@ -63,7 +64,7 @@ func TestManagerWatchesRepairScaleAndStatus(t *testing.T) {
 	}
 	if err := (&controllers.PDClusterReconciler{
 		Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Scheme: mgr.GetScheme(),
-		Recorder: mgr.GetEventRecorder("pdcluster-operator"), Options: render.DefaultOptions(),
+		Recorder: mgr.GetEventRecorder(v1alpha1.OperatorName), Options: render.DefaultOptions(),
 	}).SetupWithManager(mgr); err != nil {
 		t.Fatal(err)
 	}
@@ -77,7 +78,7 @@ func TestManagerWatchesRepairScaleAndStatus(t *testing.T) {
 		}
 	})
 
-	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "live").build()); err != nil {
+	if err := f.c.Create(f.ctx, wrappers.MakePDCluster(f.ns, "live").Obj()); err != nil {
 		t.Fatal(err)
 	}
 	key := func(n string) client.ObjectKey { return client.ObjectKey{Namespace: f.ns, Name: n} }

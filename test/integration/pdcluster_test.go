@@ -35,6 +35,7 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/controllers"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 var (
@@ -112,28 +113,6 @@ func newFixture(t *testing.T) *fixture {
 	}
 }
 
-// pdcBuilder builds PDCluster fixtures.
-type pdcBuilder struct{ p v1alpha1.PDCluster }
-
-func aPDCluster(ns, name string) *pdcBuilder {
-	return &pdcBuilder{p: v1alpha1.PDCluster{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
-		Spec: v1alpha1.PDClusterSpec{
-			Model:      v1alpha1.ModelSpec{Path: "Qwen/Qwen3-8B"},
-			Engine:     v1alpha1.EngineSpec{Image: "vllm/vllm-openai:v0.11.0", BlockSize: ptr.To[int32](64)},
-			KVTransfer: v1alpha1.KVTransferSpec{RDMADevices: []string{"mlx5_0"}},
-			Prefill:    v1alpha1.PoolSpec{Replicas: ptr.To[int32](2)},
-			Decode:     v1alpha1.PoolSpec{Replicas: ptr.To[int32](1)},
-		},
-	}}
-}
-
-func (b *pdcBuilder) protocol(p v1alpha1.TransferProtocol, devices ...string) *pdcBuilder {
-	b.p.Spec.KVTransfer.Protocol, b.p.Spec.KVTransfer.RDMADevices = p, devices
-	return b
-}
-func (b *pdcBuilder) build() *v1alpha1.PDCluster { return b.p.DeepCopy() }
-
 func (f *fixture) reconcile(name string) {
 	f.t.Helper()
 	if _, err := f.r.Reconcile(f.ctx, ctrl.Request{NamespacedName: types.NamespacedName{Namespace: f.ns, Name: name}}); err != nil {
@@ -182,7 +161,7 @@ func condition(pdc *v1alpha1.PDCluster, typ string) metav1.Condition {
 
 func TestCreateSteadyStateStatusAndEvents(t *testing.T) {
 	f := newFixture(t)
-	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "demo").build()); err != nil {
+	if err := f.c.Create(f.ctx, wrappers.MakePDCluster(f.ns, "demo").Obj()); err != nil {
 		t.Fatal(err)
 	}
 	f.reconcile("demo")
@@ -204,7 +183,7 @@ func TestCreateSteadyStateStatusAndEvents(t *testing.T) {
 
 	var pdc v1alpha1.PDCluster
 	f.get(&pdc, "demo")
-	if c := condition(&pdc, v1alpha1.ConditionPrefillReady); c.Status != metav1.ConditionFalse || c.Reason != controllers.ReasonRollingOut || c.ObservedGeneration != pdc.Generation {
+	if c := condition(&pdc, v1alpha1.ConditionPrefillReady); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonRollingOut || c.ObservedGeneration != pdc.Generation {
 		t.Errorf("PrefillReady = %+v, want False/RollingOut at generation %d", c, pdc.Generation)
 	}
 	if pdc.Status.ObservedGeneration != pdc.Generation {
@@ -240,7 +219,7 @@ func TestCreateSteadyStateStatusAndEvents(t *testing.T) {
 	f.setDeploymentStatus("demo-decode", 0, 1)
 	f.reconcile("demo")
 	f.get(&pdc, "demo")
-	if c := condition(&pdc, v1alpha1.ConditionDecodeReady); c.Reason != controllers.ReasonReplicasNotReady || c.Message != "0/1 replicas ready" {
+	if c := condition(&pdc, v1alpha1.ConditionDecodeReady); c.Reason != v1alpha1.ReasonReplicasNotReady || c.Message != "0/1 replicas ready" {
 		t.Errorf("DecodeReady = %+v", c)
 	}
 	if got := f.events(); len(got) != 1 || !strings.HasPrefix(got[0], "Warning Degraded") {
@@ -250,7 +229,7 @@ func TestCreateSteadyStateStatusAndEvents(t *testing.T) {
 
 func TestDriftIsRepaired(t *testing.T) {
 	f := newFixture(t)
-	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "drift").build()); err != nil {
+	if err := f.c.Create(f.ctx, wrappers.MakePDCluster(f.ns, "drift").Obj()); err != nil {
 		t.Fatal(err)
 	}
 	f.reconcile("drift")
@@ -271,7 +250,7 @@ func TestDriftIsRepaired(t *testing.T) {
 	// A removed label is drift too, though nothing else about the object changed.
 	var router corev1.Service
 	f.get(&router, "drift-router")
-	delete(router.Labels, render.LabelRole)
+	delete(router.Labels, v1alpha1.LabelRole)
 	if err := f.c.Update(f.ctx, &router); err != nil {
 		t.Fatal(err)
 	}
@@ -283,7 +262,7 @@ func TestDriftIsRepaired(t *testing.T) {
 	}
 	f.get(&svc, "drift-decode")
 	f.get(&router, "drift-router")
-	if router.Labels[render.LabelRole] != "router" {
+	if router.Labels[v1alpha1.LabelRole] != "router" {
 		t.Errorf("router Service labels not put back: %v", router.Labels)
 	}
 	got := strings.Join(f.events(), "\n")
@@ -296,7 +275,7 @@ func TestDriftIsRepaired(t *testing.T) {
 
 func TestSpecChangesRollOnlyTheirPool(t *testing.T) {
 	f := newFixture(t)
-	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "roll").build()); err != nil {
+	if err := f.c.Create(f.ctx, wrappers.MakePDCluster(f.ns, "roll").Obj()); err != nil {
 		t.Fatal(err)
 	}
 	f.reconcile("roll")
@@ -305,7 +284,7 @@ func TestSpecChangesRollOnlyTheirPool(t *testing.T) {
 		for _, n := range []string{"roll-prefill", "roll-decode", "roll-router"} {
 			var d appsv1.Deployment
 			f.get(&d, n)
-			out[n] = d.Spec.Template.Annotations[render.AnnotationConfigHash] + fmt.Sprintf("/%d", *d.Spec.Replicas)
+			out[n] = d.Spec.Template.Annotations[v1alpha1.AnnotationConfigHash] + fmt.Sprintf("/%d", *d.Spec.Replicas)
 		}
 		return out
 	}
@@ -339,14 +318,14 @@ func TestInvalidSpecRejectedAtAdmission(t *testing.T) {
 		pdc  *v1alpha1.PDCluster
 		want string
 	}{
-		{"rdma without devices", aPDCluster(f.ns, "a").protocol(v1alpha1.ProtocolRDMA).build(), "rdmaDevices must list at least one RDMA device"},
+		{"rdma without devices", wrappers.MakePDCluster(f.ns, "a").Protocol(v1alpha1.ProtocolRDMA).Obj(), "rdmaDevices must list at least one RDMA device"},
 		{"owned flag", func() *v1alpha1.PDCluster {
-			p := aPDCluster(f.ns, "b").build()
+			p := wrappers.MakePDCluster(f.ns, "b").Obj()
 			p.Spec.Prefill.Args = []string{"--tensor-parallel-size=8"}
 			return p
 		}(), "flag --tensor-parallel-size=8 is set by the operator"},
 		{"negative replicas", func() *v1alpha1.PDCluster {
-			p := aPDCluster(f.ns, "c").build()
+			p := wrappers.MakePDCluster(f.ns, "c").Obj()
 			p.Spec.Decode.Replicas = ptr.To[int32](-1)
 			return p
 		}(), "spec.decode.replicas"},
@@ -363,7 +342,7 @@ func TestInvalidSpecRejectedAtAdmission(t *testing.T) {
 
 func TestInvalidRenderReportsCondition(t *testing.T) {
 	f := newFixture(t)
-	p := aPDCluster(f.ns, "bad").build()
+	p := wrappers.MakePDCluster(f.ns, "bad").Obj()
 	p.Spec.KVTransfer.ExtraConfig = &apiextensionsv1.JSON{Raw: []byte(`{"device_name":"x"}`)}
 	if err := f.c.Create(f.ctx, p); err != nil {
 		t.Fatal(err)
@@ -371,7 +350,7 @@ func TestInvalidRenderReportsCondition(t *testing.T) {
 	f.reconcile("bad")
 	var pdc v1alpha1.PDCluster
 	f.get(&pdc, "bad")
-	if c := condition(&pdc, v1alpha1.ConditionReady); c.Status != metav1.ConditionFalse || c.Reason != controllers.ReasonInvalidSpec {
+	if c := condition(&pdc, v1alpha1.ConditionReady); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonInvalidSpec {
 		t.Errorf("Ready = %+v, want False/InvalidSpec", c)
 	}
 	var d appsv1.Deployment
@@ -382,13 +361,13 @@ func TestInvalidRenderReportsCondition(t *testing.T) {
 
 // enginePodWithConnector creates a running engine pod of cluster in the test namespace, as the
 // Deployment would, with its connector's readiness set by the test (nothing runs pods here).
-func (f *fixture) enginePodWithConnector(cluster, name string, role render.Role, connectorReady bool, unreadySince time.Time) {
+func (f *fixture) enginePodWithConnector(cluster, name string, role v1alpha1.Role, connectorReady bool, unreadySince time.Time) {
 	f.t.Helper()
 	p := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: f.ns, Name: name, Labels: render.Labels(cluster, role)},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{
 			{Name: "engine", Image: "vllm/vllm-openai:v0.11.0"},
-			{Name: render.ConnectorContainer, Image: render.DefaultOptions().ConnectorImage},
+			{Name: v1alpha1.ConnectorContainerName, Image: render.DefaultOptions().ConnectorImage},
 		}},
 	}
 	if err := f.c.Create(f.ctx, p); err != nil {
@@ -403,7 +382,7 @@ func (f *fixture) enginePodWithConnector(cluster, name string, role render.Role,
 		Conditions: []corev1.PodCondition{{Type: corev1.ContainersReady, Status: containersReady, LastTransitionTime: metav1.NewTime(unreadySince)}},
 		ContainerStatuses: []corev1.ContainerStatus{
 			{Name: "engine", Ready: true, Image: "vllm/vllm-openai:v0.11.0", ImageID: "x"},
-			{Name: render.ConnectorContainer, Ready: connectorReady, Image: render.DefaultOptions().ConnectorImage, ImageID: "x",
+			{Name: v1alpha1.ConnectorContainerName, Ready: connectorReady, Image: render.DefaultOptions().ConnectorImage, ImageID: "x",
 				State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.NewTime(unreadySince.Add(-time.Hour))}}},
 		},
 	}
@@ -419,18 +398,18 @@ func TestUnhealthyConnectorRestartsPodAndConnectedDecode(t *testing.T) {
 	now := time.Now()
 	clock := clocktesting.NewFakePassiveClock(now)
 	f.r.Clock = clock
-	if err := f.c.Create(f.ctx, aPDCluster(f.ns, "sick").build()); err != nil {
+	if err := f.c.Create(f.ctx, wrappers.MakePDCluster(f.ns, "sick").Obj()); err != nil {
 		t.Fatal(err)
 	}
-	f.enginePodWithConnector("sick", "sick-prefill-a", render.RolePrefill, false, now.Add(-10*time.Second))
-	f.enginePodWithConnector("sick", "sick-prefill-b", render.RolePrefill, true, now.Add(-time.Hour))
-	f.enginePodWithConnector("sick", "sick-decode-a", render.RoleDecode, true, now.Add(-time.Hour))
-	f.enginePodWithConnector("other", "other-decode-a", render.RoleDecode, true, now.Add(-time.Hour))
+	f.enginePodWithConnector("sick", "sick-prefill-a", v1alpha1.RolePrefill, false, now.Add(-10*time.Second))
+	f.enginePodWithConnector("sick", "sick-prefill-b", v1alpha1.RolePrefill, true, now.Add(-time.Hour))
+	f.enginePodWithConnector("sick", "sick-decode-a", v1alpha1.RoleDecode, true, now.Add(-time.Hour))
+	f.enginePodWithConnector("other", "other-decode-a", v1alpha1.RoleDecode, true, now.Add(-time.Hour))
 	f.reconcile("sick")
 	f.events()
 	var pdc v1alpha1.PDCluster
 	f.get(&pdc, "sick")
-	if c := condition(&pdc, v1alpha1.ConditionConnectorHealthy); c.Reason != controllers.ReasonConnectorNotReady {
+	if c := condition(&pdc, v1alpha1.ConditionConnectorHealthy); c.Reason != v1alpha1.ReasonConnectorNotReady {
 		t.Fatalf("ConnectorHealthy = %+v, want ConnectorNotReady below the 30s default threshold", c)
 	}
 	if u := pdc.Status.Connector.UnhealthyPods; len(u) != 1 || u[0].Name != "sick-prefill-a" {
@@ -451,7 +430,7 @@ func TestUnhealthyConnectorRestartsPodAndConnectedDecode(t *testing.T) {
 		t.Errorf("pods left (-want +got):\n%s", d)
 	}
 	f.get(&pdc, "sick")
-	if c := condition(&pdc, v1alpha1.ConditionConnectorHealthy); c.Status != metav1.ConditionFalse || c.Reason != controllers.ReasonConnectorRestarted {
+	if c := condition(&pdc, v1alpha1.ConditionConnectorHealthy); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonConnectorRestarted {
 		t.Errorf("ConnectorHealthy = %+v, want ConnectorRestarted", c)
 	}
 	if pdc.Status.Connector.Restarts != 2 || pdc.Status.Prefill.ConnectorRestarts != 1 || pdc.Status.Decode.ConnectorRestarts != 1 {

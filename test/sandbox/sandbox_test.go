@@ -1,4 +1,4 @@
-// Package sandbox_test runs the whole request path on loopback: pdctl sandbox with the real
+// Package sandbox_test runs the whole request path on loopback: the sandbox with the real
 // connector agents, engine simulators and router, built from this tree.
 package sandbox_test
 
@@ -22,7 +22,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
-	"pdcluster.dev/pdcluster-operator/internal/sandbox"
+	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 )
 
 var binDir string
@@ -32,7 +32,7 @@ func TestMain(m *testing.M) {
 	if err != nil {
 		panic(err)
 	}
-	build := exec.Command("go", "build", "-o", dir, "./cmd/pdctl", "./cmd/connector", "./cmd/enginesim", "./cmd/router")
+	build := exec.Command("go", "build", "-o", dir, "./test/sim/cmd/sandbox", "./cmd/connector", "./test/sim/cmd/enginesim", "./cmd/router")
 	build.Dir = filepath.Join("..", "..")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
@@ -60,12 +60,12 @@ func freeAddr(t *testing.T) string {
 	return l.Addr().String()
 }
 
-// start runs pdctl sandbox with args and waits for it to report ready.
+// start runs the sandbox with args and waits for it to report ready.
 func start(t *testing.T, args ...string) *box {
 	t.Helper()
 	dir := t.TempDir()
-	all := append([]string{"sandbox", "--listen", freeAddr(t), "--work-dir", dir, "--bin-dir", binDir}, args...)
-	cmd := exec.Command(filepath.Join(binDir, "pdctl"), all...)
+	all := append([]string{"--listen", freeAddr(t), "--work-dir", dir, "--bin-dir", binDir}, args...)
+	cmd := exec.Command(filepath.Join(binDir, "sandbox"), all...)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -311,9 +311,9 @@ func tokens(n, base int) []int {
 // The seed bug's request: 13 tokens with 64-token blocks is a notify-only pull. The decode
 // engine must answer with all 32 tokens and stay alive, in both flows.
 func TestShortPromptWithLargeBlocks(t *testing.T) {
-	for _, mode := range []string{"mooncake", "nixl"} {
-		t.Run(mode, func(t *testing.T) {
-			b := start(t, "--block-size", "64", "--mode", mode)
+	for _, flow := range []string{"mooncake", "nixl"} {
+		t.Run(flow, func(t *testing.T) {
+			b := start(t, "--block-size", "64", "--flow", flow)
 			r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{
 				"prompt": tokens(13, 1), "max_tokens": 32, "ignore_eos": true,
 			})

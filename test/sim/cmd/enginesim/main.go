@@ -1,5 +1,5 @@
 // Command enginesim is an OpenAI-compatible engine simulator with vLLM's P/D request states
-// (see internal/enginesim).
+// (see test/sim/enginesim).
 package main
 
 import (
@@ -14,9 +14,10 @@ import (
 
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
-	"pdcluster.dev/pdcluster-operator/internal/enginesim"
-	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
+	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
+	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
 
 func main() {
@@ -42,7 +43,7 @@ func main() {
 	flag.Parse()
 	log := zap.New(zap.UseFlagOptions(&zo)).WithValues("kvRole", role)
 	cfg.Log = log
-	cfg.Role, cfg.Policy = vllmsched.Role(role), vllmsched.Policy(policy)
+	cfg.Role, cfg.Policy = v1alpha1.KVRole(role), vllmsched.Policy(policy)
 	if err := run(cfg, listen, kvPath, blockBytes); err != nil {
 		log.Error(err, "engine failed")
 		os.Exit(1)
@@ -51,7 +52,7 @@ func main() {
 
 func run(cfg enginesim.Config, listen, kvPath string, blockBytes int) error {
 	switch cfg.Role {
-	case "", vllmsched.Producer, vllmsched.Consumer:
+	case "", v1alpha1.KVProducer, v1alpha1.KVConsumer:
 	default:
 		return errors.New("--kv-role must be kv_producer, kv_consumer or empty")
 	}

@@ -11,7 +11,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 var t0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
@@ -20,9 +20,9 @@ var t0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
 var policy = Policy{Period: 10 * time.Second, FailureThreshold: 3, InitialBackoff: time.Minute, MaxBackoff: 5 * time.Minute,
 	Budget: 3, Window: time.Hour, RestartDecodeWithPrefill: true}
 
-func ready(name string, role render.Role) Pod { return Pod{Name: name, Role: role, Ready: true} }
+func ready(name string, role v1alpha1.Role) Pod { return Pod{Name: name, Role: role, Ready: true} }
 
-func unready(name string, role render.Role) Pod { return Pod{Name: name, Role: role} }
+func unready(name string, role v1alpha1.Role) Pod { return Pod{Name: name, Role: role} }
 
 func at(d time.Duration) metav1.Time { return metav1.NewTime(t0.Add(d)) }
 
@@ -34,7 +34,7 @@ func seen(name string, ago time.Duration) v1alpha1.UnhealthyPod {
 func records(r ...v1alpha1.UnhealthyPod) []v1alpha1.UnhealthyPod { return r }
 
 func TestDecide(t *testing.T) {
-	healthyFleet := []Pod{ready("p-0", render.RolePrefill), ready("d-0", render.RoleDecode), ready("d-1", render.RoleDecode)}
+	healthyFleet := []Pod{ready("p-0", v1alpha1.RolePrefill), ready("d-0", v1alpha1.RoleDecode), ready("d-1", v1alpha1.RoleDecode)}
 	withPolicy := func(f func(*Policy)) Policy {
 		p := policy
 		f(&p)
@@ -62,7 +62,7 @@ func TestDecide(t *testing.T) {
 			name: "all ready but pods still missing keeps the consecutive rounds (and the backoff)",
 			prev: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-10 * time.Second)),
 				RecentRounds: []metav1.Time{at(-10 * time.Second)}},
-			pods:    []Pod{ready("p-0", render.RolePrefill)},
+			pods:    []Pod{ready("p-0", v1alpha1.RolePrefill)},
 			desired: 2,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-10 * time.Second)),
 				RecentRounds: []metav1.Time{at(-10 * time.Second)}},
@@ -70,34 +70,34 @@ func TestDecide(t *testing.T) {
 		{
 			name: "the kubelet's connector restarts are summed over the current pods",
 			prev: v1alpha1.ConnectorStatus{ContainerRestarts: 9},
-			pods: []Pod{{Name: "p-0", Role: render.RolePrefill, Ready: true, ContainerRestarts: 2},
-				{Name: "d-0", Role: render.RoleDecode, Ready: true, ContainerRestarts: 1}},
+			pods: []Pod{{Name: "p-0", Role: v1alpha1.RolePrefill, Ready: true, ContainerRestarts: 2},
+				{Name: "d-0", Role: v1alpha1.RoleDecode, Ready: true, ContainerRestarts: 1}},
 			wantStatus: v1alpha1.ConnectorStatus{ContainerRestarts: 3},
 		},
 		{
 			name:        "a connector first seen unready now is recorded and waits the whole threshold",
-			pods:        []Pod{unready("d-0", render.RoleDecode), ready("p-0", render.RolePrefill)},
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode), ready("p-0", v1alpha1.RolePrefill)},
 			wantRequeue: 30 * time.Second,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 0))},
 		},
 		{
 			name:        "unready below the threshold waits for the rest of it",
 			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 12*time.Second))},
-			pods:        []Pod{unready("d-0", render.RoleDecode), ready("p-0", render.RolePrefill)},
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode), ready("p-0", v1alpha1.RolePrefill)},
 			wantRequeue: 18 * time.Second,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 12*time.Second))},
 		},
 		{
 			name:        "a connector the kubelet restarted since counts from its start",
 			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", time.Hour))},
-			pods:        []Pod{{Name: "d-0", Role: render.RoleDecode, StartedAt: t0.Add(-5 * time.Second)}},
+			pods:        []Pod{{Name: "d-0", Role: v1alpha1.RoleDecode, StartedAt: t0.Add(-5 * time.Second)}},
 			wantRequeue: 25 * time.Second,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 5*time.Second))},
 		},
 		{
 			name:        "a decode pod past the threshold is restarted alone",
 			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 30*time.Second))},
-			pods:        []Pod{unready("d-0", render.RoleDecode), ready("d-1", render.RoleDecode), ready("p-0", render.RolePrefill)},
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode), ready("d-1", v1alpha1.RoleDecode), ready("p-0", v1alpha1.RolePrefill)},
 			wantRestart: []string{"d-0"},
 			wantRequeue: 30 * time.Second,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", 30*time.Second))},
@@ -105,7 +105,7 @@ func TestDecide(t *testing.T) {
 		{
 			name:        "a prefill restart takes the connected decode pods with it",
 			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
-			pods:        []Pod{unready("p-1", render.RolePrefill), ready("p-0", render.RolePrefill), ready("d-1", render.RoleDecode), ready("d-0", render.RoleDecode)},
+			pods:        []Pod{unready("p-1", v1alpha1.RolePrefill), ready("p-0", v1alpha1.RolePrefill), ready("d-1", v1alpha1.RoleDecode), ready("d-0", v1alpha1.RoleDecode)},
 			wantRestart: []string{"p-1", "d-0", "d-1"},
 			wantRequeue: 30 * time.Second,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
@@ -114,7 +114,7 @@ func TestDecide(t *testing.T) {
 			name:        "without the cascade only the prefill pod restarts",
 			policy:      withPolicy(func(p *Policy) { p.RestartDecodeWithPrefill = false }),
 			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
-			pods:        []Pod{unready("p-1", render.RolePrefill), ready("d-0", render.RoleDecode)},
+			pods:        []Pod{unready("p-1", v1alpha1.RolePrefill), ready("d-0", v1alpha1.RoleDecode)},
 			wantRestart: []string{"p-1"},
 			wantRequeue: 30 * time.Second,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
@@ -123,8 +123,8 @@ func TestDecide(t *testing.T) {
 			name: "a second round waits out the backoff (60s after one round)",
 			prev: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-45 * time.Second)),
 				RecentRounds: []metav1.Time{at(-45 * time.Second)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
-			pods:        []Pod{unready("d-0", render.RoleDecode)},
-			wantBlocked: BlockedBackoff,
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode)},
+			wantBlocked: v1alpha1.ReasonRestartBackoff,
 			wantRequeue: 15 * time.Second,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, LastRestartTime: ptr.To(at(-45 * time.Second)),
 				RecentRounds: []metav1.Time{at(-45 * time.Second)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
@@ -133,8 +133,8 @@ func TestDecide(t *testing.T) {
 			name: "the backoff doubles with each round (120s after two)",
 			prev: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-90 * time.Second)),
 				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-90 * time.Second)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
-			pods:        []Pod{unready("d-0", render.RoleDecode)},
-			wantBlocked: BlockedBackoff,
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode)},
+			wantBlocked: v1alpha1.ReasonRestartBackoff,
 			wantRequeue: 30 * time.Second,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-90 * time.Second)),
 				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-90 * time.Second)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
@@ -143,7 +143,7 @@ func TestDecide(t *testing.T) {
 			name: "past the backoff the next round goes ahead",
 			prev: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-2 * time.Minute)),
 				RecentRounds: []metav1.Time{at(-5 * time.Minute), at(-2 * time.Minute)}, UnhealthyPods: records(seen("d-0", 40*time.Second))},
-			pods:        []Pod{unready("d-0", render.RoleDecode)},
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode)},
 			wantRestart: []string{"d-0"},
 			wantRequeue: 30 * time.Second,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-2 * time.Minute)),
@@ -153,8 +153,8 @@ func TestDecide(t *testing.T) {
 			name: "a spent budget stops restarts until its oldest round leaves the window",
 			prev: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
 				RecentRounds: []metav1.Time{at(-50 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: records(seen("d-0", time.Hour))},
-			pods:        []Pod{unready("d-0", render.RoleDecode)},
-			wantBlocked: BlockedBudgetExhausted,
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode)},
+			wantBlocked: v1alpha1.ReasonRestartBudgetExhausted,
 			wantRequeue: 10 * time.Minute,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
 				RecentRounds: []metav1.Time{at(-50 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: records(seen("d-0", time.Hour))},
@@ -163,7 +163,7 @@ func TestDecide(t *testing.T) {
 			name: "rounds older than the window give the budget back",
 			prev: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
 				RecentRounds: []metav1.Time{at(-61 * time.Minute), at(-30 * time.Minute), at(-20 * time.Minute)}, UnhealthyPods: records(seen("d-0", time.Hour))},
-			pods:        []Pod{unready("d-0", render.RoleDecode)},
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode)},
 			wantRestart: []string{"d-0"},
 			wantRequeue: 30 * time.Second,
 			wantStatus: v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 3, LastRestartTime: ptr.To(at(-20 * time.Minute)),
@@ -173,8 +173,8 @@ func TestDecide(t *testing.T) {
 			name:        "a zero budget never restarts",
 			policy:      withPolicy(func(p *Policy) { p.Budget = 0 }),
 			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", time.Hour))},
-			pods:        []Pod{unready("d-0", render.RoleDecode)},
-			wantBlocked: BlockedBudgetExhausted,
+			pods:        []Pod{unready("d-0", v1alpha1.RoleDecode)},
+			wantBlocked: v1alpha1.ReasonRestartBudgetExhausted,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", time.Hour))},
 		},
 	}
@@ -226,58 +226,31 @@ func TestRecordRound(t *testing.T) {
 	}
 }
 
-// podBuilder makes engine pods for Observe.
-type podBuilder struct{ corev1.Pod }
-
-func enginePod(role render.Role) *podBuilder {
-	b := &podBuilder{}
-	b.Name, b.UID = "p", "uid-1"
-	b.Labels = map[string]string{render.LabelRole: string(role)}
-	b.Status.Phase = corev1.PodRunning
-	b.Status.ContainerStatuses = []corev1.ContainerStatus{
-		{Name: "engine", Ready: true},
-		{Name: render.ConnectorContainer, Ready: true, RestartCount: 4, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: at(-time.Hour)}}},
-	}
-	return b
-}
-
-func (b *podBuilder) connectorUnready(containersReadyFalseAt time.Duration) *podBuilder {
-	b.Status.ContainerStatuses[1].Ready = false
-	b.Status.Conditions = append(b.Status.Conditions, corev1.PodCondition{Type: corev1.ContainersReady, Status: corev1.ConditionFalse, LastTransitionTime: at(containersReadyFalseAt)})
-	return b
-}
-
-func (b *podBuilder) connectorStartedAt(d time.Duration) *podBuilder {
-	b.Status.ContainerStatuses[1].State.Running.StartedAt = at(d)
-	return b
-}
-
-func (b *podBuilder) phase(p corev1.PodPhase) *podBuilder { b.Status.Phase = p; return b }
-
-func (b *podBuilder) deleting() *podBuilder { b.DeletionTimestamp = ptr.To(at(0)); return b }
-
-func (b *podBuilder) withoutConnector() *podBuilder {
-	b.Status.ContainerStatuses = b.Status.ContainerStatuses[:1]
-	return b
+// enginePod is pod p of role, its connector ready, started an hour before t0 and restarted 4
+// times by the kubelet.
+func enginePod(role v1alpha1.Role) *wrappers.PodWrapper {
+	w := wrappers.MakeEnginePod("ns", "p", "c", role, t0.Add(-time.Hour)).ConnectorRestarts(4)
+	w.UID = "uid-1"
+	return w
 }
 
 func TestObserve(t *testing.T) {
 	started := t0.Add(-time.Hour)
 	cases := []struct {
 		name   string
-		pod    *podBuilder
+		pod    *wrappers.PodWrapper
 		want   Pod
 		wantOK bool
 	}{
-		{"ready connector", enginePod(render.RoleDecode), Pod{Name: "p", UID: "uid-1", Role: render.RoleDecode, Ready: true, StartedAt: started, ContainerRestarts: 4}, true},
-		{"unready connector", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second),
-			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, StartedAt: started, ContainerRestarts: 4}, true},
-		{"restarted connector", enginePod(render.RolePrefill).connectorUnready(-40 * time.Second).connectorStartedAt(-5 * time.Second),
-			Pod{Name: "p", UID: "uid-1", Role: render.RolePrefill, StartedAt: t0.Add(-5 * time.Second), ContainerRestarts: 4}, true},
-		{"pending pods are not judged", enginePod(render.RoleDecode).connectorUnready(-time.Hour).phase(corev1.PodPending), Pod{}, false},
-		{"terminating pods are not judged", enginePod(render.RoleDecode).connectorUnready(-time.Hour).deleting(), Pod{}, false},
-		{"pods without a connector status are not judged", enginePod(render.RoleDecode).withoutConnector(), Pod{}, false},
-		{"router pods are not judged", enginePod(render.RoleRouter), Pod{}, false},
+		{"ready connector", enginePod(v1alpha1.RoleDecode), Pod{Name: "p", UID: "uid-1", Role: v1alpha1.RoleDecode, Ready: true, StartedAt: started, ContainerRestarts: 4}, true},
+		{"unready connector", enginePod(v1alpha1.RolePrefill).ConnectorUnready(t0.Add(-40 * time.Second)),
+			Pod{Name: "p", UID: "uid-1", Role: v1alpha1.RolePrefill, StartedAt: started, ContainerRestarts: 4}, true},
+		{"restarted connector", enginePod(v1alpha1.RolePrefill).ConnectorUnready(t0.Add(-40 * time.Second)).ConnectorStartedAt(t0.Add(-5 * time.Second)),
+			Pod{Name: "p", UID: "uid-1", Role: v1alpha1.RolePrefill, StartedAt: t0.Add(-5 * time.Second), ContainerRestarts: 4}, true},
+		{"pending pods are not judged", enginePod(v1alpha1.RoleDecode).ConnectorUnready(t0.Add(-time.Hour)).Phase(corev1.PodPending), Pod{}, false},
+		{"terminating pods are not judged", enginePod(v1alpha1.RoleDecode).ConnectorUnready(t0.Add(-time.Hour)).Deleting(t0), Pod{}, false},
+		{"pods without a connector status are not judged", enginePod(v1alpha1.RoleDecode).WithoutConnector(), Pod{}, false},
+		{"router pods are not judged", enginePod(v1alpha1.RoleRouter), Pod{}, false},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -298,7 +271,7 @@ func TestDescribeNamesWhatHappened(t *testing.T) {
 	sick := v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-0", time.Minute))}
 	spent := *sick.DeepCopy()
 	spent.RecentRounds = []metav1.Time{at(-3 * time.Minute), at(-2 * time.Minute), at(-time.Minute)}
-	pods := []Pod{unready("p-0", render.RolePrefill), ready("d-0", render.RoleDecode)}
+	pods := []Pod{unready("p-0", v1alpha1.RolePrefill), ready("d-0", v1alpha1.RoleDecode)}
 	cases := []struct {
 		name   string
 		policy Policy
@@ -322,7 +295,7 @@ func TestDescribeNamesWhatHappened(t *testing.T) {
 			case 0:
 				in = pods[1:]
 			case 2:
-				in = append(slices.Clone(pods), unready("d-1", render.RoleDecode))
+				in = append(slices.Clone(pods), unready("d-1", v1alpha1.RoleDecode))
 			}
 			if got := Describe(tc.policy, Decide(t0, tc.policy, tc.prev, in, len(in))); got != tc.want {
 				t.Errorf("Describe = %q, want %q", got, tc.want)

@@ -1,4 +1,6 @@
-package agent
+// Package link is the engine's side of the connector agent's local API: what vLLM's connector
+// worker does in a pod, here for the engine simulator and the agent's tests.
+package link
 
 import (
 	"bytes"
@@ -14,6 +16,7 @@ import (
 	"github.com/go-logr/logr"
 
 	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
 )
 
 // ErrAgentLost fails the pulls and releases the holds an agent took with it when it restarted
@@ -57,20 +60,16 @@ type trackedHold struct {
 	blocks  int
 }
 
-// NewLink returns a Link to the agent's local API at endpoint (http://host:port or
+// New returns a Link to the agent's local API at endpoint (http://host:port or
 // unix:///path). completions is required for a consumer engine, releases for a producer engine.
-func NewLink(endpoint string, completions connector.CompletionSink, releases connector.ReleaseSink) *Link {
-	base, hc := endpointClient(endpoint, 10*time.Second)
+func New(endpoint string, completions connector.CompletionSink, releases connector.ReleaseSink) *Link {
+	base, hc := localapi.Client(endpoint, 10*time.Second)
 	return &Link{
 		base: base, hc: hc, completions: completions, releases: releases,
 		LostAfter: 5 * time.Second, Log: logr.Discard(),
 		pulls: map[connector.RequestID]trackedPull{}, held: map[connector.TransferID]trackedHold{},
 		lost: map[connector.RequestID]struct{}{},
 	}
-}
-
-type epochReply struct {
-	Epoch string `json:"epoch"`
 }
 
 func (l *Link) post(ctx context.Context, path string, body any) (string, error) {
@@ -92,21 +91,21 @@ func (l *Link) post(ctx context.Context, path string, body any) (string, error) 
 	if resp.StatusCode/100 != 2 {
 		return "", fmt.Errorf("agent %s: %s: %s", path, resp.Status, bytes.TrimSpace(data))
 	}
-	var er epochReply
+	var er localapi.EpochReply
 	_ = json.Unmarshal(data, &er)
 	return er.Epoch, nil
 }
 
 // Pull hands a pull to the agent. A pull the agent did not take is failed at once when it
 // notifies the scheduler, so the request never waits for a report that cannot come.
-func (l *Link) Pull(ctx context.Context, p Pull) error {
-	notify := p.meta().NotifiesScheduler()
+func (l *Link) Pull(ctx context.Context, p localapi.Pull) error {
+	notify := p.Meta().NotifiesScheduler()
 	if notify {
 		l.mu.Lock()
 		l.pulls[p.Request] = trackedPull{epoch: "?", blocks: p.Blocks.Clone()}
 		l.mu.Unlock()
 	}
-	epoch, err := l.post(ctx, "/v1/pulls", p)
+	epoch, err := l.post(ctx, localapi.PathPulls, p)
 	if !notify {
 		return err
 	}
@@ -125,7 +124,7 @@ func (l *Link) Pull(ctx context.Context, p Pull) error {
 
 // Expect announces a prefill request that will hold blocks for consumers.
 func (l *Link) Expect(ctx context.Context, transfer connector.TransferID, req connector.RequestID) error {
-	_, err := l.post(ctx, "/v1/expect", Hold{Transfer: transfer, Request: req})
+	_, err := l.post(ctx, localapi.PathExpect, localapi.Hold{Transfer: transfer, Request: req})
 	return err
 }
 
@@ -137,7 +136,7 @@ func (l *Link) Ready(ctx context.Context, transfer connector.TransferID, req con
 		l.held[transfer] = trackedHold{epoch: "?", request: req, blocks: blocks.Count()}
 		l.mu.Unlock()
 	}
-	epoch, err := l.post(ctx, "/v1/ready", Hold{Transfer: transfer, Request: req, Blocks: blocks})
+	epoch, err := l.post(ctx, localapi.PathReady, localapi.Hold{Transfer: transfer, Request: req, Blocks: blocks})
 	if !holds {
 		return err
 	}
@@ -156,7 +155,7 @@ func (l *Link) Ready(ctx context.Context, transfer connector.TransferID, req con
 
 // Abort tells the agent a prefill request will not be ready.
 func (l *Link) Abort(ctx context.Context, transfer connector.TransferID) error {
-	_, err := l.post(ctx, "/v1/abort", Hold{Transfer: transfer})
+	_, err := l.post(ctx, localapi.PathAbort, localapi.Hold{Transfer: transfer})
 	return err
 }
 
@@ -213,26 +212,26 @@ func (l *Link) Run(ctx context.Context) {
 	}
 }
 
-func (l *Link) poll(ctx context.Context) (Events, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, l.base+"/v1/events?wait_ms=1000", nil)
+func (l *Link) poll(ctx context.Context) (localapi.Events, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, l.base+localapi.PathEvents+"?wait_ms=1000", nil)
 	if err != nil {
-		return Events{}, err
+		return localapi.Events{}, err
 	}
 	resp, err := l.hc.Do(req)
 	if err != nil {
-		return Events{}, err
+		return localapi.Events{}, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return Events{}, fmt.Errorf("agent events: %s", resp.Status)
+		return localapi.Events{}, fmt.Errorf("agent events: %s", resp.Status)
 	}
-	var ev Events
+	var ev localapi.Events
 	return ev, json.NewDecoder(resp.Body).Decode(&ev)
 }
 
 // deliver passes reports on, once each: a report for a request the Link does not track (it
 // was already failed because the agent was lost) is dropped.
-func (l *Link) deliver(ev Events) {
+func (l *Link) deliver(ev localapi.Events) {
 	l.mu.Lock()
 	// Any other run than the one last heard from (or none heard from yet: the first answer can
 	// come from a restarted agent) leaves the state of the runs before it orphaned.

@@ -1,7 +1,4 @@
-// Package admission runs a CRD's structural defaulting, pruning, OpenAPI validation and CEL
-// rules on an object the way kube-apiserver does when it is created, so `pdctl validate` and
-// the tests reject exactly what the cluster would, with the same messages.
-package admission
+package validation
 
 import (
 	"context"
@@ -20,15 +17,16 @@ import (
 	"sigs.k8s.io/yaml"
 )
 
-// Admitter defaults and validates objects of one CRD version.
+// Admitter defaults and validates objects of one CRD version: structural pruning and defaulting,
+// OpenAPI validation and CEL rules, in the order and with the messages of kube-apiserver.
 type Admitter struct {
 	structural *structuralschema.Structural
 	schema     apiextensionsvalidation.SchemaValidator
 	cel        *cel.Validator
 }
 
-// New builds an Admitter from a CRD manifest (YAML or JSON) for the given version.
-func New(crdManifest []byte, version string) (*Admitter, error) {
+// NewAdmitter builds an Admitter from a CRD manifest (YAML or JSON) for the given version.
+func NewAdmitter(crdManifest []byte, version string) (*Admitter, error) {
 	var crd apiextensionsv1.CustomResourceDefinition
 	if err := yaml.UnmarshalStrict(crdManifest, &crd); err != nil {
 		return nil, fmt.Errorf("decode CRD: %w", err)

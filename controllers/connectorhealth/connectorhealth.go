@@ -17,13 +17,6 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/internal/render"
-)
-
-// Why a decision did not restart pods that are due.
-const (
-	BlockedBackoff         = "RestartBackoff"
-	BlockedBudgetExhausted = "RestartBudgetExhausted"
 )
 
 // Policy is ConnectorHealthPolicy with its defaults applied.
@@ -67,7 +60,7 @@ func (p Policy) Backoff(n int32) time.Duration {
 type Pod struct {
 	Name string
 	UID  types.UID
-	Role render.Role
+	Role v1alpha1.Role
 	// Ready is the connector container's readiness.
 	Ready bool
 	// StartedAt is when the connector container last started (zero when it is not running).
@@ -79,11 +72,11 @@ type Pod struct {
 // Observe reads a pod's connector health. Pods that cannot have a healthy connector yet
 // (pending, terminating, not started) are not judged: ok is false.
 func Observe(pod *corev1.Pod) (Pod, bool) {
-	role := render.Role(pod.Labels[render.LabelRole])
-	if (role != render.RolePrefill && role != render.RoleDecode) || pod.DeletionTimestamp != nil || pod.Status.Phase != corev1.PodRunning {
+	role := v1alpha1.Role(pod.Labels[v1alpha1.LabelRole])
+	if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || pod.DeletionTimestamp != nil || pod.Status.Phase != corev1.PodRunning {
 		return Pod{}, false
 	}
-	i := slices.IndexFunc(pod.Status.ContainerStatuses, func(cs corev1.ContainerStatus) bool { return cs.Name == render.ConnectorContainer })
+	i := slices.IndexFunc(pod.Status.ContainerStatuses, func(cs corev1.ContainerStatus) bool { return cs.Name == v1alpha1.ConnectorContainerName })
 	if i < 0 {
 		return Pod{}, false
 	}
@@ -104,7 +97,7 @@ type Decision struct {
 	// Restart are the pods to restart now: Due, plus the decode pods connected to a due
 	// prefill pod. Empty when Blocked.
 	Restart []Pod
-	// Blocked says why due pods are not restarted (BlockedBackoff, BlockedBudgetExhausted).
+	// Blocked says why due pods are not restarted (v1alpha1.ReasonRestartBackoff, v1alpha1.ReasonRestartBudgetExhausted).
 	Blocked string
 	// BlockedFor is how long the block lasts (RequeueAfter may be sooner, for another pod).
 	BlockedFor time.Duration
@@ -172,7 +165,7 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 		return d
 	}
 	if int32(len(d.Status.RecentRounds)) >= p.Budget {
-		d.Blocked = BlockedBudgetExhausted
+		d.Blocked = v1alpha1.ReasonRestartBudgetExhausted
 		if len(d.Status.RecentRounds) > 0 {
 			d.BlockedFor = d.Status.RecentRounds[0].Add(p.Window).Sub(now)
 			wake(d.BlockedFor)
@@ -181,15 +174,15 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 	}
 	if n := d.Status.ConsecutiveRounds; n > 0 && d.Status.LastRestartTime != nil {
 		if next := d.Status.LastRestartTime.Add(p.Backoff(n)); next.After(now) {
-			d.Blocked, d.BlockedFor = BlockedBackoff, next.Sub(now)
+			d.Blocked, d.BlockedFor = v1alpha1.ReasonRestartBackoff, next.Sub(now)
 			wake(d.BlockedFor)
 			return d
 		}
 	}
 	d.Restart = append(d.Restart, d.Due...)
-	if p.RestartDecodeWithPrefill && slices.ContainsFunc(d.Due, func(x Pod) bool { return x.Role == render.RolePrefill }) {
+	if p.RestartDecodeWithPrefill && slices.ContainsFunc(d.Due, func(x Pod) bool { return x.Role == v1alpha1.RolePrefill }) {
 		for _, pod := range pods {
-			if pod.Role == render.RoleDecode && !slices.ContainsFunc(d.Restart, func(x Pod) bool { return x.Name == pod.Name }) {
+			if pod.Role == v1alpha1.RoleDecode && !slices.ContainsFunc(d.Restart, func(x Pod) bool { return x.Name == pod.Name }) {
 				d.Restart = append(d.Restart, pod)
 			}
 		}
@@ -227,12 +220,12 @@ func Describe(p Policy, d Decision) string {
 	switch {
 	case len(d.Unhealthy) == 0:
 		return fmt.Sprintf("%d running connectors ready", d.Running)
-	case d.Blocked == BlockedBudgetExhausted && p.Budget == 0:
+	case d.Blocked == v1alpha1.ReasonRestartBudgetExhausted && p.Budget == 0:
 		return fmt.Sprintf("connector not ready in %s; operator restarts are off (restartBudget: 0)", strings.Join(Names(d.Unhealthy), ", "))
-	case d.Blocked == BlockedBudgetExhausted:
+	case d.Blocked == v1alpha1.ReasonRestartBudgetExhausted:
 		return fmt.Sprintf("connector not ready in %s; %d restart rounds in the last %s spent the budget, so restarts stop until the window frees one: check the connector logs",
 			strings.Join(Names(d.Unhealthy), ", "), len(d.Status.RecentRounds), p.Window)
-	case d.Blocked == BlockedBackoff:
+	case d.Blocked == v1alpha1.ReasonRestartBackoff:
 		return fmt.Sprintf("connector not ready in %s; next restart in %s (backoff after %d rounds)",
 			strings.Join(Names(d.Unhealthy), ", "), d.BlockedFor.Round(time.Second), d.Status.ConsecutiveRounds)
 	case len(d.Restart) > len(d.Due):

@@ -1,6 +1,7 @@
-// Package manifest reads PDCluster manifests from YAML or JSON and admits them (prunes,
-// defaults, validates) with the generated CRD, as kube-apiserver would on `kubectl apply`.
-package manifest
+// Package validation reads PDCluster manifests from YAML or JSON and admits them (prunes,
+// defaults, validates) with the generated CRD exactly as kube-apiserver does on `kubectl
+// apply`, so `pdctl validate` and the tests reject what the cluster would, with its messages.
+package validation
 
 import (
 	"bufio"
@@ -18,7 +19,6 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/config/crd"
-	"pdcluster.dev/pdcluster-operator/internal/admission"
 )
 
 // InvalidError lists every reason a document was rejected.
@@ -42,11 +42,11 @@ type Document struct {
 }
 
 // Loader admits PDCluster manifests with the embedded CRD.
-type Loader struct{ admitter *admission.Admitter }
+type Loader struct{ admitter *Admitter }
 
 // NewLoader builds a Loader from the embedded CRD.
 func NewLoader() (*Loader, error) {
-	a, err := admission.New(crd.PDCluster, v1alpha1.GroupVersion.Version)
+	a, err := NewAdmitter(crd.PDCluster, v1alpha1.GroupVersion.Version)
 	if err != nil {
 		return nil, fmt.Errorf("load PDCluster CRD: %w", err)
 	}

@@ -10,8 +10,8 @@ import (
 	"strings"
 	"time"
 
+	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
 )
 
 // KVTransferParams is the kv_transfer_params field of a request body, Mooncake and NIXL keys.
@@ -202,9 +202,9 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 	}
 	if p := body.KVTransferParams; p != nil {
 		switch {
-		case p.DoRemoteDecode && e.cfg.Role != vllmsched.Producer:
+		case p.DoRemoteDecode && e.cfg.Role != v1alpha1.KVProducer:
 			return nil, http.StatusBadRequest, fmt.Errorf("do_remote_decode needs a kv_producer engine; this one is %q", roleName(e.cfg.Role))
-		case p.DoRemotePrefill && e.cfg.Role != vllmsched.Consumer:
+		case p.DoRemotePrefill && e.cfg.Role != v1alpha1.KVConsumer:
 			return nil, http.StatusBadRequest, fmt.Errorf("do_remote_prefill needs a kv_consumer engine; this one is %q", roleName(e.cfg.Role))
 		case p.DoRemoteDecode:
 			r.transfer = p.TransferID
@@ -238,7 +238,7 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 	return r, 0, nil
 }
 
-func roleName(r vllmsched.Role) string {
+func roleName(r v1alpha1.KVRole) string {
 	if r == "" {
 		return "none"
 	}

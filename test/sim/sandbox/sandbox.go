@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // Config configures a sandbox.
@@ -29,7 +31,7 @@ type Config struct {
 	BlockSize       int
 	KVBlocks        int
 	BlockBytes      int
-	Mode            string // mooncake or nixl
+	Flow            routerconfig.Flow
 	Policy          string // kv_load_failure_policy of the decode engines
 	StepTime        time.Duration
 	SendDelay       time.Duration
@@ -144,7 +146,7 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		}
 	}
 	st.Router = "http://" + cfg.Listen
-	routerArgs := []string{"--listen", cfg.Listen, "--mode", cfg.Mode}
+	routerArgs := []string{"--listen", cfg.Listen, "--flow", string(cfg.Flow)}
 	for _, n := range st.Prefill {
 		routerArgs = append(routerArgs, "--prefill", n.Engine+","+n.Bootstrap)
 	}

@@ -6,6 +6,8 @@
 package vllmsched
 
 import (
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+
 	"errors"
 	"fmt"
 	"sync"
@@ -37,14 +39,6 @@ func (s Status) String() string { return statusNames[s] }
 // Finished reports whether s is a terminal state.
 func (s Status) Finished() bool { return s >= FinishedStopped }
 
-// Role is the engine's kv_role.
-type Role string
-
-const (
-	Producer Role = "kv_producer"
-	Consumer Role = "kv_consumer"
-)
-
 // Policy is kv_load_failure_policy.
 type Policy string
 
@@ -58,7 +52,7 @@ var ErrEngineDead = errors.New("engine dead")
 
 // Config configures a Scheduler.
 type Config struct {
-	Role      Role
+	Role      v1alpha1.KVRole
 	BlockSize int
 	// Capacity is the number of KV blocks.
 	Capacity int
@@ -209,7 +203,7 @@ func (s *Scheduler) Schedule() []connector.RequestID {
 			}
 			r.Blocks = blocks
 			r.NumComputed = s.transferableTokens(r.LocalHit)
-			if s.cfg.Role == Consumer && r.Remote {
+			if s.cfg.Role == v1alpha1.KVConsumer && r.Remote {
 				pulls = append(pulls, s.updateStateAfterAllocLocked(r))
 				if r.Status == WaitingForRemoteKVs {
 					continue
@@ -301,7 +295,7 @@ func (s *Scheduler) Finish(id connector.RequestID, status Status) error {
 // requestFinishedLocked is the producer's request_finished: it returns the blocks to hold, or
 // nil when the request's blocks are freed now.
 func (s *Scheduler) requestFinishedLocked(r *Request) connector.BlockIDs {
-	if s.cfg.Role == Producer && r.Transfer != "" && r.Status == FinishedLengthCapped {
+	if s.cfg.Role == v1alpha1.KVProducer && r.Transfer != "" && r.Status == FinishedLengthCapped {
 		n := s.transferableTokens(r.Prompt) / s.cfg.BlockSize
 		if n > 0 {
 			r.delayFree = true
@@ -314,7 +308,7 @@ func (s *Scheduler) requestFinishedLocked(r *Request) connector.BlockIDs {
 }
 
 func (s *Scheduler) emitHold(r *Request, hold connector.BlockIDs) {
-	if s.cfg.Role != Producer || r.Transfer == "" {
+	if s.cfg.Role != v1alpha1.KVProducer || r.Transfer == "" {
 		return
 	}
 	if hold != nil && s.cfg.OnHold != nil {
@@ -345,7 +339,7 @@ func (s *Scheduler) Abort(id connector.RequestID) error {
 	case wasWaiting && !r.finishedRecving:
 		// finish_requests: delay_free_blocks = id not in finished_recving_kv_req_ids.
 		r.delayFree = true
-	case s.cfg.Role == Consumer && r.Remote:
+	case s.cfg.Role == v1alpha1.KVConsumer && r.Remote:
 		// request_finished with do_remote_prefill still set: notify-only cleanup pull.
 		pull = &connector.PullMeta{Request: r.ID, Transfer: r.Transfer}
 		s.freeLocked(r)
@@ -358,7 +352,7 @@ func (s *Scheduler) Abort(id connector.RequestID) error {
 	if pull != nil {
 		s.emitPulls([]connector.PullMeta{*pull})
 	}
-	if s.cfg.Role == Producer && r.Transfer != "" && !wasWaiting && s.cfg.OnDrop != nil {
+	if s.cfg.Role == v1alpha1.KVProducer && r.Transfer != "" && !wasWaiting && s.cfg.OnDrop != nil {
 		s.cfg.OnDrop(r.Transfer, r.ID, true)
 	}
 	return nil

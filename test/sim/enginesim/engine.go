@@ -1,5 +1,5 @@
 // Package enginesim is an OpenAI-compatible engine simulator with vLLM's request states and
-// KV-connector hooks (internal/vllmsched): a prefill engine (kv_producer) holds KV blocks for
+// KV-connector hooks (test/sim/vllmsched): a prefill engine (kv_producer) holds KV blocks for
 // its consumers, a decode engine (kv_consumer) pulls them through its connector agent and
 // verifies the bytes. A completion for a request that is not waiting kills the engine, as it
 // kills vLLM.
@@ -17,17 +17,19 @@ import (
 
 	"github.com/go-logr/logr"
 
+	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/connector/agent"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
-	"pdcluster.dev/pdcluster-operator/internal/vllmsched"
+	"pdcluster.dev/pdcluster-operator/connector/link"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
 
 // Config configures an Engine.
 type Config struct {
 	Model     string
-	Role      vllmsched.Role // "" for an engine without P/D
+	Role      v1alpha1.KVRole // "" for an engine without P/D
 	BlockSize int
 	// Capacity is the number of KV blocks.
 	Capacity      int
@@ -51,7 +53,7 @@ type Config struct {
 type Engine struct {
 	cfg   Config
 	sched *vllmsched.Scheduler
-	link  *agent.Link
+	link  *link.Link
 	// boot asks this producer's bootstrap registry for its engine id (never cached: it changes
 	// when the agent restarts).
 	boot   *bootstrap.Client
@@ -107,7 +109,7 @@ func New(cfg Config) (*Engine, error) {
 	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[connector.RequestID]*request{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
 	e.boot.NoCache = true
 	if cfg.Role != "" {
-		e.link = agent.NewLink(cfg.Agent, connector.CompletionFunc(e.finishedReceiving), connector.ReleaseFunc(e.finishedSending))
+		e.link = link.New(cfg.Agent, connector.CompletionFunc(e.finishedReceiving), connector.ReleaseFunc(e.finishedSending))
 		e.link.Log = cfg.Log
 	}
 	var err error
@@ -349,7 +351,7 @@ func (e *Engine) onPull(meta connector.PullMeta) {
 		r.pulled = meta.LocalBlock.Clone()
 	}
 	e.mu.Unlock()
-	p := agent.Pull{Request: meta.Request, Transfer: meta.Transfer, Blocks: meta.LocalBlock, WaitingForRemote: meta.WaitingForRemote}
+	p := localapi.Pull{Request: meta.Request, Transfer: meta.Transfer, Blocks: meta.LocalBlock, WaitingForRemote: meta.WaitingForRemote}
 	if r != nil {
 		p.RemoteEngine, p.RemoteBootstrap = r.remoteEngine, r.remoteBootstrap
 	}

@@ -1,0 +1,34 @@
+package v1alpha1
+
+// OperatorName names the operator everywhere it signs its work: the managed-by label, the
+// server-side apply field manager and the event reporter.
+const OperatorName = "pdcluster-operator"
+
+// Label and annotation keys on every object the operator renders.
+const (
+	LabelName      = "app.kubernetes.io/name"
+	LabelInstance  = "app.kubernetes.io/instance"
+	LabelComponent = "app.kubernetes.io/component"
+	LabelManagedBy = "app.kubernetes.io/managed-by"
+	// LabelCluster names the PDCluster an object belongs to.
+	LabelCluster = "serving.pdcluster.dev/cluster"
+	// LabelRole is the Role of the object's pods.
+	LabelRole = "serving.pdcluster.dev/role"
+
+	// AnnotationConfigHash on a pod template changes whenever the pod spec does, so a spec
+	// change rolls exactly the pool whose pods it affects.
+	AnnotationConfigHash = "serving.pdcluster.dev/config-hash"
+)
+
+// Container names in the pods the operator renders.
+const (
+	// EngineContainerName runs `vllm serve`.
+	EngineContainerName = "engine"
+	// ConnectorContainerName is the completion-gated connector sidecar beside each engine.
+	ConnectorContainerName = "connector"
+	// RouterContainerName is the P/D proxy.
+	RouterContainerName = "router"
+)
+
+// GPUResourceName is the extended resource an engine asks for, one per GPU.
+const GPUResourceName = "nvidia.com/gpu"

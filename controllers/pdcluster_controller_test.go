@@ -1,0 +1,71 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/events"
+	clocktesting "k8s.io/utils/clock/testing"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// A restart round that deleted pods is saved in status even when the pool-status step after
+// it fails: backoff and budget count on that record, so losing it would restart again at once.
+func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
+	p := pdc()
+	p.Status.Connector.UnhealthyPods = []v1alpha1.UnhealthyPod{{Name: "d-0", Since: metav1.NewTime(start.Add(-time.Minute))}}
+	deleted := false
+	funcs := interceptor.Funcs{
+		Delete: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
+			deleted = true
+			return c.Delete(ctx, obj, opts...)
+		},
+		// Deployments read after the round (the pool-status step) fail.
+		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+			if _, ok := obj.(*appsv1.Deployment); ok && deleted {
+				return errors.New("apiserver unavailable")
+			}
+			return c.Get(ctx, key, obj, opts...)
+		},
+	}
+	c := fake.NewClientBuilder().WithScheme(testScheme(t)).
+		WithObjects(p, pod("d-0", v1alpha1.RoleDecode, time.Minute), pod("d-1", v1alpha1.RoleDecode, 0), pod("p-0", v1alpha1.RolePrefill, 0)).
+		WithStatusSubresource(&v1alpha1.PDCluster{}).WithInterceptorFuncs(funcs).Build()
+	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: events.NewFakeRecorder(100),
+		Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start)}
+
+	_, err := r.Reconcile(context.Background(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)})
+	if err == nil || !strings.Contains(err.Error(), "apiserver unavailable") {
+		t.Fatalf("err = %v, want the failed pool status", err)
+	}
+	if !deleted {
+		t.Fatal("no pod was restarted; the test needs a round")
+	}
+	var got v1alpha1.PDCluster
+	if err := c.Get(context.Background(), client.ObjectKeyFromObject(p), &got); err != nil {
+		t.Fatal(err)
+	}
+	st := got.Status.Connector
+	if st.Restarts != 1 || len(st.RecentRounds) != 1 || st.ConsecutiveRounds != 1 || got.Status.Decode.ConnectorRestarts != 1 {
+		t.Errorf("saved connector status %+v (decode restarts %d); want the round of one restart recorded", st, got.Status.Decode.ConnectorRestarts)
+	}
+	var pods corev1.PodList
+	if err := c.List(context.Background(), &pods); err != nil {
+		t.Fatal(err)
+	}
+	if len(pods.Items) != 2 {
+		t.Errorf("%d pods left, want d-0 deleted", len(pods.Items))
+	}
+}

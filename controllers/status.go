@@ -1,0 +1,105 @@
+package controllers
+
+// The PDCluster's status is computed here: pool counts and conditions, Ready, and the events of
+// its transitions. Connector health adds its condition and record in connector_health.go; the
+// reconciler writes the result once per reconcile.
+
+import (
+	"context"
+	"fmt"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// reconcilePoolStatus copies each Deployment's replica counts and sets the per-component
+// conditions and Ready.
+func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus) error {
+	components := []struct {
+		role      v1alpha1.Role
+		condition string
+		out       *v1alpha1.PoolStatus
+	}{
+		{v1alpha1.RolePrefill, v1alpha1.ConditionPrefillReady, &status.Prefill},
+		{v1alpha1.RoleDecode, v1alpha1.ConditionDecodeReady, &status.Decode},
+		{v1alpha1.RoleRouter, v1alpha1.ConditionRouterReady, &status.Router},
+	}
+	var notReady []string
+	for _, c := range components {
+		var dep appsv1.Deployment
+		err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, c.role)}, &dep)
+		if apierrors.IsNotFound(err) {
+			*c.out = v1alpha1.PoolStatus{ConnectorRestarts: c.out.ConnectorRestarts}
+			setCondition(status, pdc, c.condition, metav1.ConditionFalse, v1alpha1.ReasonDeploymentAbsent, fmt.Sprintf("Deployment %s not found", render.ObjectName(pdc.Name, c.role)))
+			notReady = append(notReady, string(c.role))
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("get %s deployment: %w", c.role, err)
+		}
+		ps, condStatus, reason, msg := poolStatus(&dep)
+		ps.ConnectorRestarts = c.out.ConnectorRestarts
+		*c.out = ps
+		setCondition(status, pdc, c.condition, condStatus, reason, msg)
+		if condStatus != metav1.ConditionTrue {
+			notReady = append(notReady, string(c.role))
+		}
+	}
+	if len(notReady) == 0 {
+		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAllReady, "prefill, decode and router are ready")
+	} else {
+		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonNotReady, fmt.Sprintf("not ready: %v", notReady))
+	}
+	return nil
+}
+
+// poolStatus summarises a Deployment: ready only when every desired replica is ready and runs
+// the current template.
+func poolStatus(dep *appsv1.Deployment) (v1alpha1.PoolStatus, metav1.ConditionStatus, string, string) {
+	desired := ptr.Deref(dep.Spec.Replicas, 1)
+	ps := v1alpha1.PoolStatus{
+		Replicas:        desired,
+		ReadyReplicas:   dep.Status.ReadyReplicas,
+		UpdatedReplicas: dep.Status.UpdatedReplicas,
+		Ready:           fmt.Sprintf("%d/%d", dep.Status.ReadyReplicas, desired),
+	}
+	switch {
+	case desired == 0:
+		return ps, metav1.ConditionTrue, v1alpha1.ReasonScaledToZero, "scaled to zero replicas"
+	case dep.Status.ObservedGeneration < dep.Generation || dep.Status.UpdatedReplicas < desired:
+		return ps, metav1.ConditionFalse, v1alpha1.ReasonRollingOut, fmt.Sprintf("%d/%d replicas updated", dep.Status.UpdatedReplicas, desired)
+	case dep.Status.ReadyReplicas < desired:
+		return ps, metav1.ConditionFalse, v1alpha1.ReasonReplicasNotReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
+	}
+	return ps, metav1.ConditionTrue, v1alpha1.ReasonReplicasReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
+}
+
+func setCondition(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, typ string, s metav1.ConditionStatus, reason, msg string) {
+	meta.SetStatusCondition(&status.Conditions, metav1.Condition{
+		Type: typ, Status: s, Reason: reason, Message: msg, ObservedGeneration: pdc.Generation,
+	})
+}
+
+// readinessEvents are the Degraded and Recovered events of a Ready transition.
+func readinessEvents(before []metav1.Condition, after *v1alpha1.PDClusterStatus) []event {
+	old := meta.FindStatusCondition(before, v1alpha1.ConditionReady)
+	cur := meta.FindStatusCondition(after.Conditions, v1alpha1.ConditionReady)
+	if cur == nil || (old != nil && old.Status == cur.Status) {
+		return nil
+	}
+	switch {
+	case cur.Status == metav1.ConditionTrue:
+		return []event{{corev1.EventTypeNormal, "Ready", "Reconcile", cur.Message}}
+	case old != nil && old.Status == metav1.ConditionTrue:
+		return []event{{corev1.EventTypeWarning, "Degraded", "Reconcile", cur.Message}}
+	}
+	return nil
+}

@@ -1,0 +1,43 @@
+package routerconfig
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestLoad(t *testing.T) {
+	cases := []struct {
+		name, json, wantErr string
+		wantFlow            Flow
+	}{
+		{"mooncake", `{"flow":"mooncake","prefillHost":"p","decodeHost":"d","enginePort":8000,"bootstrapPort":8998}`, "", FlowMooncake},
+		{"nixl", `{"flow":"nixl","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "", FlowNIXL},
+		{"mooncake without bootstrap", `{"flow":"mooncake","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "needs bootstrapPort", ""},
+		{"unknown flow", `{"flow":"x","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "flow must be mooncake or nixl", ""},
+		{"no hosts", `{"flow":"nixl","enginePort":8000}`, "prefillHost, decodeHost and enginePort are required", ""},
+		{"not JSON", `flow: x`, "decode router config", ""},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), FileName)
+			if err := os.WriteFile(path, []byte(tc.json), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			f, err := Load(path)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f.Flow != tc.wantFlow {
+				t.Errorf("flow = %s, want %s", f.Flow, tc.wantFlow)
+			}
+		})
+	}
+}
