@@ -3,18 +3,17 @@ BIN_CACHE ?= $(HOME)/.cache/pdcluster/bin
 CONTROLLER_GEN_VERSION ?= v0.23.0
 CONTROLLER_GEN ?= $(BIN_CACHE)/controller-gen-$(CONTROLLER_GEN_VERSION)
 GO ?= go
-BINARIES := manager pdctl connector enginesim router
+GOLANGCI_LINT_VERSION ?= v2.15.0
+GOLANGCI_LINT ?= $(BIN_CACHE)/golangci-lint-$(GOLANGCI_LINT_VERSION)
 
 .PHONY: all
 all: build
 
 ##@ Build
 .PHONY: build
-build: ## Build every binary into bin/.
+build: ## Build every binary into bin/: the shipped ones (cmd/) and the simulators (test/sim/cmd/).
 	@mkdir -p bin
-	@for b in $(BINARIES); do \
-		if [ -d cmd/$$b ]; then $(GO) build -o bin/$$b ./cmd/$$b || exit 1; fi; \
-	done
+	$(GO) build -o bin/ ./cmd/... ./test/sim/cmd/...
 
 .PHONY: run
 run: build ## Main job: local cluster, operator installed with Helm, sample PDCluster Ready (stop: make down).
@@ -31,7 +30,7 @@ render: build ## Validate and print the objects of the sample PDCluster, as the 
 
 .PHONY: sandbox
 sandbox: build ## P/D on loopback: router, engine simulators and connector agents (Ctrl-C stops it).
-	bin/pdctl sandbox --listen 127.0.0.1:8080 --block-size 64 --prefill 2 --decode 1
+	bin/sandbox --listen 127.0.0.1:8080 --block-size 64 --prefill 2 --decode 1
 
 ##@ Generate
 $(CONTROLLER_GEN):
@@ -67,10 +66,14 @@ verify: generate manifests ## Regenerate and fail if anything changed.
 envtest-assets: ## Build kube-apiserver, etcd, kubectl, kwok, helm from source (cached).
 	hack/envtest-assets.sh >/dev/null
 
+$(GOLANGCI_LINT):
+	@mkdir -p $(BIN_CACHE)
+	GOBIN=$(BIN_CACHE) $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
+	mv $(BIN_CACHE)/golangci-lint $(GOLANGCI_LINT)
+
 .PHONY: lint
-lint: envtest-assets ## go vet, gofmt and helm lint.
-	$(GO) vet ./...
-	@gofmt -l . | (! grep .) || (echo "gofmt needed on the files above"; exit 1)
+lint: envtest-assets $(GOLANGCI_LINT) ## golangci-lint (.golangci.yml: vet, staticcheck, errors, imports, API conventions) and helm lint.
+	$(GOLANGCI_LINT) run ./...
 	"$$(hack/envtest-assets.sh)/helm" lint --strict charts/pdcluster-operator
 
 .PHONY: test

@@ -185,8 +185,8 @@ func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired clien
 // and of a pod template) would never match what render leaves unset.
 var derivative = conversion.EqualitiesOrDie(
 	func(a, b resource.Quantity) bool { return a.Cmp(b) == 0 },
-	func(a, b metav1.MicroTime) bool { return a.UTC() == b.UTC() },
-	func(a, b metav1.Time) bool { return a.IsZero() || a.UTC() == b.UTC() },
+	func(a, b metav1.MicroTime) bool { return a.Equal(&b) },
+	func(a, b metav1.Time) bool { return a.IsZero() || a.Equal(&b) },
 	func(a, b labels.Selector) bool { return a.String() == b.String() },
 	func(a, b fields.Selector) bool { return a.String() == b.String() },
 )
@@ -213,7 +213,7 @@ func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) erro
 		return err
 	}
 	u := &unstructured.Unstructured{Object: m}
-	return r.Client.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.OperatorName), client.ForceOwnership)
+	return r.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.OperatorName), client.ForceOwnership)
 }
 
 // SetupWithManager registers the controller and its watches on owned children.

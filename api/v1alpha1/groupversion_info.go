@@ -4,16 +4,22 @@
 package v1alpha1
 
 import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"sigs.k8s.io/controller-runtime/pkg/scheme"
 )
 
 var (
 	// GroupVersion is the API group and version of PDCluster.
 	GroupVersion = schema.GroupVersion{Group: "serving.pdcluster.dev", Version: "v1alpha1"}
 
-	// SchemeBuilder registers the types of this group with a scheme.
-	SchemeBuilder = &scheme.Builder{GroupVersion: GroupVersion}
+	// SchemeBuilder registers the types of this group with a scheme. apimachinery's, not
+	// controller-runtime's: the connector agent imports this package for its vocabulary.
+	SchemeBuilder = runtime.NewSchemeBuilder(func(s *runtime.Scheme) error {
+		s.AddKnownTypes(GroupVersion, &PDCluster{}, &PDClusterList{})
+		metav1.AddToGroupVersion(s, GroupVersion)
+		return nil
+	})
 
 	// AddToScheme adds the types of this group to a scheme.
 	AddToScheme = SchemeBuilder.AddToScheme

@@ -468,7 +468,3 @@ type PDClusterList struct {
 	metav1.ListMeta `json:"metadata,omitempty"`
 	Items           []PDCluster `json:"items"`
 }
-
-func init() {
-	SchemeBuilder.Register(&PDCluster{}, &PDClusterList{})
-}

@@ -126,7 +126,7 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 	for {
 		kind, payload, err := readFrame(r, buf)
 		if err != nil {
-			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
 				return fmt.Errorf("%w: waiting for producer %s", connector.ErrTimeout, addr)
 			}
 			return fmt.Errorf("%w: %s: %v", connector.ErrPeerGone, addr, err)

@@ -44,7 +44,7 @@ func readInput(ctx context.Context, path string, stdin io.Reader) ([]validation.
 	if path == "" {
 		return nil, errors.New("-f FILE is required (use -f - for standard input)")
 	}
-	var r io.Reader = stdin
+	r := stdin
 	if path != "-" {
 		f, err := os.Open(path)
 		if err != nil {

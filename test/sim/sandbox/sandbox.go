@@ -218,13 +218,15 @@ func supervise(ctx context.Context, cfg Config, p proc, mu *sync.Mutex, changed 
 		select {
 		case <-ctx.Done():
 			_ = cmd.Process.Signal(syscall.SIGTERM)
+			var err error
 			select {
-			case <-exited:
+			case err = <-exited:
 			case <-time.After(3 * time.Second):
 				_ = cmd.Process.Kill()
-				<-exited
+				err = <-exited
 			}
 			logf.Close()
+			cfg.Log.V(1).Info("process stopped", "process", p.name, "err", fmt.Sprint(err))
 			return
 		case err := <-exited:
 			logf.Close()

@@ -255,7 +255,7 @@ func (s *Scheduler) FinishedReceiving(c connector.Completion) {
 	}
 	r, ok := s.requests[c.Request]
 	if !ok {
-		s.crashLocked("assert req_id in self.requests (%s)", c.Request)
+		_ = s.crashLocked("assert req_id in self.requests (%s)", c.Request)
 		return
 	}
 	switch {
@@ -269,7 +269,7 @@ func (s *Scheduler) FinishedReceiving(c connector.Completion) {
 		s.freeLocked(r)
 		delete(s.requests, r.ID)
 	default:
-		s.crashLocked("assert request.is_finished() (%s is %s)", c.Request, r.Status)
+		_ = s.crashLocked("assert request.is_finished() (%s is %s)", c.Request, r.Status)
 	}
 }
 
@@ -367,7 +367,7 @@ func (s *Scheduler) FinishedSending(rel connector.Release) {
 	}
 	r, ok := s.requests[rel.Request]
 	if !ok || !r.delayFree {
-		s.crashLocked("finished_sending for %s, which holds no blocks", rel.Request)
+		_ = s.crashLocked("finished_sending for %s, which holds no blocks", rel.Request)
 		return
 	}
 	r.delayFree = false
