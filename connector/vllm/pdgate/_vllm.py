@@ -1,0 +1,107 @@
+"""What the gate needs from vLLM, found or refused at import (fail closed)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Callable, Iterable, Optional
+
+from .gate import Gate, Reporter, socket_path_from_env
+
+logger = logging.getLogger("pdgate")
+
+SUPPORTED = ("vLLM with kv_connector_module_path taking priority over built-in names "
+             "(2026-04, PR #38301) through the 00f4240 revision of the Mooncake connector")
+
+
+class UnsupportedVLLM(ImportError):
+    """vLLM lacks a surface the gate relies on: the engine must not run ungated."""
+
+
+def vllm_version() -> str:
+    try:
+        import vllm  # type: ignore[import-not-found]
+    except ImportError:
+        return "not installed"
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def refuse(what: str) -> UnsupportedVLLM:
+    return UnsupportedVLLM(
+        f"pdgate: vLLM {vllm_version()} has no {what}; the completion gate cannot load, and "
+        f"running the stock connector would let empty pulls crash the decode engine. "
+        f"Supported: {SUPPORTED}. Set spec.kvTransfer.completionGate: Disabled to run ungated.")
+
+
+def import_first(modules: Iterable[str], names: Iterable[str]) -> dict[str, Any]:
+    """Imports names from the first of modules that has them all (vLLM moved its connectors)."""
+    names = list(names)
+    tried = []
+    for mod in modules:
+        try:
+            m = importlib.import_module(mod)
+        except ImportError as e:
+            tried.append(f"{mod} ({e})")
+            continue
+        found = {n: getattr(m, n, None) for n in names}
+        if all(v is not None for v in found.values()):
+            return found
+        tried.append(f"{mod} (missing {[n for n, v in found.items() if v is None]})")
+    raise refuse(f"{', '.join(names)} in any of: {'; '.join(tried)}")
+
+
+def require_method(cls: type, name: str) -> None:
+    if not callable(getattr(cls, name, None)):
+        raise refuse(f"{cls.__name__}.{name}")
+
+
+def require_field(cls: type, field: str) -> None:
+    fields = getattr(cls, "__dataclass_fields__", None) or getattr(cls, "__annotations__", {})
+    if field not in fields and not hasattr(cls, field):
+        raise refuse(f"{cls.__name__}.{field}")
+
+
+def require_metadata(meta_cls: type, attr: str) -> None:
+    try:
+        meta = meta_cls()
+    except Exception as e:  # noqa: BLE001 - any failure means the surface changed
+        raise refuse(f"{meta_cls.__name__}() without arguments ({e})") from e
+    if not isinstance(getattr(meta, attr, None), dict):
+        raise refuse(f"{meta_cls.__name__}.{attr} as a dict")
+
+
+def gated(base: type, name: str, flow: str,
+          pulls_of: Callable[[Any], Iterable[tuple[str, Any]]]) -> type:
+    """A subclass of base whose scheduler side gates completions. Nothing else changes."""
+
+    def __init__(self: Any, vllm_config: Any, role: Any, kv_cache_config: Optional[Any] = None) -> None:
+        if kv_cache_config is None:
+            base.__init__(self, vllm_config, role)
+        else:
+            base.__init__(self, vllm_config, role, kv_cache_config)
+        self._pdgate = Gate()
+        self._pdgate_reporter = None
+        role_name = str(getattr(role, "name", role))
+        logger.info("pdgate: %s loaded on vLLM %s (role %s): pulls with no local block are not "
+                    "reported to the scheduler", name, vllm_version(), role_name)
+        path = socket_path_from_env()
+        if "SCHEDULER" in role_name.upper() and path:
+            self._pdgate_reporter = Reporter(path, self._pdgate.counts, name, vllm_version(), role_name)
+            self._pdgate_reporter.start()
+
+    def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+        meta = base.build_connector_meta(self, scheduler_output)
+        self._pdgate.observe(pulls_of(meta))
+        return meta
+
+    def update_connector_output(self: Any, connector_output: Any) -> None:
+        base.update_connector_output(self, connector_output)
+        self._pdgate.filter_output(connector_output)
+
+    return type(name, (base,), {
+        "__init__": __init__,
+        "build_connector_meta": build_connector_meta,
+        "update_connector_output": update_connector_output,
+        "__doc__": f"{base.__name__} whose scheduler never hears of a {flow} pull with no local block.",
+        "__module__": f"pdgate.{flow}",
+    })

@@ -1,0 +1,204 @@
+"""The completion gate, apart from vLLM: which pulls the scheduler may hear of.
+
+A pull with no local destination block in any KV-cache group only tells the producer to free
+its blocks. vLLM's stock connectors report such a pull in ``finished_recving`` (Mooncake) or,
+when it fails, in the failure path (Mooncake, NIXL); the scheduler then asserts on a request
+that is not waiting for remote KV and the engine dies. The gate remembers those pulls when the
+scheduler builds the connector metadata and strips them from the connector output before the
+scheduler's loops see it. Producer notification, and every pull with a local block, are left to
+vLLM exactly as it does them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+logger = logging.getLogger("pdgate")
+
+# Records outlive vLLM's abort timeout (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s) plus the
+# consumer's receive timeout (+60 s), with a margin: after that no report of the pull can come.
+DEFAULT_TTL_SECONDS = 480.0 + 60.0 + 120.0
+
+
+def has_local_block(local_block_ids: Any) -> bool:
+    """Whether a pull has at least one local destination block.
+
+    ``local_block_ids`` is ``list[list[int]]`` (one list per KV-cache group, vLLM >= 2026-04)
+    or ``list[int]`` (older). It is length-based: block 0 is a block (``any([0])`` is False).
+    """
+    if not local_block_ids:
+        return False
+    for group in local_block_ids:
+        if isinstance(group, (list, tuple)):
+            if len(group) > 0:
+                return True
+        else:
+            return True  # a flat list with an element
+    return False
+
+
+class Counts:
+    """What the gate did, for the sidecar's metrics. Only ever incremented."""
+
+    def __init__(self) -> None:
+        self.gated = 0  # finished_recving reports suppressed (empty pulls)
+        self.passed = 0  # finished_recving reports passed (pulls with local blocks)
+        self.failed = 0  # failed pulls passed to the scheduler (with local blocks)
+        self.gated_failures = 0  # failed_recving reports suppressed (empty pulls)
+        self.expired = 0  # records that aged out without a report
+        self.send_failures = 0  # reports to the sidecar dropped
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Gate:
+    """Remembers empty pulls and strips them from the connector output. Not thread-safe by
+    itself: vLLM's scheduler calls both hooks from its one loop."""
+
+    def __init__(self, ttl_seconds: float = DEFAULT_TTL_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl = ttl_seconds
+        self._clock = clock
+        self._empty: dict[str, float] = {}  # request id -> deadline
+        self.counts = Counts()
+
+    def __len__(self) -> int:
+        return len(self._empty)
+
+    def observe(self, pulls: Iterable[tuple[str, Any]]) -> None:
+        """Classifies the pulls of one metadata build: (request id, local_block_ids) pairs."""
+        now = self._clock()
+        for req_id, local_block_ids in pulls:
+            if has_local_block(local_block_ids):
+                # A request may be pulled again (preemption, retry): the newest pull decides.
+                self._empty.pop(req_id, None)
+            else:
+                self._empty[req_id] = now + self._ttl
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        old = [r for r, deadline in self._empty.items() if deadline <= now]
+        for r in old:
+            del self._empty[r]
+        self.counts.expired += len(old)
+
+    def filter_finished(self, finished: Optional[set]) -> Optional[set]:
+        """Returns finished_recving without the empty pulls (None when nothing is left)."""
+        if not finished:
+            return finished
+        kept = set()
+        for req_id in finished:
+            if req_id in self._empty:
+                del self._empty[req_id]  # every worker's report is aggregated into this one
+                self.counts.gated += 1
+            else:
+                kept.add(req_id)
+                self.counts.passed += 1
+        return kept or None
+
+    def filter_failed(self, failed: Any) -> Any:
+        """Returns failed_recving (a set, or a dict of request id to failure) without the empty
+        pulls, in the same shape."""
+        if not failed:
+            return failed
+        if isinstance(failed, Mapping):
+            kept_map = {}
+            for req_id, why in failed.items():
+                if req_id in self._empty:
+                    self.counts.gated_failures += 1
+                else:
+                    kept_map[req_id] = why
+                    self.counts.failed += 1
+            return type(failed)(kept_map) if kept_map else type(failed)()
+        kept = set()
+        for req_id in failed:
+            if req_id in self._empty:
+                self.counts.gated_failures += 1
+            else:
+                kept.add(req_id)
+                self.counts.failed += 1
+        return type(failed)(kept)
+
+    def filter_output(self, output: Any) -> None:
+        """Strips empty pulls from a KVConnectorOutput in place. Failures go first: a failed
+        empty pull may be reported in both fields, and the record is dropped with the
+        finished_recving report."""
+        if output is None:
+            return
+        if getattr(output, "failed_recving", None):
+            output.failed_recving = self.filter_failed(output.failed_recving)
+        if getattr(output, "finished_recving", None):
+            output.finished_recving = self.filter_finished(output.finished_recving)
+
+
+class Reporter:
+    """Sends the gate's counts to the connector sidecar as a heartbeat, over the pod-local Unix
+    socket, from a daemon thread. The engine never waits for it: a send that fails is dropped
+    and counted, and the next heartbeat carries the totals."""
+
+    def __init__(self, socket_path: str, counts: Counts, connector: str, vllm_version: str,
+                 role: str, interval_seconds: float = 5.0, timeout_seconds: float = 1.0) -> None:
+        self._path = socket_path
+        self._counts = counts
+        self._interval = interval_seconds
+        self._timeout = timeout_seconds
+        self._static = {"connector": connector, "vllm_version": vllm_version, "role": role,
+                        "pid": os.getpid(), "plugin_version": _plugin_version()}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pdgate-reporter", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.send_once()
+            self._stop.wait(self._interval)
+
+    def payload(self) -> bytes:
+        body = dict(self._static)
+        body["counts"] = self._counts.as_dict()
+        return json.dumps(body).encode()
+
+    def send_once(self) -> bool:
+        """One heartbeat: POST /v1/gate on the sidecar's local API. Returns whether it landed."""
+        body = self.payload()
+        request = (b"POST /v1/gate HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
+                   b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(self._timeout)
+                s.connect(self._path)
+                s.sendall(request)
+                status = s.recv(64).split(b" ", 2)
+            if len(status) < 2 or not status[1].startswith(b"2"):
+                raise OSError("sidecar answered %r" % (b" ".join(status),))
+            return True
+        except OSError as e:
+            self._counts.send_failures += 1
+            logger.debug("pdgate: heartbeat to %s dropped: %s", self._path, e)
+            return False
+
+
+def _plugin_version() -> str:
+    from . import __version__
+    return __version__
+
+
+def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The sidecar's local API socket, from PDCLUSTER_CONNECTOR_URL (unix:///path)."""
+    url = environ.get("PDCLUSTER_CONNECTOR_URL", "")
+    if url.startswith("unix://"):
+        return url[len("unix://"):]
+    return None
