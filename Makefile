@@ -77,9 +77,13 @@ lint: envtest-assets $(GOLANGCI_LINT) ## golangci-lint (.golangci.yml: vet, stat
 	"$$(hack/envtest-assets.sh)/helm" lint --strict charts/pdcluster-operator
 
 .PHONY: test
-test: envtest-assets ## Unit, golden, connector, envtest integration and local-cluster end-to-end tests.
+test: envtest-assets test-plugin ## Unit, golden, connector, plugin, envtest integration and local-cluster end-to-end tests.
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test ./... -count=1
 	hack/e2e.sh
+
+.PHONY: test-plugin
+test-plugin: ## The vLLM completion-gate plugin's tests (Python standard library unittest).
+	cd connector/vllm && python3 -m unittest discover -s tests -t . -v
 
 .PHONY: e2e
 e2e: envtest-assets ## End-to-end tests only, on a local cluster of their own.

@@ -45,6 +45,9 @@ func TestShippedBinariesLinkOnlyWhatTheyShip(t *testing.T) {
 				t.Fatalf("go list -deps %s found %v: the module's own packages are missing", tc.binary, linked)
 			}
 			for _, p := range linked {
+				if p == "connector/vllm" {
+					continue // the gate plugin's Python files, embedded: render ships them
+				}
 				for _, f := range tc.forbidden {
 					// "internal/router/" also forbids internal/router itself, not internal/routerconfig.
 					if strings.HasPrefix(p+"/", f) || strings.HasPrefix(p, f) && !strings.HasSuffix(f, "/") {

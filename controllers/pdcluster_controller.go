@@ -71,6 +71,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	applyErr := r.reconcileChildren(ctx, &pdc, status, &pending)
 	var requeueAfter time.Duration
 	if applyErr == nil {
+		reconcileGateCondition(&pdc, status, &pending)
 		// A failed restart is reported in status like a failed apply, then retried.
 		requeueAfter, applyErr = r.reconcileConnectorHealth(ctx, &pdc, status, &pending)
 		// A pool status that cannot be read must not keep a restart round that already

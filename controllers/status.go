@@ -103,3 +103,22 @@ func readinessEvents(before []metav1.Condition, after *v1alpha1.PDClusterStatus)
 	}
 	return nil
 }
+
+// reconcileGateCondition reports whether the engines run the completion-gated connector; a
+// user who turns it off is told, once, what that risks.
+func reconcileGateCondition(pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) {
+	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionCompletionGated)
+	if render.GateEnabled(pdc.Spec.KVTransfer) {
+		setCondition(status, pdc, v1alpha1.ConditionCompletionGated, metav1.ConditionTrue, v1alpha1.ReasonGateEnabled,
+			"engines load the pdgate plugin: pulls with no local KV block are never reported to vLLM's scheduler as finished")
+		if before != nil && before.Status != metav1.ConditionTrue {
+			*pending = append(*pending, event{corev1.EventTypeNormal, v1alpha1.ReasonGateEnabled, "Render", "completion gate enabled; engines roll to load it"})
+		}
+		return
+	}
+	msg := "kvTransfer.completionGate is Disabled: engines run vLLM's stock connector, which reports pulls with no local KV block (early aborts, rejected requests, full prefix hits) as finished and can kill the decode engine"
+	setCondition(status, pdc, v1alpha1.ConditionCompletionGated, metav1.ConditionFalse, v1alpha1.ReasonGateDisabled, msg)
+	if before == nil || before.Status != metav1.ConditionFalse {
+		*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonGateDisabled, "Render", msg})
+	}
+}

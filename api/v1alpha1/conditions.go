@@ -10,6 +10,14 @@ const (
 	ConditionRouterReady  = "RouterReady"
 	// ConditionConnectorHealthy is False while a connector sidecar is unready.
 	ConditionConnectorHealthy = "ConnectorHealthy"
+	// ConditionCompletionGated is True when the engines run the completion-gated connector.
+	ConditionCompletionGated = "CompletionGated"
+)
+
+// Reasons of CompletionGated.
+const (
+	ReasonGateEnabled  = "GateEnabled"
+	ReasonGateDisabled = "GateDisabled"
 )
 
 // Reasons of Ready and of the pool conditions.

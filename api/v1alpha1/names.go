@@ -18,6 +18,9 @@ const (
 	// AnnotationConfigHash on a pod template changes whenever the pod spec does, so a spec
 	// change rolls exactly the pool whose pods it affects.
 	AnnotationConfigHash = "serving.pdcluster.dev/config-hash"
+	// AnnotationGateHash on an engine pod template is the content hash of the completion-gate
+	// plugin it mounts: a new plugin rolls the engines, which import it once at start.
+	AnnotationGateHash = "serving.pdcluster.dev/completion-gate-hash"
 )
 
 // Container names in the pods the operator renders.

@@ -15,6 +15,15 @@ const (
 	ConnectorNixl     Connector = "NixlConnector"
 )
 
+// CompletionGate turns the operator's completion-gated connector plugin on or off.
+// +kubebuilder:validation:Enum=Enabled;Disabled
+type CompletionGate string
+
+const (
+	CompletionGateEnabled  CompletionGate = "Enabled"
+	CompletionGateDisabled CompletionGate = "Disabled"
+)
+
 // TransferProtocol is the wire used between prefill and decode.
 // +kubebuilder:validation:Enum=rdma;tcp
 type TransferProtocol string
@@ -118,6 +127,15 @@ type KVTransferSpec struct {
 	// +listType=set
 	// +optional
 	RDMADevices []string `json:"rdmaDevices,omitempty"`
+
+	// completionGate runs the engines with the operator's gated connector (the pdgate vLLM
+	// plugin: GatedMooncakeConnector or GatedNixlConnector), which never reports a pull with no
+	// local blocks to vLLM's scheduler as finished. Disabled runs vLLM's stock connector, whose
+	// reports of such pulls (early aborts, rejected requests, full prefix hits) kill the decode
+	// engine on a scheduler assertion.
+	// +kubebuilder:default=Enabled
+	// +optional
+	CompletionGate CompletionGate `json:"completionGate,omitempty"`
 
 	// extraConfig is merged into kv_connector_extra_config. Keys the operator derives from the
 	// fields above (mooncake_protocol, device_name) may not be set here.
@@ -411,7 +429,7 @@ type PDClusterStatus struct {
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
 
-	// conditions: Ready, PrefillReady, DecodeReady, RouterReady, ConnectorHealthy.
+	// conditions: Ready, PrefillReady, DecodeReady, RouterReady, ConnectorHealthy, CompletionGated.
 	// +optional
 	// +listType=map
 	// +listMapKey=type

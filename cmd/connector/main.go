@@ -59,6 +59,9 @@ func parseFlags(args []string) (agent.Config, options, error) {
 	fs.DurationVar(&cfg.UnknownTransferGrace, "unknown-transfer-grace", 10*time.Second, "how long a consumer retries a pull the producer has not heard of yet")
 	fs.DurationVar(&cfg.SendDelay, "send-delay", 0, "delay before each block sent (simulates a slow link)")
 	fs.BoolVar(&cfg.UngatedCompletions, "unsafe-ungated-completions", false, "reproduce the seed bug: report notify-only pulls as finished receiving (kills vLLM)")
+	fs.BoolVar(&cfg.Gate.Required, "require-gate", false, "be unready unless the engine's completion gate (the pdgate vLLM plugin) heartbeats on the local API")
+	fs.DurationVar(&cfg.Gate.StartupGrace, "gate-startup-grace", 15*time.Minute, "with --require-gate: how long after start the gate may stay silent (model loading)")
+	fs.DurationVar(&cfg.Gate.HeartbeatTimeout, "gate-heartbeat-timeout", 30*time.Second, "with --require-gate: how stale the gate's last heartbeat may be")
 	o.zap.BindFlags(fs)
 	err := fs.Parse(args)
 	return cfg, o, err

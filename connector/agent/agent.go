@@ -57,7 +57,9 @@ type Config struct {
 	// UngatedCompletions reproduces the seed bug: drained notify-only pulls are reported to the
 	// scheduler as finished receiving. Only for demonstrating the failure.
 	UngatedCompletions bool
-	Log                logr.Logger
+	// Gate is how the agent watches its engine's completion gate.
+	Gate GateConfig
+	Log  logr.Logger
 	// Metrics is where the agent registers its collectors; nil means a private registry.
 	Metrics prometheus.Registerer
 }
@@ -71,6 +73,7 @@ type Agent struct {
 	registry *bootstrap.Registry // non-nil when this agent serves the bootstrap registry
 	boot     *bootstrap.Client
 	events   *eventQueue
+	gate     *gateWatch
 	metrics  *metrics
 	dialer   net.Dialer
 
@@ -101,7 +104,7 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.ExpireEvery <= 0 {
 		cfg.ExpireEvery = 100 * time.Millisecond
 	}
-	a := &Agent{cfg: cfg, epoch: randomID(), events: newEventQueue(), boot: bootstrap.NewClient(), waiters: map[waiterKey]chan connector.Decision{}}
+	a := &Agent{cfg: cfg, epoch: randomID(), events: newEventQueue(), gate: newGateWatch(cfg.Gate), boot: bootstrap.NewClient(), waiters: map[waiterKey]chan connector.Decision{}}
 	a.dialer.Timeout = 5 * time.Second
 	var err error
 	switch cfg.Role {

@@ -122,6 +122,7 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux.HandleFunc("POST "+localapi.PathAbort, producerOp(func(h localapi.Hold) []connector.Decision {
 		return a.producer.Abort(h.Transfer)
 	}))
+	mux.HandleFunc("POST "+localapi.PathGate, a.gate.handle)
 	mux.HandleFunc("GET "+localapi.PathEvents, func(w http.ResponseWriter, r *http.Request) {
 		wait, _ := strconv.Atoi(r.URL.Query().Get("wait_ms"))
 		c, rel := a.events.drain(r.Context(), time.Duration(min(max(wait, 0), 30_000))*time.Millisecond)
@@ -152,6 +153,10 @@ func (a *Agent) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer) {
 		a.mu.Unlock()
 		if !ready {
 			http.Error(w, "starting: data plane or bootstrap registration not up yet", http.StatusServiceUnavailable)
+			return
+		}
+		if why := a.gate.unready(); why != "" {
+			http.Error(w, why, http.StatusServiceUnavailable)
 			return
 		}
 		_, _ = io.WriteString(w, "ok\n")

@@ -45,7 +45,7 @@ func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
 			Name: "pdcluster_connector_transfer_bytes_received_total", Help: "KV bytes received from producers and written.",
 		}),
 	}
-	cs := []prometheus.Collector{m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.releases, m.bytesSent, m.bytesReceived}
+	cs := []prometheus.Collector{a.gate, m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.releases, m.bytesSent, m.bytesReceived}
 	if a.puller != nil {
 		cs = append(cs,
 			prometheus.NewCounterFunc(prometheus.CounterOpts{

@@ -22,12 +22,15 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // Names and paths inside the rendered pods.
 const (
 	shmVolume = "dshm"
+	// gateVolume is the completion-gate plugin, from its ConfigMap.
+	gateVolume = "completion-gate"
 
 	// connectorVolume holds the agent's local API socket and the KV staging buffer the engine
 	// and the agent both map.
@@ -81,6 +84,9 @@ func Render(pdc *v1alpha1.PDCluster, opts Options) ([]client.Object, error) {
 			return nil, fmt.Errorf("render %s pool: %w", role, err)
 		}
 		objs = append(objs, dep, EngineService(pdc, role))
+	}
+	if GateEnabled(pdc.Spec.KVTransfer) {
+		objs = append(objs, GateConfigMap(pdc))
 	}
 	cm, err := RouterConfigMap(pdc)
 	if err != nil {
@@ -144,12 +150,45 @@ func KVTransferConfig(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) (string, e
 	if len(extra) > 0 {
 		cfg["kv_connector_extra_config"] = extra
 	}
+	if GateEnabled(kv) {
+		class, module := gatedConnector(connector)
+		cfg["kv_connector"], cfg["kv_connector_module_path"] = class, module
+	}
 	// encoding/json sorts map keys, so the flag (and the config hash) is stable.
 	b, err := json.Marshal(cfg)
 	if err != nil {
 		return "", fmt.Errorf("encode kv-transfer-config: %w", err)
 	}
 	return string(b), nil
+}
+
+// GateEnabled reports whether the engines run the completion-gated connector plugin.
+func GateEnabled(kv v1alpha1.KVTransferSpec) bool {
+	return orDefault(kv.CompletionGate, v1alpha1.CompletionGateEnabled) == v1alpha1.CompletionGateEnabled
+}
+
+// gatedConnector is the plugin's class and module that stand in for connector.
+func gatedConnector(connector v1alpha1.Connector) (class, module string) {
+	if connector == v1alpha1.ConnectorNixl {
+		return vllmplugin.NixlClass, vllmplugin.NixlModule
+	}
+	return vllmplugin.MooncakeClass, vllmplugin.MooncakeModule
+}
+
+// GateObjectName is the ConfigMap of the completion-gate plugin of cluster.
+func GateObjectName(cluster string) string { return cluster + "-" + vllmplugin.Package }
+
+// GateConfigMap holds the completion-gate plugin's Python files, mounted into every engine.
+func GateConfigMap(pdc *v1alpha1.PDCluster) *corev1.ConfigMap {
+	meta := objectMeta(pdc, v1alpha1.RoleDecode)
+	meta.Name = GateObjectName(pdc.Name)
+	meta.Labels[v1alpha1.LabelComponent] = vllmplugin.Package
+	delete(meta.Labels, v1alpha1.LabelRole)
+	return &corev1.ConfigMap{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
+		ObjectMeta: meta,
+		Data:       vllmplugin.Files(),
+	}
 }
 
 func orDefault[T ~string](v, def T) T {
@@ -242,6 +281,22 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 		env = append(env, corev1.EnvVar{Name: "VLLM_MOONCAKE_BOOTSTRAP_PORT", Value: strconv.Itoa(int(ConnectorPort))})
 	}
 
+	mounts := []corev1.VolumeMount{
+		{Name: shmVolume, MountPath: "/dev/shm"},
+		{Name: connectorVolume, MountPath: ConnectorDir},
+	}
+	var volumes []corev1.Volume
+	gate := GateEnabled(pdc.Spec.KVTransfer)
+	if gate {
+		// vLLM imports the plugin by kv_connector_module_path in the scheduler, every worker and
+		// the API server: PYTHONPATH is container-wide.
+		env = append(env, corev1.EnvVar{Name: "PYTHONPATH", Value: vllmplugin.MountDir})
+		mounts = append(mounts, corev1.VolumeMount{Name: gateVolume, MountPath: vllmplugin.MountDir + "/" + vllmplugin.Package, ReadOnly: true})
+		volumes = append(volumes, corev1.Volume{Name: gateVolume, VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
+			LocalObjectReference: corev1.LocalObjectReference{Name: GateObjectName(pdc.Name)},
+		}}})
+	}
+
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString("http")}}
 	connector, bufferBytes := connectorContainer(pdc, opts, role)
 	podSpec := corev1.PodSpec{
@@ -259,22 +314,23 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 			LivenessProbe:  probe(health, 10, 6),
 			// RDMA needs to pin (mlock) the registered KV-cache memory.
 			SecurityContext: &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Add: []corev1.Capability{"IPC_LOCK"}}},
-			VolumeMounts: []corev1.VolumeMount{
-				{Name: shmVolume, MountPath: "/dev/shm"},
-				{Name: connectorVolume, MountPath: ConnectorDir},
-			},
+			VolumeMounts:    mounts,
 		}, connector},
-		Volumes: []corev1.Volume{
+		Volumes: append([]corev1.Volume{
 			// NCCL and the engine's worker processes share tensors through /dev/shm.
 			{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}},
 			{Name: connectorVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{
 				Medium: corev1.StorageMediumMemory, SizeLimit: resource.NewQuantity(bufferBytes, resource.BinarySI),
 			}}},
-		},
+		}, volumes...),
 		NodeSelector: maps.Clone(p.NodeSelector),
 		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
 	}
-	return deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
+	dep, err := deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
+	if err == nil && gate {
+		dep.Spec.Template.Annotations[v1alpha1.AnnotationGateHash] = vllmplugin.Hash()
+	}
+	return dep, err
 }
 
 func podIPEnv() corev1.EnvVar {
@@ -295,6 +351,10 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		"--kv-file=" + kvFile,
 		fmt.Sprintf("--kv-blocks=%d", blocks),
 		fmt.Sprintf("--block-bytes=%d", blockBytes),
+	}
+	if GateEnabled(pdc.Spec.KVTransfer) {
+		// Not ready until the engine's gate has loaded and while its heartbeat is missing.
+		args = append(args, "--require-gate")
 	}
 	ports := []corev1.ContainerPort{{Name: "connector", ContainerPort: ConnectorPort, Protocol: corev1.ProtocolTCP}}
 	if role == v1alpha1.RolePrefill {

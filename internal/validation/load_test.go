@@ -52,7 +52,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		},
 		KVTransfer: v1alpha1.KVTransferSpec{
 			Connector: v1alpha1.ConnectorMooncake, Protocol: v1alpha1.ProtocolTCP,
-			BufferDevice: v1alpha1.BufferDeviceCUDA, LoadFailurePolicy: v1alpha1.LoadFailurePolicyFail,
+			BufferDevice: v1alpha1.BufferDeviceCUDA, LoadFailurePolicy: v1alpha1.LoadFailurePolicyFail, CompletionGate: v1alpha1.CompletionGateEnabled,
 		},
 		Prefill: defaultPool,
 		Decode:  defaultPool,

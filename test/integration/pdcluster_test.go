@@ -177,8 +177,8 @@ func TestCreateSteadyStateStatusAndEvents(t *testing.T) {
 	}
 	var cm corev1.ConfigMap
 	f.get(&cm, "demo-router")
-	if got := f.events(); len(got) != 7 || !strings.Contains(strings.Join(got, "\n"), "Normal Created created Deployment demo-prefill") {
-		t.Errorf("events = %q, want 7 Created events", got)
+	if got := f.events(); len(got) != 8 || !strings.Contains(strings.Join(got, "\n"), "Normal Created created Deployment demo-prefill") {
+		t.Errorf("events = %q, want 8 Created events (7 objects and the gate plugin ConfigMap)", got)
 	}
 
 	var pdc v1alpha1.PDCluster

@@ -1,0 +1,165 @@
+package agent
+
+import (
+	"net/http"
+	"net/http/httptest"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
+)
+
+var gateT0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
+
+func postGate(t *testing.T, g *gateWatch, body string) int {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	g.handle(rec, httptest.NewRequest(http.MethodPost, localapi.PathGate, strings.NewReader(body)))
+	return rec.Code
+}
+
+func TestGateReadiness(t *testing.T) {
+	const heartbeat = `{"connector":"GatedMooncakeConnector","vllm_version":"0.27.0","counts":{"gated":2,"passed":5}}`
+	cases := []struct {
+		name      string
+		required  bool
+		heartbeat *time.Duration // when the heartbeat came, after start; nil: never
+		at        time.Duration  // when readiness is asked
+		wantWhy   string         // "" for ready
+	}{
+		{"not required: always ready", false, nil, time.Hour, ""},
+		{"model still loading: ready within the grace", true, nil, 5 * time.Minute, ""},
+		{"no heartbeat after the grace", true, nil, 16 * time.Minute, "has not reported in 15m0s"},
+		{"fresh heartbeat", true, ptr(time.Minute), time.Minute + 10*time.Second, ""},
+		{"heartbeat stopped", true, ptr(time.Minute), 2 * time.Minute, "last reported 1m0s ago"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := clocktesting.NewFakePassiveClock(gateT0)
+			g := newGateWatch(GateConfig{Required: tc.required, Clock: clk})
+			if tc.heartbeat != nil {
+				clk.SetTime(gateT0.Add(*tc.heartbeat))
+				if code := postGate(t, g, heartbeat); code != http.StatusNoContent {
+					t.Fatalf("POST /v1/gate = %d", code)
+				}
+			}
+			clk.SetTime(gateT0.Add(tc.at))
+			why := g.unready()
+			if (tc.wantWhy == "") != (why == "") || !strings.Contains(why, tc.wantWhy) {
+				t.Errorf("unready() = %q, want %q", why, tc.wantWhy)
+			}
+		})
+	}
+}
+
+func ptr(d time.Duration) *time.Duration { return &d }
+
+func TestGateRejectsBadReports(t *testing.T) {
+	g := newGateWatch(GateConfig{})
+	for _, body := range []string{`{`, `{"counts":{}}`} {
+		if code := postGate(t, g, body); code != http.StatusBadRequest {
+			t.Errorf("POST %s = %d, want 400", body, code)
+		}
+	}
+}
+
+func TestGateMetrics(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(gateT0)
+	g := newGateWatch(GateConfig{Clock: clk})
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(g)
+	if got := testutil.ToFloat64(collectorFor(g, "pdcluster_connector_gate_loaded")); got != 0 {
+		t.Errorf("gate_loaded before any report = %v, want 0", got)
+	}
+	postGate(t, g, `{"connector":"GatedNixlConnector","vllm_version":"0.27.0","counts":{"gated":3,"passed":7,"failed":1,"gated_failures":2,"expired":4,"send_failures":5}}`)
+	want := `
+# HELP pdcluster_connector_gate_completions_total finished_recving reports the engine's completion gate saw, by result: gated (a pull with no local block, kept from the scheduler) or passed.
+# TYPE pdcluster_connector_gate_completions_total counter
+pdcluster_connector_gate_completions_total{result="gated"} 3
+pdcluster_connector_gate_completions_total{result="passed"} 7
+# HELP pdcluster_connector_gate_failed_pulls_total failed_recving reports the engine's completion gate saw, by result: gated or passed.
+# TYPE pdcluster_connector_gate_failed_pulls_total counter
+pdcluster_connector_gate_failed_pulls_total{result="gated"} 2
+pdcluster_connector_gate_failed_pulls_total{result="passed"} 1
+# HELP pdcluster_connector_gate_loaded 1 while the engine's completion gate heartbeats (labels: connector class, vLLM version), else 0.
+# TYPE pdcluster_connector_gate_loaded gauge
+pdcluster_connector_gate_loaded{connector="GatedNixlConnector",vllm_version="0.27.0"} 1
+# HELP pdcluster_connector_gate_heartbeats_dropped_total Heartbeats the engine's gate could not deliver to this sidecar.
+# TYPE pdcluster_connector_gate_heartbeats_dropped_total counter
+pdcluster_connector_gate_heartbeats_dropped_total 5
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"pdcluster_connector_gate_completions_total", "pdcluster_connector_gate_failed_pulls_total",
+		"pdcluster_connector_gate_loaded", "pdcluster_connector_gate_heartbeats_dropped_total"); err != nil {
+		t.Error(err)
+	}
+	clk.SetTime(gateT0.Add(time.Minute))
+	if got := testutil.ToFloat64(collectorFor(g, "pdcluster_connector_gate_loaded")); got != 0 {
+		t.Errorf("gate_loaded after the heartbeat stopped = %v, want 0", got)
+	}
+}
+
+// collectorFor narrows g's output to one metric family, for testutil.ToFloat64.
+func collectorFor(g *gateWatch, name string) prometheus.Collector {
+	return filtered{g, name}
+}
+
+type filtered struct {
+	g    *gateWatch
+	name string
+}
+
+func (f filtered) Describe(ch chan<- *prometheus.Desc) { f.g.Describe(ch) }
+func (f filtered) Collect(ch chan<- prometheus.Metric) {
+	all := make(chan prometheus.Metric, 16)
+	f.g.Collect(all)
+	close(all)
+	for m := range all {
+		if strings.Contains(m.Desc().String(), `"`+f.name+`"`) {
+			ch <- m
+		}
+	}
+}
+
+// The seam from the other side: the plugin's own Reporter (Python) posts to the agent's local
+// API on a Unix socket, as in a pod.
+func TestPluginHeartbeatReachesTheAgent(t *testing.T) {
+	python, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not installed")
+	}
+	sock := filepath.Join(t.TempDir(), "agent.sock")
+	l, err := localapi.Listen("unix://" + sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := newGateWatch(GateConfig{Required: true})
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST "+localapi.PathGate, g.handle)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(l) }()
+	defer srv.Close()
+	script := `
+import sys
+from pdgate import gate
+c = gate.Counts(); c.gated = 4; c.passed = 9
+ok = gate.Reporter(sys.argv[1], c, "GatedMooncakeConnector", "0.27.0", "SCHEDULER").send_once()
+sys.exit(0 if ok else 1)
+`
+	cmd := exec.Command(python, "-c", script, sock)
+	cmd.Dir = filepath.Join("..", "vllm")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("plugin heartbeat: %v\n%s", err, out)
+	}
+	last, _ := g.snapshot()
+	if last == nil || last.Connector != "GatedMooncakeConnector" || last.Counts.Gated != 4 || last.Counts.Passed != 9 {
+		t.Errorf("agent recorded %+v", last)
+	}
+}

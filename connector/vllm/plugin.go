@@ -1,0 +1,68 @@
+// Package vllm carries pdgate, the completion gate as a vLLM KV-connector plugin (Python, in
+// pdgate/), into the operator: render writes its files into a ConfigMap that every engine
+// container mounts on its PYTHONPATH.
+package vllm
+
+import (
+	"crypto/sha256"
+	"embed"
+	"encoding/hex"
+	"io/fs"
+	"path"
+	"sort"
+)
+
+//go:embed pdgate/*.py
+var plugin embed.FS
+
+// Package is the Python package name; MountDir/Package is where the files appear in an engine
+// container, and MountDir goes on PYTHONPATH.
+const (
+	Package  = "pdgate"
+	MountDir = "/opt/pdgate"
+)
+
+// The connector classes vLLM loads through kv_connector and kv_connector_module_path. They are
+// named apart from vLLM's own: before vLLM's 2026-04 factory change a built-in name won over
+// the module path, which would have loaded the stock, ungated class.
+const (
+	MooncakeClass  = "GatedMooncakeConnector"
+	MooncakeModule = Package + ".mooncake"
+	NixlClass      = "GatedNixlConnector"
+	NixlModule     = Package + ".nixl"
+)
+
+// Files returns the plugin's files by name (no directories), as a ConfigMap's data.
+func Files() map[string]string {
+	out := map[string]string{}
+	entries, err := fs.ReadDir(plugin, Package)
+	if err != nil {
+		panic(err) // embedded at build time: cannot fail
+	}
+	for _, e := range entries {
+		b, err := plugin.ReadFile(path.Join(Package, e.Name()))
+		if err != nil {
+			panic(err)
+		}
+		out[e.Name()] = string(b)
+	}
+	return out
+}
+
+// Hash is a short content hash of the files: a new plugin changes it and rolls the engines.
+func Hash() string {
+	files := Files()
+	names := make([]string, 0, len(files))
+	for n := range files {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	h := sha256.New()
+	for _, n := range names {
+		h.Write([]byte(n))
+		h.Write([]byte{0})
+		h.Write([]byte(files[n]))
+		h.Write([]byte{0})
+	}
+	return hex.EncodeToString(h.Sum(nil))[:16]
+}
