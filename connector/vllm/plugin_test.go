@@ -17,7 +17,7 @@ func TestFilesCarryTheGatedClasses(t *testing.T) {
 			t.Errorf("%s does not contain %q", name, want)
 		}
 	}
-	if len(Hash()) != 16 || Hash() != Hash() {
-		t.Errorf("Hash() = %q, want a stable 16-hex-digit hash", Hash())
+	if h := Hash(); len(h) != 16 || strings.Trim(h, "0123456789abcdef") != "" {
+		t.Errorf("Hash() = %q, want 16 hex digits", h)
 	}
 }
