@@ -2,6 +2,7 @@ package validation
 
 import (
 	"context"
+	"sort"
 	"strings"
 	"testing"
 
@@ -118,6 +119,8 @@ func TestAdmitterPrunesDefaultsAndValidates(t *testing.T) {
 			if d := cmp.Diff(tc.wantPruned, pruned); d != "" {
 				t.Errorf("pruned (-want +got):\n%s", d)
 			}
+			// The schema validator's order of errors is not stable: compare them sorted.
+			sort.Slice(errs, func(i, j int) bool { return errs[i].Error() < errs[j].Error() })
 			if len(errs) != len(tc.wantErrs) {
 				t.Fatalf("errors %v, want %d like %q", errs, len(tc.wantErrs), tc.wantErrs)
 			}
