@@ -75,8 +75,13 @@ func TestGateMetrics(t *testing.T) {
 	g := newGateWatch(GateConfig{Clock: clk})
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(g)
-	if got := testutil.ToFloat64(collectorFor(g, "pdcluster_connector_gate_loaded")); got != 0 {
-		t.Errorf("gate_loaded before any report = %v, want 0", got)
+	const loadedHeader = `
+# HELP pdcluster_connector_gate_loaded 1 while the engine's completion gate heartbeats (labels: connector class, vLLM version), else 0.
+# TYPE pdcluster_connector_gate_loaded gauge
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(loadedHeader+`pdcluster_connector_gate_loaded{connector="",vllm_version=""} 0
+`), "pdcluster_connector_gate_loaded"); err != nil {
+		t.Errorf("before any report: %v", err)
 	}
 	postGate(t, g, `{"connector":"GatedNixlConnector","vllm_version":"0.27.0","counts":{"gated":3,"passed":7,"failed":1,"gated_failures":2,"expired":4,"send_failures":5}}`)
 	want := `
@@ -101,30 +106,9 @@ pdcluster_connector_gate_heartbeats_dropped_total 5
 		t.Error(err)
 	}
 	clk.SetTime(gateT0.Add(time.Minute))
-	if got := testutil.ToFloat64(collectorFor(g, "pdcluster_connector_gate_loaded")); got != 0 {
-		t.Errorf("gate_loaded after the heartbeat stopped = %v, want 0", got)
-	}
-}
-
-// collectorFor narrows g's output to one metric family, for testutil.ToFloat64.
-func collectorFor(g *gateWatch, name string) prometheus.Collector {
-	return filtered{g, name}
-}
-
-type filtered struct {
-	g    *gateWatch
-	name string
-}
-
-func (f filtered) Describe(ch chan<- *prometheus.Desc) { f.g.Describe(ch) }
-func (f filtered) Collect(ch chan<- prometheus.Metric) {
-	all := make(chan prometheus.Metric, 16)
-	f.g.Collect(all)
-	close(all)
-	for m := range all {
-		if strings.Contains(m.Desc().String(), `"`+f.name+`"`) {
-			ch <- m
-		}
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(loadedHeader+`pdcluster_connector_gate_loaded{connector="GatedNixlConnector",vllm_version="0.27.0"} 0
+`), "pdcluster_connector_gate_loaded"); err != nil {
+		t.Errorf("after the heartbeat stopped: %v", err)
 	}
 }
 

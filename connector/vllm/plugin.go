@@ -8,8 +8,10 @@ import (
 	"embed"
 	"encoding/hex"
 	"io/fs"
+	"maps"
 	"path"
-	"sort"
+	"slices"
+	"sync"
 )
 
 //go:embed pdgate/*.py
@@ -32,37 +34,40 @@ const (
 	NixlModule     = Package + ".nixl"
 )
 
-// Files returns the plugin's files by name (no directories), as a ConfigMap's data.
-func Files() map[string]string {
-	out := map[string]string{}
-	entries, err := fs.ReadDir(plugin, Package)
-	if err != nil {
-		panic(err) // embedded at build time: cannot fail
-	}
-	for _, e := range entries {
-		b, err := plugin.ReadFile(path.Join(Package, e.Name()))
-		if err != nil {
-			panic(err)
-		}
-		out[e.Name()] = string(b)
-	}
-	return out
-}
+// Files returns the plugin's files by name (no directories), as a ConfigMap's data. The map is
+// the caller's to keep.
+func Files() map[string]string { return maps.Clone(files()) }
 
 // Hash is a short content hash of the files: a new plugin changes it and rolls the engines.
-func Hash() string {
-	files := Files()
-	names := make([]string, 0, len(files))
-	for n := range files {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	h := sha256.New()
-	for _, n := range names {
-		h.Write([]byte(n))
-		h.Write([]byte{0})
-		h.Write([]byte(files[n]))
-		h.Write([]byte{0})
-	}
-	return hex.EncodeToString(h.Sum(nil))[:16]
-}
+func Hash() string { return hash() }
+
+// The files are embedded at build time and never change: read and hash them once, not on every
+// render.
+var (
+	files = sync.OnceValue(func() map[string]string {
+		entries, err := fs.ReadDir(plugin, Package)
+		if err != nil {
+			panic(err) // embedded at build time: cannot fail
+		}
+		out := make(map[string]string, len(entries))
+		for _, e := range entries {
+			b, err := plugin.ReadFile(path.Join(Package, e.Name()))
+			if err != nil {
+				panic(err)
+			}
+			out[e.Name()] = string(b)
+		}
+		return out
+	})
+	hash = sync.OnceValue(func() string {
+		f := files()
+		h := sha256.New()
+		for _, n := range slices.Sorted(maps.Keys(f)) {
+			h.Write([]byte(n))
+			h.Write([]byte{0})
+			h.Write([]byte(f[n]))
+			h.Write([]byte{0})
+		}
+		return hex.EncodeToString(h.Sum(nil))[:16]
+	})
+)
