@@ -65,13 +65,19 @@ func ObjectName(cluster string, role v1alpha1.Role) string { return cluster + "-
 
 // Labels are the selector labels of role's pods in cluster.
 func Labels(cluster string, role v1alpha1.Role) map[string]string {
+	l := componentLabels(cluster, string(role))
+	l[v1alpha1.LabelRole] = string(role)
+	return l
+}
+
+// componentLabels are the labels of every object of cluster; component names the part.
+func componentLabels(cluster, component string) map[string]string {
 	return map[string]string{
 		v1alpha1.LabelName:      "pdcluster",
 		v1alpha1.LabelInstance:  cluster,
-		v1alpha1.LabelComponent: string(role),
+		v1alpha1.LabelComponent: component,
 		v1alpha1.LabelManagedBy: v1alpha1.OperatorName,
 		v1alpha1.LabelCluster:   cluster,
-		v1alpha1.LabelRole:      string(role),
 	}
 }
 
@@ -180,14 +186,14 @@ func GateObjectName(cluster string) string { return cluster + "-" + vllmplugin.P
 
 // GateConfigMap holds the completion-gate plugin's Python files, mounted into every engine.
 func GateConfigMap(pdc *v1alpha1.PDCluster) *corev1.ConfigMap {
-	meta := objectMeta(pdc, v1alpha1.RoleDecode)
-	meta.Name = GateObjectName(pdc.Name)
-	meta.Labels[v1alpha1.LabelComponent] = vllmplugin.Package
-	delete(meta.Labels, v1alpha1.LabelRole)
 	return &corev1.ConfigMap{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
-		ObjectMeta: meta,
-		Data:       vllmplugin.Files(),
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
+		ObjectMeta: metav1.ObjectMeta{
+			Name:      GateObjectName(pdc.Name),
+			Namespace: pdc.Namespace,
+			Labels:    componentLabels(pdc.Name, vllmplugin.Package),
+		},
+		Data: vllmplugin.Files(),
 	}
 }
 
