@@ -108,23 +108,12 @@ class Gate:
         pulls, in the same shape."""
         if not failed:
             return failed
+        gated = sum(1 for req_id in failed if req_id in self._empty)
+        self.counts.gated_failures += gated
+        self.counts.failed += len(failed) - gated
         if isinstance(failed, Mapping):
-            kept_map = {}
-            for req_id, why in failed.items():
-                if req_id in self._empty:
-                    self.counts.gated_failures += 1
-                else:
-                    kept_map[req_id] = why
-                    self.counts.failed += 1
-            return type(failed)(kept_map) if kept_map else type(failed)()
-        kept = set()
-        for req_id in failed:
-            if req_id in self._empty:
-                self.counts.gated_failures += 1
-            else:
-                kept.add(req_id)
-                self.counts.failed += 1
-        return type(failed)(kept)
+            return type(failed)({r: why for r, why in failed.items() if r not in self._empty})
+        return type(failed)(r for r in failed if r not in self._empty)
 
     def filter_output(self, output: Any) -> None:
         """Strips empty pulls from a KVConnectorOutput in place. Failures go first: a failed
