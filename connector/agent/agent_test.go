@@ -258,6 +258,8 @@ func TestPublicHandlerServesHealthAndRegistryButNotTheLocalAPI(t *testing.T) {
 		{http.MethodGet, "/healthz", http.StatusOK},
 		{http.MethodGet, "/metrics", http.StatusOK},
 		{http.MethodGet, "/query", http.StatusOK},
+		{http.MethodGet, "/gate", http.StatusOK},
+		{http.MethodPost, "/v1/gate", http.StatusNotFound}, // only the engine of the pod reports
 		{http.MethodPost, "/v1/pulls", http.StatusNotFound},
 		{http.MethodPost, "/v1/ready", http.StatusNotFound},
 		{http.MethodGet, "/v1/events", http.StatusNotFound},

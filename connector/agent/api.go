@@ -15,6 +15,7 @@ import (
 
 	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // eventQueue holds reports until the engine drains them.
@@ -146,6 +147,7 @@ func (a *Agent) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer) {
 		mux.Handle("POST /register", b)
 		mux.Handle("GET /query", b)
 	}
+	mux.HandleFunc("GET "+vllmplugin.StatePath, a.gate.serveState)
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		a.mu.Lock()

@@ -9,7 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/utils/clock"
 
-	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // GateConfig is how the agent watches the completion gate in its engine (the pdgate plugin).
@@ -31,7 +31,7 @@ type gateWatch struct {
 	cfg     GateConfig
 	started time.Time
 	mu      sync.Mutex
-	last    *localapi.GateReport
+	last    *vllmplugin.Report
 	lastAt  time.Time
 }
 
@@ -48,13 +48,13 @@ func newGateWatch(cfg GateConfig) *gateWatch {
 	return &gateWatch{cfg: cfg, started: cfg.Clock.Now()}
 }
 
-func (g *gateWatch) record(r localapi.GateReport) {
+func (g *gateWatch) record(r vllmplugin.Report) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.last, g.lastAt = &r, g.cfg.Clock.Now()
 }
 
-func (g *gateWatch) snapshot() (*localapi.GateReport, time.Duration) {
+func (g *gateWatch) snapshot() (*vllmplugin.Report, time.Duration) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.last == nil {
@@ -80,7 +80,7 @@ func (g *gateWatch) unready() string {
 }
 
 func (g *gateWatch) handle(w http.ResponseWriter, r *http.Request) {
-	var rep localapi.GateReport
+	var rep vllmplugin.Report
 	if !decode(w, r, &rep) {
 		return
 	}
@@ -91,6 +91,17 @@ func (g *gateWatch) handle(w http.ResponseWriter, r *http.Request) {
 	g.record(rep)
 	w.WriteHeader(http.StatusNoContent)
 }
+
+// state is GET /gate.
+func (g *gateWatch) state() vllmplugin.State {
+	last, age := g.snapshot()
+	if last == nil {
+		return vllmplugin.State{}
+	}
+	return vllmplugin.State{Loaded: age <= g.cfg.HeartbeatTimeout, Report: last, AgeSeconds: age.Seconds()}
+}
+
+func (g *gateWatch) serveState(w http.ResponseWriter, _ *http.Request) { writeJSON(w, g.state()) }
 
 var (
 	gateCompletionsDesc = prometheus.NewDesc("pdcluster_connector_gate_completions_total",
@@ -119,12 +130,12 @@ func (g *gateWatch) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (g *gateWatch) Collect(ch chan<- prometheus.Metric) {
-	last, age := g.snapshot()
-	if last == nil {
+	st := g.state()
+	if st.Report == nil {
 		ch <- prometheus.MustNewConstMetric(gateLoadedDesc, prometheus.GaugeValue, 0, "", "")
 		return
 	}
-	c := last.Counts
+	c := st.Report.Counts
 	ch <- prometheus.MustNewConstMetric(gateCompletionsDesc, prometheus.CounterValue, float64(c.Gated), "gated")
 	ch <- prometheus.MustNewConstMetric(gateCompletionsDesc, prometheus.CounterValue, float64(c.Passed), "passed")
 	ch <- prometheus.MustNewConstMetric(gateFailuresDesc, prometheus.CounterValue, float64(c.GatedFailures), "gated")
@@ -132,9 +143,9 @@ func (g *gateWatch) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(gateExpiredDesc, prometheus.CounterValue, float64(c.Expired))
 	ch <- prometheus.MustNewConstMetric(gateDroppedDesc, prometheus.CounterValue, float64(c.SendFailures))
 	loaded := 0.0
-	if age <= g.cfg.HeartbeatTimeout {
+	if st.Loaded {
 		loaded = 1
 	}
-	ch <- prometheus.MustNewConstMetric(gateLoadedDesc, prometheus.GaugeValue, loaded, last.Connector, last.VLLMVersion)
-	ch <- prometheus.MustNewConstMetric(gateAgeDesc, prometheus.GaugeValue, age.Seconds())
+	ch <- prometheus.MustNewConstMetric(gateLoadedDesc, prometheus.GaugeValue, loaded, st.Report.Connector, st.Report.VLLMVersion)
+	ch <- prometheus.MustNewConstMetric(gateAgeDesc, prometheus.GaugeValue, st.AgeSeconds)
 }

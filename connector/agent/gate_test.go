@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"os/exec"
@@ -9,11 +10,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 var gateT0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
@@ -145,5 +148,30 @@ sys.exit(0 if ok else 1)
 	last, _ := g.snapshot()
 	if last == nil || last.Connector != "GatedMooncakeConnector" || last.Counts.Gated != 4 || last.Counts.Passed != 9 {
 		t.Errorf("agent recorded %+v", last)
+	}
+}
+
+// GET /gate is what the operator reads for status: the last report and whether it is fresh.
+func TestGateState(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(gateT0)
+	g := newGateWatch(GateConfig{Clock: clk})
+	if st := g.state(); st.Loaded || st.Report != nil {
+		t.Fatalf("before any report: %+v", st)
+	}
+	postGate(t, g, `{"connector":"GatedMooncakeConnector","counts":{"gated":3,"passed":7}}`)
+	clk.SetTime(gateT0.Add(10 * time.Second))
+	rec := httptest.NewRecorder()
+	g.serveState(rec, httptest.NewRequest(http.MethodGet, vllmplugin.StatePath, nil))
+	var st vllmplugin.State
+	if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
+		t.Fatal(err)
+	}
+	want := vllmplugin.State{Loaded: true, AgeSeconds: 10, Report: &vllmplugin.Report{Connector: "GatedMooncakeConnector", Counts: vllmplugin.Counts{Gated: 3, Passed: 7}}}
+	if d := cmp.Diff(want, st); d != "" {
+		t.Errorf("GET /gate (-want +got):\n%s", d)
+	}
+	clk.SetTime(gateT0.Add(time.Minute))
+	if st := g.state(); st.Loaded {
+		t.Error("a stale heartbeat still counts as loaded")
 	}
 }

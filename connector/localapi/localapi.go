@@ -116,26 +116,5 @@ func Client(endpoint string, timeout time.Duration) (string, *http.Client) {
 }
 
 // PathGate is POST /v1/gate: the engine's completion-gate plugin (pdgate) reports that it is
-// loaded, with its counts so far, every few seconds.
+// loaded, with its counts so far, every few seconds (body: connector/vllm.Report).
 const PathGate = "/v1/gate"
-
-// GateReport is the body of POST /v1/gate. Counts are totals since the engine started.
-type GateReport struct {
-	Connector     string     `json:"connector"`
-	VLLMVersion   string     `json:"vllm_version"`
-	PluginVersion string     `json:"plugin_version"`
-	Role          string     `json:"role"`
-	PID           int        `json:"pid"`
-	Counts        GateCounts `json:"counts"`
-}
-
-// GateCounts is what the gate did: finished_recving reports suppressed (gated) and passed,
-// failed pulls passed on and suppressed, records aged out, heartbeats the engine dropped.
-type GateCounts struct {
-	Gated         int64 `json:"gated"`
-	Passed        int64 `json:"passed"`
-	Failed        int64 `json:"failed"`
-	GatedFailures int64 `json:"gated_failures"`
-	Expired       int64 `json:"expired"`
-	SendFailures  int64 `json:"send_failures"`
-}

@@ -71,3 +71,39 @@ var (
 		return hex.EncodeToString(h.Sum(nil))[:16]
 	})
 )
+
+// Report is what the plugin posts to its sidecar every few seconds (POST /v1/gate on the local
+// API). Counts are totals since the engine started.
+type Report struct {
+	Connector     string `json:"connector"`
+	VLLMVersion   string `json:"vllm_version"`
+	PluginVersion string `json:"plugin_version"`
+	Role          string `json:"role"`
+	PID           int    `json:"pid"`
+	Counts        Counts `json:"counts"`
+}
+
+// Counts is what the gate did: finished_recving reports suppressed (gated) and passed, failed
+// pulls passed on and suppressed, records aged out, heartbeats the engine dropped.
+type Counts struct {
+	Gated         int64 `json:"gated"`
+	Passed        int64 `json:"passed"`
+	Failed        int64 `json:"failed"`
+	GatedFailures int64 `json:"gated_failures"`
+	Expired       int64 `json:"expired"`
+	SendFailures  int64 `json:"send_failures"`
+}
+
+// StatePath is GET /gate on the sidecar's public port: the gate as the sidecar last heard of
+// it, for the operator.
+const StatePath = "/gate"
+
+// State is the answer to GET /gate.
+type State struct {
+	// Loaded is true while the plugin heartbeats.
+	Loaded bool `json:"loaded"`
+	// Report is the last heartbeat; nil before the first.
+	Report *Report `json:"report,omitempty"`
+	// AgeSeconds is how old Report is.
+	AgeSeconds float64 `json:"ageSeconds,omitempty"`
+}
