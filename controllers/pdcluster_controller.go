@@ -40,6 +40,9 @@ type PDClusterReconciler struct {
 	Options  render.Options
 	// Clock times connector health; nil is the wall clock. Tests inject a fake one.
 	Clock clock.PassiveClock
+	// GateReader reads the completion gate's counts from the engine pods' sidecars for
+	// status; nil leaves them out.
+	GateReader GateReader
 	// APIReader reads past the cache: a restart round first checks that the cached PDCluster
 	// (and the restart record in its status) is current. nil skips the check.
 	APIReader client.Reader
@@ -79,6 +82,9 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		if err := r.reconcilePoolStatus(ctx, &pdc, status); err != nil {
 			applyErr = errors.Join(applyErr, err)
 		}
+		gateAfter, err := r.reconcileGateStatus(ctx, &pdc, status)
+		applyErr = errors.Join(applyErr, err)
+		requeueAfter = sooner(requeueAfter, gateAfter)
 	}
 	pending = append(pending, readinessEvents(pdc.Status.Conditions, status)...)
 	status.ObservedGeneration = pdc.Generation
@@ -107,6 +113,14 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		return ctrl.Result{}, applyErr
 	}
 	return ctrl.Result{RequeueAfter: requeueAfter}, nil
+}
+
+// sooner is the earlier of two requeue delays, where 0 means none.
+func sooner(a, b time.Duration) time.Duration {
+	if a == 0 || (b != 0 && b < a) {
+		return b
+	}
+	return a
 }
 
 // conflictRetry is how soon a reconcile whose status write met a newer PDCluster runs again, in

@@ -384,6 +384,33 @@ type PoolStatus struct {
 	// connectorRestarts counts the pods of this pool the operator restarted for connector health.
 	// +optional
 	ConnectorRestarts int32 `json:"connectorRestarts,omitempty"`
+	// gate sums what the completion gate of this pool's running engines reported to their
+	// sidecars (refreshed about every minute). Absent while the gate is disabled or no
+	// sidecar was read.
+	// +optional
+	Gate *PoolGateStatus `json:"gate,omitempty"`
+}
+
+// PoolGateStatus sums the completion-gate counts of a pool's engines, each since its engine
+// started (a restarted engine starts again from zero).
+type PoolGateStatus struct {
+	// reportingPods are the pods whose gate heartbeats now.
+	ReportingPods int32 `json:"reportingPods"`
+	// silentPods are running pods whose sidecar answered but whose gate does not heartbeat
+	// (not loaded yet, or stopped).
+	// +optional
+	SilentPods int32 `json:"silentPods,omitempty"`
+	// gatedCompletions are finished-receiving reports of pulls with no local block that the
+	// gate kept from vLLM's scheduler (each would have killed a decode engine).
+	GatedCompletions int64 `json:"gatedCompletions"`
+	// passedCompletions are finished-receiving reports the gate passed on.
+	PassedCompletions int64 `json:"passedCompletions"`
+	// failedPulls are failed pulls with local blocks the gate passed on as failed.
+	// +optional
+	FailedPulls int64 `json:"failedPulls,omitempty"`
+	// gatedFailures are failed pulls with no local block the gate kept from the scheduler.
+	// +optional
+	GatedFailures int64 `json:"gatedFailures,omitempty"`
 }
 
 // UnhealthyPod is an engine pod whose connector is not ready.
@@ -466,6 +493,7 @@ type PDClusterStatus struct {
 // +kubebuilder:printcolumn:name="Decode",type=string,JSONPath=`.status.decode.ready`
 // +kubebuilder:printcolumn:name="Connector",type=string,JSONPath=`.status.conditions[?(@.type=="ConnectorHealthy")].status`
 // +kubebuilder:printcolumn:name="Restarts",type=integer,JSONPath=`.status.connector.restarts`
+// +kubebuilder:printcolumn:name="Gated",type=integer,JSONPath=`.status.decode.gate.gatedCompletions`,priority=1,description="empty pulls the decode engines' completion gate kept from the scheduler"
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type PDCluster struct {

@@ -19,13 +19,14 @@ import (
 
 func main() {
 	var metricsAddr, probeAddr string
-	var leaderElect bool
+	var leaderElect, readGate bool
 	opts := render.DefaultOptions()
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus /metrics endpoint (0 disables it)")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of /healthz and /readyz")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader so only one replica reconciles")
 	flag.StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router")
 	flag.StringVar(&opts.ConnectorImage, "connector-image", opts.ConnectorImage, "image of the connector sidecar, unless a PDCluster sets spec.connector.image")
+	flag.BoolVar(&readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8998/gate) into status.<pool>.gate")
 	zapOpts := zap.Options{}
 	zapOpts.BindFlags(flag.CommandLine)
 	flag.Parse()
@@ -54,13 +55,17 @@ func main() {
 		setupLog.Error(err, "create manager")
 		os.Exit(1)
 	}
-	if err := (&controllers.PDClusterReconciler{
+	reconciler := &controllers.PDClusterReconciler{
 		Client:    mgr.GetClient(),
 		APIReader: mgr.GetAPIReader(),
 		Scheme:    mgr.GetScheme(),
 		Recorder:  mgr.GetEventRecorder(v1alpha1.OperatorName),
 		Options:   opts,
-	}).SetupWithManager(mgr); err != nil {
+	}
+	if readGate {
+		reconciler.GateReader = controllers.NewHTTPGateReader()
+	}
+	if err := reconciler.SetupWithManager(mgr); err != nil {
 		setupLog.Error(err, "set up controller")
 		os.Exit(1)
 	}
