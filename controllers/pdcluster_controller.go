@@ -162,6 +162,31 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 			*pending = append(*pending, *ev)
 		}
 	}
+	return r.deleteGateConfigMapIfUnused(ctx, pdc, pending)
+}
+
+// deleteGateConfigMapIfUnused removes the completion-gate plugin's ConfigMap once the gate is
+// disabled: it is the one child render leaves out depending on the spec. Only a ConfigMap this
+// PDCluster controls is deleted.
+func (r *PDClusterReconciler) deleteGateConfigMapIfUnused(ctx context.Context, pdc *v1alpha1.PDCluster, pending *[]event) error {
+	if render.GateEnabled(pdc.Spec.KVTransfer) {
+		return nil
+	}
+	var cm corev1.ConfigMap
+	err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.GateObjectName(pdc.Name)}, &cm)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("get the gate plugin ConfigMap: %w", err)
+	}
+	if !metav1.IsControlledBy(&cm, pdc) {
+		return nil
+	}
+	if err := r.Delete(ctx, &cm, client.Preconditions{UID: &cm.UID}); client.IgnoreNotFound(err) != nil {
+		return fmt.Errorf("delete the unused gate plugin ConfigMap: %w", err)
+	}
+	*pending = append(*pending, event{corev1.EventTypeNormal, "Deleted", "Delete", "deleted ConfigMap " + cm.Name + ": the completion gate is disabled"})
 	return nil
 }
 

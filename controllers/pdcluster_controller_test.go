@@ -9,9 +9,11 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/events"
 	clocktesting "k8s.io/utils/clock/testing"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
@@ -67,5 +69,28 @@ func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 	}
 	if len(pods.Items) != 2 {
 		t.Errorf("%d pods left, want d-0 deleted", len(pods.Items))
+	}
+}
+
+// Turning the gate off removes its ConfigMap, but only one this PDCluster controls.
+func TestDisabledGateDeletesOnlyItsOwnConfigMap(t *testing.T) {
+	for _, owned := range []bool{true, false} {
+		p := pdc()
+		p.UID = "uid-c"
+		p.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled
+		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.GateObjectName("c")}}
+		if owned {
+			cm.OwnerReferences = []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
+		}
+		c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(p, cm).Build()
+		r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
+		var pending []event
+		if err := r.deleteGateConfigMapIfUnused(context.Background(), p, &pending); err != nil {
+			t.Fatal(err)
+		}
+		err := c.Get(context.Background(), client.ObjectKeyFromObject(cm), &corev1.ConfigMap{})
+		if gone := apierrors.IsNotFound(err); gone != owned || len(pending) != map[bool]int{true: 1, false: 0}[owned] {
+			t.Errorf("owned=%v: deleted=%v (err %v), events %v", owned, gone, err, pending)
+		}
 	}
 }

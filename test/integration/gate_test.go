@@ -5,7 +5,9 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -63,7 +65,13 @@ func TestCompletionGateConfigMap(t *testing.T) {
 	if c := condition(pdc, v1alpha1.ConditionCompletionGated); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonGateDisabled {
 		t.Errorf("CompletionGated = %+v, want False/GateDisabled", c)
 	}
-	if got := strings.Join(f.events(), "\n"); !strings.Contains(got, "Warning "+v1alpha1.ReasonGateDisabled) {
-		t.Errorf("events %q lack the GateDisabled warning", got)
+	got := strings.Join(f.events(), "\n")
+	for _, want := range []string{"Warning " + v1alpha1.ReasonGateDisabled, "Normal Deleted deleted ConfigMap gate-pdgate"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("events %q lack %q", got, want)
+		}
+	}
+	if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: render.GateObjectName("gate")}, &cm); !apierrors.IsNotFound(err) {
+		t.Errorf("the unused plugin ConfigMap is still there (err %v)", err)
 	}
 }
