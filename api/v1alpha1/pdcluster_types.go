@@ -97,6 +97,7 @@ type EngineSpec struct {
 
 // KVTransferSpec configures the KV connector that moves the cache from prefill to decode.
 // +kubebuilder:validation:XValidation:rule="!has(self.protocol) || self.protocol != 'rdma' || (has(self.rdmaDevices) && size(self.rdmaDevices) > 0)",message="rdmaDevices must list at least one RDMA device (e.g. mlx5_0) when protocol is rdma"
+// +kubebuilder:validation:XValidation:rule="!has(self.rdmaDevices) || size(self.rdmaDevices) == 0 || !has(self.protocol) || self.protocol == 'rdma'",message="rdmaDevices is only used with protocol rdma; remove it, or set protocol: rdma"
 type KVTransferSpec struct {
 	// connector is the vLLM KV connector class.
 	// +kubebuilder:default=MooncakeConnector
@@ -119,8 +120,10 @@ type KVTransferSpec struct {
 	// +optional
 	LoadFailurePolicy LoadFailurePolicy `json:"loadFailurePolicy,omitempty"`
 
-	// rdmaDevices are the RDMA NICs the connector uses (e.g. mlx5_0), joined with commas into
-	// the connector's device_name. Required when protocol is rdma.
+	// rdmaDevices are the RDMA NICs the connector uses (e.g. mlx5_0, or mlx5_0:1 with its
+	// port). Mooncake gets them joined with commas as device_name; NIXL gets them as
+	// UCX_NET_DEVICES (port 1 when none is given). Required when protocol is rdma, refused
+	// with tcp.
 	// +kubebuilder:validation:MaxItems=64
 	// +kubebuilder:validation:items:MinLength=1
 	// +kubebuilder:validation:items:MaxLength=64

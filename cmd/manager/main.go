@@ -26,7 +26,7 @@ func main() {
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader so only one replica reconciles")
 	flag.StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router")
 	flag.StringVar(&opts.ConnectorImage, "connector-image", opts.ConnectorImage, "image of the connector sidecar, unless a PDCluster sets spec.connector.image")
-	flag.BoolVar(&readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8998/gate) into status.<pool>.gate")
+	flag.BoolVar(&readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8190/gate) into status.<pool>.gate")
 	zapOpts := zap.Options{}
 	zapOpts.BindFlags(flag.CommandLine)
 	flag.Parse()

@@ -1,6 +1,6 @@
 // Package agent is the connector agent that runs beside each engine: it owns the connector
 // core (Puller or Producer), moves KV blocks between agents over TCP, serves the Mooncake
-// bootstrap registry on producers, and exposes a local API for its engine plus /healthz,
+// bootstrap registry on producers whose engine does not (--engine-registers), and exposes a local API for its engine plus /healthz,
 // /readyz and /metrics.
 package agent
 
@@ -36,8 +36,13 @@ type Config struct {
 	// DataAddr is the producer's data-plane address as consumers dial it (host:port).
 	DataAddr string
 	// Bootstrap is the registry to register with (http://host:port); empty means this agent
-	// serves the registry itself (producer rank 0, as in vLLM).
+	// serves the registry itself (producer rank 0, as in vLLM), unless EngineRegisters.
 	Bootstrap string
+	// EngineRegisters leaves the registry to the engine: it serves the bootstrap server (vLLM
+	// binds VLLM_MOONCAKE_BOOTSTRAP_PORT itself) and registers this producer from GET
+	// /v1/info. The agent then neither serves a registry nor registers anywhere, so it never
+	// writes into a real vLLM's registry.
+	EngineRegisters bool
 	// DPRank, TPRank, PPRank locate this producer worker.
 	DPRank, TPRank, PPRank int
 	// ConsumerRank and Consumers are this consumer's rank and how many consumer ranks pull
@@ -115,7 +120,10 @@ func New(cfg Config) (*Agent, error) {
 		if a.cfg.EngineID == "" {
 			a.cfg.EngineID = "engine-" + randomID()[:12]
 		}
-		if cfg.Bootstrap == "" {
+		switch {
+		case cfg.EngineRegisters && cfg.Bootstrap != "":
+			return nil, errors.New("agent: a bootstrap registry to register with and engine registration exclude each other")
+		case cfg.Bootstrap == "" && !cfg.EngineRegisters:
 			a.registry = bootstrap.NewRegistry()
 		}
 		a.producer, err = connector.NewProducer(connector.ProducerConfig{
@@ -193,8 +201,26 @@ func (a *Agent) Serve(ctx context.Context, data net.Listener) error {
 	}
 }
 
+// registration is this producer's entry in the bootstrap registry.
+func (a *Agent) registration() bootstrap.Registration {
+	return bootstrap.Registration{EngineID: a.cfg.EngineID, DPRank: a.cfg.DPRank, TPRank: a.cfg.TPRank, PPRank: a.cfg.PPRank, Addr: "tcp://" + a.cfg.DataAddr}
+}
+
+// Info is what GET /v1/info answers.
+func (a *Agent) Info() localapi.Info {
+	info := localapi.Info{Epoch: a.epoch, KVBlocks: a.cfg.KV.Blocks(), BlockBytes: a.cfg.KV.BlockBytes()}
+	if a.producer != nil && a.cfg.EngineRegisters {
+		reg := a.registration()
+		info.Registration = &reg
+	}
+	return info
+}
+
 func (a *Agent) register(ctx context.Context) error {
-	reg := bootstrap.Registration{EngineID: a.cfg.EngineID, DPRank: a.cfg.DPRank, TPRank: a.cfg.TPRank, PPRank: a.cfg.PPRank, Addr: "tcp://" + a.cfg.DataAddr}
+	if a.cfg.EngineRegisters {
+		return nil // the engine registers this producer from GET /v1/info
+	}
+	reg := a.registration()
 	if a.registry != nil {
 		return a.registry.Register(reg)
 	}

@@ -3,6 +3,7 @@ package agent
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"net"
 	"net/http"
@@ -13,10 +14,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
 	"pdcluster.dev/pdcluster-operator/connector/link"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
@@ -291,4 +294,53 @@ func TestListenReplacesAStaleSocket(t *testing.T) {
 		t.Fatalf("listen over a stale socket: %v", err)
 	}
 	second.Close()
+}
+
+// With --engine-registers the producer serves no registry and registers nowhere; its engine
+// reads GET /v1/info and registers it in the engine's own bootstrap server (vLLM's), where
+// consumers find it: bytes still move.
+func TestEngineRegistersTheProducer(t *testing.T) {
+	p := newPair(t, func(c *Config) { c.EngineRegisters = true })
+	pub := httptest.NewServer(p.prod.PublicHandler(prometheus.NewRegistry()))
+	defer pub.Close()
+	if resp, err := http.Get(pub.URL + "/query"); err != nil {
+		t.Fatal(err)
+	} else if resp.Body.Close(); resp.StatusCode != http.StatusNotFound {
+		t.Errorf("GET /query on the agent = %d, want 404: the engine owns the bootstrap server", resp.StatusCode)
+	}
+
+	api := httptest.NewServer(p.prod.Handler(prometheus.NewRegistry()))
+	defer api.Close()
+	resp, err := http.Get(api.URL + localapi.PathInfo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var info localapi.Info
+	err = json.NewDecoder(resp.Body).Decode(&info)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := localapi.Info{Epoch: p.prod.Epoch(), KVBlocks: 64, BlockBytes: blockBytes, Registration: &bootstrap.Registration{
+		EngineID: p.prod.EngineID(), Addr: "tcp://" + p.prod.cfg.DataAddr,
+	}}
+	if d := cmp.Diff(want, info); d != "" {
+		t.Fatalf("GET /v1/info (-want +got):\n%s", d)
+	}
+
+	engineRegistry := bootstrap.NewRegistry()
+	if err := engineRegistry.Replace(*info.Registration); err != nil {
+		t.Fatal(err)
+	}
+	boot := httptest.NewServer(engineRegistry.Handler())
+	defer boot.Close()
+	p.prodURL = boot.URL
+	testPullMovesBytesAndCompletesOnce(t, p)
+}
+
+func TestEngineRegistersExcludesABootstrapToRegisterWith(t *testing.T) {
+	_, err := New(Config{Role: v1alpha1.KVProducer, KV: openKV(t, "p.kv"), DataAddr: "127.0.0.1:1", EngineRegisters: true, Bootstrap: "http://x"})
+	if err == nil || !strings.Contains(err.Error(), "exclude each other") {
+		t.Errorf("err = %v, want the two settings refused together", err)
+	}
 }

@@ -124,6 +124,7 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 		return a.producer.Abort(h.Transfer)
 	}))
 	mux.HandleFunc("POST "+localapi.PathGate, a.gate.handle)
+	mux.HandleFunc("GET "+localapi.PathInfo, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, a.Info()) })
 	mux.HandleFunc("GET "+localapi.PathEvents, func(w http.ResponseWriter, r *http.Request) {
 		wait, _ := strconv.Atoi(r.URL.Query().Get("wait_ms"))
 		c, rel := a.events.drain(r.Context(), time.Duration(min(max(wait, 0), 30_000))*time.Millisecond)

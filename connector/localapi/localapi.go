@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 )
 
 // Paths of the local API.
@@ -23,6 +24,21 @@ const (
 	PathAbort  = "/v1/abort"
 	PathEvents = "/v1/events"
 )
+
+// PathInfo is GET /v1/info: the agent's run, the KV file layout the engine opens beside it,
+// and, on a producer started with --engine-registers, the worker registration the engine puts
+// in its bootstrap server (as vLLM's prefill workers register their transfer engines there).
+const PathInfo = "/v1/info"
+
+// Info is the answer to GET /v1/info.
+type Info struct {
+	Epoch      string `json:"epoch"`
+	KVBlocks   int    `json:"kv_blocks"`
+	BlockBytes int    `json:"block_bytes"`
+	// Registration is set on a producer whose engine registers it; its engine id changes with
+	// every run of the agent.
+	Registration *bootstrap.Registration `json:"registration,omitempty"`
+}
 
 // EpochReply is the answer to every POST: the run of the agent that took it.
 type EpochReply struct {

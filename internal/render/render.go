@@ -41,10 +41,20 @@ const (
 	ConnectorSocket = "unix://" + ConnectorDir + "/agent.sock"
 	// kvFile is the KV staging buffer on that volume.
 	kvFile = ConnectorDir + "/kv.blocks"
-	// ConnectorPort serves /healthz, /readyz, /metrics and, on prefill, the bootstrap registry.
-	ConnectorPort int32 = v1alpha1.DefaultBootstrapPort
+	// ConnectorPort is the sidecar's public port: /healthz, /readyz, /metrics and /gate. It is
+	// not vLLM's bootstrap port (8998): the prefill engine binds that in the same network
+	// namespace.
+	ConnectorPort int32 = 8190
 	// ConnectorDataPort is the prefill agent's data plane, dialled by decode agents.
 	ConnectorDataPort int32 = 7200
+
+	// Port names, shared by container ports and the Services that target them.
+	portHTTP      = "http"
+	portBootstrap = "bootstrap"
+	portConnector = "connector"
+	portKVData    = "kv-data"
+	// portNixlPrefix + data-parallel rank names a NIXL side-channel port.
+	portNixlPrefix = "nixl-"
 )
 
 // Options are the operator-wide settings that are not part of a PDCluster.
@@ -282,10 +292,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 		{Name: "PDCLUSTER_CONNECTOR_URL", Value: ConnectorSocket},
 		{Name: "PDCLUSTER_KV_FILE", Value: kvFile},
 	}
-	if orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) == v1alpha1.ConnectorMooncake {
-		// The prefill connector agent hosts the Mooncake bootstrap registry.
-		env = append(env, corev1.EnvVar{Name: "VLLM_MOONCAKE_BOOTSTRAP_PORT", Value: strconv.Itoa(int(ConnectorPort))})
-	}
+	env = append(env, connectorEnv(pdc.Spec.KVTransfer, role)...)
 
 	mounts := []corev1.VolumeMount{
 		{Name: shmVolume, MountPath: "/dev/shm"},
@@ -303,7 +310,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 		}}})
 	}
 
-	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString("http")}}
+	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
 	connector, bufferBytes := connectorContainer(pdc, opts, role)
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
@@ -311,7 +318,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 			Image:     orDefault(p.Image, pdc.Spec.Engine.Image),
 			Command:   []string{"vllm"},
 			Args:      args,
-			Ports:     []corev1.ContainerPort{{Name: "http", ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
+			Ports:     enginePorts(pdc, role),
 			Env:       env,
 			Resources: resources,
 			// Model loading can take many minutes; the startup probe holds liveness off until then.
@@ -339,6 +346,73 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	return dep, err
 }
 
+// connectorEnv is the environment vLLM's KV connector reads in role's engine.
+func connectorEnv(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) []corev1.EnvVar {
+	rdma := orDefault(kv.Protocol, v1alpha1.ProtocolRDMA) == v1alpha1.ProtocolRDMA
+	switch orDefault(kv.Connector, v1alpha1.ConnectorMooncake) {
+	case v1alpha1.ConnectorNixl:
+		env := []corev1.EnvVar{
+			// vLLM hands this host to the other side in kv_transfer_params; its default,
+			// localhost, makes every handshake from another pod fail.
+			{Name: "VLLM_NIXL_SIDE_CHANNEL_HOST", Value: "$(POD_IP)"},
+			{Name: "VLLM_NIXL_SIDE_CHANNEL_PORT", Value: strconv.Itoa(int(v1alpha1.DefaultNixlSideChannelPort))},
+		}
+		if rdma {
+			env = append(env, corev1.EnvVar{Name: "UCX_NET_DEVICES", Value: ucxNetDevices(kv.RDMADevices)})
+		}
+		return env
+	default:
+		if role != v1alpha1.RolePrefill {
+			return nil // only a kv_producer starts the bootstrap server
+		}
+		return []corev1.EnvVar{{Name: "VLLM_MOONCAKE_BOOTSTRAP_PORT", Value: strconv.Itoa(int(v1alpha1.DefaultBootstrapPort))}}
+	}
+}
+
+// ucxNetDevices is UCX's device list for NIXL: UCX names an RDMA device with its port
+// (mlx5_0:1); a device given without one gets port 1.
+func ucxNetDevices(devices []string) string {
+	out := make([]string, len(devices))
+	for i, d := range devices {
+		if !strings.Contains(d, ":") {
+			d += ":1"
+		}
+		out[i] = d
+	}
+	return strings.Join(out, ",")
+}
+
+// enginePorts are the ports vLLM binds in role's engine container: the OpenAI API, and the
+// connector's own listeners (Mooncake's bootstrap server on prefill, NIXL's side channel on
+// every engine, one port per data-parallel rank).
+func enginePorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []corev1.ContainerPort {
+	ports := []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}}
+	switch orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) {
+	case v1alpha1.ConnectorNixl:
+		dp := ptr.Deref(pool(pdc, role).Parallelism.Data, v1alpha1.DefaultParallelism)
+		for rank := range dp {
+			ports = append(ports, corev1.ContainerPort{Name: nixlPortName(rank), ContainerPort: v1alpha1.DefaultNixlSideChannelPort + rank, Protocol: corev1.ProtocolTCP})
+		}
+	default:
+		if role == v1alpha1.RolePrefill {
+			ports = append(ports, corev1.ContainerPort{Name: portBootstrap, ContainerPort: v1alpha1.DefaultBootstrapPort, Protocol: corev1.ProtocolTCP})
+		}
+	}
+	return ports
+}
+
+// connectorPorts are the ports the connector sidecar binds: its public HTTP port and, on
+// prefill, the data plane decode agents dial.
+func connectorPorts(role v1alpha1.Role) []corev1.ContainerPort {
+	ports := []corev1.ContainerPort{{Name: portConnector, ContainerPort: ConnectorPort, Protocol: corev1.ProtocolTCP}}
+	if role == v1alpha1.RolePrefill {
+		ports = append(ports, corev1.ContainerPort{Name: portKVData, ContainerPort: ConnectorDataPort, Protocol: corev1.ProtocolTCP})
+	}
+	return ports
+}
+
+func nixlPortName(rank int32) string { return portNixlPrefix + strconv.Itoa(int(rank)) }
+
 func podIPEnv() corev1.EnvVar {
 	return corev1.EnvVar{Name: "POD_IP", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{APIVersion: "v1", FieldPath: "status.podIP"}}}
 }
@@ -362,22 +436,22 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		// Not ready until the engine's gate has loaded and while its heartbeat is missing.
 		args = append(args, "--require-gate")
 	}
-	ports := []corev1.ContainerPort{{Name: "connector", ContainerPort: ConnectorPort, Protocol: corev1.ProtocolTCP}}
 	if role == v1alpha1.RolePrefill {
-		args = append(args, fmt.Sprintf("--data-listen=:%d", ConnectorDataPort), fmt.Sprintf("--advertise-data=$(POD_IP):%d", ConnectorDataPort))
-		ports = append(ports, corev1.ContainerPort{Name: "kv-data", ContainerPort: ConnectorDataPort, Protocol: corev1.ProtocolTCP})
+		// The engine owns the bootstrap server and registers this agent's data address in it,
+		// as vLLM's prefill workers register their transfer engines.
+		args = append(args, fmt.Sprintf("--data-listen=:%d", ConnectorDataPort), fmt.Sprintf("--advertise-data=$(POD_IP):%d", ConnectorDataPort), "--engine-registers")
 	}
 	resources := *c.Resources.DeepCopy()
 	if len(resources.Requests) == 0 && len(resources.Limits) == 0 {
 		resources.Requests = corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")}
 	}
 	period := ptr.Deref(c.Health.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds)
-	port := intstr.FromString("connector")
+	port := intstr.FromString(portConnector)
 	return corev1.Container{
 		Name:           v1alpha1.ConnectorContainerName,
 		Image:          orDefault(c.Image, opts.ConnectorImage),
 		Args:           args,
-		Ports:          ports,
+		Ports:          connectorPorts(role),
 		Env:            []corev1.EnvVar{podIPEnv()},
 		Resources:      resources,
 		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
@@ -440,12 +514,12 @@ func hashOf(v any) (string, error) {
 // EngineService is the headless Service of a pool: the router needs each pod's address (the
 // Mooncake bootstrap server runs per prefill pod), not a load-balanced VIP.
 func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Service {
-	ports := []corev1.ServicePort{
-		{Name: "http", Port: v1alpha1.DefaultEnginePort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP},
-		{Name: "connector", Port: ConnectorPort, TargetPort: intstr.FromString("connector"), Protocol: corev1.ProtocolTCP},
-	}
-	if role == v1alpha1.RolePrefill {
-		ports = append(ports, corev1.ServicePort{Name: "kv-data", Port: ConnectorDataPort, TargetPort: intstr.FromString("kv-data"), Protocol: corev1.ProtocolTCP})
+	// Every port the pod's containers declare, under the same name: the pods are reached by
+	// their own addresses, so the Service publishes the set for discovery and DNS SRV records.
+	declared := append(enginePorts(pdc, role), connectorPorts(role)...)
+	ports := make([]corev1.ServicePort, 0, len(declared))
+	for _, p := range declared {
+		ports = append(ports, corev1.ServicePort{Name: p.Name, Port: p.ContainerPort, TargetPort: intstr.FromString(p.Name), Protocol: p.Protocol})
 	}
 	return &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
@@ -474,7 +548,7 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 		cfg.Model = pdc.Spec.Model.Path
 	}
 	if connector == v1alpha1.ConnectorMooncake {
-		cfg.BootstrapPort = ConnectorPort
+		cfg.BootstrapPort = v1alpha1.DefaultBootstrapPort
 	} else {
 		cfg.Flow = routerconfig.FlowNIXL
 	}
@@ -491,13 +565,13 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 
 // RouterDeployment runs the P/D proxy.
 func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.ConfigMap) (*appsv1.Deployment, error) {
-	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString("http")}}
+	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
 			Name:  v1alpha1.RouterContainerName,
 			Image: opts.RouterImage,
 			Args:  []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
-			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
+			Ports: []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
 			Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
 				corev1.ResourceCPU:    resource.MustParse("100m"),
 				corev1.ResourceMemory: resource.MustParse("128Mi"),
@@ -520,7 +594,7 @@ func RouterService(pdc *v1alpha1.PDCluster) *corev1.Service {
 		ObjectMeta: objectMeta(pdc, v1alpha1.RoleRouter),
 		Spec: corev1.ServiceSpec{
 			Selector: Labels(pdc.Name, v1alpha1.RoleRouter),
-			Ports:    []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}},
+			Ports:    []corev1.ServicePort{{Name: portHTTP, Port: 80, TargetPort: intstr.FromString(portHTTP), Protocol: corev1.ProtocolTCP}},
 		},
 	}
 }

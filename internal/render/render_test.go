@@ -125,9 +125,9 @@ func TestConnectorSidecar(t *testing.T) {
 		wantArgs []string
 		ports    []string
 	}{
-		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
-			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate", "--data-listen=:7200", "--advertise-data=$(POD_IP):7200"}, []string{"connector", "kv-data"}},
-		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8998", "--kv-file=/var/run/pdcluster/kv.blocks",
+		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190", "--kv-file=/var/run/pdcluster/kv.blocks",
+			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate", "--data-listen=:7200", "--advertise-data=$(POD_IP):7200", "--engine-registers"}, []string{"connector", "kv-data"}},
+		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190", "--kv-file=/var/run/pdcluster/kv.blocks",
 			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate"}, []string{"connector"}},
 	} {
 		t.Run(string(tc.role), func(t *testing.T) {

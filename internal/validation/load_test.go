@@ -92,6 +92,11 @@ func TestAdmitRejectsInvalidSpecs(t *testing.T) {
 			want: []string{"spec.kvTransfer", "rdmaDevices must list"},
 		},
 		{
+			name: "rdma devices with tcp mean nothing",
+			doc:  strings.Replace(minimal, "kvTransfer: {protocol: tcp}", "kvTransfer: {protocol: tcp, rdmaDevices: [mlx5_0]}", 1),
+			want: []string{"spec.kvTransfer", "rdmaDevices is only used with protocol rdma"},
+		},
+		{
 			name: "operator-owned flag in engine args",
 			doc:  strings.Replace(minimal, "{image: vllm/vllm-openai:v0.11.0}", `{image: x, args: ["--max-model-len=4096", "--block-size=32"]}`, 1),
 			want: []string{"spec.engine.args", "flag --block-size=32 is set by the operator"},

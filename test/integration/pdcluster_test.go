@@ -319,6 +319,7 @@ func TestInvalidSpecRejectedAtAdmission(t *testing.T) {
 		want string
 	}{
 		{"rdma without devices", wrappers.MakePDCluster(f.ns, "a").Protocol(v1alpha1.ProtocolRDMA).Obj(), "rdmaDevices must list at least one RDMA device"},
+		{"rdma devices with tcp", wrappers.MakePDCluster(f.ns, "a2").Protocol(v1alpha1.ProtocolTCP, "mlx5_0").Obj(), "rdmaDevices is only used with protocol rdma"},
 		{"owned flag", func() *v1alpha1.PDCluster {
 			p := wrappers.MakePDCluster(f.ns, "b").Obj()
 			p.Spec.Prefill.Args = []string{"--tensor-parallel-size=8"}
