@@ -11,9 +11,9 @@ all: build
 
 ##@ Build
 .PHONY: build
-build: ## Build every binary into bin/: the shipped ones (cmd/) and the simulators (test/sim/cmd/).
+build: ## Build every binary into bin/: the shipped ones (cmd/), the simulators (test/sim/cmd/) and the local node's (test/cluster/cmd/).
 	@mkdir -p bin
-	$(GO) build -o bin/ ./cmd/... ./test/sim/cmd/...
+	$(GO) build -o bin/ ./cmd/... ./test/sim/cmd/... ./test/cluster/cmd/...
 
 .PHONY: run
 run: build ## Main job: local cluster, operator installed with Helm, sample PDCluster Ready (stop: make down).

@@ -1,0 +1,296 @@
+// Command vllm stands in for vLLM in the engine image of the local cluster's real node: it
+// answers `vllm serve MODEL <flags>` with the engine simulator (test/sim/enginesim) and behaves
+// like vLLM where a pod can tell:
+//   - flags: the ones vLLM defines, an unknown one is a usage error (exit 2);
+//   - --kv-transfer-config: the connector class is imported from kv_connector_module_path on
+//     PYTHONPATH (missing: ModuleNotFoundError, exit 1) or is one of vLLM's own;
+//   - ports: the OpenAI API on --host:--port; a Mooncake kv_producer's bootstrap server on
+//     0.0.0.0:$VLLM_MOONCAKE_BOOTSTRAP_PORT (8998); NIXL's side channel on
+//     $VLLM_NIXL_SIDE_CHANNEL_HOST (localhost):$VLLM_NIXL_SIDE_CHANNEL_PORT (5600) + dp rank, and
+//     that host is what prefill hands decode. A port already bound fails the start, as it
+//     fails vLLM's;
+//   - the gate: with pdgate's class loaded it heartbeats to the sidecar as the plugin does.
+//
+// The KV moves through the connector sidecar (PDCLUSTER_CONNECTOR_URL), whose data address the
+// prefill engine registers in its bootstrap server, as vLLM's workers register theirs.
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/go-logr/logr"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/connector/kvfile"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
+	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
+	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
+)
+
+func main() {
+	log := zap.New(zap.UseDevMode(false))
+	s, err := vllmcli.Parse(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		if _, usage := errors.AsType[*vllmcli.UsageError](err); usage {
+			os.Exit(2)
+		}
+		os.Exit(1)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, s, os.Getenv, log); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+}
+
+func envOr(getenv func(string) string, key, def string) string {
+	if v := getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+// run starts the engine of s and serves until ctx ends.
+func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log logr.Logger) error {
+	cfg := enginesim.Config{Model: s.ServedModelName, BlockSize: s.BlockSize, MaxModelLen: s.MaxModelLen,
+		PrefixCaching: s.PrefixCaching, Policy: vllmsched.PolicyFail, StepTime: 2 * time.Millisecond, Log: log}
+	var conn vllmcli.Connector
+	var listeners []net.Listener
+	defer func() {
+		for _, l := range listeners {
+			_ = l.Close()
+		}
+	}()
+	listen := func(addr, what string) (net.Listener, error) {
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			return nil, fmt.Errorf("OSError: %s on %s: %w", what, addr, err)
+		}
+		listeners = append(listeners, l)
+		return l, nil
+	}
+	var registry *bootstrap.Registry
+	var registered atomic.Bool
+	registered.Store(true)
+	if kv := s.KVTransfer; kv != nil {
+		var err error
+		if conn, err = vllmcli.LoadConnector(kv, getenv("PYTHONPATH")); err != nil {
+			return err
+		}
+		cfg.Role = v1alpha1.KVRole(kv.Role)
+		if kv.LoadFailurePolicy != "" {
+			cfg.Policy = vllmsched.Policy(kv.LoadFailurePolicy)
+		}
+		cfg.Agent = envOr(getenv, "PDCLUSTER_CONNECTOR_URL", "unix:///var/run/pdcluster/agent.sock")
+		info, err := agentInfo(ctx, cfg.Agent, log)
+		if err != nil {
+			return err
+		}
+		path := getenv("PDCLUSTER_KV_FILE")
+		if path == "" {
+			return errors.New("PDCLUSTER_KV_FILE is not set: the KV file shared with the connector sidecar")
+		}
+		kvf, err := kvfile.Open(path, info.KVBlocks, info.BlockBytes)
+		if err != nil {
+			return err
+		}
+		defer kvf.Close()
+		cfg.KV, cfg.Capacity = kvf, info.KVBlocks
+
+		producer := cfg.Role == v1alpha1.KVProducer
+		if producer {
+			registry = bootstrap.NewRegistry()
+			registered.Store(false)
+		}
+		switch conn.Flow {
+		case vllmcli.FlowMooncake:
+			if producer {
+				port := envOr(getenv, "VLLM_MOONCAKE_BOOTSTRAP_PORT", strconv.Itoa(int(v1alpha1.DefaultBootstrapPort)))
+				l, err := listen(net.JoinHostPort("0.0.0.0", port), "Mooncake bootstrap server")
+				if err != nil {
+					return err
+				}
+				go serveHTTP(ctx, l, registry.Handler())
+				cfg.BootstrapAddr = "http://" + net.JoinHostPort("127.0.0.1", port)
+			}
+		case vllmcli.FlowNixl:
+			host := envOr(getenv, "VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
+			base, err := strconv.Atoi(envOr(getenv, "VLLM_NIXL_SIDE_CHANNEL_PORT", strconv.Itoa(int(v1alpha1.DefaultNixlSideChannelPort))))
+			if err != nil {
+				return fmt.Errorf("VLLM_NIXL_SIDE_CHANNEL_PORT: %w", err)
+			}
+			side := registry
+			if side == nil {
+				side = bootstrap.NewRegistry() // a consumer answers handshakes with its own (empty) metadata
+			}
+			for rank := range s.DataParallel {
+				l, err := listen(net.JoinHostPort(host, strconv.Itoa(base+rank)), fmt.Sprintf("NIXL side channel of dp rank %d", rank))
+				if err != nil {
+					return err
+				}
+				go serveHTTP(ctx, l, side.Handler())
+			}
+			// What prefill hands decode in kv_transfer_params (remote_host, remote_port).
+			cfg.BootstrapAddr = "http://" + net.JoinHostPort(host, strconv.Itoa(base))
+		}
+		if producer {
+			go registerAgent(ctx, cfg.Agent, registry, &registered, log)
+		}
+	}
+	if cfg.Capacity == 0 {
+		cfg.Capacity = 4096
+	}
+	e, err := enginesim.New(cfg)
+	if err != nil {
+		return err
+	}
+	api, err := listen(net.JoinHostPort(s.Host, strconv.Itoa(s.Port)), "OpenAI API server")
+	if err != nil {
+		return err
+	}
+	if conn.File != "" && conn.Class != "" {
+		go heartbeat(ctx, cfg.Agent, conn, string(cfg.Role), e)
+	}
+	go e.Run(ctx)
+	h := e.Handler()
+	mux := http.NewServeMux()
+	mux.Handle("/", h)
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
+		if !registered.Load() { // vLLM's server is not up before its workers registered
+			http.Error(w, "waiting for the connector's registration", http.StatusServiceUnavailable)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role)
+	serveHTTP(ctx, api, mux)
+	return nil
+}
+
+func serveHTTP(ctx context.Context, l net.Listener, h http.Handler) {
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(c)
+	}()
+	_ = srv.Serve(l)
+}
+
+// agentInfo waits for the connector sidecar's local API: the two containers start together.
+func agentInfo(ctx context.Context, agent string, log logr.Logger) (localapi.Info, error) {
+	c := newSidecar(agent)
+	for {
+		info, err := c.info(ctx)
+		if err == nil {
+			return info, nil
+		}
+		log.Info("waiting for the connector sidecar", "url", agent, "err", err.Error())
+		select {
+		case <-ctx.Done():
+			return localapi.Info{}, ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// registerAgent keeps the sidecar's data address in this engine's bootstrap server, under the
+// engine id of the sidecar's current run (a restarted sidecar has a new one).
+func registerAgent(ctx context.Context, agent string, registry *bootstrap.Registry, registered *atomic.Bool, log logr.Logger) {
+	c := newSidecar(agent)
+	var last bootstrap.Registration
+	for ctx.Err() == nil {
+		if info, err := c.info(ctx); err == nil && info.Registration != nil && *info.Registration != last {
+			if err := registry.Replace(*info.Registration); err != nil {
+				log.Error(err, "register the connector sidecar")
+			} else {
+				last = *info.Registration
+				registered.Store(true)
+				log.Info("registered the connector sidecar", "engineID", last.EngineID, "addr", last.Addr)
+			}
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// heartbeat reports the loaded gate to the sidecar every 5 s, as pdgate's Reporter does. The
+// simulator's gate is the sidecar's own, so the counts are the completions the engine was told.
+func heartbeat(ctx context.Context, agent string, conn vllmcli.Connector, role string, e *enginesim.Engine) {
+	c := newSidecar(agent)
+	for ctx.Err() == nil {
+		st := e.Scheduler()
+		_ = c.gate(ctx, vllmplugin.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllmplugin.Hash(), Role: role, PID: os.Getpid(),
+			Counts: vllmplugin.Counts{Passed: int64(st.Completions), Failed: int64(st.Errored)}})
+		select {
+		case <-ctx.Done():
+		case <-time.After(5 * time.Second):
+		}
+	}
+}
+
+// sidecar is the connector sidecar's local API, for what the engine's Link does not carry.
+type sidecar struct {
+	base string
+	hc   *http.Client
+}
+
+func newSidecar(endpoint string) sidecar {
+	base, hc := localapi.Client(endpoint, 2*time.Second)
+	return sidecar{base, hc}
+}
+
+func (s sidecar) info(ctx context.Context) (localapi.Info, error) {
+	var info localapi.Info
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.base+localapi.PathInfo, nil)
+	if err != nil {
+		return info, err
+	}
+	resp, err := s.hc.Do(req)
+	if err != nil {
+		return info, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return info, fmt.Errorf("GET %s: %s", localapi.PathInfo, resp.Status)
+	}
+	return info, json.NewDecoder(resp.Body).Decode(&info)
+}
+
+func (s sidecar) gate(ctx context.Context, rep vllmplugin.Report) error {
+	b, err := json.Marshal(rep)
+	if err != nil {
+		return err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.base+localapi.PathGate, bytes.NewReader(b))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := s.hc.Do(req)
+	if err != nil {
+		return err
+	}
+	return resp.Body.Close()
+}

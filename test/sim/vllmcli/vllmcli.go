@@ -1,0 +1,271 @@
+// Package vllmcli reads a `vllm serve` command line the way vLLM does, for the engine image that
+// stands in for vLLM: the same flags (an unknown one is an error, as argparse makes it), the
+// --kv-transfer-config JSON, and the connector class found through kv_connector_module_path on
+// PYTHONPATH, as Python's import would find it. Whatever render writes must pass here, and
+// whatever vLLM would refuse must fail here.
+package vllmcli
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+)
+
+// Serve is the parsed `vllm serve MODEL ...`.
+type Serve struct {
+	Model            string
+	ServedModelName  string
+	Host             string
+	Port             int
+	BlockSize        int
+	TensorParallel   int
+	DataParallel     int
+	PipelineParallel int
+	ExpertParallel   bool
+	PrefixCaching    bool
+	MaxModelLen      int
+	KVTransfer       *KVTransferConfig
+}
+
+// KVTransferConfig is the subset of vLLM's KVTransferConfig the simulator reads.
+type KVTransferConfig struct {
+	Connector         string         `json:"kv_connector"`
+	Role              string         `json:"kv_role"`
+	ModulePath        string         `json:"kv_connector_module_path,omitempty"`
+	BufferDevice      string         `json:"kv_buffer_device,omitempty"`
+	LoadFailurePolicy string         `json:"kv_load_failure_policy,omitempty"`
+	ExtraConfig       map[string]any `json:"kv_connector_extra_config,omitempty"`
+}
+
+// UsageError is what argparse reports: vLLM prints it and exits with status 2.
+type UsageError struct{ Msg string }
+
+func (e *UsageError) Error() string { return "vllm serve: error: " + e.Msg }
+
+type kind int
+
+const (
+	value    kind = iota // --flag V or --flag=V
+	boolean              // store_true
+	optional             // BooleanOptionalAction: --flag and --no-flag
+)
+
+// flags are the `vllm serve` options the simulator knows: the ones render writes and common
+// ones users pass through engine.args; every other option is refused, as vLLM refuses a flag
+// it does not define.
+var flags = map[string]kind{
+	"--served-model-name": value, "--host": value, "--port": value, "--block-size": value,
+	"--tensor-parallel-size": value, "--data-parallel-size": value, "--pipeline-parallel-size": value,
+	"--enable-expert-parallel": boolean, "--enable-prefix-caching": optional, "--kv-transfer-config": value,
+	"--max-model-len": value, "--max-num-seqs": value, "--max-num-batched-tokens": value,
+	"--gpu-memory-utilization": value, "--dtype": value, "--kv-cache-dtype": value, "--seed": value,
+	"--quantization": value, "--tokenizer": value, "--revision": value, "--download-dir": value,
+	"--load-format": value, "--swap-space": value, "--trust-remote-code": boolean, "--enforce-eager": boolean,
+	"--enable-chunked-prefill": optional, "--disable-log-requests": boolean, "--disable-log-stats": boolean,
+	"--uvicorn-log-level": value, "--api-server-count": value, "--distributed-executor-backend": value,
+	"--generation-config": value, "--chat-template": value, "--max-logprobs": value,
+}
+
+// short are vLLM's short aliases.
+var short = map[string]string{"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size"}
+
+// Parse reads args, the arguments after the `vllm` command.
+func Parse(args []string) (*Serve, error) {
+	if len(args) == 0 || args[0] != "serve" {
+		return nil, &UsageError{"the simulator only runs `vllm serve`"}
+	}
+	s := &Serve{Host: "0.0.0.0", Port: 8000, BlockSize: 16, TensorParallel: 1, DataParallel: 1, PipelineParallel: 1, PrefixCaching: true}
+	vals := map[string]string{}
+	var unknown []string
+	for i := 1; i < len(args); i++ {
+		a := args[i]
+		if !strings.HasPrefix(a, "-") {
+			if s.Model != "" {
+				unknown = append(unknown, a)
+				continue
+			}
+			s.Model = a
+			continue
+		}
+		name, val, hasVal := strings.Cut(a, "=")
+		if long, ok := short[name]; ok {
+			name = long
+		}
+		// vLLM accepts --block_size for --block-size.
+		name = "--" + strings.ReplaceAll(strings.TrimPrefix(name, "--"), "_", "-")
+		negated := false
+		k, ok := flags[name]
+		if !ok {
+			if base, isNo := strings.CutPrefix(name, "--no-"); isNo && flags["--"+base] == optional {
+				name, k, ok, negated = "--"+base, optional, true, true
+			}
+		}
+		if !ok {
+			unknown = append(unknown, a)
+			continue
+		}
+		switch k {
+		case value:
+			if !hasVal {
+				if i+1 >= len(args) {
+					return nil, &UsageError{fmt.Sprintf("argument %s: expected one argument", name)}
+				}
+				i++
+				val = args[i]
+			}
+			vals[name] = val
+		case boolean, optional:
+			if hasVal {
+				return nil, &UsageError{fmt.Sprintf("argument %s: ignored explicit argument '%s'", name, val)}
+			}
+			vals[name] = strconv.FormatBool(!negated)
+		}
+	}
+	if len(unknown) > 0 {
+		return nil, &UsageError{"unrecognized arguments: " + strings.Join(unknown, " ")}
+	}
+	if s.Model == "" {
+		return nil, &UsageError{"the following arguments are required: model_tag"}
+	}
+	s.ServedModelName = s.Model
+	if v, ok := vals["--served-model-name"]; ok {
+		s.ServedModelName = v
+	}
+	if v, ok := vals["--host"]; ok {
+		s.Host = v
+	}
+	ints := []struct {
+		flag string
+		dst  *int
+	}{{"--port", &s.Port}, {"--block-size", &s.BlockSize}, {"--tensor-parallel-size", &s.TensorParallel},
+		{"--data-parallel-size", &s.DataParallel}, {"--pipeline-parallel-size", &s.PipelineParallel}, {"--max-model-len", &s.MaxModelLen}}
+	for _, f := range ints {
+		v, ok := vals[f.flag]
+		if !ok {
+			continue
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return nil, &UsageError{fmt.Sprintf("argument %s: invalid int value: '%s'", f.flag, v)}
+		}
+		*f.dst = n
+	}
+	s.ExpertParallel = vals["--enable-expert-parallel"] == "true"
+	if v, ok := vals["--enable-prefix-caching"]; ok {
+		s.PrefixCaching = v == "true"
+	}
+	if v, ok := vals["--kv-transfer-config"]; ok {
+		var kv KVTransferConfig
+		dec := json.NewDecoder(strings.NewReader(v))
+		if err := dec.Decode(&kv); err != nil {
+			return nil, &UsageError{fmt.Sprintf("argument --kv-transfer-config: invalid loads value: '%s'", v)}
+		}
+		switch kv.Role {
+		case "kv_producer", "kv_consumer", "kv_both":
+		default:
+			return nil, fmt.Errorf("kv_role %q is not one of kv_producer, kv_consumer, kv_both", kv.Role)
+		}
+		s.KVTransfer = &kv
+	}
+	return s, nil
+}
+
+// Flow is how a connector class moves KV: mooncake or nixl.
+type Flow string
+
+const (
+	FlowMooncake Flow = "mooncake"
+	FlowNixl     Flow = "nixl"
+)
+
+// builtin are vLLM's own connector classes the simulator can stand in for.
+var builtin = map[string]Flow{"MooncakeConnector": FlowMooncake, "NixlConnector": FlowNixl}
+
+// Connector is the connector class vLLM would load.
+type Connector struct {
+	Class string
+	// File is the source file the class came from; empty for a class built into vLLM.
+	File string
+	Flow Flow
+}
+
+// LoadConnector finds kv's connector class as vLLM's factory does: from
+// kv_connector_module_path when it is set (importing the module from pythonPath, which fails
+// when it is not there), or among vLLM's built-in connectors.
+func LoadConnector(kv *KVTransferConfig, pythonPath string) (Connector, error) {
+	if kv.ModulePath == "" {
+		flow, ok := builtin[kv.Connector]
+		if !ok {
+			return Connector{}, fmt.Errorf("ValueError: Unsupported connector type: %s", kv.Connector)
+		}
+		return Connector{Class: kv.Connector, Flow: flow}, nil
+	}
+	file, err := FindModule(pythonPath, kv.ModulePath)
+	if err != nil {
+		return Connector{}, err
+	}
+	src, err := os.ReadFile(file)
+	if err != nil {
+		return Connector{}, err
+	}
+	if !definesName(string(src), kv.Connector) {
+		return Connector{}, fmt.Errorf("AttributeError: module '%s' has no attribute '%s'", kv.ModulePath, kv.Connector)
+	}
+	c := Connector{Class: kv.Connector, File: file}
+	switch {
+	case strings.Contains(kv.Connector, "Mooncake"):
+		c.Flow = FlowMooncake
+	case strings.Contains(kv.Connector, "Nixl"):
+		c.Flow = FlowNixl
+	default:
+		return Connector{}, fmt.Errorf("the simulator does not know how %s moves KV (neither Mooncake nor NIXL)", kv.Connector)
+	}
+	return c, nil
+}
+
+// FindModule resolves a dotted module name against pythonPath (os.PathListSeparator-separated
+// directories) as Python's path finder does for source files: every package on the way needs
+// its __init__.py, and the module is name.py or a package name/__init__.py.
+func FindModule(pythonPath, module string) (string, error) {
+	parts := strings.Split(module, ".")
+	for _, dir := range filepath.SplitList(pythonPath) {
+		if dir == "" {
+			continue
+		}
+		p, ok := dir, true
+		for _, pkg := range parts[:len(parts)-1] {
+			p = filepath.Join(p, pkg)
+			if !isFile(filepath.Join(p, "__init__.py")) {
+				ok = false
+				break
+			}
+		}
+		if !ok {
+			continue
+		}
+		last := filepath.Join(p, parts[len(parts)-1])
+		if isFile(last + ".py") {
+			return last + ".py", nil
+		}
+		if isFile(filepath.Join(last, "__init__.py")) {
+			return filepath.Join(last, "__init__.py"), nil
+		}
+	}
+	return "", fmt.Errorf("ModuleNotFoundError: No module named '%s' (PYTHONPATH=%q)", module, pythonPath)
+}
+
+func isFile(p string) bool {
+	st, err := os.Stat(p)
+	return err == nil && st.Mode().IsRegular()
+}
+
+// definesName reports whether Python source binds name at module level: a class statement or
+// an assignment (pdgate builds its classes with a factory: GatedX = gated(...)).
+func definesName(src, name string) bool {
+	re := regexp.MustCompile(`(?m)^(class\s+` + regexp.QuoteMeta(name) + `\b|` + regexp.QuoteMeta(name) + `\s*(:[^=]*)?=[^=])`)
+	return re.MatchString(src)
+}

@@ -1,0 +1,203 @@
+package vllmcli_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/validation"
+	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
+)
+
+// mount lays out what the kubelet would put in the engine container from c's volume mounts
+// that come from the gate ConfigMap, under root, and returns the container's PYTHONPATH as seen
+// from root.
+func mount(t *testing.T, root string, c corev1.Container, gateConfigMap string, pod corev1.PodSpec) string {
+	t.Helper()
+	for _, m := range c.VolumeMounts {
+		for _, v := range pod.Volumes {
+			if v.Name != m.Name || v.ConfigMap == nil || v.ConfigMap.Name != gateConfigMap {
+				continue
+			}
+			dir := filepath.Join(root, m.MountPath)
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			for name, data := range vllmplugin.Files() {
+				if err := os.WriteFile(filepath.Join(dir, name), []byte(data), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	var parts []string
+	for _, e := range c.Env {
+		if e.Name == "PYTHONPATH" {
+			for p := range strings.SplitSeq(e.Value, ":") {
+				parts = append(parts, filepath.Join(root, p))
+			}
+		}
+	}
+	return strings.Join(parts, ":")
+}
+
+// The other side of render's engine flags: every engine command line render writes for the
+// test specs is one vLLM's parser accepts, and its connector class imports from the plugin
+// files where the pod mounts them, on the PYTHONPATH the pod sets.
+func TestRenderedEngineCommandsParseAndImport(t *testing.T) {
+	specs, err := filepath.Glob("../../../internal/render/testdata/*.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	loader, err := validation.NewLoader()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, spec := range specs {
+		if strings.HasSuffix(spec, ".golden.yaml") {
+			continue
+		}
+		f, err := os.Open(spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		docs, err := loader.Read(context.Background(), f)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		pdc := docs[0].PDCluster
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+			t.Run(filepath.Base(spec)+"/"+string(role), func(t *testing.T) {
+				dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), role)
+				if err != nil {
+					t.Fatal(err)
+				}
+				pod := dep.Spec.Template.Spec
+				c := pod.Containers[0]
+				if d := cmp.Diff([]string{"vllm"}, c.Command); d != "" {
+					t.Fatalf("command (-want +got):\n%s", d)
+				}
+				s, err := vllmcli.Parse(c.Args)
+				if err != nil {
+					t.Fatalf("vLLM would refuse the rendered command: %v", err)
+				}
+				if s.KVTransfer == nil || s.KVTransfer.Role != string(role.KVRole()) {
+					t.Fatalf("kv-transfer-config = %+v, want kv_role %s", s.KVTransfer, role.KVRole())
+				}
+				pythonPath := mount(t, t.TempDir(), c, render.GateObjectName(pdc.Name), pod)
+				conn, err := vllmcli.LoadConnector(s.KVTransfer, pythonPath)
+				if err != nil {
+					t.Fatalf("vLLM could not load the connector: %v", err)
+				}
+				if render.GateEnabled(pdc.Spec.KVTransfer) && conn.File == "" {
+					t.Errorf("gate enabled but vLLM would load its built-in %s", conn.Class)
+				}
+				n++
+			})
+		}
+	}
+	if n < 6 {
+		t.Fatalf("checked %d engine commands, want every pool of every test spec", n)
+	}
+}
+
+func TestParse(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		want *vllmcli.Serve
+		err  string
+	}{
+		{"defaults", []string{"serve", "m"}, &vllmcli.Serve{Model: "m", ServedModelName: "m", Host: "0.0.0.0", Port: 8000, BlockSize: 16,
+			TensorParallel: 1, DataParallel: 1, PipelineParallel: 1, PrefixCaching: true}, ""},
+		{"both spellings, short aliases and negation", []string{"serve", "m", "--block_size=64", "-tp", "4", "--data-parallel-size=2",
+			"--no-enable-prefix-caching", "--enable-expert-parallel", "--port", "9000", "--served-model-name", "x"},
+			&vllmcli.Serve{Model: "m", ServedModelName: "x", Host: "0.0.0.0", Port: 9000, BlockSize: 64, TensorParallel: 4, DataParallel: 2,
+				PipelineParallel: 1, ExpertParallel: true}, ""},
+		{"unknown flag", []string{"serve", "m", "--kv-connector", "x"}, nil, "unrecognized arguments: --kv-connector x"},
+		{"a second positional", []string{"serve", "m", "n"}, nil, "unrecognized arguments: n"},
+		{"no model", []string{"serve", "--port=1"}, nil, "required: model_tag"},
+		{"not serve", []string{"bench"}, nil, "only runs `vllm serve`"},
+		{"value missing", []string{"serve", "m", "--port"}, nil, "expected one argument"},
+		{"bad int", []string{"serve", "m", "--block-size=big"}, nil, "invalid int value"},
+		{"bool with a value", []string{"serve", "m", "--enforce-eager=yes"}, nil, "ignored explicit argument"},
+		{"bad kv json", []string{"serve", "m", "--kv-transfer-config", "{"}, nil, "invalid loads value"},
+		{"bad kv role", []string{"serve", "m", `--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"prefill"}`}, nil, "kv_role \"prefill\""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := vllmcli.Parse(tc.args)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err = %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d := cmp.Diff(tc.want, got); d != "" {
+				t.Errorf("(-want +got):\n%s", d)
+			}
+		})
+	}
+}
+
+func TestLoadConnector(t *testing.T) {
+	root := t.TempDir()
+	pkg := filepath.Join(root, "pdgate")
+	if err := os.MkdirAll(pkg, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for name, data := range vllmplugin.Files() {
+		if err := os.WriteFile(filepath.Join(pkg, name), []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	noInit := filepath.Join(t.TempDir(), "pdgate")
+	_ = os.MkdirAll(noInit, 0o755)
+	_ = os.WriteFile(filepath.Join(noInit, "mooncake.py"), []byte(vllmplugin.Files()["mooncake.py"]), 0o644)
+	gated := func(class, module string) *vllmcli.KVTransferConfig {
+		return &vllmcli.KVTransferConfig{Connector: class, ModulePath: module, Role: "kv_consumer"}
+	}
+	for _, tc := range []struct {
+		name       string
+		kv         *vllmcli.KVTransferConfig
+		pythonPath string
+		flow       vllmcli.Flow
+		err        string
+	}{
+		{"gated mooncake", gated(vllmplugin.MooncakeClass, vllmplugin.MooncakeModule), "/nowhere:" + root, vllmcli.FlowMooncake, ""},
+		{"gated nixl", gated(vllmplugin.NixlClass, vllmplugin.NixlModule), root, vllmcli.FlowNixl, ""},
+		{"built-in", &vllmcli.KVTransferConfig{Connector: "NixlConnector"}, "", vllmcli.FlowNixl, ""},
+		{"not on PYTHONPATH", gated(vllmplugin.MooncakeClass, vllmplugin.MooncakeModule), "", "", "ModuleNotFoundError: No module named 'pdgate.mooncake'"},
+		{"package without __init__.py", gated(vllmplugin.MooncakeClass, vllmplugin.MooncakeModule), filepath.Dir(noInit), "", "ModuleNotFoundError"},
+		{"class the module lacks", gated("GatedLMCacheConnector", vllmplugin.MooncakeModule), root, "", "has no attribute 'GatedLMCacheConnector'"},
+		{"unknown built-in", &vllmcli.KVTransferConfig{Connector: "FooConnector"}, "", "", "Unsupported connector type"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := vllmcli.LoadConnector(tc.kv, tc.pythonPath)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err = %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.Flow != tc.flow {
+				t.Errorf("flow = %q, want %q", c.Flow, tc.flow)
+			}
+		})
+	}
+}
