@@ -30,7 +30,7 @@ build_module() { # dir stampname pkg...
 		return
 	fi
 	log "${name}: building $* (kube-apiserver takes ~8 min cold on 2 cores)"
-	(cd "${root}/hack/${dir}" && GOBIN="${bin}" CGO_ENABLED=0 go install -trimpath -ldflags='-s -w' "$@")
+	(cd "${root}/hack/${dir}" && GOBIN="${bin}" CGO_ENABLED=0 go install -trimpath -ldflags='-s -w' ${BUILD_TAGS:+-tags "${BUILD_TAGS}"} "$@")
 	echo "${want}" > "${bin}/.${name}.stamp"
 }
 
@@ -38,10 +38,20 @@ build_module envtest kubernetes \
 	k8s.io/kubernetes/cmd/kube-apiserver \
 	k8s.io/kubernetes/cmd/kube-controller-manager \
 	k8s.io/kubernetes/cmd/kube-scheduler \
-	k8s.io/kubernetes/cmd/kubectl
+	k8s.io/kubernetes/cmd/kubectl \
+	k8s.io/kubernetes/cmd/kubelet \
+	k8s.io/kubernetes/cmd/kube-proxy
 build_module etcd etcd .
 # go install names the etcd main after its module directory.
 [[ -x "${bin}/etcd" ]] || { log "etcd binary missing after build"; exit 1; }
+
+# The real node's runtime and the image registry (hack/local-node.sh). containerd without the
+# snapshotters that need cgo or host tools.
+BUILD_TAGS=no_btrfs,no_devmapper,no_zfs build_module node node \
+	github.com/containerd/containerd/v2/cmd/containerd \
+	github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
+	github.com/coredns/coredns \
+	github.com/distribution/distribution/v3/cmd/registry
 
 install_tool() { # binary module@version
 	local name="$1" mod="$2"

@@ -8,12 +8,14 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$("${root}/hack/envtest-assets.sh")"
 dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
 nodes="${PDCLUSTER_GPU_NODES:-4}"
+real_node="${PDCLUSTER_REAL_NODE:-1}"
 port="${PDCLUSTER_APISERVER_PORT:-16443}"
 etcd_port="${PDCLUSTER_ETCD_PORT:-12379}" # and the next port for etcd peers
 log() { echo "local-cluster: $*" >&2; }
 
 down() {
 	local p pid
+	"${root}/hack/local-node.sh" down
 	# manager: the operator hack/run.sh starts against this cluster.
 	for p in manager kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
 		[[ -f "${dir}/${p}.pid" ]] || continue
@@ -91,6 +93,13 @@ status:
   capacity: {cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "8", rdma/hca: "4"}
 NODE
 	done
+	if [[ "${real_node}" == 1 ]]; then
+		# The real node is also the CPU node: what asks for no GPU (the router) runs there.
+		"${root}/hack/local-node.sh" up "${dir}/kubeconfig"
+		log "up: ${nodes} fake GPU nodes and a real node; export KUBECONFIG=${dir}/kubeconfig"
+		echo "${dir}/kubeconfig"
+		return
+	fi
 	# An untainted CPU node for what asks for no GPU: the router, the manager.
 	cat <<NODE | "${bin}/kubectl" "${kc[@]}" apply -f - >/dev/null
 apiVersion: v1

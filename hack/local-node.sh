@@ -1,0 +1,253 @@
+#!/usr/bin/env bash
+# A real node for the local cluster: pods on it run for real, from the project's images.
+#   hack/local-node.sh up KUBECONFIG   # registry, containerd, kubelet, kube-proxy, CoreDNS
+#   hack/local-node.sh images          # builds the binaries and pushes the images to the registry
+#   hack/local-node.sh down
+#
+# kubelet and kube-proxy come from the same k8s.io/kubernetes module as the control plane,
+# containerd 2.x, CoreDNS and the registry from hack/node (all built by hack/envtest-assets.sh);
+# runc, the CNI plugins, iptables and conntrack from Debian. Needs root (it makes a bridge,
+# iptables rules and mounts). The node advertises fake nvidia.com/gpu and rdma/hca capacity so
+# GPU pods can land on it, and carries the label pdcluster.dev/real-node=true.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="$("${root}/hack/envtest-assets.sh")"
+dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}/node"
+node="${PDCLUSTER_NODE_NAME:-pdc-node-0}"
+registry="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
+# Pods get 10.244.0.0/24 on the bridge pdc0; the node's end of it, 10.244.0.1, is also where
+# CoreDNS answers (it runs on the node, not in a pod).
+bridge=pdc0 gateway=10.244.0.1 pod_cidr=10.244.0.0/24
+runc_root=/run/containerd/runc/k8s.io
+log() { echo "local-node: $*" >&2; }
+export PATH="${bin}:${PATH}:/usr/local/sbin:/usr/sbin:/sbin"
+
+need() {
+	local missing=()
+	[[ "$(id -u)" == 0 ]] || { log "needs root (bridge, iptables, mounts)"; exit 1; }
+	for c in runc iptables conntrack ip; do command -v "${c}" >/dev/null || missing+=("${c}"); done
+	[[ -x /usr/lib/cni/bridge ]] || missing+=("CNI plugins (/usr/lib/cni)")
+	if ((${#missing[@]})); then
+		log "missing: ${missing[*]} (apt-get install runc containernetworking-plugins iptables conntrack iproute2)"
+		exit 1
+	fi
+}
+
+start() { # name args...
+	local name="$1"; shift
+	"$@" >"${dir}/${name}.log" 2>&1 &
+	echo $! >"${dir}/${name}.pid"
+}
+
+stop() { # name
+	local pid
+	[[ -f "${dir}/$1.pid" ]] || return 0
+	pid="$(cat "${dir}/$1.pid")"
+	kill "${pid}" 2>/dev/null || true
+	for _ in $(seq 1 50); do kill -0 "${pid}" 2>/dev/null || break; sleep 0.2; done
+	kill -9 "${pid}" 2>/dev/null || true
+	rm -f "${dir}/$1.pid"
+}
+
+down() {
+	[[ -d "${dir}" ]] || return 0
+	stop kubelet
+	stop kube-proxy
+	stop coredns
+	# The pods' containers outlive kubelet and containerd: kill them and their shims.
+	if command -v runc >/dev/null && [[ -d "${runc_root}" ]]; then
+		for c in $(runc --root "${runc_root}" list -q 2>/dev/null); do
+			runc --root "${runc_root}" kill "${c}" KILL 2>/dev/null || true
+		done
+		sleep 0.5
+		for c in $(runc --root "${runc_root}" list -q 2>/dev/null); do
+			runc --root "${runc_root}" delete --force "${c}" 2>/dev/null || true
+		done
+	fi
+	pkill -f "containerd-shim-runc-v2 .*${dir}/containerd.sock" 2>/dev/null || true
+	stop containerd
+	stop registry
+	# Mounts the kubelet and containerd made (volumes, rootfs, network namespaces), deepest first.
+	awk -v d="${dir}/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do umount -l "${m}" 2>/dev/null || true; done
+	for ns in $(ip netns list 2>/dev/null | awk '/^cni-/ {print $1}'); do ip netns delete "${ns}" 2>/dev/null || true; done
+	ip link delete "${bridge}" 2>/dev/null || true
+	if [[ -x "${bin}/kube-proxy" ]]; then "${bin}/kube-proxy" --cleanup >/dev/null 2>&1 || true; fi
+	iptables -t nat -S POSTROUTING 2>/dev/null | grep -F -- "CNI-" | sed 's/^-A/-D/' | while read -r r; do eval "iptables -t nat ${r}" 2>/dev/null || true; done
+	rm -rf "${dir}/containerd/state" "${dir}/cni-state"
+}
+
+write_configs() {
+	mkdir -p "${dir}"/{containerd,cni,certs.d/"${registry}",kubelet,cni-state}
+	cat >"${dir}/certs.d/${registry}/hosts.toml" <<EOF
+server = "http://${registry}"
+[host."http://${registry}"]
+  capabilities = ["pull", "resolve"]
+EOF
+	# restrict_oom_score_adj: this host is itself a container, where runc may not lower a
+	# process's oom_score_adj below its own (the pod sandbox asks for -998; runc then fails
+	# with "can't get final child's PID from pipe: EOF").
+	cat >"${dir}/containerd/config.toml" <<EOF
+version = 3
+root = "${dir}/containerd/root"
+state = "${dir}/containerd/state"
+[grpc]
+  address = "${dir}/containerd.sock"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "${registry}/pdcluster/pause:$(app_version)"
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = "${dir}/certs.d"
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["/usr/lib/cni"]
+    conf_dir = "${dir}/cni"
+EOF
+	cat >"${dir}/cni/10-pdcluster.conflist" <<EOF
+{"cniVersion": "1.0.0", "name": "pdcluster", "plugins": [
+  {"type": "bridge", "bridge": "${bridge}", "isGateway": true, "ipMasq": true, "hairpinMode": true,
+   "ipam": {"type": "host-local", "dataDir": "${dir}/cni-state", "ranges": [[{"subnet": "${pod_cidr}", "gateway": "${gateway}"}]],
+            "routes": [{"dst": "0.0.0.0/0"}]}},
+  {"type": "portmap", "capabilities": {"portMappings": true}}]}
+EOF
+	# failCgroupV1: this host has cgroup v1, which kubelet 1.37 refuses unless told.
+	cat >"${dir}/kubelet/config.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+containerRuntimeEndpoint: unix://${dir}/containerd.sock
+authentication: {anonymous: {enabled: false}, webhook: {enabled: false}}
+authorization: {mode: AlwaysAllow}
+address: 127.0.0.1
+port: 10250
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+clusterDNS: ["${gateway}"]
+clusterDomain: cluster.local
+resolvConf: ""
+failSwapOn: false
+localStorageCapacityIsolation: false
+imageGCHighThresholdPercent: 100
+evictionHard: {}
+serializeImagePulls: false
+registerNode: true
+nodeStatusReportFrequency: 10s
+EOF
+	cat >"${dir}/kube-proxy.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: iptables
+clientConnection: {kubeconfig: "${kubeconfig}"}
+hostnameOverride: ${node}
+clusterCIDR: ${pod_cidr}
+healthzBindAddress: 127.0.0.1:10256
+metricsBindAddress: 127.0.0.1:10249
+nodePortAddresses: [primary]
+conntrack: {maxPerCore: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+EOF
+	cat >"${dir}/Corefile" <<EOF
+cluster.local:53 in-addr.arpa:53 {
+    bind ${gateway}
+    errors
+    kubernetes cluster.local in-addr.arpa {
+        kubeconfig ${kubeconfig}
+        pods insecure
+    }
+    cache 5
+}
+.:53 {
+    bind ${gateway}
+    template ANY ANY {
+        rcode NXDOMAIN
+    }
+}
+EOF
+	cat >"${dir}/registry.yml" <<EOF
+version: 0.1
+log: {level: warn}
+storage:
+  filesystem: {rootdirectory: "${dir}/registry"}
+http: {addr: "${registry}"}
+EOF
+}
+
+app_version() { awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' "${root}/charts/pdcluster-operator/Chart.yaml"; }
+
+wait_for() { # what command...
+	local what="$1"; shift
+	for _ in $(seq 1 120); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done
+	log "${what} did not come up"; return 1
+}
+
+registry_up() {
+	mkdir -p "${dir}"
+	[[ -f "${dir}/registry.yml" ]] || write_configs
+	if ! curl -fsS "http://${registry}/v2/" >/dev/null 2>&1; then
+		start registry "${bin}/registry" serve "${dir}/registry.yml"
+		wait_for registry curl -fsS "http://${registry}/v2/"
+	fi
+}
+
+# images builds every image the local cluster runs and pushes it, tagged with the chart's
+# appVersion: the operator, the connector sidecar (the agent, and the vLLM plugin's files), the
+# router, the engine standing in for vLLM, and the pod sandbox.
+images() {
+	registry_up
+	(cd "${root}" && CGO_ENABLED=0 go build -trimpath -o bin/ ./cmd/... ./test/sim/cmd/... ./test/cluster/cmd/...)
+	local plugin=() f
+	for f in "${root}"/connector/vllm/pdgate/*.py; do plugin+=("${f}:/opt/pdgate/pdgate/$(basename "${f}")"); done
+	local IFS=,
+	(cd "${root}" && go run ./hack/imagebuild --registry "${registry}/pdcluster" --tag "$(app_version)" \
+		pdcluster-operator=bin/manager \
+		connector="bin/connector,${plugin[*]}" \
+		router=bin/router \
+		vllm-sim=bin/vllm@root \
+		pause=bin/pause:/pause) >&2
+}
+
+up() {
+	kubeconfig="$1"
+	need
+	down
+	write_configs
+	registry_up
+	echo 1 >/proc/sys/net/ipv4/ip_forward
+	modprobe br_netfilter 2>/dev/null || true
+	[[ -w /proc/sys/net/bridge/bridge-nf-call-iptables ]] && echo 1 >/proc/sys/net/bridge/bridge-nf-call-iptables
+	# The bridge exists before the first pod, so CoreDNS can bind the node's end of it.
+	ip link add "${bridge}" type bridge 2>/dev/null || true
+	ip addr replace "${gateway}/24" dev "${bridge}"
+	ip link set "${bridge}" up
+	start containerd "${bin}/containerd" --config "${dir}/containerd/config.toml"
+	wait_for containerd test -S "${dir}/containerd.sock"
+	start coredns "${bin}/coredns" -conf "${dir}/Corefile"
+	start kube-proxy "${bin}/kube-proxy" --config "${dir}/kube-proxy.yaml"
+	local ip; ip="$(ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i=1;i<NF;i++) if ($i=="src") print $(i+1)}')"
+	start kubelet "${bin}/kubelet" --config "${dir}/kubelet/config.yaml" --kubeconfig "${kubeconfig}" \
+		--hostname-override "${node}" ${ip:+--node-ip "${ip}"} --root-dir "${dir}/kubelet/root" --cert-dir "${dir}/kubelet/pki" \
+		--node-labels "pdcluster.dev/real-node=true"
+	local kc=(--kubeconfig "${kubeconfig}")
+	wait_for "node ${node}" kubectl "${kc[@]}" get node "${node}"
+	kubectl "${kc[@]}" wait --for=condition=Ready "node/${node}" --timeout 120s >/dev/null
+	# Fake accelerators, as a device plugin would advertise them: the scheduler counts them, the
+	# engine image needs none.
+	kubectl "${kc[@]}" patch node "${node}" --subresource=status --type=merge \
+		-p '{"status":{"capacity":{"nvidia.com/gpu":"8","rdma/hca":"4"}}}' >/dev/null
+	log "up: node ${node} (containerd, kubelet, kube-proxy, CoreDNS at ${gateway}); images from ${registry}"
+}
+
+case "${1:-}" in
+up) up "${2:?usage: $0 up KUBECONFIG}" ;;
+images) images ;;
+down) down ;;
+*) echo "usage: $0 up KUBECONFIG | images | down" >&2; exit 2 ;;
+esac
