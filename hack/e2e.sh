@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end tests: the README's main command (hack/run.sh up) on a cluster of its own (its own
-# directory and ports, so a cluster left up by `make run` is untouched), then test/e2e against it.
+# directory and ports), then test/e2e against it: the kwok GPU nodes, and the real node's pods.
+# The real node is one per machine (bridge, registry and kubelet ports): a `make run` cluster is
+# taken down first.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$("${root}/hack/envtest-assets.sh")"
@@ -19,8 +21,17 @@ cleanup() {
 	exit "${rc}"
 }
 trap cleanup EXIT
+if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
+	PDCLUSTER_CLUSTER_DIR="${HOME}/.cache/pdcluster/cluster" "${root}/hack/local-cluster.sh" down
+fi
 
 "${root}/hack/run.sh" up
 cd "${root}"
-PDCLUSTER_E2E_KUBECONFIG="${PDCLUSTER_CLUSTER_DIR}/kubeconfig" PDCLUSTER_E2E_BIN="${bin}" \
-	go test ./test/e2e/ -count=1 -v -timeout 15m
+real=()
+if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
+	# run.sh put the small sample on the real node; the GPU-sized sample goes on the kwok nodes.
+	"${bin}/kubectl" --kubeconfig "${PDCLUSTER_CLUSTER_DIR}/kubeconfig" apply -f config/samples/serving_v1alpha1_pdcluster.yaml
+	real=(PDCLUSTER_E2E_REAL_NODE="${PDCLUSTER_NODE_NAME:-pdc-node-0}" PDCLUSTER_E2E_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}")
+fi
+env "${real[@]}" PDCLUSTER_E2E_KUBECONFIG="${PDCLUSTER_CLUSTER_DIR}/kubeconfig" PDCLUSTER_E2E_BIN="${bin}" \
+	go test ./test/e2e/ -count=1 -v -timeout 20m

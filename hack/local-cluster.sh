@@ -9,6 +9,7 @@ bin="$("${root}/hack/envtest-assets.sh")"
 dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
 nodes="${PDCLUSTER_GPU_NODES:-4}"
 real_node="${PDCLUSTER_REAL_NODE:-1}"
+kwok_cidr=10.244.128.0/20
 port="${PDCLUSTER_APISERVER_PORT:-16443}"
 etcd_port="${PDCLUSTER_ETCD_PORT:-12379}" # and the next port for etcd peers
 log() { echo "local-cluster: $*" >&2; }
@@ -16,6 +17,7 @@ log() { echo "local-cluster: $*" >&2; }
 down() {
 	local p pid
 	"${root}/hack/local-node.sh" down
+	ip route delete blackhole "${kwok_cidr}" 2>/dev/null || true
 	# manager: the operator hack/run.sh starts against this cluster.
 	for p in manager kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
 		[[ -f "${dir}/${p}.pid" ]] || continue
@@ -40,6 +42,14 @@ up() {
 	echo "${token},admin,admin,system:masters" >"${dir}/tokens.csv"
 	openssl genrsa -out "${dir}/certs/sa.key" 2048 2>/dev/null
 	openssl rsa -in "${dir}/certs/sa.key" -pubout -out "${dir}/certs/sa.pub" 2>/dev/null
+	# The API server's client certificate for kubelets (logs, exec), signed by a CA the real
+	# node's kubelet trusts.
+	openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=pdcluster-kubelet-ca" \
+		-keyout "${dir}/certs/kubelet-ca.key" -out "${dir}/certs/kubelet-ca.crt" 2>/dev/null
+	openssl req -newkey rsa:2048 -nodes -subj "/O=system:masters/CN=kube-apiserver-kubelet-client" \
+		-keyout "${dir}/certs/kubelet-client.key" -out "${dir}/certs/kubelet-client.csr" 2>/dev/null
+	openssl x509 -req -in "${dir}/certs/kubelet-client.csr" -CA "${dir}/certs/kubelet-ca.crt" -CAkey "${dir}/certs/kubelet-ca.key" \
+		-CAcreateserial -days 30 -out "${dir}/certs/kubelet-client.crt" 2>/dev/null
 	cat >"${dir}/kubeconfig" <<KC
 apiVersion: v1
 kind: Config
@@ -61,7 +71,9 @@ KC
 	start kube-apiserver --etcd-servers "${etcd}" --secure-port "${port}" --bind-address 127.0.0.1 \
 		--cert-dir "${dir}/certs" --token-auth-file "${dir}/tokens.csv" --authorization-mode RBAC \
 		--service-account-key-file "${dir}/certs/sa.pub" --service-account-signing-key-file "${dir}/certs/sa.key" \
-		--service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16
+		--service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16 \
+		--kubelet-client-certificate "${dir}/certs/kubelet-client.crt" --kubelet-client-key "${dir}/certs/kubelet-client.key" \
+		--kubelet-preferred-address-types InternalIP
 	local kc=("--kubeconfig" "${dir}/kubeconfig")
 	for _ in $(seq 1 120); do "${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null 2>&1 && break; sleep 0.5; done
 	"${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null
@@ -75,8 +87,11 @@ KC
 		pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
 		{ echo "---"; cat "${stages}/${f}"; } >>"${dir}/kwok.yaml"
 	done
+	# kwok makes up its pods' IPs from kwok_cidr; with the real node up that range is routed
+	# nowhere (a blackhole route), so what reads pods by IP (the operator's gate-status reader)
+	# never sends traffic off this machine.
 	start kwok "${kc[@]}" --config "${dir}/kwok.yaml" --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
-		--node-lease-duration-seconds 40
+		--node-lease-duration-seconds 40 --cidr "${kwok_cidr}"
 	for i in $(seq 0 $((nodes - 1))); do
 		cat <<NODE | "${bin}/kubectl" "${kc[@]}" apply -f - >/dev/null
 apiVersion: v1
@@ -96,6 +111,7 @@ NODE
 	if [[ "${real_node}" == 1 ]]; then
 		# The real node is also the CPU node: what asks for no GPU (the router) runs there.
 		"${root}/hack/local-node.sh" up "${dir}/kubeconfig"
+		ip route replace blackhole "${kwok_cidr}"
 		log "up: ${nodes} fake GPU nodes and a real node; export KUBECONFIG=${dir}/kubeconfig"
 		echo "${dir}/kubeconfig"
 		return

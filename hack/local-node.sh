@@ -12,7 +12,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$("${root}/hack/envtest-assets.sh")"
-dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}/node"
+cluster="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
+dir="${cluster}/node"
+certs="${cluster}/certs"
 node="${PDCLUSTER_NODE_NAME:-pdc-node-0}"
 registry="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
 # Pods get 10.244.0.0/24 on the bridge pdc0; the node's end of it, 10.244.0.1, is also where
@@ -72,7 +74,9 @@ down() {
 	for ns in $(ip netns list 2>/dev/null | awk '/^cni-/ {print $1}'); do ip netns delete "${ns}" 2>/dev/null || true; done
 	ip link delete "${bridge}" 2>/dev/null || true
 	if [[ -x "${bin}/kube-proxy" ]]; then "${bin}/kube-proxy" --cleanup >/dev/null 2>&1 || true; fi
-	iptables -t nat -S POSTROUTING 2>/dev/null | grep -F -- "CNI-" | sed 's/^-A/-D/' | while read -r r; do eval "iptables -t nat ${r}" 2>/dev/null || true; done
+	# The bridge plugin's masquerade rules of the pods that were never torn down.
+	{ iptables -t nat -S POSTROUTING 2>/dev/null || true; } | { grep -F -- "CNI-" || true; } | sed 's/^-A/-D/' |
+		while read -r r; do eval "iptables -t nat ${r}" 2>/dev/null || true; done
 	rm -rf "${dir}/containerd/state" "${dir}/cni-state"
 }
 
@@ -124,9 +128,10 @@ cgroupDriver: cgroupfs
 cgroupsPerQOS: false
 enforceNodeAllocatable: []
 containerRuntimeEndpoint: unix://${dir}/containerd.sock
-authentication: {anonymous: {enabled: false}, webhook: {enabled: false}}
+# Only the API server (its client certificate, from hack/local-cluster.sh) reaches the kubelet.
+authentication: {anonymous: {enabled: false}, webhook: {enabled: false}, x509: {clientCAFile: "${certs}/kubelet-ca.crt"}}
 authorization: {mode: AlwaysAllow}
-address: 127.0.0.1
+address: 0.0.0.0
 port: 10250
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The main job: a local cluster (hack/local-cluster.sh) with the operator installed by its Helm
-# chart and the sample PDCluster, waited on until Ready.
+# The main job: a local cluster (hack/local-cluster.sh) with a real node, the operator installed
+# by its Helm chart with the images built here, and the sample PDCluster running on the real
+# node, waited on until Ready and answering a completion through its router Service.
 #   hack/run.sh up     # leaves the cluster and the operator running
 #   hack/run.sh down
 #
-# kwok runs no containers, so the chart's manager Deployment is installed with zero replicas and
-# the manager runs here as a process instead, with a token of the chart's ServiceAccount: it has
-# exactly the RBAC a manager pod would have.
+# The chart's manager Deployment is installed with zero replicas and the manager runs here as a
+# process instead, with a token of the chart's ServiceAccount: it has exactly the RBAC a manager
+# pod would have. (A manager pod would need the API server on an address pods reach; this one
+# listens on loopback.) With PDCLUSTER_REAL_NODE=0 there are only kwok nodes, which run no
+# containers.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$("${root}/hack/envtest-assets.sh")"
@@ -14,7 +17,13 @@ dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
 export PDCLUSTER_CLUSTER_DIR="${dir}"
 release=pdcluster-operator
 namespace=pdcluster-system
-sample="${PDCLUSTER_SAMPLE:-${root}/config/samples/serving_v1alpha1_pdcluster.yaml}"
+real_node="${PDCLUSTER_REAL_NODE:-1}"
+registry="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
+if [[ "${real_node}" == 1 ]]; then
+	sample="${PDCLUSTER_SAMPLE:-${root}/config/samples/local-node.yaml}"
+else
+	sample="${PDCLUSTER_SAMPLE:-${root}/config/samples/serving_v1alpha1_pdcluster.yaml}"
+fi
 manager_metrics="${PDCLUSTER_MANAGER_METRICS:-127.0.0.1:18080}"
 manager_probes="${PDCLUSTER_MANAGER_PROBES:-127.0.0.1:18081}"
 log() { echo "run: $*" >&2; }
@@ -24,10 +33,21 @@ up() {
 	local kubeconfig; kubeconfig="$("${root}/hack/local-cluster.sh" up)"
 	export KUBECONFIG="${kubeconfig}"
 	local kubectl="${bin}/kubectl"
+	local version; version="$(awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' "${root}/charts/pdcluster-operator/Chart.yaml")"
+	local images=() manager_images=() read_gate=false
+	if [[ "${real_node}" == 1 ]]; then
+		"${root}/hack/local-node.sh" images
+		images=(--set "image.repository=${registry}/pdcluster/pdcluster-operator"
+			--set "routerImage=${registry}/pdcluster/router:${version}"
+			--set "connectorImage=${registry}/pdcluster/connector:${version}")
+		manager_images=("--router-image=${registry}/pdcluster/router:${version}"
+			"--connector-image=${registry}/pdcluster/connector:${version}")
+		read_gate=true
+	fi
 	# helm keeps its caches out of the user's home.
 	HELM_CACHE_HOME="${dir}/helm/cache" HELM_CONFIG_HOME="${dir}/helm/config" HELM_DATA_HOME="${dir}/helm/data" \
 		"${bin}/helm" upgrade --install "${release}" "${root}/charts/pdcluster-operator" \
-		--namespace "${namespace}" --create-namespace --set replicaCount=0 --wait --timeout 2m >&2
+		--namespace "${namespace}" --create-namespace --set replicaCount=0 "${images[@]}" --wait --timeout 2m >&2
 	log "chart installed: $("${kubectl}" get crd pdclusters.serving.pdcluster.dev -o name)"
 
 	local token; token="$("${kubectl}" create token "${release}" --namespace "${namespace}" --duration 24h)"
@@ -46,11 +66,11 @@ contexts:
   context: {cluster: local, user: ${release}, namespace: ${namespace}}
 current-context: operator
 KC
-	# --read-gate-status=false: kwok's pods run no sidecar, and their made-up pod IPs are no
-	# address this machine may send traffic to.
+	# --read-gate-status: the real node's pods are on this machine's pod bridge; without it
+	# there are only kwok pods, which run no sidecar.
 	KUBECONFIG="${dir}/operator.kubeconfig" "${root}/bin/manager" \
 		--metrics-bind-address "${manager_metrics}" --health-probe-bind-address "${manager_probes}" \
-		--read-gate-status=false \
+		--read-gate-status="${read_gate}" "${manager_images[@]}" \
 		>"${dir}/manager.log" 2>&1 &
 	echo $! >"${dir}/manager.pid"
 	for _ in $(seq 1 60); do curl -fsS "http://${manager_probes}/readyz" >/dev/null 2>&1 && break; sleep 0.5; done
@@ -63,6 +83,16 @@ KC
 	name="$("${kubectl}" get -f "${sample}" -o jsonpath='{.metadata.name}')"
 	"${kubectl}" wait --namespace "${ns}" --for=condition=Ready "pdcluster/${name}" --timeout "${PDCLUSTER_WAIT:-300s}" >&2
 	"${kubectl}" get --namespace "${ns}" pdcluster,deployments,pods -o wide >&2
+	if [[ "${real_node}" == 1 ]]; then
+		local ip model
+		ip="$("${kubectl}" get --namespace "${ns}" service "${name}-router" -o jsonpath='{.spec.clusterIP}')"
+		model="$("${kubectl}" get --namespace "${ns}" pdcluster "${name}" -o jsonpath='{.spec.model.servedModelName}')"
+		log "a completion through the router Service ${ip}:80:"
+		# The router resolves the pools every 5 s: retry while it has not seen the new pods yet.
+		curl -fsS -m 30 --retry 15 --retry-delay 2 --retry-all-errors "http://${ip}/v1/completions" -H 'Content-Type: application/json' \
+			-d "{\"model\":\"${model}\",\"prompt\":\"Disaggregated serving moves the KV cache from prefill to decode\",\"max_tokens\":8}" >&2
+		echo >&2
+	fi
 	log "up. export KUBECONFIG=${kubeconfig}; stop with: hack/run.sh down"
 }
 

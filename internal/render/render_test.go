@@ -4,12 +4,15 @@ import (
 	"context"
 	"encoding/json"
 	"flag"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/go-logr/logr"
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
 	appsv1 "k8s.io/api/apps/v1"
@@ -20,6 +23,7 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/router"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 	"pdcluster.dev/pdcluster-operator/internal/validation"
 )
@@ -419,8 +423,29 @@ func TestRouterReadsTheRenderedConfig(t *testing.T) {
 			if fc.Flow != tc.flow || fc.PrefillHost != render.ObjectName(pdc.Name, v1alpha1.RolePrefill)+"."+pdc.Namespace+".svc" {
 				t.Errorf("router config %+v, want flow %s and the prefill Service", fc, tc.flow)
 			}
-			if got := c.ReadinessProbe.HTTPGet.Path; got != "/health" {
-				t.Errorf("router probed on %s; it serves /health", got)
+			// The router the probes reach answers them (200 once it knows both pools), and
+			// readiness is not liveness: an empty pool must not get the router killed.
+			r, err := router.New(router.Config{Flow: fc.Flow}, logr.Discard(), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := r.SetPools(router.Pools{Prefill: []router.Prefill{{URL: "http://p:8000", Bootstrap: "http://p:8998"}}, Decode: []string{"http://d:8000"}}); err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(r.Handler(nil))
+			defer srv.Close()
+			for what, pr := range map[string]*corev1.Probe{"readiness": c.ReadinessProbe, "liveness": c.LivenessProbe} {
+				resp, err := http.Get(srv.URL + pr.HTTPGet.Path)
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusOK {
+					t.Errorf("%s probe GET %s = %d, want 200", what, pr.HTTPGet.Path, resp.StatusCode)
+				}
+			}
+			if c.ReadinessProbe.HTTPGet.Path == c.LivenessProbe.HTTPGet.Path {
+				t.Errorf("readiness and liveness share %s", c.LivenessProbe.HTTPGet.Path)
 			}
 		})
 	}

@@ -106,12 +106,22 @@ func (r *Router) SetPools(p Pools) error {
 	return nil
 }
 
-// Handler serves the OpenAI routes, /health and /metrics (from gatherer, if not nil).
+// Handler serves the OpenAI routes, /health, /ready and /metrics (from gatherer, if not nil).
 func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", r.proxy)
 	mux.HandleFunc("POST /v1/chat/completions", r.proxy)
+	// /health is liveness: the process serves. /ready is readiness: it also knows an engine of
+	// each pool, so a Ready PDCluster answers completions instead of 503.
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.HandleFunc("GET /ready", func(w http.ResponseWriter, _ *http.Request) {
+		pools := r.pools.Load()
+		if len(pools.Prefill) == 0 || len(pools.Decode) == 0 {
+			writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("pools not resolved yet: %d prefill and %d decode engines", len(pools.Prefill), len(pools.Decode)))
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	})
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, req *http.Request) {
 		pools := r.pools.Load()
 		if len(pools.Decode) == 0 {

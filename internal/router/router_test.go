@@ -184,3 +184,42 @@ func TestFailuresSayWhy(t *testing.T) {
 		}
 	})
 }
+
+// Readiness follows the pools: not ready until an engine of each pool is known, and not ready
+// again when a pool empties; liveness stays up throughout.
+func TestReadyNeedsAnEngineInEachPool(t *testing.T) {
+	r, err := New(Config{Flow: routerconfig.FlowNIXL}, logr.Discard(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(r.Handler(nil))
+	defer srv.Close()
+	status := func(path string) int {
+		resp, err := http.Get(srv.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	for _, step := range []struct {
+		name        string
+		pools       Pools
+		ready, live int
+	}{
+		{"no pools yet", Pools{}, http.StatusServiceUnavailable, http.StatusOK},
+		{"decode only", Pools{Decode: []string{"http://d"}}, http.StatusServiceUnavailable, http.StatusOK},
+		{"both", Pools{Prefill: []Prefill{{URL: "http://p"}}, Decode: []string{"http://d"}}, http.StatusOK, http.StatusOK},
+		{"prefill gone", Pools{Decode: []string{"http://d"}}, http.StatusServiceUnavailable, http.StatusOK},
+	} {
+		if err := r.SetPools(step.pools); err != nil {
+			t.Fatal(err)
+		}
+		if got := status("/ready"); got != step.ready {
+			t.Errorf("%s: /ready = %d, want %d", step.name, got, step.ready)
+		}
+		if got := status("/health"); got != step.live {
+			t.Errorf("%s: /health = %d, want %d", step.name, got, step.live)
+		}
+	}
+}

@@ -1,0 +1,297 @@
+package e2e
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// The sample hack/run.sh puts on the real node (config/samples/local-node.yaml).
+const (
+	realName  = "tiny"
+	realModel = "tiny"
+	realBlock = 64 // engine.blockSize of that sample
+)
+
+// realNode talks to the tiny sample, whose pods run for real on the local node.
+type realNode struct{ *env }
+
+func (r realNode) pdc() *v1alpha1.PDCluster {
+	r.t.Helper()
+	var p v1alpha1.PDCluster
+	if err := r.c.Get(r.ctx, client.ObjectKey{Namespace: sampleNS, Name: realName}, &p); err != nil {
+		r.t.Fatal(err)
+	}
+	return &p
+}
+
+func (r realNode) pods(role v1alpha1.Role) []corev1.Pod {
+	r.t.Helper()
+	var list corev1.PodList
+	if err := r.c.List(r.ctx, &list, client.InNamespace(sampleNS), client.MatchingLabels(render.Labels(realName, role))); err != nil {
+		r.t.Fatal(err)
+	}
+	var out []corev1.Pod
+	for _, p := range list.Items {
+		if p.DeletionTimestamp == nil {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// settled is nil once the sample is Ready at its generation and every container of one pod per
+// role runs, ready, from the images this run built.
+func (r realNode) settled() error {
+	p := r.pdc()
+	c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady)
+	if c == nil || c.Status != metav1.ConditionTrue || p.Status.ObservedGeneration != p.Generation {
+		return fmt.Errorf("Ready = %+v at observed generation %d of %d", c, p.Status.ObservedGeneration, p.Generation)
+	}
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
+		pods := r.pods(role)
+		if len(pods) != 1 {
+			return fmt.Errorf("%s: %d pods, want 1", role, len(pods))
+		}
+		pod := pods[0]
+		if pod.Spec.NodeName != os.Getenv("PDCLUSTER_E2E_REAL_NODE") {
+			return fmt.Errorf("%s pod %s is on node %q, want the real node", role, pod.Name, pod.Spec.NodeName)
+		}
+		if len(pod.Status.ContainerStatuses) != len(pod.Spec.Containers) {
+			return fmt.Errorf("%s pod %s: %d container statuses", role, pod.Name, len(pod.Status.ContainerStatuses))
+		}
+		for _, cs := range pod.Status.ContainerStatuses {
+			if cs.State.Running == nil || !cs.Ready {
+				return fmt.Errorf("%s/%s: state %+v, ready %v", pod.Name, cs.Name, cs.State, cs.Ready)
+			}
+			if !strings.HasPrefix(cs.Image, os.Getenv("PDCLUSTER_E2E_REGISTRY")+"/pdcluster/") {
+				return fmt.Errorf("%s/%s runs image %s, not one built by this run", pod.Name, cs.Name, cs.Image)
+			}
+		}
+	}
+	return nil
+}
+
+func restarts(pod corev1.Pod, container string) int32 {
+	for _, cs := range pod.Status.ContainerStatuses {
+		if cs.Name == container {
+			return cs.RestartCount
+		}
+	}
+	return -1
+}
+
+// complete sends a completion of prompt through the router's Service and returns the HTTP
+// status and the number of tokens generated.
+func (r realNode) complete(prompt string, maxTokens int) (int, int, error) {
+	var svc corev1.Service
+	if err := r.c.Get(r.ctx, client.ObjectKey{Namespace: sampleNS, Name: realName + "-router"}, &svc); err != nil {
+		return 0, 0, err
+	}
+	body, _ := json.Marshal(map[string]any{"model": realModel, "prompt": prompt, "max_tokens": maxTokens})
+	hc := &http.Client{Timeout: 30 * time.Second}
+	resp, err := hc.Post("http://"+svc.Spec.ClusterIP+"/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return 0, 0, err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var out struct {
+		Usage struct {
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	_ = json.Unmarshal(b, &out)
+	if resp.StatusCode != http.StatusOK {
+		return resp.StatusCode, 0, fmt.Errorf("%s: %s", resp.Status, b)
+	}
+	return resp.StatusCode, out.Usage.CompletionTokens, nil
+}
+
+// engineState is the decode engine simulator's /debug/state, read over the pod's IP.
+func (r realNode) blocksVerified(pod corev1.Pod) (int, error) {
+	resp, err := http.Get("http://" + pod.Status.PodIP + ":8000/debug/state")
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	var st struct {
+		Engine struct{ BlocksVerified int } `json:"engine"`
+	}
+	return st.Engine.BlocksVerified, json.NewDecoder(resp.Body).Decode(&st)
+}
+
+var prompts atomic.Int64
+
+// words is a prompt of n words no earlier request shares a prefix with, so decode cannot take
+// its KV from its own prefix cache.
+func words(n int) string {
+	id := prompts.Add(1)
+	w := make([]string, n)
+	for i := range w {
+		w[i] = fmt.Sprintf("p%dw%d", id, i)
+	}
+	return strings.Join(w, " ")
+}
+
+// serves checks one long request (its KV pulled from prefill into decode, byte-verified by the
+// decode engine) and the 13-token request whose pull carries no full block.
+func (r realNode) serves(t *testing.T) {
+	t.Helper()
+	decode := r.pods(v1alpha1.RoleDecode)[0]
+	before, err := r.blocksVerified(decode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.eventually("a long completion through the router returns 200 with its tokens", func() error {
+		code, n, err := r.complete(words(3*realBlock+5), 7)
+		if err != nil {
+			return err
+		}
+		if code != http.StatusOK || n != 7 {
+			return fmt.Errorf("status %d with %d tokens, want 200 with 7", code, n)
+		}
+		return nil
+	})
+	after, err := r.blocksVerified(decode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after-before < 3 {
+		t.Errorf("decode verified %d pulled blocks for a prompt of 3 full blocks: the KV did not come from prefill", after-before)
+	}
+	code, n, err := r.complete(words(13), 4)
+	if err != nil || code != http.StatusOK || n != 4 {
+		t.Fatalf("13-token request with %d-token blocks: status %d, %d tokens, %v", realBlock, code, n, err)
+	}
+	pod := r.pods(v1alpha1.RoleDecode)[0]
+	if n := restarts(pod, v1alpha1.EngineContainerName); n != 0 {
+		t.Errorf("decode engine restarted %d times", n)
+	}
+	resp, err := http.Get("http://" + pod.Status.PodIP + ":8000/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("decode engine /health = %d after the 13-token request", resp.StatusCode)
+	}
+}
+
+// connectorPID finds the prefill pod's connector process on this host: the pod's containers
+// are processes of the real node, which is this machine.
+func connectorPID(t *testing.T) int {
+	t.Helper()
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range procs {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(b), "\x00")
+		if filepath.Base(args[0]) == "connector" && strings.Contains(string(b), "--role=kv_producer") {
+			var pid int
+			if _, err := fmt.Sscanf(filepath.Base(filepath.Dir(p)), "%d", &pid); err == nil {
+				return pid
+			}
+		}
+	}
+	t.Fatal("no prefill connector process on this host")
+	return 0
+}
+
+func TestRealNode(t *testing.T) {
+	if os.Getenv("PDCLUSTER_E2E_REAL_NODE") == "" {
+		t.Skip("needs the local cluster's real node: run hack/e2e.sh (make test does)")
+	}
+	r := realNode{setup(t)}
+
+	t.Run("the sample runs on the real node from the built images", func(t *testing.T) {
+		r.eventually("every container running and ready", r.settled)
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
+			for _, cs := range r.pods(role)[0].Status.ContainerStatuses {
+				if cs.RestartCount != 0 {
+					t.Errorf("%s/%s restarted %d times", role, cs.Name, cs.RestartCount)
+				}
+			}
+		}
+	})
+
+	t.Run("mooncake: completions through the router, prefill to decode through the connector", func(t *testing.T) {
+		r.serves(t)
+	})
+
+	t.Run("the operator reads each engine's completion gate", func(t *testing.T) {
+		r.eventually("status.prefill.gate and status.decode.gate report the pods", func() error {
+			p := r.pdc()
+			for role, g := range map[string]*v1alpha1.PoolGateStatus{"prefill": p.Status.Prefill.Gate, "decode": p.Status.Decode.Gate} {
+				if g == nil || g.ReportingPods != 1 {
+					return fmt.Errorf("%s gate = %+v, want 1 reporting pod", role, g)
+				}
+			}
+			return nil
+		})
+	})
+
+	t.Run("a killed prefill connector is restarted by the kubelet and requests succeed again", func(t *testing.T) {
+		prefill := r.pods(v1alpha1.RolePrefill)[0]
+		before := restarts(prefill, v1alpha1.ConnectorContainerName)
+		if err := syscall.Kill(connectorPID(t), syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		r.eventually("the connector container restarted", func() error {
+			var pod corev1.Pod
+			if err := r.c.Get(r.ctx, types.NamespacedName{Namespace: prefill.Namespace, Name: prefill.Name}, &pod); err != nil {
+				return err
+			}
+			if n := restarts(pod, v1alpha1.ConnectorContainerName); n <= before {
+				return fmt.Errorf("connector restarts %d", n)
+			}
+			return nil
+		})
+		r.eventually("every container running and ready again", r.settled)
+		r.serves(t)
+	})
+
+	t.Run("nixl: the same requests after switching the connector", func(t *testing.T) {
+		p := &v1alpha1.PDCluster{ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: realName}}
+		patch := `{"spec":{"kvTransfer":{"connector":"NixlConnector"}}}`
+		if err := r.c.Patch(r.ctx, p, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
+			t.Fatal(err)
+		}
+		r.eventually("the pods rolled to NIXL and settled", func() error {
+			for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+				for _, pod := range r.pods(role) {
+					if !strings.Contains(strings.Join(pod.Spec.Containers[0].Args, " "), "GatedNixlConnector") {
+						return fmt.Errorf("%s pod %s still runs the Mooncake connector", role, pod.Name)
+					}
+					for _, e := range pod.Spec.Containers[0].Env {
+						if e.Name == "VLLM_NIXL_SIDE_CHANNEL_HOST" && e.Value != "$(POD_IP)" {
+							return fmt.Errorf("side-channel host %q", e.Value)
+						}
+					}
+				}
+			}
+			return r.settled()
+		})
+		r.serves(t)
+	})
+}
