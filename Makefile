@@ -15,6 +15,10 @@ build: ## Build every binary into bin/: the shipped ones (cmd/), the simulators 
 	@mkdir -p bin
 	$(GO) build -o bin/ ./cmd/... ./test/sim/cmd/... ./test/cluster/cmd/...
 
+.PHONY: images
+images: ## Build the images (operator, connector, router, vllm-sim, pause) without a Docker daemon and push them to the local registry (127.0.0.1:5000).
+	hack/local-node.sh images
+
 .PHONY: run
 run: build ## Main job: local cluster, operator installed with Helm, sample PDCluster Ready (stop: make down).
 	hack/run.sh up

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
@@ -29,6 +30,7 @@ import (
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -50,6 +52,9 @@ type env struct {
 	// metricsAddr is the manager's /metrics address (hack/run.sh runs it as a process).
 	metricsAddr string
 }
+
+// The client logs nothing the tests read; without a logger controller-runtime prints a stack.
+func init() { ctrllog.SetLogger(logr.Discard()) }
 
 func setup(t *testing.T) *env {
 	kubeconfig := os.Getenv("PDCLUSTER_E2E_KUBECONFIG")

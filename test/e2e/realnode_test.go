@@ -253,6 +253,7 @@ func TestRealNode(t *testing.T) {
 
 	t.Run("a killed prefill connector is restarted by the kubelet and requests succeed again", func(t *testing.T) {
 		prefill := r.pods(v1alpha1.RolePrefill)[0]
+		decode := r.pods(v1alpha1.RoleDecode)[0]
 		before := restarts(prefill, v1alpha1.ConnectorContainerName)
 		if err := syscall.Kill(connectorPID(t), syscall.SIGKILL); err != nil {
 			t.Fatal(err)
@@ -269,6 +270,15 @@ func TestRealNode(t *testing.T) {
 		})
 		r.eventually("every container running and ready again", r.settled)
 		r.serves(t)
+		// The operator's health loop restarts pods only when a connector stays unready past
+		// spec.connector.health (3 x 10 s by default); a process the kubelet restarted at once
+		// is not that, so both pods are the ones from before.
+		if got := r.pods(v1alpha1.RolePrefill)[0].UID; got != prefill.UID {
+			t.Errorf("prefill pod replaced (%s -> %s) for a connector the kubelet restarted", prefill.UID, got)
+		}
+		if got := r.pods(v1alpha1.RoleDecode)[0].UID; got != decode.UID {
+			t.Errorf("decode pod replaced (%s -> %s) for a prefill connector the kubelet restarted", decode.UID, got)
+		}
 	})
 
 	t.Run("nixl: the same requests after switching the connector", func(t *testing.T) {
