@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime"
+	utiljson "k8s.io/apimachinery/pkg/util/json"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
@@ -85,8 +86,14 @@ func (l *Loader) Read(ctx context.Context, r io.Reader) ([]Document, error) {
 
 // Admit decodes and admits a single YAML or JSON PDCluster.
 func (l *Loader) Admit(ctx context.Context, raw []byte) (*Document, error) {
+	// Decode as the API server does: integers as int64, not float64 (sigs.k8s.io/yaml alone
+	// gives float64, which CEL's integer rules refuse with "expected int, got float64").
+	js, err := yaml.YAMLToJSON(raw)
+	if err != nil {
+		return nil, fmt.Errorf("decode: %w", err)
+	}
 	var obj map[string]any
-	if err := yaml.Unmarshal(raw, &obj); err != nil {
+	if err := utiljson.Unmarshal(js, &obj); err != nil {
 		return nil, fmt.Errorf("decode: %w", err)
 	}
 	if obj == nil {

@@ -184,6 +184,10 @@ func TestAdmitRejectsInvalidSpecs(t *testing.T) {
 					t.Errorf("error %q\ndoes not contain %q", err, w)
 				}
 			}
+			// A rule that could not be evaluated is not the verdict the API server gives.
+			if strings.Contains(err.Error(), "invalid data") {
+				t.Errorf("error %q: a CEL rule failed to evaluate", err)
+			}
 		})
 	}
 }
