@@ -212,7 +212,7 @@ images() {
 	for f in "${root}"/connector/vllm/pdgate/*.py; do plugin+=("${f}:/opt/pdgate/pdgate/$(basename "${f}")"); done
 	local IFS=,
 	(cd "${root}" && go run ./hack/imagebuild --registry "${registry}/pdcluster" --tag "$(app_version)" \
-		pdcluster-operator=bin/manager \
+		pdcluster-operator=bin/manager:/manager \
 		connector="bin/connector,${plugin[*]}" \
 		router=bin/router \
 		vllm-sim=bin/vllm@root \

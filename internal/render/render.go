@@ -55,7 +55,18 @@ const (
 	portKVData    = "kv-data"
 	// portNixlPrefix + data-parallel rank names a NIXL side-channel port.
 	portNixlPrefix = "nixl-"
+
+	// drainSeconds keeps a deleted engine pod's containers serving before they get SIGTERM:
+	// routers resolve the pools every 5 s through DNS (cached up to 5 s more), so a pod gone at
+	// once would still get requests and fail them ("no route to host") during every rollout.
+	drainSeconds = 15
 )
+
+// drain is the preStop hook of the engine pods' containers (the engine and its connector alike:
+// a connector that left first would fail the engine's last transfers).
+func drain() *corev1.Lifecycle {
+	return &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: drainSeconds}}}
+}
 
 // Options are the operator-wide settings that are not part of a PDCluster.
 type Options struct {
@@ -328,6 +339,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 			// RDMA needs to pin (mlock) the registered KV-cache memory.
 			SecurityContext: &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Add: []corev1.Capability{"IPC_LOCK"}}},
 			VolumeMounts:    mounts,
+			Lifecycle:       drain(),
 		}, connector},
 		Volumes: append([]corev1.Volume{
 			// NCCL and the engine's worker processes share tensors through /dev/shm.
@@ -457,6 +469,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
 		LivenessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
 		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
+		Lifecycle:      drain(),
 	}, int64(blocks) * int64(blockBytes)
 }
 
