@@ -86,6 +86,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		applyErr = errors.Join(applyErr, err)
 		requeueAfter = sooner(requeueAfter, gateAfter)
 	}
+	pending = append(pending, poolProblemEvents(pdc.Status.Conditions, status)...)
 	pending = append(pending, readinessEvents(pdc.Status.Conditions, status)...)
 	status.ObservedGeneration = pdc.Generation
 

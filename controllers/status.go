@@ -7,6 +7,7 @@ package controllers
 import (
 	"context"
 	"fmt"
+	"slices"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -33,6 +34,7 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 		{v1alpha1.RoleRouter, v1alpha1.ConditionRouterReady, &status.Router},
 	}
 	var notReady []string
+	var problem struct{ reason, msg string } // the first pool's pod problem, for Ready
 	for _, c := range components {
 		var dep appsv1.Deployment
 		err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, c.role)}, &dep)
@@ -48,17 +50,48 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 		ps, condStatus, reason, msg := poolStatus(&dep)
 		ps.ConnectorRestarts = c.out.ConnectorRestarts
 		*c.out = ps
-		setCondition(status, pdc, c.condition, condStatus, reason, msg)
 		if condStatus != metav1.ConditionTrue {
+			// Replica counts say that pods are missing; the pods say why.
+			var pods corev1.PodList
+			if err := r.List(ctx, &pods, client.InNamespace(pdc.Namespace), client.MatchingLabels(render.Labels(pdc.Name, c.role))); err != nil {
+				return fmt.Errorf("list %s pods: %w", c.role, err)
+			}
+			if why, detail := podProblem(pods.Items); why != "" {
+				reason, msg = why, detail
+				if problem.reason == "" {
+					problem.reason, problem.msg = why, fmt.Sprintf("%s: %s", c.role, detail)
+				}
+			}
 			notReady = append(notReady, string(c.role))
 		}
+		setCondition(status, pdc, c.condition, condStatus, reason, msg)
 	}
-	if len(notReady) == 0 {
+	switch {
+	case len(notReady) == 0:
 		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAllReady, "prefill, decode and router are ready")
-	} else {
+	case problem.reason != "":
+		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, problem.reason, problem.msg)
+	default:
 		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonNotReady, fmt.Sprintf("not ready: %v", notReady))
 	}
 	return nil
+}
+
+// poolProblemEvents are Warning events for pool conditions that turned to a pod problem
+// (Unschedulable, ImagePullFailed, CrashLoopBackOff, ContainerFailed), once per change of reason.
+func poolProblemEvents(before []metav1.Condition, after *v1alpha1.PDClusterStatus) []event {
+	var out []event
+	for _, typ := range []string{v1alpha1.ConditionPrefillReady, v1alpha1.ConditionDecodeReady, v1alpha1.ConditionRouterReady} {
+		cur := meta.FindStatusCondition(after.Conditions, typ)
+		if cur == nil || cur.Status == metav1.ConditionTrue || !slices.Contains(problemReasons, cur.Reason) {
+			continue
+		}
+		if old := meta.FindStatusCondition(before, typ); old != nil && old.Reason == cur.Reason {
+			continue
+		}
+		out = append(out, event{corev1.EventTypeWarning, cur.Reason, "Reconcile", cur.Message})
+	}
+	return out
 }
 
 // poolStatus summarises a Deployment: ready only when every desired replica is ready and runs

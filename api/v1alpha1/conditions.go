@@ -31,6 +31,19 @@ const (
 	ReasonDeploymentAbsent = "DeploymentNotFound"
 	ReasonAllReady         = "AllComponentsReady"
 	ReasonNotReady         = "ComponentsNotReady"
+
+	// What keeps a pool's pods from running, read off the pods; Ready takes the first pool's.
+	// ReasonUnschedulable carries the scheduler's message (e.g. "0/5 nodes are available: 4
+	// Insufficient nvidia.com/gpu").
+	ReasonUnschedulable = "Unschedulable"
+	// ReasonCrashLoopBackOff: a container keeps exiting; the message has its last exit (code,
+	// reason such as OOMKilled, and message).
+	ReasonCrashLoopBackOff = "CrashLoopBackOff"
+	// ReasonImagePullFailed: an image cannot be pulled (ErrImagePull, ImagePullBackOff, ...).
+	ReasonImagePullFailed = "ImagePullFailed"
+	// ReasonContainerFailed: a container cannot be created or started (e.g.
+	// CreateContainerConfigError for a missing Secret).
+	ReasonContainerFailed = "ContainerFailed"
 )
 
 // Reasons of ConnectorHealthy.
