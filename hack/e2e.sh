@@ -15,7 +15,11 @@ cleanup() {
 	local rc=$?
 	if [[ ${rc} -ne 0 ]]; then
 		echo "e2e: failed; last lines of the operator log:" >&2
-		tail -30 "${PDCLUSTER_CLUSTER_DIR}/manager.log" >&2 || true
+		if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
+			"${bin}/kubectl" --kubeconfig "${PDCLUSTER_CLUSTER_DIR}/kubeconfig" logs -n pdcluster-system deploy/pdcluster-operator --tail 30 >&2 || true
+		else
+			tail -30 "${PDCLUSTER_CLUSTER_DIR}/manager.log" >&2 || true
+		fi
 	fi
 	"${root}/hack/run.sh" down || true
 	exit "${rc}"
@@ -31,7 +35,11 @@ real=()
 if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 	# run.sh put the small sample on the real node; the GPU-sized sample goes on the kwok nodes.
 	"${bin}/kubectl" --kubeconfig "${PDCLUSTER_CLUSTER_DIR}/kubeconfig" apply -f config/samples/serving_v1alpha1_pdcluster.yaml
-	real=(PDCLUSTER_E2E_REAL_NODE="${PDCLUSTER_NODE_NAME:-pdc-node-0}" PDCLUSTER_E2E_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}")
+	# The operator runs as a pod there: its metrics are on the pod's address.
+	manager_ip="$("${bin}/kubectl" --kubeconfig "${PDCLUSTER_CLUSTER_DIR}/kubeconfig" get pods -n pdcluster-system \
+		-l app.kubernetes.io/instance=pdcluster-operator,app.kubernetes.io/component=manager -o jsonpath='{.items[0].status.podIP}')"
+	real=(PDCLUSTER_E2E_REAL_NODE="${PDCLUSTER_NODE_NAME:-pdc-node-0}" PDCLUSTER_E2E_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
+		PDCLUSTER_MANAGER_METRICS="${manager_ip}:8080")
 fi
 env "${real[@]}" PDCLUSTER_E2E_KUBECONFIG="${PDCLUSTER_CLUSTER_DIR}/kubeconfig" PDCLUSTER_E2E_BIN="${bin}" \
 	go test ./test/e2e/ -count=1 -v -timeout 20m

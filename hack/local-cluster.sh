@@ -17,7 +17,7 @@ log() { echo "local-cluster: $*" >&2; }
 down() {
 	local p pid
 	"${root}/hack/local-node.sh" down
-	ip route delete blackhole "${kwok_cidr}" 2>/dev/null || true
+	ip route delete unreachable "${kwok_cidr}" 2>/dev/null || true
 	# manager: the operator hack/run.sh starts against this cluster.
 	for p in manager kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
 		[[ -f "${dir}/${p}.pid" ]] || continue
@@ -64,11 +64,21 @@ contexts:
   context: {cluster: local, user: admin}
 current-context: local
 KC
+	# With the real node, pods reach the API server (the operator runs as a pod): it listens on
+	# every address and advertises the node's, which the kubernetes Service points at; pods
+	# trust its self-signed certificate through kube-root-ca.crt (--root-ca-file).
+	local listen=(--bind-address 127.0.0.1) root_ca=()
+	if [[ "${real_node}" == 1 ]]; then
+		local node_ip; node_ip="$(ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i=1;i<NF;i++) if ($i=="src") print $(i+1)}')"
+		[[ -n "${node_ip}" ]] || { log "no IPv4 address with a route to find the node's address"; exit 1; }
+		listen=(--bind-address 0.0.0.0 --advertise-address "${node_ip}")
+		root_ca=(--root-ca-file "${dir}/certs/apiserver.crt")
+	fi
 	local etcd="http://127.0.0.1:${etcd_port}" peer="http://127.0.0.1:$((etcd_port + 1))"
 	start etcd --data-dir "${dir}/etcd" --listen-client-urls "${etcd}" --advertise-client-urls "${etcd}" \
 		--listen-peer-urls "${peer}" --initial-advertise-peer-urls "${peer}" --initial-cluster "default=${peer}" \
 		--listen-metrics-urls ""
-	start kube-apiserver --etcd-servers "${etcd}" --secure-port "${port}" --bind-address 127.0.0.1 \
+	start kube-apiserver --etcd-servers "${etcd}" --secure-port "${port}" "${listen[@]}" \
 		--cert-dir "${dir}/certs" --token-auth-file "${dir}/tokens.csv" --authorization-mode RBAC \
 		--service-account-key-file "${dir}/certs/sa.pub" --service-account-signing-key-file "${dir}/certs/sa.key" \
 		--service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16 \
@@ -77,7 +87,7 @@ KC
 	local kc=("--kubeconfig" "${dir}/kubeconfig")
 	for _ in $(seq 1 120); do "${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null 2>&1 && break; sleep 0.5; done
 	"${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null
-	start kube-controller-manager "${kc[@]}" --service-account-private-key-file "${dir}/certs/sa.key" \
+	start kube-controller-manager "${kc[@]}" --service-account-private-key-file "${dir}/certs/sa.key" "${root_ca[@]}" \
 		--use-service-account-credentials=false --controllers '*' --leader-elect=false --secure-port 0
 	start kube-scheduler "${kc[@]}" --leader-elect=false --secure-port 0
 	# kwok ships its node and pod lifecycle Stages in its module, which installing it downloaded.
@@ -87,9 +97,10 @@ KC
 		pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
 		{ echo "---"; cat "${stages}/${f}"; } >>"${dir}/kwok.yaml"
 	done
-	# kwok makes up its pods' IPs from kwok_cidr; with the real node up that range is routed
-	# nowhere (a blackhole route), so what reads pods by IP (the operator's gate-status reader)
-	# never sends traffic off this machine.
+	# kwok makes up its pods' IPs from kwok_cidr; with the real node up that range is
+	# unreachable (a route that refuses at once, also for the real node's pods), so what reads
+	# pods by IP (the operator's gate-status reader) never sends traffic off this machine and
+	# never waits for a timeout.
 	start kwok "${kc[@]}" --config "${dir}/kwok.yaml" --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
 		--node-lease-duration-seconds 40 --cidr "${kwok_cidr}"
 	for i in $(seq 0 $((nodes - 1))); do
@@ -111,7 +122,7 @@ NODE
 	if [[ "${real_node}" == 1 ]]; then
 		# The real node is also the CPU node: what asks for no GPU (the router) runs there.
 		"${root}/hack/local-node.sh" up "${dir}/kubeconfig"
-		ip route replace blackhole "${kwok_cidr}"
+		ip route replace unreachable "${kwok_cidr}"
 		log "up: ${nodes} fake GPU nodes and a real node; export KUBECONFIG=${dir}/kubeconfig"
 		echo "${dir}/kubeconfig"
 		return

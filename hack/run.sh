@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
 # The main job: a local cluster (hack/local-cluster.sh) with a real node, the operator installed
-# by its Helm chart with the images built here, and the sample PDCluster running on the real
-# node, waited on until Ready and answering a completion through its router Service.
+# by its Helm chart from the images built here (it runs as a pod on the real node), and the
+# sample PDCluster on the real node, waited on until Ready and answering a completion through
+# its router Service.
 #   hack/run.sh up     # leaves the cluster and the operator running
 #   hack/run.sh down
 #
-# The chart's manager Deployment is installed with zero replicas and the manager runs here as a
-# process instead, with a token of the chart's ServiceAccount: it has exactly the RBAC a manager
-# pod would have. (A manager pod would need the API server on an address pods reach; this one
-# listens on loopback.) With PDCLUSTER_REAL_NODE=0 there are only kwok nodes, which run no
-# containers.
+# With PDCLUSTER_REAL_NODE=0 there are only kwok nodes, which run no containers: the chart's
+# manager Deployment gets zero replicas and the manager runs here as a process instead.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$("${root}/hack/envtest-assets.sh")"
@@ -26,30 +24,22 @@ else
 fi
 manager_metrics="${PDCLUSTER_MANAGER_METRICS:-127.0.0.1:18080}"
 manager_probes="${PDCLUSTER_MANAGER_PROBES:-127.0.0.1:18081}"
+kubectl=""
 log() { echo "run: $*" >&2; }
 
-up() {
-	(cd "${root}" && go build -o bin/manager ./cmd/manager)
-	local kubeconfig; kubeconfig="$("${root}/hack/local-cluster.sh" up)"
-	export KUBECONFIG="${kubeconfig}"
-	local kubectl="${bin}/kubectl"
-	local version; version="$(awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' "${root}/charts/pdcluster-operator/Chart.yaml")"
-	local images=() manager_images=() read_gate=false
-	if [[ "${real_node}" == 1 ]]; then
-		"${root}/hack/local-node.sh" images
-		images=(--set "image.repository=${registry}/pdcluster/pdcluster-operator"
-			--set "routerImage=${registry}/pdcluster/router:${version}"
-			--set "connectorImage=${registry}/pdcluster/connector:${version}")
-		manager_images=("--router-image=${registry}/pdcluster/router:${version}"
-			"--connector-image=${registry}/pdcluster/connector:${version}")
-		read_gate=true
-	fi
-	# helm keeps its caches out of the user's home.
+# helm_install installs the chart (helm keeps its caches out of the user's home).
+helm_install() {
 	HELM_CACHE_HOME="${dir}/helm/cache" HELM_CONFIG_HOME="${dir}/helm/config" HELM_DATA_HOME="${dir}/helm/data" \
 		"${bin}/helm" upgrade --install "${release}" "${root}/charts/pdcluster-operator" \
-		--namespace "${namespace}" --create-namespace --set replicaCount=0 "${images[@]}" --wait --timeout 2m >&2
+		--namespace "${namespace}" --create-namespace "$@" --wait --timeout 3m >&2
 	log "chart installed: $("${kubectl}" get crd pdclusters.serving.pdcluster.dev -o name)"
+}
 
+# run_manager_process runs the manager here, for a cluster of kwok nodes only (they run no
+# containers), with a token of the chart's ServiceAccount: exactly the RBAC a manager pod has.
+# --read-gate-status=false: kwok's pods run no sidecar.
+run_manager_process() {
+	(cd "${root}" && go build -o bin/manager ./cmd/manager)
 	local token; token="$("${kubectl}" create token "${release}" --namespace "${namespace}" --duration 24h)"
 	local server; server="$("${kubectl}" config view --minify -o jsonpath='{.clusters[0].cluster.server}')"
 	cat >"${dir}/operator.kubeconfig" <<KC
@@ -66,16 +56,31 @@ contexts:
   context: {cluster: local, user: ${release}, namespace: ${namespace}}
 current-context: operator
 KC
-	# --read-gate-status: the real node's pods are on this machine's pod bridge; without it
-	# there are only kwok pods, which run no sidecar.
 	KUBECONFIG="${dir}/operator.kubeconfig" "${root}/bin/manager" \
 		--metrics-bind-address "${manager_metrics}" --health-probe-bind-address "${manager_probes}" \
-		--read-gate-status="${read_gate}" "${manager_images[@]}" \
-		>"${dir}/manager.log" 2>&1 &
+		--read-gate-status=false >"${dir}/manager.log" 2>&1 &
 	echo $! >"${dir}/manager.pid"
 	for _ in $(seq 1 60); do curl -fsS "http://${manager_probes}/readyz" >/dev/null 2>&1 && break; sleep 0.5; done
 	curl -fsS "http://${manager_probes}/readyz" >/dev/null || { tail -20 "${dir}/manager.log" >&2; exit 1; }
 	log "operator running as ServiceAccount ${namespace}/${release} (log: ${dir}/manager.log)"
+}
+
+up() {
+	local kubeconfig; kubeconfig="$("${root}/hack/local-cluster.sh" up)"
+	export KUBECONFIG="${kubeconfig}"
+	kubectl="${bin}/kubectl"
+	local version; version="$(awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' "${root}/charts/pdcluster-operator/Chart.yaml")"
+	if [[ "${real_node}" == 1 ]]; then
+		# The operator runs as the chart's pod on the real node, from the image built here.
+		"${root}/hack/local-node.sh" images
+		helm_install --set "image.repository=${registry}/pdcluster/pdcluster-operator" \
+			--set "routerImage=${registry}/pdcluster/router:${version}" \
+			--set "connectorImage=${registry}/pdcluster/connector:${version}"
+		log "operator running as a pod: kubectl logs -n ${namespace} deploy/${release}"
+	else
+		helm_install --set replicaCount=0
+		run_manager_process
+	fi
 
 	"${kubectl}" apply -f "${sample}" >&2
 	local ns name

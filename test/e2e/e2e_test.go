@@ -49,7 +49,8 @@ type env struct {
 	c          client.Client
 	kubeconfig string
 	kubectl    string
-	// metricsAddr is the manager's /metrics address (hack/run.sh runs it as a process).
+	// metricsAddr is the manager's /metrics address: its pod's on the real node, else the
+	// process hack/run.sh runs.
 	metricsAddr string
 }
 
@@ -300,19 +301,25 @@ func TestLocalCluster(t *testing.T) {
 		if !slices.Contains(uids(e.pods(v1alpha1.RolePrefill)), healthyPrefill) {
 			t.Error("the healthy prefill pod was restarted too")
 		}
-		st := e.pdc().Status
-		if got := st.Connector.Restarts - before; got != 4 {
-			t.Errorf("status.connector.restarts went up by %d, want 4 (1 prefill + 3 decode)", got)
-		}
-		var evs eventsv1.EventList
-		if err := e.c.List(e.ctx, &evs, client.InNamespace(sampleNS)); err != nil {
-			t.Fatal(err)
-		}
-		if !slices.ContainsFunc(evs.Items, func(ev eventsv1.Event) bool {
-			return ev.Reason == "ConnectorRestarted" && ev.Regarding.Name == sampleName && strings.Contains(ev.Note, sick.Name)
-		}) {
-			t.Errorf("no ConnectorRestarted event naming %s", sick.Name)
-		}
+		// The pods go first; the status write and the event follow at the end of that reconcile.
+		e.eventually("the round in status.connector.restarts", func() error {
+			if got := e.pdc().Status.Connector.Restarts - before; got != 4 {
+				return fmt.Errorf("status.connector.restarts went up by %d, want 4 (1 prefill + 3 decode)", got)
+			}
+			return nil
+		})
+		e.eventually("a ConnectorRestarted event naming the sick pod", func() error {
+			var evs eventsv1.EventList
+			if err := e.c.List(e.ctx, &evs, client.InNamespace(sampleNS)); err != nil {
+				return err
+			}
+			if !slices.ContainsFunc(evs.Items, func(ev eventsv1.Event) bool {
+				return ev.Reason == "ConnectorRestarted" && ev.Regarding.Name == sampleName && strings.Contains(ev.Note, sick.Name)
+			}) {
+				return fmt.Errorf("no ConnectorRestarted event naming %s", sick.Name)
+			}
+			return nil
+		})
 		metrics := e.get("http://" + e.metricsAddr + "/metrics")
 		for pool, want := range map[string]int{"prefill": 1, "decode": 3} {
 			line := fmt.Sprintf(`pdcluster_connector_restarts_total{name=%q,namespace=%q,pool=%q} %d`, sampleName, sampleNS, pool, want)
