@@ -58,9 +58,19 @@ func (r realNode) pods(role v1alpha1.Role) []corev1.Pod {
 	return out
 }
 
-// settled is nil once the sample is Ready at its generation and every container of one pod per
-// role runs, ready, from the images this run built.
+// settled is nil once the sample is Ready at its generation, no pod of an earlier rollout is
+// still draining (the router may send it requests until it is gone), and every container of one
+// pod per role runs, ready, from the images this run built.
 func (r realNode) settled() error {
+	var all corev1.PodList
+	if err := r.c.List(r.ctx, &all, client.InNamespace(sampleNS), client.MatchingLabels{v1alpha1.LabelCluster: realName}); err != nil {
+		return err
+	}
+	for _, pod := range all.Items {
+		if pod.DeletionTimestamp != nil {
+			return fmt.Errorf("pod %s is still draining", pod.Name)
+		}
+	}
 	p := r.pdc()
 	c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady)
 	if c == nil || c.Status != metav1.ConditionTrue || p.Status.ObservedGeneration != p.Generation {
