@@ -138,3 +138,36 @@ func TestUnschedulableDecodeIsTheReadyReason(t *testing.T) {
 		t.Errorf("%d Unschedulable events over two reconciles, want 1", n)
 	}
 }
+
+// Right after a scale from 2 to 3 the cache may still hold the Deployment as it was, fully
+// ready: that is not a Ready pool of 3.
+func TestStaleCachedDeploymentIsNotReady(t *testing.T) {
+	p := pdc() // decode: 2 replicas
+	var objs []client.Object
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+		dep, err := render.EngineDeployment(p, render.DefaultOptions(), role)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dep.Status = appsv1.DeploymentStatus{ObservedGeneration: dep.Generation, Replicas: *dep.Spec.Replicas, UpdatedReplicas: *dep.Spec.Replicas, ReadyReplicas: *dep.Spec.Replicas}
+		objs = append(objs, dep)
+	}
+	c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(objs...).Build()
+	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: events.NewFakeRecorder(10), Options: render.DefaultOptions()}
+	status := p.Status.DeepCopy()
+	if err := r.reconcilePoolStatus(context.Background(), p, status); err != nil {
+		t.Fatal(err)
+	}
+	if cond := meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionDecodeReady); cond == nil || cond.Status != metav1.ConditionTrue {
+		t.Fatalf("DecodeReady = %+v with the cache in step, want True", cond)
+	}
+	p.Spec.Decode.Replicas = ptr.To[int32](3) // applied; the cache has not seen it yet
+	status = p.Status.DeepCopy()
+	if err := r.reconcilePoolStatus(context.Background(), p, status); err != nil {
+		t.Fatal(err)
+	}
+	cond := meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionDecodeReady)
+	if cond == nil || cond.Status != metav1.ConditionFalse || cond.Reason != v1alpha1.ReasonRollingOut {
+		t.Errorf("DecodeReady = %+v, want False/RollingOut while the cache is behind", cond)
+	}
+}

@@ -35,6 +35,17 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 	}
 	var notReady []string
 	var problem struct{ reason, msg string } // the first pool's pod problem, for Ready
+	// What this reconcile applied: a cached Deployment that differs from it is the cache not
+	// having caught up with the write yet, and its counts describe the previous spec (a pool
+	// just scaled from 2 to 3 would read "2/2", ready).
+	desired := map[string]client.Object{}
+	if objs, err := render.Render(pdc, r.Options); err == nil {
+		for _, o := range objs {
+			if _, ok := o.(*appsv1.Deployment); ok {
+				desired[o.GetName()] = o
+			}
+		}
+	}
 	for _, c := range components {
 		var dep appsv1.Deployment
 		err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, c.role)}, &dep)
@@ -48,6 +59,9 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 			return fmt.Errorf("get %s deployment: %w", c.role, err)
 		}
 		ps, condStatus, reason, msg := poolStatus(&dep)
+		if want, ok := desired[dep.Name]; ok && !upToDate(want, &dep) {
+			condStatus, reason, msg = metav1.ConditionFalse, v1alpha1.ReasonRollingOut, "applying the new spec"
+		}
 		ps.ConnectorRestarts = c.out.ConnectorRestarts
 		*c.out = ps
 		if condStatus != metav1.ConditionTrue {
