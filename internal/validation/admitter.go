@@ -12,6 +12,9 @@ import (
 	structurallisttype "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/listtype"
 	structuralpruning "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/pruning"
 	apiextensionsvalidation "k8s.io/apiextensions-apiserver/pkg/apiserver/validation"
+	apimachineryvalidation "k8s.io/apimachinery/pkg/api/validation"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	celconfig "k8s.io/apiserver/pkg/apis/cel"
 	"sigs.k8s.io/yaml"
@@ -20,6 +23,7 @@ import (
 // Admitter defaults and validates objects of one CRD version: structural pruning and defaulting,
 // OpenAPI validation and CEL rules, in the order and with the messages of kube-apiserver.
 type Admitter struct {
+	namespaced bool
 	structural *structuralschema.Structural
 	schema     apiextensionsvalidation.SchemaValidator
 	cel        *cel.Validator
@@ -51,6 +55,7 @@ func NewAdmitter(crdManifest []byte, version string) (*Admitter, error) {
 			return nil, fmt.Errorf("schema validator of %s: %w", crd.Name, err)
 		}
 		return &Admitter{
+			namespaced: crd.Spec.Scope == apiextensionsv1.NamespaceScoped,
 			structural: structural,
 			schema:     validator,
 			cel:        cel.NewValidator(structural, true, celconfig.PerCallLimit),
@@ -66,12 +71,38 @@ func (a *Admitter) Admit(ctx context.Context, obj map[string]any) (pruned []stri
 	structuraldefaulting.PruneNonNullableNullsWithoutDefaults(obj, a.structural)
 	structuraldefaulting.Default(obj, a.structural)
 
+	// Object metadata as the API server checks it for every custom resource (the name a DNS
+	// subdomain, label and annotation syntax). A namespace the request would supply is assumed.
+	meta := &unstructured.Unstructured{Object: obj}
+	if a.namespaced && meta.GetNamespace() == "" {
+		meta = meta.DeepCopy()
+		meta.SetNamespace(metav1.NamespaceDefault)
+	}
+	errs = append(errs, apimachineryvalidation.ValidateObjectMetaAccessor(meta, a.namespaced, apimachineryvalidation.NameIsDNSSubdomain, field.NewPath("metadata"))...)
 	errs = append(errs, apiextensionsvalidation.ValidateCustomResource(nil, obj, a.schema)...)
 	errs = append(errs, structurallisttype.ValidateListSetsAndMaps(nil, a.structural, obj)...)
-	// Like the apiserver, CEL runs only on an object that passed the schema: rules assume it.
-	if len(errs) == 0 && a.cel != nil {
-		celErrs, _ := a.cel.Validate(ctx, nil, a.structural, obj, nil, celconfig.RuntimeCELCostBudget)
-		errs = append(errs, celErrs...)
+	// As the API server (apiextensions' customResourceStrategy.Validate): CEL is skipped, with a
+	// note saying so, only after an error that leaves rules without the data they assume;
+	// after others (a minimum, say) the rules still run.
+	if a.cel != nil {
+		if blocked := blockingError(errs); blocked != nil {
+			errs = append(errs, blocked)
+		} else {
+			celErrs, _ := a.cel.Validate(ctx, nil, a.structural, obj, nil, celconfig.RuntimeCELCostBudget)
+			errs = append(errs, celErrs...)
+		}
 	}
 	return pruned, errs
+}
+
+// blockingError is the API server's hasBlockingErr: a wrong type, a missing required field, an
+// unsupported enum value, or a length or count above its maximum blocks the CEL rules.
+func blockingError(errs field.ErrorList) *field.Error {
+	for _, err := range errs {
+		switch err.Type {
+		case field.ErrorTypeNotSupported, field.ErrorTypeRequired, field.ErrorTypeTooLong, field.ErrorTypeTooMany, field.ErrorTypeTypeInvalid:
+			return field.Invalid(nil, nil, "some validation rules were not checked because the object was invalid; correct the existing errors to complete validation")
+		}
+	}
+	return nil
 }

@@ -78,6 +78,7 @@ func TestAdmitterPrunesDefaultsAndValidates(t *testing.T) {
 		wantSpec   map[string]any
 		wantPruned []string
 		wantErrs   []string
+		objName    string // metadata.name, when not "w"
 	}{
 		{
 			name:     "defaults fill unset fields",
@@ -91,9 +92,10 @@ func TestAdmitterPrunesDefaultsAndValidates(t *testing.T) {
 			wantPruned: []string{"spec.colour"},
 		},
 		{
-			name:     "schema errors name the field",
-			spec:     map[string]any{"size": int64(0), "mode": "medium"},
-			wantErrs: []string{"spec.mode: Unsupported value", "spec.size: Invalid value"},
+			name: "schema errors name the field; an unsupported value blocks CEL, with a note",
+			spec: map[string]any{"size": int64(0), "mode": "medium"},
+			wantErrs: []string{"<nil>: Invalid value: null: some validation rules were not checked",
+				"spec.mode: Unsupported value", "spec.size: Invalid value"},
 		},
 		{
 			name:     "list-type set rejects duplicates",
@@ -106,15 +108,31 @@ func TestAdmitterPrunesDefaultsAndValidates(t *testing.T) {
 			wantErrs: []string{"spec: Invalid value: min must not exceed max"},
 		},
 		{
-			name:     "CEL does not run on a schema-invalid object",
+			// As in the API server: a minimum violated does not keep the rules from running.
+			name:     "CEL still runs after a non-blocking schema error",
 			spec:     map[string]any{"min": int64(11), "size": int64(0)},
-			wantErrs: []string{"spec.size: Invalid value"},
+			wantErrs: []string{"spec.size: Invalid value", "spec: Invalid value: min must not exceed max"},
+		},
+		{
+			name:     "a wrong type blocks CEL",
+			spec:     map[string]any{"min": "eleven"},
+			wantErrs: []string{"<nil>: Invalid value: null: some validation rules were not checked", "spec.min: Invalid value"},
+		},
+		{
+			name:     "the name is checked as the API server checks it",
+			spec:     map[string]any{},
+			objName:  "Widget_1",
+			wantErrs: []string{"metadata.name: Invalid value: \"Widget_1\": a lowercase RFC 1123 subdomain"},
 		},
 	}
 	a := newWidgetAdmitter(t)
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			obj := map[string]any{"apiVersion": "example.dev/v1", "kind": "Widget", "metadata": map[string]any{"name": "w"}, "spec": tc.spec}
+			name := "w"
+			if tc.objName != "" {
+				name = tc.objName
+			}
+			obj := map[string]any{"apiVersion": "example.dev/v1", "kind": "Widget", "metadata": map[string]any{"name": name}, "spec": tc.spec}
 			pruned, errs := a.Admit(context.Background(), obj)
 			if d := cmp.Diff(tc.wantPruned, pruned); d != "" {
 				t.Errorf("pruned (-want +got):\n%s", d)
