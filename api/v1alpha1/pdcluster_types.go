@@ -3,6 +3,7 @@ package v1alpha1
 import (
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -58,10 +59,14 @@ const (
 // +kubebuilder:validation:XValidation:rule="self.all(a, !(a.split('=')[0].replace('_', '-') in ['--kv-transfer-config', '--block-size', '--tensor-parallel-size', '-tp', '--data-parallel-size', '-dp', '--pipeline-parallel-size', '-pp', '--enable-expert-parallel', '--enable-prefix-caching', '--no-enable-prefix-caching', '--served-model-name', '--port', '--host']))",messageExpression="'flag ' + self.filter(a, a.split('=')[0].replace('_', '-') in ['--kv-transfer-config', '--block-size', '--tensor-parallel-size', '-tp', '--data-parallel-size', '-dp', '--pipeline-parallel-size', '-pp', '--enable-expert-parallel', '--enable-prefix-caching', '--no-enable-prefix-caching', '--served-model-name', '--port', '--host'])[0] + ' is set by the operator; use the typed field instead (model, engine.blockSize, engine.enablePrefixCaching, kvTransfer, parallelism)'"
 type EngineArgs []string
 
-// ModelSpec names the model both pools serve.
+// ModelSpec names the model both pools serve and where its weights come from.
+// +kubebuilder:validation:XValidation:rule="(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.huggingFace) ? 1 : 0) <= 1",message="set at most one of pvc, hostPath and huggingFace: they are where the weights come from"
+// +kubebuilder:validation:XValidation:rule="!(has(self.pvc) || has(self.hostPath)) || !self.path.startsWith('/')",message="with pvc or hostPath, path is a directory inside that volume (e.g. Qwen3-32B or .), not an absolute path"
 type ModelSpec struct {
-	// path is the model passed to `vllm serve`: a Hugging Face id or a path inside the image
-	// or a mounted volume.
+	// path is the model passed to `vllm serve`: a Hugging Face id (huggingFace, or no source:
+	// vLLM downloads it into the container), or a path inside the image. With pvc or hostPath it
+	// is the directory inside that volume ("." for its root); the engine serves
+	// /models/<path>.
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=1024
 	Path string `json:"path"`
@@ -71,6 +76,82 @@ type ModelSpec struct {
 	// +optional
 	// +kubebuilder:validation:MaxLength=256
 	ServedModelName string `json:"servedModelName,omitempty"`
+
+	// pvc holds the weights on a PersistentVolumeClaim, mounted read-only at /models in every
+	// engine container.
+	// +optional
+	PVC *PVCModelSource `json:"pvc,omitempty"`
+
+	// hostPath holds the weights in a directory of every GPU node, mounted read-only at
+	// /models.
+	// +optional
+	HostPath *HostPathModelSource `json:"hostPath,omitempty"`
+
+	// huggingFace downloads path from the Hugging Face Hub into a cache volume (HF_HOME), with
+	// an optional token for gated models.
+	// +optional
+	HuggingFace *HuggingFaceModelSource `json:"huggingFace,omitempty"`
+}
+
+// PVCModelSource is a PersistentVolumeClaim holding model weights.
+type PVCModelSource struct {
+	// claimName is the PersistentVolumeClaim in the PDCluster's namespace.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')",message="claimName must be a PersistentVolumeClaim name: lowercase letters, digits, '-' and '.'"
+	ClaimName string `json:"claimName"`
+
+	// subPath mounts only this directory of the volume at /models.
+	// +kubebuilder:validation:MaxLength=1024
+	// +kubebuilder:validation:XValidation:rule="!self.startsWith('/') && !self.split('/').exists(p, p == '..')",message="subPath must be relative and may not contain '..'"
+	// +optional
+	SubPath string `json:"subPath,omitempty"`
+}
+
+// HostPathModelSource is a directory on the node holding model weights.
+type HostPathModelSource struct {
+	// path is the absolute directory on the node.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=4096
+	// +kubebuilder:validation:XValidation:rule="self.startsWith('/')",message="hostPath.path must be an absolute path on the node"
+	Path string `json:"path"`
+}
+
+// HuggingFaceModelSource downloads the model from the Hugging Face Hub.
+// +kubebuilder:validation:XValidation:rule="!(has(self.cacheClaimName) && has(self.cacheSizeLimit))",message="set cacheClaimName (a PVC that keeps downloads across restarts) or cacheSizeLimit (an emptyDir), not both"
+type HuggingFaceModelSource struct {
+	// cacheClaimName is a PersistentVolumeClaim for the download cache (HF_HOME), shared by
+	// the engines and kept across restarts. Without it the cache is an emptyDir per pod.
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')",message="cacheClaimName must be a PersistentVolumeClaim name: lowercase letters, digits, '-' and '.'"
+	// +optional
+	CacheClaimName string `json:"cacheClaimName,omitempty"`
+
+	// cacheSizeLimit bounds the emptyDir cache (e.g. 200Gi).
+	// +optional
+	CacheSizeLimit *resource.Quantity `json:"cacheSizeLimit,omitempty"`
+
+	// tokenSecret is the Secret key holding a Hugging Face token, passed as HF_TOKEN (gated
+	// models such as Llama need one).
+	// +optional
+	TokenSecret *SecretKey `json:"tokenSecret,omitempty"`
+}
+
+// SecretKey selects a key of a Secret in the PDCluster's namespace.
+type SecretKey struct {
+	// name of the Secret.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')",message="name must be a Secret name: lowercase letters, digits, '-' and '.'"
+	Name string `json:"name"`
+
+	// key in the Secret.
+	// +kubebuilder:default=token
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:XValidation:rule="self.matches('^[-._a-zA-Z0-9]+$')",message="key may hold only letters, digits, '-', '_' and '.'"
+	// +optional
+	Key string `json:"key,omitempty"`
 }
 
 // EngineSpec configures the vLLM engine shared by both pools.

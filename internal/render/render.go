@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
+	"path"
 	"sort"
 	"strconv"
 	"strings"
@@ -247,7 +248,7 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 		served = spec.Model.Path
 	}
 	args := []string{
-		"serve", spec.Model.Path,
+		"serve", ModelArg(spec.Model),
 		"--served-model-name", served,
 		"--host", "0.0.0.0",
 		"--port", strconv.Itoa(int(v1alpha1.DefaultEnginePort)),
@@ -268,6 +269,49 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 	args = append(args, spec.Engine.Args...)
 	args = append(args, p.Args...)
 	return args, nil
+}
+
+// Where the model's volumes appear in the engine container.
+const (
+	modelVolume = "model"
+	ModelDir    = "/models"
+	hfVolume    = "hf-cache"
+	HFHome      = "/var/cache/huggingface"
+)
+
+// ModelArg is the model `vllm serve` loads: the directory inside the mounted weights for a pvc
+// or hostPath source, else path as given (a Hugging Face id or a path in the image).
+func ModelArg(m v1alpha1.ModelSpec) string {
+	if m.PVC != nil || m.HostPath != nil {
+		return path.Join(ModelDir, m.Path)
+	}
+	return m.Path
+}
+
+// modelVolumes are the volumes, mounts and environment the model's source needs.
+func modelVolumes(m v1alpha1.ModelSpec) ([]corev1.Volume, []corev1.VolumeMount, []corev1.EnvVar) {
+	switch {
+	case m.PVC != nil:
+		return []corev1.Volume{{Name: modelVolume, VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: m.PVC.ClaimName, ReadOnly: true}}}},
+			[]corev1.VolumeMount{{Name: modelVolume, MountPath: ModelDir, SubPath: m.PVC.SubPath, ReadOnly: true}}, nil
+	case m.HostPath != nil:
+		return []corev1.Volume{{Name: modelVolume, VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: m.HostPath.Path, Type: ptr.To(corev1.HostPathDirectory)}}}},
+			[]corev1.VolumeMount{{Name: modelVolume, MountPath: ModelDir, ReadOnly: true}}, nil
+	case m.HuggingFace != nil:
+		hf := m.HuggingFace
+		src := corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{SizeLimit: hf.CacheSizeLimit}}
+		if hf.CacheClaimName != "" {
+			src = corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: hf.CacheClaimName}}
+		}
+		env := []corev1.EnvVar{{Name: "HF_HOME", Value: HFHome}}
+		if t := hf.TokenSecret; t != nil {
+			env = append(env, corev1.EnvVar{Name: "HF_TOKEN", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: &corev1.SecretKeySelector{
+				LocalObjectReference: corev1.LocalObjectReference{Name: t.Name}, Key: orDefault(t.Key, "token"),
+			}}})
+		}
+		return []corev1.Volume{{Name: hfVolume, VolumeSource: src}}, []corev1.VolumeMount{{Name: hfVolume, MountPath: HFHome}}, env
+	}
+	return nil, nil, nil
 }
 
 func objectMeta(pdc *v1alpha1.PDCluster, role v1alpha1.Role) metav1.ObjectMeta {
@@ -309,7 +353,9 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 		{Name: shmVolume, MountPath: "/dev/shm"},
 		{Name: connectorVolume, MountPath: ConnectorDir},
 	}
-	var volumes []corev1.Volume
+	volumes, modelMounts, modelEnv := modelVolumes(pdc.Spec.Model)
+	mounts = append(mounts, modelMounts...)
+	env = append(env, modelEnv...)
 	gate := GateEnabled(pdc.Spec.KVTransfer)
 	if gate {
 		// vLLM imports the plugin by kv_connector_module_path in the scheduler, every worker and

@@ -79,6 +79,14 @@ var parityCases = []struct{ name, patch string }{
 	{"name with a dot", `{"metadata":{"name":"qwen.3"}}`},
 	{"name with capitals", `{"metadata":{"name":"Qwen"}}`},
 	{"two faults at once", `{"spec":{"prefill":{"replicas":-1},"engine":{"blockSize":7}}}`},
+	{"two model sources", `{"spec":{"model":{"pvc":{"claimName":"models"},"hostPath":{"path":"/mnt/models"}}}}`},
+	{"absolute model path inside a volume", `{"spec":{"model":{"path":"/models/qwen","pvc":{"claimName":"models"}}}}`},
+	{"model claim name with capitals", `{"spec":{"model":{"pvc":{"claimName":"Models"}}}}`},
+	{"model sub-path escaping the volume", `{"spec":{"model":{"pvc":{"claimName":"models","subPath":"a/../../etc"}}}}`},
+	{"relative host path", `{"spec":{"model":{"hostPath":{"path":"mnt/models"}}}}`},
+	{"token secret name with an underscore", `{"spec":{"model":{"huggingFace":{"tokenSecret":{"name":"hf_token"}}}}}`},
+	{"token secret key with a slash", `{"spec":{"model":{"huggingFace":{"tokenSecret":{"name":"hf","key":"a/b"}}}}}`},
+	{"both cache kinds", `{"spec":{"model":{"huggingFace":{"cacheClaimName":"hf","cacheSizeLimit":"10Gi"}}}}`},
 }
 
 func longString(n int) string {
