@@ -10,6 +10,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -52,6 +53,7 @@ type PDClusterReconciler struct {
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=services;configmaps,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile brings one PDCluster's children to the rendered state and updates its status.
@@ -163,31 +165,47 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 			*pending = append(*pending, *ev)
 		}
 	}
-	return r.deleteGateConfigMapIfUnused(ctx, pdc, pending)
+	return r.deleteUnusedChildren(ctx, pdc, pending)
 }
 
-// deleteGateConfigMapIfUnused removes the completion-gate plugin's ConfigMap once the gate is
-// disabled: it is the one child render leaves out depending on the spec. Only a ConfigMap this
-// PDCluster controls is deleted.
-func (r *PDClusterReconciler) deleteGateConfigMapIfUnused(ctx context.Context, pdc *v1alpha1.PDCluster, pending *[]event) error {
-	if render.GateEnabled(pdc.Spec.KVTransfer) {
-		return nil
+// deleteUnusedChildren removes the children render leaves out depending on the spec once the
+// spec no longer asks for them: the completion gate's ConfigMap, a pool's PodDisruptionBudget.
+func (r *PDClusterReconciler) deleteUnusedChildren(ctx context.Context, pdc *v1alpha1.PDCluster, pending *[]event) error {
+	if !render.GateEnabled(pdc.Spec.KVTransfer) {
+		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.GateObjectName(pdc.Name)}}
+		if err := r.deleteUnused(ctx, pdc, cm, "ConfigMap", "the completion gate is disabled", pending); err != nil {
+			return err
+		}
 	}
-	var cm corev1.ConfigMap
-	err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.GateObjectName(pdc.Name)}, &cm)
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+		if render.DisruptionBudget(pdc, role) != nil {
+			continue
+		}
+		pdb := &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}}
+		if err := r.deleteUnused(ctx, pdc, pdb, "PodDisruptionBudget", fmt.Sprintf("spec.%s.disruptionBudget is unset", role), pending); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// deleteUnused deletes obj (named, of kind) if it exists and this PDCluster controls it.
+func (r *PDClusterReconciler) deleteUnused(ctx context.Context, pdc *v1alpha1.PDCluster, obj client.Object, kind, why string, pending *[]event) error {
+	err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj)
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("get the gate plugin ConfigMap: %w", err)
+		return fmt.Errorf("get %s %s: %w", kind, obj.GetName(), err)
 	}
-	if !metav1.IsControlledBy(&cm, pdc) {
+	if !metav1.IsControlledBy(obj, pdc) {
 		return nil
 	}
-	if err := r.Delete(ctx, &cm, client.Preconditions{UID: &cm.UID}); client.IgnoreNotFound(err) != nil {
-		return fmt.Errorf("delete the unused gate plugin ConfigMap: %w", err)
+	uid := obj.GetUID()
+	if err := r.Delete(ctx, obj, client.Preconditions{UID: &uid}); client.IgnoreNotFound(err) != nil {
+		return fmt.Errorf("delete the unused %s %s: %w", kind, obj.GetName(), err)
 	}
-	*pending = append(*pending, event{corev1.EventTypeNormal, "Deleted", "Delete", "deleted ConfigMap " + cm.Name + ": the completion gate is disabled"})
+	*pending = append(*pending, event{corev1.EventTypeNormal, "Deleted", "Delete", fmt.Sprintf("deleted %s %s: %s", kind, obj.GetName(), why)})
 	return nil
 }
 
@@ -264,6 +282,7 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
 		Owns(&corev1.ConfigMap{}).
+		Owns(&policyv1.PodDisruptionBudget{}).
 		// Engine pods belong to ReplicaSets, not to the PDCluster: map them by label.
 		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(podToPDCluster)).
 		Named("pdcluster").

@@ -9,8 +9,10 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/tools/events"
 	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
@@ -73,24 +75,56 @@ func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 }
 
 // Turning the gate off removes its ConfigMap, but only one this PDCluster controls.
-func TestDisabledGateDeletesOnlyItsOwnConfigMap(t *testing.T) {
-	for _, owned := range []bool{true, false} {
-		p := pdc()
-		p.UID = "uid-c"
-		p.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled
-		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.GateObjectName("c")}}
-		if owned {
-			cm.OwnerReferences = []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
+// Children the spec no longer asks for (the gate's ConfigMap when the gate is off, a pool's
+// PodDisruptionBudget when its disruptionBudget is unset) are deleted, but only ones this
+// PDCluster controls; the ones it still asks for stay.
+func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
+	owner := []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
+	gateCM := func() client.Object {
+		return &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.GateObjectName("c")}}
+	}
+	pdb := func(role v1alpha1.Role) func() client.Object {
+		return func() client.Object {
+			return &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.ObjectName("c", role)}}
 		}
-		c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(p, cm).Build()
-		r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
-		var pending []event
-		if err := r.deleteGateConfigMapIfUnused(context.Background(), p, &pending); err != nil {
-			t.Fatal(err)
-		}
-		err := c.Get(context.Background(), client.ObjectKeyFromObject(cm), &corev1.ConfigMap{})
-		if gone := apierrors.IsNotFound(err); gone != owned || len(pending) != map[bool]int{true: 1, false: 0}[owned] {
-			t.Errorf("owned=%v: deleted=%v (err %v), events %v", owned, gone, err, pending)
-		}
+	}
+	for _, tc := range []struct {
+		name  string
+		spec  func(*v1alpha1.PDCluster)
+		child func() client.Object
+		owned bool
+		gone  bool
+	}{
+		{"gate off, own ConfigMap", func(p *v1alpha1.PDCluster) { p.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled }, gateCM, true, true},
+		{"gate off, someone else's ConfigMap", func(p *v1alpha1.PDCluster) { p.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled }, gateCM, false, false},
+		{"gate on keeps its ConfigMap", func(*v1alpha1.PDCluster) {}, gateCM, true, false},
+		{"no decode budget, own PDB", func(*v1alpha1.PDCluster) {}, pdb(v1alpha1.RoleDecode), true, true},
+		{"no prefill budget, someone else's PDB", func(*v1alpha1.PDCluster) {}, pdb(v1alpha1.RolePrefill), false, false},
+		{"decode budget set keeps its PDB", func(p *v1alpha1.PDCluster) {
+			p.Spec.Decode.DisruptionBudget = &v1alpha1.DisruptionBudget{MaxUnavailable: ptr.To(intstr.FromInt32(1))}
+		}, pdb(v1alpha1.RoleDecode), true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := pdc()
+			p.UID = "uid-c"
+			tc.spec(p)
+			child := tc.child()
+			if tc.owned {
+				child.SetOwnerReferences(owner)
+			}
+			c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(p, child).Build()
+			r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
+			var pending []event
+			if err := r.deleteUnusedChildren(context.Background(), p, &pending); err != nil {
+				t.Fatal(err)
+			}
+			err := c.Get(context.Background(), client.ObjectKeyFromObject(child), tc.child())
+			if gone := apierrors.IsNotFound(err); gone != tc.gone {
+				t.Errorf("deleted = %v (err %v), want %v", gone, err, tc.gone)
+			}
+			if want := map[bool]int{true: 1, false: 0}[tc.gone]; len(pending) != want {
+				t.Errorf("events %v, want %d", pending, want)
+			}
+		})
 	}
 }

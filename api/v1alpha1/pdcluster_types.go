@@ -5,6 +5,7 @@ import (
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 )
 
 // Connector names a vLLM KV connector.
@@ -314,6 +315,25 @@ type PoolSpec struct {
 	// +kubebuilder:default={}
 	// +optional
 	RDMA RDMASpec `json:"rdma,omitempty"`
+
+	// disruptionBudget, when set, gives the pool a PodDisruptionBudget: how many of its pods
+	// voluntary disruptions (node drains, cluster upgrades) may take down at once. Unset: none
+	// (and one the operator made before is deleted).
+	// +optional
+	DisruptionBudget *DisruptionBudget `json:"disruptionBudget,omitempty"`
+}
+
+// DisruptionBudget is a pool's PodDisruptionBudget: exactly one of maxUnavailable and
+// minAvailable, each a number of pods or a percentage such as "25%".
+// +kubebuilder:validation:XValidation:rule="has(self.maxUnavailable) != has(self.minAvailable)",message="set exactly one of maxUnavailable and minAvailable"
+type DisruptionBudget struct {
+	// maxUnavailable is how many of the pool's pods may be down at once.
+	// +optional
+	MaxUnavailable *intstr.IntOrString `json:"maxUnavailable,omitempty"`
+
+	// minAvailable is how many of the pool's pods must stay up.
+	// +optional
+	MinAvailable *intstr.IntOrString `json:"minAvailable,omitempty"`
 }
 
 // RouterSpec configures the P/D router in front of the pools.

@@ -16,6 +16,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -112,6 +113,9 @@ func Render(pdc *v1alpha1.PDCluster, opts Options) ([]client.Object, error) {
 			return nil, fmt.Errorf("render %s pool: %w", role, err)
 		}
 		objs = append(objs, dep, EngineService(pdc, role))
+		if pdb := DisruptionBudget(pdc, role); pdb != nil {
+			objs = append(objs, pdb)
+		}
 	}
 	if GateEnabled(pdc.Spec.KVTransfer) {
 		objs = append(objs, GateConfigMap(pdc))
@@ -590,6 +594,34 @@ func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Service 
 			PublishNotReadyAddresses: false,
 		},
 	}
+}
+
+// DisruptionBudget is role's PodDisruptionBudget, or nil when the pool asks for none.
+func DisruptionBudget(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *policyv1.PodDisruptionBudget {
+	b := pool(pdc, role).DisruptionBudget
+	if b == nil {
+		return nil
+	}
+	return &policyv1.PodDisruptionBudget{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
+		ObjectMeta: objectMeta(pdc, role),
+		Spec: policyv1.PodDisruptionBudgetSpec{
+			Selector:       &metav1.LabelSelector{MatchLabels: Labels(pdc.Name, role)},
+			MaxUnavailable: copyIntOrString(b.MaxUnavailable),
+			MinAvailable:   copyIntOrString(b.MinAvailable),
+			// A pod that is not running (crash-looping, never scheduled) may always be evicted:
+			// holding it would only block the drain that could fix it.
+			UnhealthyPodEvictionPolicy: ptr.To(policyv1.AlwaysAllow),
+		},
+	}
+}
+
+func copyIntOrString(v *intstr.IntOrString) *intstr.IntOrString {
+	if v == nil {
+		return nil
+	}
+	c := *v
+	return &c
 }
 
 // RouterConfigMap carries the router's view of the pools: router.json, which cmd/router reads

@@ -17,12 +17,14 @@ import (
 	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/events"
@@ -441,5 +443,40 @@ func TestUnhealthyConnectorRestartsPodAndConnectedDecode(t *testing.T) {
 		return strings.HasPrefix(e, "Warning ConnectorRestarted restarted sick-prefill-a")
 	}) {
 		t.Errorf("events = %q, want a ConnectorRestarted warning naming the pod", got)
+	}
+}
+
+// A pool's disruptionBudget becomes its PodDisruptionBudget on a real API server: created with
+// an owner, left alone on resync (no write), deleted when the field is unset.
+func TestDisruptionBudgetLifecycle(t *testing.T) {
+	f := newFixture(t)
+	p := wrappers.MakePDCluster(f.ns, "pdb").Obj()
+	p.Spec.Decode.DisruptionBudget = &v1alpha1.DisruptionBudget{MaxUnavailable: ptr.To(intstr.FromString("25%"))}
+	if err := f.c.Create(f.ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("pdb")
+	var pdb policyv1.PodDisruptionBudget
+	f.get(&pdb, "pdb-decode")
+	if ref := metav1.GetControllerOf(&pdb); ref == nil || ref.Name != "pdb" || pdb.Spec.MaxUnavailable.String() != "25%" ||
+		pdb.Spec.Selector.MatchLabels[v1alpha1.LabelRole] != "decode" {
+		t.Errorf("PDB = %+v (owner %v), want decode's, maxUnavailable 25%%, owned", pdb.Spec, ref)
+	}
+	if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: "pdb-prefill"}, &policyv1.PodDisruptionBudget{}); !apierrors.IsNotFound(err) {
+		t.Errorf("prefill PDB: %v, want none (prefill sets no budget)", err)
+	}
+	writes.Store(0)
+	f.reconcile("pdb")
+	if n := writes.Load(); n != 0 {
+		t.Errorf("resync made %d writes, want 0", n)
+	}
+	f.get(p, "pdb")
+	p.Spec.Decode.DisruptionBudget = nil
+	if err := f.c.Update(f.ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("pdb")
+	if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: "pdb-decode"}, &policyv1.PodDisruptionBudget{}); !apierrors.IsNotFound(err) {
+		t.Errorf("decode PDB after unsetting the budget: %v, want deleted", err)
 	}
 }

@@ -86,6 +86,8 @@ var parityCases = []struct{ name, patch string }{
 	{"relative host path", `{"spec":{"model":{"hostPath":{"path":"mnt/models"}}}}`},
 	{"token secret name with an underscore", `{"spec":{"model":{"huggingFace":{"tokenSecret":{"name":"hf_token"}}}}}`},
 	{"token secret key with a slash", `{"spec":{"model":{"huggingFace":{"tokenSecret":{"name":"hf","key":"a/b"}}}}}`},
+	{"disruption budget with both bounds", `{"spec":{"decode":{"disruptionBudget":{"maxUnavailable":1,"minAvailable":1}}}}`},
+	{"disruption budget with neither bound", `{"spec":{"prefill":{"disruptionBudget":{}}}}`},
 	{"both cache kinds", `{"spec":{"model":{"huggingFace":{"cacheClaimName":"hf","cacheSizeLimit":"10Gi"}}}}`},
 }
 
