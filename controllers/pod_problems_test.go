@@ -171,3 +171,31 @@ func TestStaleCachedDeploymentIsNotReady(t *testing.T) {
 		t.Errorf("DecodeReady = %+v, want False/RollingOut while the cache is behind", cond)
 	}
 }
+
+// A Deployment's counts, read as a pool's readiness. readyReplicas counts old pods too, so a
+// rollout whose new pod is not ready yet must not read as ready (seen on the real node).
+func TestPoolStatusFromDeploymentCounts(t *testing.T) {
+	for _, tc := range []struct {
+		name                           string
+		generation, observed           int64
+		replicas, updated, ready, want int32
+		reason                         string
+	}{
+		{"all new and ready", 2, 2, 1, 1, 1, 1, v1alpha1.ReasonReplicasReady},
+		{"spec not observed yet", 3, 2, 1, 1, 1, 1, v1alpha1.ReasonRollingOut},
+		{"new pod created, old one still serving", 2, 2, 2, 1, 1, 1, v1alpha1.ReasonRollingOut},
+		{"new pods not ready", 2, 2, 2, 2, 1, 2, v1alpha1.ReasonReplicasNotReady},
+		{"scaled to zero", 2, 2, 0, 0, 0, 0, v1alpha1.ReasonScaledToZero},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dep := &appsv1.Deployment{
+				ObjectMeta: metav1.ObjectMeta{Generation: tc.generation},
+				Spec:       appsv1.DeploymentSpec{Replicas: ptr.To(tc.want)},
+				Status:     appsv1.DeploymentStatus{ObservedGeneration: tc.observed, Replicas: tc.replicas, UpdatedReplicas: tc.updated, ReadyReplicas: tc.ready},
+			}
+			if _, _, reason, msg := poolStatus(dep); reason != tc.reason {
+				t.Errorf("reason = %s (%s), want %s", reason, msg, tc.reason)
+			}
+		})
+	}
+}

@@ -123,6 +123,10 @@ func poolStatus(dep *appsv1.Deployment) (v1alpha1.PoolStatus, metav1.ConditionSt
 		return ps, metav1.ConditionTrue, v1alpha1.ReasonScaledToZero, "scaled to zero replicas"
 	case dep.Status.ObservedGeneration < dep.Generation || dep.Status.UpdatedReplicas < desired:
 		return ps, metav1.ConditionFalse, v1alpha1.ReasonRollingOut, fmt.Sprintf("%d/%d replicas updated", dep.Status.UpdatedReplicas, desired)
+	case dep.Status.Replicas > dep.Status.UpdatedReplicas:
+		// readyReplicas counts the old pods too: until they are gone, a new pod that is not
+		// ready yet hides behind an old one that is.
+		return ps, metav1.ConditionFalse, v1alpha1.ReasonRollingOut, fmt.Sprintf("%d old replicas still running", dep.Status.Replicas-dep.Status.UpdatedReplicas)
 	case dep.Status.ReadyReplicas < desired:
 		return ps, metav1.ConditionFalse, v1alpha1.ReasonReplicasNotReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
 	}

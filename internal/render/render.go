@@ -390,6 +390,9 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 			SecurityContext: &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Add: []corev1.Capability{"IPC_LOCK"}}},
 			VolumeMounts:    mounts,
 			Lifecycle:       drain(),
+			// A crashing engine's last log lines become its termination message, which the
+			// PDCluster's status then quotes (vLLM writes no termination-log file).
+			TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
 		}, connector},
 		Volumes: append([]corev1.Volume{
 			// NCCL and the engine's worker processes share tensors through /dev/shm.
@@ -510,16 +513,17 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 	period := ptr.Deref(c.Health.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds)
 	port := intstr.FromString(portConnector)
 	return corev1.Container{
-		Name:           v1alpha1.ConnectorContainerName,
-		Image:          orDefault(c.Image, opts.ConnectorImage),
-		Args:           args,
-		Ports:          connectorPorts(role),
-		Env:            []corev1.EnvVar{podIPEnv()},
-		Resources:      resources,
-		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
-		LivenessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
-		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
-		Lifecycle:      drain(),
+		Name:                     v1alpha1.ConnectorContainerName,
+		Image:                    orDefault(c.Image, opts.ConnectorImage),
+		Args:                     args,
+		Ports:                    connectorPorts(role),
+		Env:                      []corev1.EnvVar{podIPEnv()},
+		Resources:                resources,
+		ReadinessProbe:           probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
+		LivenessProbe:            probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
+		VolumeMounts:             []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
+		Lifecycle:                drain(),
+		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
 	}, int64(blocks) * int64(blockBytes)
 }
 

@@ -291,6 +291,14 @@ func TestRealNode(t *testing.T) {
 		}
 	})
 
+	t.Run("GitOps: the applied file has no drift after the operator reconciled", func(t *testing.T) {
+		// kubectl diff exits 1 on any difference: no defaulting drift, nothing the operator
+		// writes into the spec. Once client-side and once as a GitOps tool's server-side apply.
+		r.run("diff", "-f", "config/samples/local-node.yaml")
+		r.run("diff", "--server-side", "--field-manager=argocd-controller", "--force-conflicts", "-f", "config/samples/local-node.yaml")
+		r.run("diff", "--server-side", "--field-manager=kustomize-controller", "--force-conflicts", "-f", "config/samples/local-node.yaml")
+	})
+
 	t.Run("nixl: the same requests after switching the connector", func(t *testing.T) {
 		p := &v1alpha1.PDCluster{ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: realName}}
 		patch := `{"spec":{"kvTransfer":{"connector":"NixlConnector"}}}`
