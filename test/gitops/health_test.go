@@ -1,0 +1,168 @@
+// Package gitops tests what the repository ships for GitOps tools: the Argo CD health check
+// (Lua, run by Debian's lua5.4 against status objects the operator wrote on the local cluster's
+// real node) and the kustomizations Argo CD and Flux apply.
+package gitops
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+
+	"sigs.k8s.io/yaml"
+)
+
+const script = "../../config/gitops/argocd/pdcluster-health.lua"
+
+// luaValue writes a JSON value as a Lua constructor: objects and arrays as tables (arrays
+// 1-based, as Argo CD's own JSON-to-Lua conversion makes them).
+func luaValue(v any) string {
+	switch x := v.(type) {
+	case nil:
+		return "nil"
+	case bool:
+		return strconv.FormatBool(x)
+	case float64:
+		return strconv.FormatFloat(x, 'g', -1, 64)
+	case string:
+		return strconv.Quote(x) // Go and Lua agree on the escapes a status message holds
+	case []any:
+		parts := make([]string, len(x))
+		for i, e := range x {
+			parts[i] = luaValue(e)
+		}
+		return "{" + strings.Join(parts, ", ") + "}"
+	case map[string]any:
+		keys := make([]string, 0, len(x))
+		for k := range x {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		parts := make([]string, len(keys))
+		for i, k := range keys {
+			parts[i] = fmt.Sprintf("[%s] = %s", strconv.Quote(k), luaValue(x[k]))
+		}
+		return "{" + strings.Join(parts, ", ") + "}"
+	}
+	panic(fmt.Sprintf("unexpected JSON value %T", v))
+}
+
+// health runs the health check on obj as Argo CD does and returns hs.status and hs.message.
+func health(t *testing.T, lua string, obj map[string]any) (string, string) {
+	t.Helper()
+	abs, err := filepath.Abs(script)
+	if err != nil {
+		t.Fatal(err)
+	}
+	driver := fmt.Sprintf("obj = %s\nlocal hs = dofile(%q)\nio.write(hs.status, \"\\n\", hs.message)\n", luaValue(obj), abs)
+	out, err := exec.Command(lua, "-e", driver).CombinedOutput()
+	if err != nil {
+		t.Fatalf("lua: %v\n%s", err, out)
+	}
+	status, message, _ := strings.Cut(string(out), "\n")
+	return status, message
+}
+
+func TestArgoCDHealthCheck(t *testing.T) {
+	lua, err := exec.LookPath("lua5.4")
+	if err != nil {
+		t.Skip("lua5.4 is not installed (Debian package lua5.4; .ci/run installs it)")
+	}
+	for _, tc := range []struct {
+		fixture, status, message string
+	}{
+		// Captured from the real node with kubectl get pdc -o json.
+		{"ready.json", "Healthy", "AllComponentsReady: prefill, decode and router are ready"},
+		{"unschedulable.json", "Degraded", "Unschedulable: decode: pod huge-decode-"},
+		{"crashloop.json", "Degraded", "CrashLoopBackOff: prefill: pod crashy-prefill-"},
+		// The ready object after a spec change the operator has not seen yet.
+		{"not-observed.json", "Progressing", "waiting for the pdcluster-operator to observe generation 2"},
+	} {
+		t.Run(tc.fixture, func(t *testing.T) {
+			b, err := os.ReadFile(filepath.Join("testdata", tc.fixture))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var obj map[string]any
+			if err := json.Unmarshal(b, &obj); err != nil {
+				t.Fatal(err)
+			}
+			status, message := health(t, lua, obj)
+			if status != tc.status || !strings.HasPrefix(message, tc.message) {
+				t.Errorf("health = %s %q, want %s %q...", status, message, tc.status, tc.message)
+			}
+		})
+	}
+	t.Run("no status yet", func(t *testing.T) {
+		obj := map[string]any{"metadata": map[string]any{"name": "new", "generation": float64(1)}}
+		if status, _ := health(t, lua, obj); status != "Progressing" {
+			t.Errorf("health = %s, want Progressing", status)
+		}
+	})
+	t.Run("restart budget exhausted", func(t *testing.T) {
+		obj := map[string]any{"metadata": map[string]any{"generation": float64(1)}, "status": map[string]any{"observedGeneration": float64(1), "conditions": []any{
+			map[string]any{"type": "Ready", "status": "True", "reason": "AllComponentsReady", "message": "ok"},
+			map[string]any{"type": "ConnectorHealthy", "status": "False", "reason": "RestartBudgetExhausted", "message": "5 rounds in 3600s"},
+		}}}
+		if status, message := health(t, lua, obj); status != "Degraded" || !strings.HasPrefix(message, "RestartBudgetExhausted") {
+			t.Errorf("health = %s %q, want Degraded for an exhausted restart budget", status, message)
+		}
+	})
+}
+
+// kustomize builds what Argo CD and Flux apply; kubectl comes from the cluster binaries.
+func kustomize(t *testing.T, dir string) []map[string]any {
+	t.Helper()
+	assets := os.Getenv("KUBEBUILDER_ASSETS")
+	if assets == "" {
+		t.Skip("needs kubectl: KUBEBUILDER_ASSETS (make test sets it)")
+	}
+	out, err := exec.Command(filepath.Join(assets, "kubectl"), "kustomize", dir).CombinedOutput()
+	if err != nil {
+		t.Fatalf("kubectl kustomize %s: %v\n%s", dir, err, out)
+	}
+	var objs []map[string]any
+	for doc := range strings.SplitSeq(string(out), "\n---\n") {
+		var o map[string]any
+		if err := yaml.Unmarshal([]byte(doc), &o); err != nil {
+			t.Fatal(err)
+		}
+		objs = append(objs, o)
+	}
+	return objs
+}
+
+// Argo CD's argocd-cm gets the health check under the key Argo CD looks up, byte for byte.
+func TestArgoCDConfigMapCarriesTheHealthCheck(t *testing.T) {
+	objs := kustomize(t, "../../config/gitops/argocd")
+	want, err := os.ReadFile(script)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(objs) != 1 || objs[0]["kind"] != "ConfigMap" {
+		t.Fatalf("built %d objects, want argocd-cm", len(objs))
+	}
+	meta := objs[0]["metadata"].(map[string]any)
+	data := objs[0]["data"].(map[string]any)
+	if meta["name"] != "argocd-cm" || meta["namespace"] != "argocd" || data["resource.customizations.health.serving.pdcluster.dev_PDCluster"] != string(want) {
+		t.Errorf("argocd-cm = %v / keys %v, want the script under resource.customizations.health.serving.pdcluster.dev_PDCluster", meta, data)
+	}
+}
+
+// The site both tools apply holds the operator and a PDCluster that passes admission.
+func TestGitOpsSiteBuilds(t *testing.T) {
+	kinds := map[string]bool{}
+	for _, o := range kustomize(t, "../../config/gitops/site") {
+		kinds[fmt.Sprint(o["kind"])] = true
+	}
+	for _, k := range []string{"CustomResourceDefinition", "Deployment", "ClusterRole", "PDCluster"} {
+		if !kinds[k] {
+			t.Errorf("site lacks a %s (has %v)", k, kinds)
+		}
+	}
+}
