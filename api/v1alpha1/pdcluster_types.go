@@ -264,6 +264,8 @@ type RDMASpec struct {
 	// resourceName is the extended resource advertised by the RDMA device plugin.
 	// +kubebuilder:default="rdma/hca"
 	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$') && !self.startsWith('kubernetes.io/') && !self.startsWith('requests.')",message="resourceName must be an extended resource name such as rdma/hca or nvidia.com/hostdev: a domain, '/', and a name"
 	// +optional
 	ResourceName string `json:"resourceName,omitempty"`
 
@@ -303,8 +305,10 @@ type PoolSpec struct {
 	Resources corev1.ResourceRequirements `json:"resources,omitempty"`
 
 	// nodeSelector constrains the pool to matching nodes.
+	// +kubebuilder:validation:MaxProperties=64
+	// +kubebuilder:validation:XValidation:rule="self.all(k, size(k) <= 317 && k.matches('^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$'))",message="nodeSelector keys must be label keys: an optional DNS prefix and '/', then up to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
 	// +optional
-	NodeSelector map[string]string `json:"nodeSelector,omitempty"`
+	NodeSelector map[string]LabelValue `json:"nodeSelector,omitempty"`
 
 	// tolerations let the pool schedule onto tainted (e.g. GPU) nodes.
 	// +optional
@@ -336,6 +340,11 @@ type DisruptionBudget struct {
 	MinAvailable *intstr.IntOrString `json:"minAvailable,omitempty"`
 }
 
+// LabelValue is a Kubernetes label value, as node selectors match them.
+// +kubebuilder:validation:MaxLength=63
+// +kubebuilder:validation:XValidation:rule="self.matches('^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$')",message="must be a label value: up to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+type LabelValue string
+
 // RouterSpec configures the P/D router in front of the pools.
 type RouterSpec struct {
 	// replicas is the number of router replicas.
@@ -343,6 +352,21 @@ type RouterSpec struct {
 	// +kubebuilder:validation:Minimum=0
 	// +optional
 	Replicas *int32 `json:"replicas,omitempty"`
+
+	// resources of the router container. Default: requests of 100m CPU and 128Mi memory.
+	// +optional
+	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
+
+	// nodeSelector constrains the router to matching nodes (it needs no GPU).
+	// +kubebuilder:validation:MaxProperties=64
+	// +kubebuilder:validation:XValidation:rule="self.all(k, size(k) <= 317 && k.matches('^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$'))",message="nodeSelector keys must be label keys: an optional DNS prefix and '/', then up to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+	// +optional
+	NodeSelector map[string]LabelValue `json:"nodeSelector,omitempty"`
+
+	// tolerations let the router schedule onto tainted nodes.
+	// +optional
+	// +listType=atomic
+	Tolerations []corev1.Toleration `json:"tolerations,omitempty"`
 }
 
 // ConnectorSpec configures the completion-gated connector agent the operator runs as a sidecar

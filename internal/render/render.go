@@ -8,7 +8,6 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"maps"
 	"path"
 	"sort"
 	"strconv"
@@ -401,7 +400,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 				Medium: corev1.StorageMediumMemory, SizeLimit: resource.NewQuantity(bufferBytes, resource.BinarySI),
 			}}},
 		}, volumes...),
-		NodeSelector: maps.Clone(p.NodeSelector),
+		NodeSelector: nodeSelector(p.NodeSelector),
 		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
 	}
 	dep, err := deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
@@ -663,14 +662,11 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
-			Name:  v1alpha1.RouterContainerName,
-			Image: opts.RouterImage,
-			Args:  []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
-			Ports: []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
-			Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
-				corev1.ResourceCPU:    resource.MustParse("100m"),
-				corev1.ResourceMemory: resource.MustParse("128Mi"),
-			}},
+			Name:           v1alpha1.RouterContainerName,
+			Image:          opts.RouterImage,
+			Args:           []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
+			Ports:          []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
+			Resources:      routerResources(pdc.Spec.Router),
 			ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString(portHTTP)}}, 5, 3),
 			LivenessProbe:  probe(health, 10, 3),
 			VolumeMounts:   []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
@@ -678,8 +674,32 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 		Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
 			LocalObjectReference: corev1.LocalObjectReference{Name: ObjectName(pdc.Name, v1alpha1.RoleRouter)},
 		}}}},
+		NodeSelector: nodeSelector(pdc.Spec.Router.NodeSelector),
+		Tolerations:  append([]corev1.Toleration(nil), pdc.Spec.Router.Tolerations...),
 	}
 	return deployment(pdc, v1alpha1.RoleRouter, ptr.Deref(pdc.Spec.Router.Replicas, v1alpha1.DefaultReplicas), podSpec, config.Data)
+}
+
+func nodeSelector(m map[string]v1alpha1.LabelValue) map[string]string {
+	if m == nil {
+		return nil
+	}
+	out := make(map[string]string, len(m))
+	for k, v := range m {
+		out[k] = string(v)
+	}
+	return out
+}
+
+// routerResources are spec.router.resources, or small defaults: the router only proxies.
+func routerResources(r v1alpha1.RouterSpec) corev1.ResourceRequirements {
+	if r.Resources != nil {
+		return *r.Resources.DeepCopy()
+	}
+	return corev1.ResourceRequirements{Requests: corev1.ResourceList{
+		corev1.ResourceCPU:    resource.MustParse("100m"),
+		corev1.ResourceMemory: resource.MustParse("128Mi"),
+	}}
 }
 
 // RouterService is the client-facing OpenAI endpoint of the cluster.

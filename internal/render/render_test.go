@@ -593,3 +593,34 @@ func TestModelSources(t *testing.T) {
 		})
 	}
 }
+
+// The router's own scheduling and resources come from spec.router; unset, small defaults.
+func TestRouterPodSettings(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	cm, err := render.RouterConfigMap(pdc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := dep.Spec.Template.Spec
+	if got := pod.Containers[0].Resources.Requests.Cpu().String(); got != "2" {
+		t.Errorf("router cpu request %s, want 2 from spec.router.resources", got)
+	}
+	if d := cmp.Diff(map[string]string{"node-role.kubernetes.io/ingress": ""}, pod.NodeSelector); d != "" {
+		t.Errorf("nodeSelector (-want +got):\n%s", d)
+	}
+	if len(pod.Tolerations) != 1 || pod.Tolerations[0].Key != "dedicated" {
+		t.Errorf("tolerations %+v", pod.Tolerations)
+	}
+	pdc.Spec.Router = v1alpha1.RouterSpec{}
+	dep, err = render.RouterDeployment(pdc, render.DefaultOptions(), cm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := dep.Spec.Template.Spec.Containers[0].Resources.Requests.Memory().String(); got != "128Mi" {
+		t.Errorf("default router memory request %s, want 128Mi", got)
+	}
+}

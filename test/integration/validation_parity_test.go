@@ -88,6 +88,12 @@ var parityCases = []struct{ name, patch string }{
 	{"token secret key with a slash", `{"spec":{"model":{"huggingFace":{"tokenSecret":{"name":"hf","key":"a/b"}}}}}`},
 	{"disruption budget with both bounds", `{"spec":{"decode":{"disruptionBudget":{"maxUnavailable":1,"minAvailable":1}}}}`},
 	{"disruption budget with neither bound", `{"spec":{"prefill":{"disruptionBudget":{}}}}`},
+	{"node selector key with a space", `{"spec":{"prefill":{"nodeSelector":{"gpu pool":"true"}}}}`},
+	{"node selector value with a slash", `{"spec":{"decode":{"nodeSelector":{"pool":"a/b"}}}}`},
+	{"node selector value too long", fmt.Sprintf(`{"spec":{"decode":{"nodeSelector":{"pool":%q}}}}`, longString(64))},
+	{"router node selector key with two slashes", `{"spec":{"router":{"nodeSelector":{"a/b/c":"x"}}}}`},
+	{"rdma resource name without a domain", `{"spec":{"prefill":{"rdma":{"resourceName":"hca"}}}}`},
+	{"rdma resource name in kubernetes.io", `{"spec":{"prefill":{"rdma":{"resourceName":"kubernetes.io/hca"}}}}`},
 	{"both cache kinds", `{"spec":{"model":{"huggingFace":{"cacheClaimName":"hf","cacheSizeLimit":"10Gi"}}}}`},
 }
 
