@@ -305,10 +305,8 @@ type PoolSpec struct {
 	Resources corev1.ResourceRequirements `json:"resources,omitempty"`
 
 	// nodeSelector constrains the pool to matching nodes.
-	// +kubebuilder:validation:MaxProperties=64
-	// +kubebuilder:validation:XValidation:rule="self.all(k, size(k) <= 317 && k.matches('^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$'))",message="nodeSelector keys must be label keys: an optional DNS prefix and '/', then up to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
 	// +optional
-	NodeSelector map[string]LabelValue `json:"nodeSelector,omitempty"`
+	NodeSelector NodeSelector `json:"nodeSelector,omitempty"`
 
 	// tolerations let the pool schedule onto tainted (e.g. GPU) nodes.
 	// +optional
@@ -340,6 +338,11 @@ type DisruptionBudget struct {
 	MinAvailable *intstr.IntOrString `json:"minAvailable,omitempty"`
 }
 
+// NodeSelector selects nodes by label: label keys to label values.
+// +kubebuilder:validation:MaxProperties=64
+// +kubebuilder:validation:XValidation:rule="self.all(k, size(k) <= 317 && k.matches('^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$'))",message="nodeSelector keys must be label keys: an optional DNS prefix and '/', then up to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+type NodeSelector map[string]LabelValue
+
 // LabelValue is a Kubernetes label value, as node selectors match them.
 // +kubebuilder:validation:MaxLength=63
 // +kubebuilder:validation:XValidation:rule="self.matches('^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$')",message="must be a label value: up to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
@@ -358,10 +361,8 @@ type RouterSpec struct {
 	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
 
 	// nodeSelector constrains the router to matching nodes (it needs no GPU).
-	// +kubebuilder:validation:MaxProperties=64
-	// +kubebuilder:validation:XValidation:rule="self.all(k, size(k) <= 317 && k.matches('^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$'))",message="nodeSelector keys must be label keys: an optional DNS prefix and '/', then up to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
 	// +optional
-	NodeSelector map[string]LabelValue `json:"nodeSelector,omitempty"`
+	NodeSelector NodeSelector `json:"nodeSelector,omitempty"`
 
 	// tolerations let the router schedule onto tainted nodes.
 	// +optional

@@ -680,7 +680,7 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 	return deployment(pdc, v1alpha1.RoleRouter, ptr.Deref(pdc.Spec.Router.Replicas, v1alpha1.DefaultReplicas), podSpec, config.Data)
 }
 
-func nodeSelector(m map[string]v1alpha1.LabelValue) map[string]string {
+func nodeSelector(m v1alpha1.NodeSelector) map[string]string {
 	if m == nil {
 		return nil
 	}

@@ -383,6 +383,20 @@ func TestRenderIsDeterministic(t *testing.T) {
 	}
 }
 
+// renderRouter is the router's ConfigMap and Deployment for pdc.
+func renderRouter(t *testing.T, pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, *appsv1.Deployment) {
+	t.Helper()
+	cm, err := render.RouterConfigMap(pdc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cm, dep
+}
+
 // The router reads the router.json render writes, from where its Deployment mounts it, and
 // probes what the router serves.
 func TestRouterReadsTheRenderedConfig(t *testing.T) {
@@ -392,14 +406,7 @@ func TestRouterReadsTheRenderedConfig(t *testing.T) {
 	}{{"testdata/mooncake-rdma.yaml", routerconfig.FlowMooncake}, {"testdata/nixl-tcp.yaml", routerconfig.FlowNIXL}} {
 		t.Run(tc.in, func(t *testing.T) {
 			pdc := load(t, tc.in)
-			cm, err := render.RouterConfigMap(pdc)
-			if err != nil {
-				t.Fatal(err)
-			}
-			dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
-			if err != nil {
-				t.Fatal(err)
-			}
+			cm, dep := renderRouter(t, pdc)
 			pod := dep.Spec.Template.Spec
 			c := pod.Containers[0]
 			var path string
@@ -597,14 +604,7 @@ func TestModelSources(t *testing.T) {
 // The router's own scheduling and resources come from spec.router; unset, small defaults.
 func TestRouterPodSettings(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
-	cm, err := render.RouterConfigMap(pdc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, dep := renderRouter(t, pdc)
 	pod := dep.Spec.Template.Spec
 	if got := pod.Containers[0].Resources.Requests.Cpu().String(); got != "2" {
 		t.Errorf("router cpu request %s, want 2 from spec.router.resources", got)
@@ -616,10 +616,7 @@ func TestRouterPodSettings(t *testing.T) {
 		t.Errorf("tolerations %+v", pod.Tolerations)
 	}
 	pdc.Spec.Router = v1alpha1.RouterSpec{}
-	dep, err = render.RouterDeployment(pdc, render.DefaultOptions(), cm)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, dep = renderRouter(t, pdc)
 	if got := dep.Spec.Template.Spec.Containers[0].Resources.Requests.Memory().String(); got != "128Mi" {
 		t.Errorf("default router memory request %s, want 128Mi", got)
 	}
