@@ -175,6 +175,13 @@ type EngineSpec struct {
 	// args are extra `vllm serve` arguments passed to both pools, before each pool's own args.
 	// +optional
 	Args EngineArgs `json:"args,omitempty"`
+
+	// pod holds settings of the prefill and decode pods the operator does not derive: extra
+	// environment, pod labels and annotations (e.g. Multus networks for RDMA), priority class,
+	// service account, image pull secrets, scheduler, grace period, /dev/shm size. A pool's own
+	// pod settings win over these, field by field (env, labels and annotations key by key).
+	// +optional
+	Pod *PodSettings `json:"pod,omitempty"`
 }
 
 // KVTransferSpec configures the KV connector that moves the cache from prefill to decode.
@@ -318,6 +325,10 @@ type PoolSpec struct {
 	// +optional
 	RDMA RDMASpec `json:"rdma,omitempty"`
 
+	// pod holds this pool's pod settings; they win over engine.pod.
+	// +optional
+	Pod *PodSettings `json:"pod,omitempty"`
+
 	// disruptionBudget, when set, gives the pool a PodDisruptionBudget: how many of its pods
 	// voluntary disruptions (node drains, cluster upgrades) may take down at once. Unset: none
 	// (and one the operator made before is deleted).
@@ -336,6 +347,67 @@ type DisruptionBudget struct {
 	// minAvailable is how many of the pool's pods must stay up.
 	// +optional
 	MinAvailable *intstr.IntOrString `json:"minAvailable,omitempty"`
+}
+
+// PodSettings are settings of the engine pods the operator does not derive from the spec.
+// Fields the operator owns (its environment variables, labels and annotations) are refused.
+// +kubebuilder:validation:XValidation:rule="!has(self.env) || self.env.all(e, !(e.name in ['POD_IP', 'PDCLUSTER_CONNECTOR_URL', 'PDCLUSTER_KV_FILE', 'PYTHONPATH', 'VLLM_MOONCAKE_BOOTSTRAP_PORT', 'VLLM_NIXL_SIDE_CHANNEL_HOST', 'VLLM_NIXL_SIDE_CHANNEL_PORT', 'UCX_NET_DEVICES', 'HF_HOME', 'HF_TOKEN']))",message="env may not set POD_IP, PDCLUSTER_CONNECTOR_URL, PDCLUSTER_KV_FILE, PYTHONPATH, VLLM_MOONCAKE_BOOTSTRAP_PORT, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT, UCX_NET_DEVICES, HF_HOME or HF_TOKEN: the operator sets them from model, kvTransfer and the connector"
+// +kubebuilder:validation:XValidation:rule="!has(self.labels) || self.labels.all(k, !k.startsWith('app.kubernetes.io/') && !k.startsWith('serving.pdcluster.dev/'))",message="labels under app.kubernetes.io/ and serving.pdcluster.dev/ are the operator's: they select the pods"
+// +kubebuilder:validation:XValidation:rule="!has(self.annotations) || self.annotations.all(k, !k.startsWith('serving.pdcluster.dev/'))",message="annotations under serving.pdcluster.dev/ are the operator's (the config and gate hashes that roll the pods)"
+type PodSettings struct {
+	// env is added to the engine container's environment (e.g. NCCL_DEBUG, VLLM_LOGGING_LEVEL).
+	// +kubebuilder:validation:MaxItems=128
+	// +listType=map
+	// +listMapKey=name
+	// +optional
+	Env []corev1.EnvVar `json:"env,omitempty"`
+
+	// envFrom adds every key of ConfigMaps or Secrets to the engine container's environment.
+	// +kubebuilder:validation:MaxItems=16
+	// +listType=atomic
+	// +optional
+	EnvFrom []corev1.EnvFromSource `json:"envFrom,omitempty"`
+
+	// labels are added to the pods (not to their selector).
+	// +kubebuilder:validation:MaxProperties=64
+	// +optional
+	Labels NodeSelector `json:"labels,omitempty"`
+
+	// annotations are added to the pods, e.g. k8s.v1.cni.cncf.io/networks for an RDMA network.
+	// +kubebuilder:validation:MaxProperties=64
+	// +optional
+	Annotations map[string]string `json:"annotations,omitempty"`
+
+	// priorityClassName of the pods.
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	PriorityClassName string `json:"priorityClassName,omitempty"`
+
+	// serviceAccountName the pods run as.
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	ServiceAccountName string `json:"serviceAccountName,omitempty"`
+
+	// imagePullSecrets for the engine (and connector) images.
+	// +kubebuilder:validation:MaxItems=16
+	// +listType=atomic
+	// +optional
+	ImagePullSecrets []corev1.LocalObjectReference `json:"imagePullSecrets,omitempty"`
+
+	// schedulerName schedules the pods (e.g. a gang scheduler).
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	SchedulerName string `json:"schedulerName,omitempty"`
+
+	// terminationGracePeriodSeconds of the pods; at least the 15 s the engines drain for.
+	// +kubebuilder:validation:Minimum=15
+	// +kubebuilder:validation:Maximum=86400
+	// +optional
+	TerminationGracePeriodSeconds *int64 `json:"terminationGracePeriodSeconds,omitempty"`
+
+	// shmSize bounds the memory-backed /dev/shm NCCL and vLLM's workers share (unset: no bound).
+	// +optional
+	ShmSize *resource.Quantity `json:"shmSize,omitempty"`
 }
 
 // NodeSelector selects nodes by label: label keys to label values.

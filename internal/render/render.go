@@ -8,7 +8,9 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"path"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -403,11 +405,93 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 		NodeSelector: nodeSelector(p.NodeSelector),
 		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
 	}
+	settings := mergePodSettings(pdc.Spec.Engine.Pod, p.Pod)
+	applyPodSettings(&podSpec, settings)
 	dep, err := deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
-	if err == nil && gate {
-		dep.Spec.Template.Annotations[v1alpha1.AnnotationGateHash] = vllmplugin.Hash()
+	if err != nil {
+		return nil, err
 	}
-	return dep, err
+	// The operator's own keys go in last: CEL refuses user keys under its prefixes, and these
+	// must win all the same.
+	tmpl := &dep.Spec.Template.ObjectMeta
+	tmpl.Labels = mergeMaps(nodeSelector(settings.Labels), tmpl.Labels)
+	tmpl.Annotations = mergeMaps(settings.Annotations, tmpl.Annotations)
+	if gate {
+		tmpl.Annotations[v1alpha1.AnnotationGateHash] = vllmplugin.Hash()
+	}
+	return dep, nil
+}
+
+// mergePodSettings is engine.pod with the pool's pod over it: a field the pool sets wins; env,
+// labels and annotations merge key by key (the pool's value wins), envFrom and image pull
+// secrets add up.
+func mergePodSettings(engine, pool *v1alpha1.PodSettings) v1alpha1.PodSettings {
+	var out v1alpha1.PodSettings
+	for _, s := range []*v1alpha1.PodSettings{engine, pool} {
+		if s == nil {
+			continue
+		}
+		for _, e := range s.Env {
+			if i := slices.IndexFunc(out.Env, func(o corev1.EnvVar) bool { return o.Name == e.Name }); i >= 0 {
+				out.Env[i] = *e.DeepCopy()
+			} else {
+				out.Env = append(out.Env, *e.DeepCopy())
+			}
+		}
+		for _, e := range s.EnvFrom {
+			out.EnvFrom = append(out.EnvFrom, *e.DeepCopy())
+		}
+		out.ImagePullSecrets = append(out.ImagePullSecrets, s.ImagePullSecrets...)
+		if len(s.Labels) > 0 {
+			out.Labels = mergeMaps(out.Labels, s.Labels)
+		}
+		if len(s.Annotations) > 0 {
+			out.Annotations = mergeMaps(out.Annotations, s.Annotations)
+		}
+		out.PriorityClassName = orDefault(s.PriorityClassName, out.PriorityClassName)
+		out.ServiceAccountName = orDefault(s.ServiceAccountName, out.ServiceAccountName)
+		out.SchedulerName = orDefault(s.SchedulerName, out.SchedulerName)
+		if s.TerminationGracePeriodSeconds != nil {
+			out.TerminationGracePeriodSeconds = ptr.To(*s.TerminationGracePeriodSeconds)
+		}
+		if s.ShmSize != nil {
+			out.ShmSize = ptr.To(s.ShmSize.DeepCopy())
+		}
+	}
+	return out
+}
+
+// applyPodSettings puts s into an engine pod: the environment into the engine container, after
+// the operator's own.
+func applyPodSettings(pod *corev1.PodSpec, s v1alpha1.PodSettings) {
+	engine := &pod.Containers[0]
+	engine.Env = append(engine.Env, s.Env...)
+	engine.EnvFrom = append(engine.EnvFrom, s.EnvFrom...)
+	pod.ImagePullSecrets = s.ImagePullSecrets
+	pod.PriorityClassName = s.PriorityClassName
+	pod.ServiceAccountName = s.ServiceAccountName
+	pod.SchedulerName = s.SchedulerName
+	pod.TerminationGracePeriodSeconds = s.TerminationGracePeriodSeconds
+	if s.ShmSize != nil {
+		for i := range pod.Volumes {
+			if pod.Volumes[i].Name == shmVolume {
+				pod.Volumes[i].EmptyDir.SizeLimit = ptr.To(s.ShmSize.DeepCopy())
+			}
+		}
+	}
+}
+
+// mergeMaps is a copy of base with over's keys over it; nil when both are empty.
+func mergeMaps[K comparable, V any](base, over map[K]V) map[K]V {
+	if len(base) == 0 && len(over) == 0 {
+		return nil
+	}
+	out := maps.Clone(base)
+	if out == nil {
+		out = make(map[K]V, len(over))
+	}
+	maps.Copy(out, over)
+	return out
 }
 
 // connectorEnv is the environment vLLM's KV connector reads in role's engine.

@@ -21,6 +21,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/config/crd"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/router"
@@ -619,5 +620,80 @@ func TestRouterPodSettings(t *testing.T) {
 	_, dep = renderRouter(t, pdc)
 	if got := dep.Spec.Template.Spec.Containers[0].Resources.Requests.Memory().String(); got != "128Mi" {
 		t.Errorf("default router memory request %s, want 128Mi", got)
+	}
+}
+
+// engine.pod and a pool's pod merge as documented, after the operator's own settings.
+func TestPodSettingsMerge(t *testing.T) {
+	pdc := load(t, "testdata/pod-settings.yaml")
+	for _, tc := range []struct {
+		role                      v1alpha1.Role
+		nccl, priority, sa, sched string
+		labels                    map[string]string
+	}{
+		{v1alpha1.RolePrefill, "WARN", "inference", "", "", map[string]string{"team": "inference"}},
+		{v1alpha1.RoleDecode, "INFO", "inference-critical", "decode-engine", "gang-scheduler", map[string]string{"team": "inference", "tier": "decode"}},
+	} {
+		t.Run(string(tc.role), func(t *testing.T) {
+			dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), tc.role)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pod := dep.Spec.Template.Spec
+			env := map[string]string{}
+			for _, e := range pod.Containers[0].Env {
+				if _, dup := env[e.Name]; dup {
+					t.Errorf("env %s twice", e.Name)
+				}
+				env[e.Name] = e.Value
+			}
+			if env["NCCL_DEBUG"] != tc.nccl || env["VLLM_LOGGING_LEVEL"] != "INFO" || pod.Containers[0].Env[0].Name != "POD_IP" {
+				t.Errorf("env %v, want NCCL_DEBUG=%s after the operator's own", env, tc.nccl)
+			}
+			if len(pod.Containers[0].EnvFrom) != 1 || len(pod.ImagePullSecrets) != 1 {
+				t.Errorf("envFrom %v, pull secrets %v", pod.Containers[0].EnvFrom, pod.ImagePullSecrets)
+			}
+			if pod.PriorityClassName != tc.priority || pod.ServiceAccountName != tc.sa || pod.SchedulerName != tc.sched || *pod.TerminationGracePeriodSeconds != 120 {
+				t.Errorf("priority %q sa %q scheduler %q grace %d", pod.PriorityClassName, pod.ServiceAccountName, pod.SchedulerName, *pod.TerminationGracePeriodSeconds)
+			}
+			for k, v := range tc.labels {
+				if dep.Spec.Template.Labels[k] != v {
+					t.Errorf("pod label %s = %q, want %q", k, dep.Spec.Template.Labels[k], v)
+				}
+			}
+			if d := cmp.Diff(render.Labels(pdc.Name, tc.role), dep.Spec.Selector.MatchLabels); d != "" {
+				t.Errorf("selector changed (-want +got):\n%s", d)
+			}
+			if dep.Spec.Template.Annotations["k8s.v1.cni.cncf.io/networks"] != "rdma-net" || dep.Spec.Template.Annotations[v1alpha1.AnnotationConfigHash] == "" {
+				t.Errorf("annotations %v", dep.Spec.Template.Annotations)
+			}
+			if got := pod.Volumes[0].EmptyDir.SizeLimit.String(); pod.Volumes[0].Name != "dshm" || got != "16Gi" {
+				t.Errorf("/dev/shm volume %s limit %s, want 16Gi", pod.Volumes[0].Name, got)
+			}
+		})
+	}
+}
+
+// Every environment variable render sets on an engine is one the CRD refuses in pod.env, so a
+// user's value can never silently shadow (or be shadowed by) the operator's.
+func TestOperatorEnvIsReservedInTheCRD(t *testing.T) {
+	inputs, err := filepath.Glob("testdata/*.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	crdText := string(crd.PDCluster)
+	for _, in := range inputs {
+		if strings.HasSuffix(in, ".golden.yaml") {
+			continue
+		}
+		pdc := load(t, in)
+		pdc.Spec.Engine.Pod, pdc.Spec.Prefill.Pod, pdc.Spec.Decode.Pod = nil, nil, nil
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+			for _, e := range engineContainer(t, pdc, role).Env {
+				if !strings.Contains(crdText, "'"+e.Name+"'") {
+					t.Errorf("%s: render sets %s, which the CRD's pod.env rule does not reserve", in, e.Name)
+				}
+			}
+		}
 	}
 }

@@ -480,3 +480,32 @@ func TestDisruptionBudgetLifecycle(t *testing.T) {
 		t.Errorf("decode PDB after unsetting the budget: %v, want deleted", err)
 	}
 }
+
+// Pod settings reach the pods on a real API server, and a resync of what it defaulted (the
+// scheduler name, say) writes nothing.
+func TestPodSettingsResyncWritesNothing(t *testing.T) {
+	f := newFixture(t)
+	p := wrappers.MakePDCluster(f.ns, "tuned").Obj()
+	p.Spec.Engine.Pod = &v1alpha1.PodSettings{
+		Env:                           []corev1.EnvVar{{Name: "NCCL_DEBUG", Value: "WARN"}},
+		Labels:                        v1alpha1.NodeSelector{"team": "inference"},
+		Annotations:                   map[string]string{"k8s.v1.cni.cncf.io/networks": "rdma-net"},
+		TerminationGracePeriodSeconds: ptr.To[int64](60),
+	}
+	p.Spec.Decode.Pod = &v1alpha1.PodSettings{Env: []corev1.EnvVar{{Name: "NCCL_DEBUG", Value: "INFO"}}}
+	if err := f.c.Create(f.ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("tuned")
+	var d appsv1.Deployment
+	f.get(&d, "tuned-decode")
+	if d.Spec.Template.Labels["team"] != "inference" || d.Spec.Template.Annotations["k8s.v1.cni.cncf.io/networks"] != "rdma-net" ||
+		*d.Spec.Template.Spec.TerminationGracePeriodSeconds != 60 {
+		t.Errorf("decode template %+v", d.Spec.Template.ObjectMeta)
+	}
+	writes.Store(0)
+	f.reconcile("tuned")
+	if n := writes.Load(); n != 0 {
+		t.Errorf("resync made %d writes, want 0", n)
+	}
+}

@@ -94,6 +94,12 @@ var parityCases = []struct{ name, patch string }{
 	{"router node selector key with two slashes", `{"spec":{"router":{"nodeSelector":{"a/b/c":"x"}}}}`},
 	{"rdma resource name without a domain", `{"spec":{"prefill":{"rdma":{"resourceName":"hca"}}}}`},
 	{"rdma resource name in kubernetes.io", `{"spec":{"prefill":{"rdma":{"resourceName":"kubernetes.io/hca"}}}}`},
+	{"env the operator sets", `{"spec":{"engine":{"pod":{"env":[{"name":"VLLM_NIXL_SIDE_CHANNEL_HOST","value":"localhost"}]}}}}`},
+	{"pool env the operator sets", `{"spec":{"decode":{"pod":{"env":[{"name":"PYTHONPATH","value":"/x"}]}}}}`},
+	{"duplicate env names", `{"spec":{"engine":{"pod":{"env":[{"name":"A","value":"1"},{"name":"A","value":"2"}]}}}}`},
+	{"a selector label", `{"spec":{"prefill":{"pod":{"labels":{"serving.pdcluster.dev/role":"decode"}}}}}`},
+	{"an operator annotation", `{"spec":{"engine":{"pod":{"annotations":{"serving.pdcluster.dev/config-hash":"x"}}}}}`},
+	{"grace period shorter than the drain", `{"spec":{"engine":{"pod":{"terminationGracePeriodSeconds":5}}}}`},
 	{"both cache kinds", `{"spec":{"model":{"huggingFace":{"cacheClaimName":"hf","cacheSizeLimit":"10Gi"}}}}`},
 }
 
