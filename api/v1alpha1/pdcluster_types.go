@@ -352,6 +352,8 @@ type DisruptionBudget struct {
 // PodSettings are settings of the engine pods the operator does not derive from the spec.
 // Fields the operator owns (its environment variables, labels and annotations) are refused.
 // +kubebuilder:validation:XValidation:rule="!has(self.env) || self.env.all(e, !(e.name in ['POD_IP', 'PDCLUSTER_CONNECTOR_URL', 'PDCLUSTER_KV_FILE', 'PYTHONPATH', 'VLLM_MOONCAKE_BOOTSTRAP_PORT', 'VLLM_NIXL_SIDE_CHANNEL_HOST', 'VLLM_NIXL_SIDE_CHANNEL_PORT', 'UCX_NET_DEVICES', 'HF_HOME', 'HF_TOKEN']))",message="env may not set POD_IP, PDCLUSTER_CONNECTOR_URL, PDCLUSTER_KV_FILE, PYTHONPATH, VLLM_MOONCAKE_BOOTSTRAP_PORT, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT, UCX_NET_DEVICES, HF_HOME or HF_TOKEN: the operator sets them from model, kvTransfer and the connector"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumes) || self.volumes.all(v, !(v.name in ['dshm', 'connector-run', 'completion-gate', 'model', 'hf-cache']))",message="volumes may not be named dshm, connector-run, completion-gate, model or hf-cache: the operator's volumes have those names"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in ['/dev/shm', '/var/run/pdcluster', '/opt/pdgate/pdgate', '/models', '/var/cache/huggingface']))",message="volumeMounts may not use /dev/shm, /var/run/pdcluster, /opt/pdgate/pdgate, /models or /var/cache/huggingface: the operator mounts its volumes there"
 // +kubebuilder:validation:XValidation:rule="!has(self.labels) || self.labels.all(k, !k.startsWith('app.kubernetes.io/') && !k.startsWith('serving.pdcluster.dev/'))",message="labels under app.kubernetes.io/ and serving.pdcluster.dev/ are the operator's: they select the pods"
 // +kubebuilder:validation:XValidation:rule="!has(self.annotations) || self.annotations.all(k, !k.startsWith('serving.pdcluster.dev/'))",message="annotations under serving.pdcluster.dev/ are the operator's (the config and gate hashes that roll the pods)"
 type PodSettings struct {
@@ -398,6 +400,31 @@ type PodSettings struct {
 	// +kubebuilder:validation:MaxLength=253
 	// +optional
 	SchedulerName string `json:"schedulerName,omitempty"`
+
+	// volumes are added to the pods, for volumeMounts to use.
+	// +kubebuilder:validation:MaxItems=32
+	// +listType=map
+	// +listMapKey=name
+	// +optional
+	Volumes []corev1.Volume `json:"volumes,omitempty"`
+
+	// volumeMounts are added to the engine container.
+	// +kubebuilder:validation:MaxItems=32
+	// +listType=map
+	// +listMapKey=mountPath
+	// +optional
+	VolumeMounts []corev1.VolumeMount `json:"volumeMounts,omitempty"`
+
+	// affinity of the pods (e.g. spread decode replicas over racks, keep prefill near decode).
+	// +optional
+	Affinity *corev1.Affinity `json:"affinity,omitempty"`
+
+	// topologySpreadConstraints of the pods; their label selectors may use the operator's pod
+	// labels (serving.pdcluster.dev/cluster, serving.pdcluster.dev/role).
+	// +kubebuilder:validation:MaxItems=8
+	// +listType=atomic
+	// +optional
+	TopologySpreadConstraints []corev1.TopologySpreadConstraint `json:"topologySpreadConstraints,omitempty"`
 
 	// terminationGracePeriodSeconds of the pods; at least the 15 s the engines drain for.
 	// +kubebuilder:validation:Minimum=15

@@ -422,9 +422,10 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	return dep, nil
 }
 
-// mergePodSettings is engine.pod with the pool's pod over it: a field the pool sets wins; env,
-// labels and annotations merge key by key (the pool's value wins), envFrom and image pull
-// secrets add up.
+// mergePodSettings is engine.pod with the pool's pod over it: a field the pool sets wins
+// (affinity and topology spread whole); env, labels, annotations, volumes (by name) and
+// volume mounts (by path) merge key by key, the pool's winning; envFrom and image pull secrets
+// add up.
 func mergePodSettings(engine, pool *v1alpha1.PodSettings) v1alpha1.PodSettings {
 	var out v1alpha1.PodSettings
 	for _, s := range []*v1alpha1.PodSettings{engine, pool} {
@@ -442,6 +443,29 @@ func mergePodSettings(engine, pool *v1alpha1.PodSettings) v1alpha1.PodSettings {
 			out.EnvFrom = append(out.EnvFrom, *e.DeepCopy())
 		}
 		out.ImagePullSecrets = append(out.ImagePullSecrets, s.ImagePullSecrets...)
+		for _, v := range s.Volumes {
+			if i := slices.IndexFunc(out.Volumes, func(o corev1.Volume) bool { return o.Name == v.Name }); i >= 0 {
+				out.Volumes[i] = *v.DeepCopy()
+			} else {
+				out.Volumes = append(out.Volumes, *v.DeepCopy())
+			}
+		}
+		for _, m := range s.VolumeMounts {
+			if i := slices.IndexFunc(out.VolumeMounts, func(o corev1.VolumeMount) bool { return o.MountPath == m.MountPath }); i >= 0 {
+				out.VolumeMounts[i] = m
+			} else {
+				out.VolumeMounts = append(out.VolumeMounts, m)
+			}
+		}
+		if s.Affinity != nil {
+			out.Affinity = s.Affinity.DeepCopy()
+		}
+		if len(s.TopologySpreadConstraints) > 0 {
+			out.TopologySpreadConstraints = nil
+			for _, c := range s.TopologySpreadConstraints {
+				out.TopologySpreadConstraints = append(out.TopologySpreadConstraints, *c.DeepCopy())
+			}
+		}
 		if len(s.Labels) > 0 {
 			out.Labels = mergeMaps(out.Labels, s.Labels)
 		}
@@ -467,6 +491,10 @@ func applyPodSettings(pod *corev1.PodSpec, s v1alpha1.PodSettings) {
 	engine := &pod.Containers[0]
 	engine.Env = append(engine.Env, s.Env...)
 	engine.EnvFrom = append(engine.EnvFrom, s.EnvFrom...)
+	engine.VolumeMounts = append(engine.VolumeMounts, s.VolumeMounts...)
+	pod.Volumes = append(pod.Volumes, s.Volumes...)
+	pod.Affinity = s.Affinity
+	pod.TopologySpreadConstraints = s.TopologySpreadConstraints
 	pod.ImagePullSecrets = s.ImagePullSecrets
 	pod.PriorityClassName = s.PriorityClassName
 	pod.ServiceAccountName = s.ServiceAccountName

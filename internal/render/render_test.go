@@ -667,6 +667,13 @@ func TestPodSettingsMerge(t *testing.T) {
 			if dep.Spec.Template.Annotations["k8s.v1.cni.cncf.io/networks"] != "rdma-net" || dep.Spec.Template.Annotations[v1alpha1.AnnotationConfigHash] == "" {
 				t.Errorf("annotations %v", dep.Spec.Template.Annotations)
 			}
+			if !slices.ContainsFunc(pod.Volumes, func(v corev1.Volume) bool { return v.Name == "nccl-topo" && v.ConfigMap != nil }) ||
+				!slices.ContainsFunc(pod.Containers[0].VolumeMounts, func(m corev1.VolumeMount) bool { return m.MountPath == "/etc/nccl" }) {
+				t.Errorf("the extra volume or its mount is missing: %v / %v", pod.Volumes, pod.Containers[0].VolumeMounts)
+			}
+			if len(pod.TopologySpreadConstraints) != 1 || (pod.Affinity != nil) != (tc.role == v1alpha1.RoleDecode) {
+				t.Errorf("spread %v, affinity %v", pod.TopologySpreadConstraints, pod.Affinity)
+			}
 			if got := pod.Volumes[0].EmptyDir.SizeLimit.String(); pod.Volumes[0].Name != "dshm" || got != "16Gi" {
 				t.Errorf("/dev/shm volume %s limit %s, want 16Gi", pod.Volumes[0].Name, got)
 			}

@@ -491,6 +491,15 @@ func TestPodSettingsResyncWritesNothing(t *testing.T) {
 		Labels:                        v1alpha1.NodeSelector{"team": "inference"},
 		Annotations:                   map[string]string{"k8s.v1.cni.cncf.io/networks": "rdma-net"},
 		TerminationGracePeriodSeconds: ptr.To[int64](60),
+		Volumes: []corev1.Volume{{Name: "nccl-topo", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
+			LocalObjectReference: corev1.LocalObjectReference{Name: "nccl-topology"}}}}},
+		VolumeMounts: []corev1.VolumeMount{{Name: "nccl-topo", MountPath: "/etc/nccl", ReadOnly: true}},
+		Affinity: &corev1.Affinity{PodAntiAffinity: &corev1.PodAntiAffinity{PreferredDuringSchedulingIgnoredDuringExecution: []corev1.WeightedPodAffinityTerm{{
+			Weight: 100, PodAffinityTerm: corev1.PodAffinityTerm{TopologyKey: "kubernetes.io/hostname",
+				LabelSelector: &metav1.LabelSelector{MatchLabels: map[string]string{v1alpha1.LabelRole: "decode"}}},
+		}}}},
+		TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{MaxSkew: 1, TopologyKey: "topology.kubernetes.io/zone", WhenUnsatisfiable: corev1.ScheduleAnyway,
+			LabelSelector: &metav1.LabelSelector{MatchLabels: map[string]string{v1alpha1.LabelCluster: "tuned"}}}},
 	}
 	p.Spec.Decode.Pod = &v1alpha1.PodSettings{Env: []corev1.EnvVar{{Name: "NCCL_DEBUG", Value: "INFO"}}}
 	if err := f.c.Create(f.ctx, p); err != nil {

@@ -100,6 +100,9 @@ var parityCases = []struct{ name, patch string }{
 	{"a selector label", `{"spec":{"prefill":{"pod":{"labels":{"serving.pdcluster.dev/role":"decode"}}}}}`},
 	{"an operator annotation", `{"spec":{"engine":{"pod":{"annotations":{"serving.pdcluster.dev/config-hash":"x"}}}}}`},
 	{"grace period shorter than the drain", `{"spec":{"engine":{"pod":{"terminationGracePeriodSeconds":5}}}}`},
+	{"a volume with the operator's name", `{"spec":{"decode":{"pod":{"volumes":[{"name":"dshm","emptyDir":{}}]}}}}`},
+	{"a mount over the operator's", `{"spec":{"engine":{"pod":{"volumeMounts":[{"name":"x","mountPath":"/models"}]}}}}`},
+	{"topology spread without a key", `{"spec":{"engine":{"pod":{"topologySpreadConstraints":[{"maxSkew":1,"whenUnsatisfiable":"DoNotSchedule"}]}}}}`},
 	{"both cache kinds", `{"spec":{"model":{"huggingFace":{"cacheClaimName":"hf","cacheSizeLimit":"10Gi"}}}}`},
 }
 
