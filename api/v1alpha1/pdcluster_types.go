@@ -350,7 +350,10 @@ type DisruptionBudget struct {
 }
 
 // PodSettings are settings of the engine pods the operator does not derive from the spec.
-// Fields the operator owns (its environment variables, labels and annotations) are refused.
+// Fields the operator owns (its environment variables, labels, annotations, volume names and
+// mount paths) are refused at admission. The formats of env and volume names are checked when
+// the operator renders the pods (status InvalidSpec names the field): a CEL rule on the names
+// of core/v1 types, which carry no length limit, is past the API server's cost budget.
 // +kubebuilder:validation:XValidation:rule="!has(self.env) || self.env.all(e, !(e.name in ['POD_IP', 'PDCLUSTER_CONNECTOR_URL', 'PDCLUSTER_KV_FILE', 'PYTHONPATH', 'VLLM_MOONCAKE_BOOTSTRAP_PORT', 'VLLM_NIXL_SIDE_CHANNEL_HOST', 'VLLM_NIXL_SIDE_CHANNEL_PORT', 'UCX_NET_DEVICES', 'HF_HOME', 'HF_TOKEN']))",message="env may not set POD_IP, PDCLUSTER_CONNECTOR_URL, PDCLUSTER_KV_FILE, PYTHONPATH, VLLM_MOONCAKE_BOOTSTRAP_PORT, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT, UCX_NET_DEVICES, HF_HOME or HF_TOKEN: the operator sets them from model, kvTransfer and the connector"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumes) || self.volumes.all(v, !(v.name in ['dshm', 'connector-run', 'completion-gate', 'model', 'hf-cache']))",message="volumes may not be named dshm, connector-run, completion-gate, model or hf-cache: the operator's volumes have those names"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in ['/dev/shm', '/var/run/pdcluster', '/opt/pdgate/pdgate', '/models', '/var/cache/huggingface']))",message="volumeMounts may not use /dev/shm, /var/run/pdcluster, /opt/pdgate/pdgate, /models or /var/cache/huggingface: the operator mounts its volumes there"

@@ -21,6 +21,8 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	utilvalidation "k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/validation/field"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -107,6 +109,9 @@ func componentLabels(cluster, component string) map[string]string {
 
 // Render returns every object the operator creates for pdc, in a stable order.
 func Render(pdc *v1alpha1.PDCluster, opts Options) ([]client.Object, error) {
+	if err := validatePodSettings(pdc); err != nil {
+		return nil, err
+	}
 	var objs []client.Object
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		dep, err := EngineDeployment(pdc, opts, role)
@@ -420,6 +425,35 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 		tmpl.Annotations[v1alpha1.AnnotationGateHash] = vllmplugin.Hash()
 	}
 	return dep, nil
+}
+
+// validatePodSettings checks what admission cannot (see PodSettings): env names and volume
+// names, as the API server would check them in the pods, with the PDCluster field named.
+func validatePodSettings(pdc *v1alpha1.PDCluster) error {
+	var errs field.ErrorList
+	for _, s := range []struct {
+		path *field.Path
+		pod  *v1alpha1.PodSettings
+	}{
+		{field.NewPath("spec", "engine", "pod"), pdc.Spec.Engine.Pod},
+		{field.NewPath("spec", "prefill", "pod"), pdc.Spec.Prefill.Pod},
+		{field.NewPath("spec", "decode", "pod"), pdc.Spec.Decode.Pod},
+	} {
+		if s.pod == nil {
+			continue
+		}
+		for i, e := range s.pod.Env {
+			for _, msg := range utilvalidation.IsEnvVarName(e.Name) {
+				errs = append(errs, field.Invalid(s.path.Child("env").Index(i).Child("name"), e.Name, msg))
+			}
+		}
+		for i, v := range s.pod.Volumes {
+			for _, msg := range utilvalidation.IsDNS1123Label(v.Name) {
+				errs = append(errs, field.Invalid(s.path.Child("volumes").Index(i).Child("name"), v.Name, msg))
+			}
+		}
+	}
+	return errs.ToAggregate()
 }
 
 // mergePodSettings is engine.pod with the pool's pod over it: a field the pool sets wins

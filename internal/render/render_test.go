@@ -704,3 +704,23 @@ func TestOperatorEnvIsReservedInTheCRD(t *testing.T) {
 		}
 	}
 }
+
+// Env and volume names admission cannot check (see PodSettings) fail the render, naming the
+// field: the reconciler reports it as InvalidSpec instead of failing every apply of the pods.
+func TestPodSettingsNamesAreCheckedAtRender(t *testing.T) {
+	pdc := load(t, "testdata/minimal.yaml")
+	pdc.Spec.Decode.Pod = &v1alpha1.PodSettings{
+		Env:     []corev1.EnvVar{{Name: "OK", Value: "1"}, {Name: "1BAD", Value: "2"}},
+		Volumes: []corev1.Volume{{Name: "Topo"}},
+	}
+	_, err := render.Render(pdc, render.DefaultOptions())
+	for _, want := range []string{`spec.decode.pod.env[1].name: Invalid value: "1BAD"`, `spec.decode.pod.volumes[0].name: Invalid value: "Topo"`} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("err = %v, want it to contain %q", err, want)
+		}
+	}
+	pdc.Spec.Decode.Pod = &v1alpha1.PodSettings{Env: []corev1.EnvVar{{Name: "NCCL_DEBUG", Value: "INFO"}}, Volumes: []corev1.Volume{{Name: "topo"}}}
+	if _, err := render.Render(pdc, render.DefaultOptions()); err != nil {
+		t.Errorf("valid names refused: %v", err)
+	}
+}
