@@ -108,6 +108,18 @@ func newPairOn(t *testing.T, mutate func(*Config), unixSockets bool) *pair {
 	wg.Add(2)
 	go func() { defer wg.Done(); _ = p.prod.Serve(ctx, data) }()
 	go func() { defer wg.Done(); _ = p.cons.Serve(ctx, nil) }()
+	// The producer registers in the background; a pull before that finds no engine and fails.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		p.prod.mu.Lock()
+		ready := p.prod.ready
+		p.prod.mu.Unlock()
+		if ready {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("producer agent not ready after 5s")
+		}
+	}
 	p.prodLink = link.New(prodAPI, nil, p.releases)
 	p.consLink = link.New(consAPI, p.completions, nil)
 	wg.Add(2)
