@@ -74,6 +74,9 @@ func TestMain(m *testing.M) {
 	var err error
 	if cfg, err = testEnv.Start(); err != nil {
 		fmt.Fprintln(os.Stderr, "start envtest:", err)
+		// Start fails after the control plane is up when the CRDs are refused (a CEL rule over
+		// its cost budget, say): stop it, or etcd and kube-apiserver outlive the test.
+		_ = testEnv.Stop()
 		os.Exit(1)
 	}
 	code := m.Run()
