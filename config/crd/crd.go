@@ -4,7 +4,8 @@ package crd
 
 import _ "embed"
 
-// PDCluster is the generated CRD of serving.pdcluster.dev/PDCluster.
+// PDCluster is the generated CRD of serving.pdcluster.dev/PDCluster, as JSON (make manifests
+// writes it beside the YAML): decoding the YAML cost pdctl 40 ms a run.
 //
-//go:embed bases/serving.pdcluster.dev_pdclusters.yaml
+//go:embed bases/serving.pdcluster.dev_pdclusters.json
 var PDCluster []byte

@@ -68,7 +68,7 @@ func TestMain(m *testing.M) {
 	_ = clientgoscheme.AddToScheme(scheme)
 	_ = v1alpha1.AddToScheme(scheme)
 	testEnv = &envtest.Environment{
-		CRDDirectoryPaths:     []string{filepath.Join("..", "..", "config", "crd", "bases")},
+		CRDDirectoryPaths:     []string{filepath.Join("..", "..", "config", "crd", "bases", "serving.pdcluster.dev_pdclusters.yaml")},
 		ErrorIfCRDPathMissing: true,
 	}
 	var err error
