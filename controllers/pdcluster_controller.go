@@ -73,7 +73,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	status := pdc.Status.DeepCopy()
 	var pending []event
 
-	applyErr := r.reconcileChildren(ctx, &pdc, status, &pending)
+	applied, applyErr := r.reconcileChildren(ctx, &pdc, status, &pending)
 	var requeueAfter time.Duration
 	if applyErr == nil {
 		reconcileGateCondition(&pdc, status, &pending)
@@ -81,7 +81,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		requeueAfter, applyErr = r.reconcileConnectorHealth(ctx, &pdc, status, &pending)
 		// A pool status that cannot be read must not keep a restart round that already
 		// deleted pods out of status: backoff and budget count on that record.
-		if err := r.reconcilePoolStatus(ctx, &pdc, status); err != nil {
+		if err := r.reconcilePoolStatus(ctx, &pdc, status, applied); err != nil {
 			applyErr = errors.Join(applyErr, err)
 		}
 		gateAfter, err := r.reconcileGateStatus(ctx, &pdc, status)
@@ -142,30 +142,31 @@ func isPermanent(err error) bool {
 }
 
 // reconcileChildren renders the desired objects and applies the ones that differ from the
-// cluster. Nothing is written when everything already matches.
-func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) error {
+// cluster. Nothing is written when everything already matches. It returns what it applied (as
+// rendered, not as the server answered), for the pool-status step.
+func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) ([]client.Object, error) {
 	objs, err := render.Render(pdc, r.Options)
 	if err != nil {
 		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonInvalidSpec, err.Error())
 		*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonInvalidSpec, "Render", err.Error()})
-		return permanentError{fmt.Errorf("render: %w", err)}
+		return nil, permanentError{fmt.Errorf("render: %w", err)}
 	}
 	for _, obj := range objs {
 		if err := controllerutil.SetControllerReference(pdc, obj, r.Scheme); err != nil {
-			return fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
+			return nil, fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
 		}
 		ev, err := r.reconcileObject(ctx, obj)
 		if err != nil {
 			msg := fmt.Sprintf("apply %T %s: %v", obj, obj.GetName(), err)
 			setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonApplyFailed, msg)
 			*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonApplyFailed, "Apply", msg})
-			return fmt.Errorf("apply %s: %w", obj.GetName(), err)
+			return nil, fmt.Errorf("apply %s: %w", obj.GetName(), err)
 		}
 		if ev != nil {
 			*pending = append(*pending, *ev)
 		}
 	}
-	return r.deleteUnusedChildren(ctx, pdc, pending)
+	return objs, r.deleteUnusedChildren(ctx, pdc, pending)
 }
 
 // deleteUnusedChildren removes the children render leaves out depending on the spec once the

@@ -105,7 +105,7 @@ func TestUnschedulableDecodeIsTheReadyReason(t *testing.T) {
 	rec := events.NewFakeRecorder(100)
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: rec, Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start)}
 	status := p.Status.DeepCopy()
-	if err := r.reconcilePoolStatus(context.Background(), p, status); err != nil {
+	if err := r.reconcilePoolStatus(context.Background(), p, status, nil); err != nil {
 		t.Fatal(err)
 	}
 	for _, typ := range []string{v1alpha1.ConditionReady, v1alpha1.ConditionDecodeReady} {
@@ -154,8 +154,15 @@ func TestStaleCachedDeploymentIsNotReady(t *testing.T) {
 	}
 	c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(objs...).Build()
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: events.NewFakeRecorder(10), Options: render.DefaultOptions()}
+	applied := func() []client.Object {
+		objs, err := render.Render(p, render.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return objs
+	}
 	status := p.Status.DeepCopy()
-	if err := r.reconcilePoolStatus(context.Background(), p, status); err != nil {
+	if err := r.reconcilePoolStatus(context.Background(), p, status, applied()); err != nil {
 		t.Fatal(err)
 	}
 	if cond := meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionDecodeReady); cond == nil || cond.Status != metav1.ConditionTrue {
@@ -163,7 +170,7 @@ func TestStaleCachedDeploymentIsNotReady(t *testing.T) {
 	}
 	p.Spec.Decode.Replicas = ptr.To[int32](3) // applied; the cache has not seen it yet
 	status = p.Status.DeepCopy()
-	if err := r.reconcilePoolStatus(context.Background(), p, status); err != nil {
+	if err := r.reconcilePoolStatus(context.Background(), p, status, applied()); err != nil {
 		t.Fatal(err)
 	}
 	cond := meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionDecodeReady)

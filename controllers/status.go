@@ -22,8 +22,8 @@ import (
 )
 
 // reconcilePoolStatus copies each Deployment's replica counts and sets the per-component
-// conditions and Ready.
-func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus) error {
+// conditions and Ready. applied is what this reconcile applied (nil: nothing to compare with).
+func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, applied []client.Object) error {
 	components := []struct {
 		role      v1alpha1.Role
 		condition string
@@ -35,15 +35,13 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 	}
 	var notReady []string
 	var problem struct{ reason, msg string } // the first pool's pod problem, for Ready
-	// What this reconcile applied: a cached Deployment that differs from it is the cache not
-	// having caught up with the write yet, and its counts describe the previous spec (a pool
-	// just scaled from 2 to 3 would read "2/2", ready).
+	// A cached Deployment that differs from what this reconcile applied is the cache not having
+	// caught up with the write yet, and its counts describe the previous spec (a pool just
+	// scaled from 2 to 3 would read "2/2", ready).
 	desired := map[string]client.Object{}
-	if objs, err := render.Render(pdc, r.Options); err == nil {
-		for _, o := range objs {
-			if _, ok := o.(*appsv1.Deployment); ok {
-				desired[o.GetName()] = o
-			}
+	for _, o := range applied {
+		if _, ok := o.(*appsv1.Deployment); ok {
+			desired[o.GetName()] = o
 		}
 	}
 	for _, c := range components {
