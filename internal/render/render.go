@@ -466,57 +466,44 @@ func mergePodSettings(engine, pool *v1alpha1.PodSettings) v1alpha1.PodSettings {
 		if s == nil {
 			continue
 		}
-		for _, e := range s.Env {
-			if i := slices.IndexFunc(out.Env, func(o corev1.EnvVar) bool { return o.Name == e.Name }); i >= 0 {
-				out.Env[i] = *e.DeepCopy()
-			} else {
-				out.Env = append(out.Env, *e.DeepCopy())
-			}
-		}
-		for _, e := range s.EnvFrom {
-			out.EnvFrom = append(out.EnvFrom, *e.DeepCopy())
-		}
+		s = s.DeepCopy() // the rendered pod must not share memory with the PDCluster
+		out.Env = mergeBy(out.Env, s.Env, func(e corev1.EnvVar) string { return e.Name })
+		out.Volumes = mergeBy(out.Volumes, s.Volumes, func(v corev1.Volume) string { return v.Name })
+		out.VolumeMounts = mergeBy(out.VolumeMounts, s.VolumeMounts, func(m corev1.VolumeMount) string { return m.MountPath })
+		out.EnvFrom = append(out.EnvFrom, s.EnvFrom...)
 		out.ImagePullSecrets = append(out.ImagePullSecrets, s.ImagePullSecrets...)
-		for _, v := range s.Volumes {
-			if i := slices.IndexFunc(out.Volumes, func(o corev1.Volume) bool { return o.Name == v.Name }); i >= 0 {
-				out.Volumes[i] = *v.DeepCopy()
-			} else {
-				out.Volumes = append(out.Volumes, *v.DeepCopy())
-			}
-		}
-		for _, m := range s.VolumeMounts {
-			if i := slices.IndexFunc(out.VolumeMounts, func(o corev1.VolumeMount) bool { return o.MountPath == m.MountPath }); i >= 0 {
-				out.VolumeMounts[i] = m
-			} else {
-				out.VolumeMounts = append(out.VolumeMounts, m)
-			}
-		}
+		out.Labels = mergeMaps(out.Labels, s.Labels)
+		out.Annotations = mergeMaps(out.Annotations, s.Annotations)
 		if s.Affinity != nil {
-			out.Affinity = s.Affinity.DeepCopy()
+			out.Affinity = s.Affinity
 		}
 		if len(s.TopologySpreadConstraints) > 0 {
-			out.TopologySpreadConstraints = nil
-			for _, c := range s.TopologySpreadConstraints {
-				out.TopologySpreadConstraints = append(out.TopologySpreadConstraints, *c.DeepCopy())
-			}
-		}
-		if len(s.Labels) > 0 {
-			out.Labels = mergeMaps(out.Labels, s.Labels)
-		}
-		if len(s.Annotations) > 0 {
-			out.Annotations = mergeMaps(out.Annotations, s.Annotations)
+			out.TopologySpreadConstraints = s.TopologySpreadConstraints
 		}
 		out.PriorityClassName = orDefault(s.PriorityClassName, out.PriorityClassName)
 		out.ServiceAccountName = orDefault(s.ServiceAccountName, out.ServiceAccountName)
 		out.SchedulerName = orDefault(s.SchedulerName, out.SchedulerName)
 		if s.TerminationGracePeriodSeconds != nil {
-			out.TerminationGracePeriodSeconds = ptr.To(*s.TerminationGracePeriodSeconds)
+			out.TerminationGracePeriodSeconds = s.TerminationGracePeriodSeconds
 		}
 		if s.ShmSize != nil {
-			out.ShmSize = ptr.To(s.ShmSize.DeepCopy())
+			out.ShmSize = s.ShmSize
 		}
 	}
 	return out
+}
+
+// mergeBy is base with over's items over it: an item whose key base has replaces it in place,
+// the others are appended in order.
+func mergeBy[T any](base, over []T, key func(T) string) []T {
+	for _, o := range over {
+		if i := slices.IndexFunc(base, func(b T) bool { return key(b) == key(o) }); i >= 0 {
+			base[i] = o
+		} else {
+			base = append(base, o)
+		}
+	}
+	return base
 }
 
 // applyPodSettings puts s into an engine pod: the environment into the engine container, after
@@ -537,7 +524,7 @@ func applyPodSettings(pod *corev1.PodSpec, s v1alpha1.PodSettings) {
 	if s.ShmSize != nil {
 		for i := range pod.Volumes {
 			if pod.Volumes[i].Name == shmVolume {
-				pod.Volumes[i].EmptyDir.SizeLimit = ptr.To(s.ShmSize.DeepCopy())
+				pod.Volumes[i].EmptyDir.SizeLimit = s.ShmSize
 			}
 		}
 	}
