@@ -134,15 +134,19 @@ func boundPorts(t *testing.T, c corev1.Container) []int32 {
 	for _, e := range c.Env {
 		env[e.Name] = e.Value
 	}
+	argValue := func(name string) string {
+		v, _ := flagValue(c.Args, name)
+		return v
+	}
 	var ports []int32
 	switch c.Name {
 	case v1alpha1.EngineContainerName:
-		ports = append(ports, atoi32(t, argValue(c.Args, "--port")))
+		ports = append(ports, atoi32(t, argValue("--port")))
 		var kv struct {
 			Connector string `json:"kv_connector"`
 			Role      string `json:"kv_role"`
 		}
-		if err := json.Unmarshal([]byte(argValue(c.Args, "--kv-transfer-config")), &kv); err != nil {
+		if err := json.Unmarshal([]byte(argValue("--kv-transfer-config")), &kv); err != nil {
 			t.Fatalf("%s: --kv-transfer-config: %v", c.Name, err)
 		}
 		switch {
@@ -152,39 +156,26 @@ func boundPorts(t *testing.T, c corev1.Container) []int32 {
 			}
 		case strings.Contains(kv.Connector, "Nixl"):
 			base := atoi32(t, envOr(env, "VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
-			for rank := range atoi32(t, argValue(c.Args, "--data-parallel-size")) {
+			for rank := range atoi32(t, argValue("--data-parallel-size")) {
 				ports = append(ports, base+rank)
 			}
 		default:
 			t.Fatalf("%s: unknown kv_connector %q", c.Name, kv.Connector)
 		}
 	case v1alpha1.ConnectorContainerName:
-		ports = append(ports, listenPort(t, argValue(c.Args, "--public-listen")))
-		if argValue(c.Args, "--role") == string(v1alpha1.KVProducer) {
-			ports = append(ports, listenPort(t, argValue(c.Args, "--data-listen")))
+		ports = append(ports, listenPort(t, argValue("--public-listen")))
+		if argValue("--role") == string(v1alpha1.KVProducer) {
+			ports = append(ports, listenPort(t, argValue("--data-listen")))
 		}
-		if l := argValue(c.Args, "--listen"); !strings.HasPrefix(l, "unix://") {
+		if l := argValue("--listen"); !strings.HasPrefix(l, "unix://") {
 			ports = append(ports, listenPort(t, l))
 		}
 	case v1alpha1.RouterContainerName:
-		ports = append(ports, listenPort(t, argValue(c.Args, "--listen")))
+		ports = append(ports, listenPort(t, argValue("--listen")))
 	default:
 		t.Fatalf("container %q: the test does not know what it binds", c.Name)
 	}
 	return ports
-}
-
-// argValue reads --name=value or --name value.
-func argValue(args []string, name string) string {
-	for i, a := range args {
-		if v, ok := strings.CutPrefix(a, name+"="); ok {
-			return v
-		}
-		if a == name && i+1 < len(args) {
-			return args[i+1]
-		}
-	}
-	return ""
 }
 
 func envOr(env map[string]string, key, def string) string {

@@ -209,8 +209,12 @@ func TestConnectorImageFromSpecOverridesOperatorDefault(t *testing.T) {
 	}
 }
 
+// flagValue reads --name value or --name=value from args.
 func flagValue(args []string, name string) (string, bool) {
 	for i, a := range args {
+		if v, ok := strings.CutPrefix(a, name+"="); ok {
+			return v, true
+		}
 		if a == name && i+1 < len(args) {
 			return args[i+1], true
 		}
