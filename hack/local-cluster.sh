@@ -5,6 +5,8 @@
 #   hack/local-cluster.sh down
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=hack/lib.sh
+source "${root}/hack/lib.sh"
 bin="$("${root}/hack/envtest-assets.sh")"
 dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
 nodes="${PDCLUSTER_GPU_NODES:-4}"
@@ -69,7 +71,7 @@ KC
 	# trust its self-signed certificate through kube-root-ca.crt (--root-ca-file).
 	local listen=(--bind-address 127.0.0.1) root_ca=()
 	if [[ "${real_node}" == 1 ]]; then
-		local node_ip; node_ip="$(ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i=1;i<NF;i++) if ($i=="src") print $(i+1)}')"
+		local node_ip; node_ip="$(node_ip)"
 		[[ -n "${node_ip}" ]] || { log "no IPv4 address with a route to find the node's address"; exit 1; }
 		listen=(--bind-address 0.0.0.0 --advertise-address "${node_ip}")
 		root_ca=(--root-ca-file "${dir}/certs/apiserver.crt")

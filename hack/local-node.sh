@@ -11,6 +11,8 @@
 # GPU pods can land on it, and carries the label pdcluster.dev/real-node=true.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=hack/lib.sh
+source "${root}/hack/lib.sh"
 bin="$("${root}/hack/envtest-assets.sh")"
 cluster="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
 dir="${cluster}/node"
@@ -185,8 +187,6 @@ http: {addr: "${registry}"}
 EOF
 }
 
-app_version() { awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' "${root}/charts/pdcluster-operator/Chart.yaml"; }
-
 wait_for() { # what command...
 	local what="$1"; shift
 	for _ in $(seq 1 120); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done
@@ -236,7 +236,7 @@ up() {
 	wait_for containerd test -S "${dir}/containerd.sock"
 	start coredns "${bin}/coredns" -conf "${dir}/Corefile"
 	start kube-proxy "${bin}/kube-proxy" --config "${dir}/kube-proxy.yaml"
-	local ip; ip="$(ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i=1;i<NF;i++) if ($i=="src") print $(i+1)}')"
+	local ip; ip="$(node_ip)"
 	start kubelet "${bin}/kubelet" --config "${dir}/kubelet/config.yaml" --kubeconfig "${kubeconfig}" \
 		--hostname-override "${node}" ${ip:+--node-ip "${ip}"} --root-dir "${dir}/kubelet/root" --cert-dir "${dir}/kubelet/pki" \
 		--node-labels "pdcluster.dev/real-node=true"

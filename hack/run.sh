@@ -10,6 +10,8 @@
 # manager Deployment gets zero replicas and the manager runs here as a process instead.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=hack/lib.sh
+source "${root}/hack/lib.sh"
 bin="$("${root}/hack/envtest-assets.sh")"
 dir="${PDCLUSTER_CLUSTER_DIR:-${HOME}/.cache/pdcluster/cluster}"
 export PDCLUSTER_CLUSTER_DIR="${dir}"
@@ -69,7 +71,7 @@ up() {
 	local kubeconfig; kubeconfig="$("${root}/hack/local-cluster.sh" up)"
 	export KUBECONFIG="${kubeconfig}"
 	kubectl="${bin}/kubectl"
-	local version; version="$(awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' "${root}/charts/pdcluster-operator/Chart.yaml")"
+	local version; version="$(app_version)"
 	if [[ "${real_node}" == 1 ]]; then
 		# The operator runs as the chart's pod on the real node, from the image built here.
 		"${root}/hack/local-node.sh" images

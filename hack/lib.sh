@@ -1,0 +1,8 @@
+# Shared by the hack/ scripts: source it after setting root to the repository's top.
+
+# app_version is the chart's appVersion, which tags the images built here.
+app_version() { awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' "${root}/charts/pdcluster-operator/Chart.yaml"; }
+
+# node_ip is this machine's address on its default route: the real node's InternalIP, which the
+# API server advertises too. Nothing is sent; the kernel only looks the route up.
+node_ip() { ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "src") print $(i + 1)}'; }
