@@ -26,15 +26,21 @@ runc_root=/run/containerd/runc/k8s.io
 log() { echo "local-node: $*" >&2; }
 export PATH="${bin}:${PATH}:/usr/local/sbin:/usr/sbin:/sbin"
 
+# need checks for root and installs the Debian packages the node runs on when they are
+# missing, so `make run` works on a fresh machine as `.ci/run` does.
 need() {
-	local missing=()
 	[[ "$(id -u)" == 0 ]] || { log "needs root (bridge, iptables, mounts)"; exit 1; }
-	for c in runc iptables conntrack ip; do command -v "${c}" >/dev/null || missing+=("${c}"); done
-	[[ -x /usr/lib/cni/bridge ]] || missing+=("CNI plugins (/usr/lib/cni)")
-	if ((${#missing[@]})); then
-		log "missing: ${missing[*]} (apt-get install runc containernetworking-plugins iptables conntrack iproute2)"
+	local missing=()
+	for c in runc iptables conntrack; do command -v "${c}" >/dev/null || missing+=("${c}"); done
+	command -v ip >/dev/null || missing+=(iproute2)
+	[[ -x /usr/lib/cni/bridge ]] || missing+=(containernetworking-plugins)
+	((${#missing[@]})) || return 0
+	if ! command -v apt-get >/dev/null; then
+		log "missing: ${missing[*]} (Debian packages; install them)"
 		exit 1
 	fi
+	log "installing ${missing[*]}"
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
 }
 
 start() { # name args...
