@@ -3,6 +3,8 @@ package connector
 import (
 	"errors"
 	"fmt"
+	"hash/maphash"
+	"slices"
 	"sync"
 	"time"
 
@@ -21,9 +23,9 @@ type ProducerConfig struct {
 	HoldTimeout time.Duration
 	// ReadyTimeout bounds how long a pull may wait for an admitted request to finish prefill.
 	ReadyTimeout time.Duration
-	// TombstoneTTL is how long a released transfer is remembered, so a late pull hears
-	// ErrReleased rather than ErrUnknownTransfer. Tombstones are the only state a late pull
-	// meets, and they expire.
+	// TombstoneTTL is how long at least a released transfer is remembered, so a late pull
+	// hears ErrReleased rather than ErrUnknownTransfer. Tombstones are the only state a late
+	// pull meets; they are forgotten a generation at a time, within twice the TTL.
 	TombstoneTTL time.Duration
 }
 
@@ -76,16 +78,121 @@ type transfer struct {
 	blocks   BlockIDs
 	ready    bool
 	aborted  bool
-	need     int                       // consumers to serve; 0 until the first pull says
-	served   map[ConsumerRank]struct{} // each consumer is notified once (invariant 2)
-	inflight map[ConsumerRank]struct{} // sends in progress: expiry and abort wait for them
-	deadline time.Time                 // expiry of a held transfer, or of an admitted one
+	need     int          // consumers to serve; 0 until the first pull says
+	served   consumerSet  // each consumer is notified once (invariant 2)
+	inflight consumerSet  // sends in progress: expiry and abort wait for them
+	deadline time.Time    // expiry of a held transfer, or of an admitted one
 	waiting  []waiter
+	retired  bool // released and back in the free list: nothing may decide on it any more
+	ranks    [4]ConsumerRank // backing store of served and inflight for the usual small fan-in
+	// groups and flat back blocks; kept when the transfer is reused.
+	groups [][]BlockID
+	flat   []BlockID
 }
 
-type tombstone struct {
-	reason ReleaseReason
-	until  time.Time
+// maxFree bounds the producer's free list of retired transfers.
+const maxFree = 256
+
+// newTransferLocked takes a retired transfer from the free list, or allocates one: a busy
+// producer retires one transfer per request, and reusing them (with their block storage) is
+// most of what keeps the garbage collector out of the pull path.
+func (p *Producer) newTransferLocked() *transfer {
+	t := &transfer{}
+	if n := len(p.free); n > 0 {
+		old := p.free[n-1]
+		p.free = p.free[:n-1]
+		*old = transfer{groups: old.groups[:0], flat: old.flat[:0], waiting: old.waiting[:0]}
+		t = old
+	}
+	t.served, t.inflight = t.ranks[:0:2], t.ranks[2:2:4]
+	return t
+}
+
+// setBlocks copies blocks into the transfer's own storage: the caller keeps its slices.
+func (t *transfer) setBlocks(blocks BlockIDs) {
+	if blocks == nil {
+		t.blocks = nil
+		return
+	}
+	t.flat = slices.Grow(t.flat[:0], blocks.Count())
+	t.groups = t.groups[:0]
+	for _, g := range blocks {
+		start := len(t.flat)
+		t.flat = append(t.flat, g...)
+		t.groups = append(t.groups, t.flat[start:len(t.flat):len(t.flat)])
+	}
+	t.blocks = t.groups
+}
+
+// consumerSet is the set of decode ranks of one transfer: a handful at most (the TP fan-in),
+// so a slice is faster than a map and, backed by the transfer itself, allocates nothing.
+type consumerSet []ConsumerRank
+
+func (s consumerSet) has(c ConsumerRank) bool {
+	for _, x := range s {
+		if x == c {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *consumerSet) add(c ConsumerRank) {
+	if !s.has(c) {
+		*s = append(*s, c)
+	}
+}
+
+func (s *consumerSet) remove(c ConsumerRank) {
+	for i, x := range *s {
+		if x == c {
+			last := len(*s) - 1
+			(*s)[i] = (*s)[last]
+			*s = (*s)[:last]
+			return
+		}
+	}
+}
+
+// tombstones remembers released transfers in two generations: Expire drops the older one
+// whole, so forgetting costs nothing per transfer (a per-entry sweep over a map of every
+// transfer of the last ten minutes was the producer's largest cost at high rates). Entries are
+// 64-bit hashes of the transfer id, so the garbage collector has no pointers to scan in them;
+// a collision would turn one late pull's ErrUnknownTransfer into ErrReleased, both rejections.
+//
+// A transfer id used again after its release (never, with vLLM's unique request ids) keeps
+// its tombstone: pulls look at live transfers first, so a stale tombstone changes nothing and
+// a Ready need not pay for a delete in a large map.
+type tombstones struct {
+	seed      maphash.Seed
+	cur, prev map[uint64]struct{}
+	since     time.Time // when cur started
+}
+
+func newTombstones(now time.Time) tombstones {
+	return tombstones{seed: maphash.MakeSeed(), cur: map[uint64]struct{}{}, prev: map[uint64]struct{}{}, since: now}
+}
+
+func (ts *tombstones) add(id TransferID) { ts.cur[maphash.String(ts.seed, string(id))] = struct{}{} }
+
+func (ts *tombstones) has(id TransferID) bool {
+	h := maphash.String(ts.seed, string(id))
+	if _, ok := ts.cur[h]; ok {
+		return true
+	}
+	_, ok := ts.prev[h]
+	return ok
+}
+
+// rotate starts a new generation every ttl: an entry lives between ttl and 2*ttl (plus the
+// time between two calls). The new generation is sized like the last one, to grow no more.
+func (ts *tombstones) rotate(now time.Time, ttl time.Duration) {
+	switch age := now.Sub(ts.since); {
+	case age >= 2*ttl:
+		ts.cur, ts.prev, ts.since = map[uint64]struct{}{}, map[uint64]struct{}{}, now
+	case age >= ttl:
+		ts.cur, ts.prev, ts.since = make(map[uint64]struct{}, len(ts.cur)), ts.cur, now
+	}
 }
 
 // ProducerStats counts what the Producer did since it started.
@@ -107,7 +214,8 @@ type Producer struct {
 	cfg        ProducerConfig
 	mu         sync.Mutex
 	transfers  map[TransferID]*transfer
-	tombstones map[TransferID]tombstone
+	tombstones tombstones
+	free       []*transfer
 	stats      ProducerStats
 }
 
@@ -123,7 +231,7 @@ func NewProducer(cfg ProducerConfig) (*Producer, error) {
 		return nil, fmt.Errorf("producer: HoldTimeout, ReadyTimeout and TombstoneTTL must be positive, got %v, %v, %v",
 			cfg.HoldTimeout, cfg.ReadyTimeout, cfg.TombstoneTTL)
 	}
-	return &Producer{cfg: cfg, transfers: map[TransferID]*transfer{}, tombstones: map[TransferID]tombstone{}}, nil
+	return &Producer{cfg: cfg, transfers: map[TransferID]*transfer{}, tombstones: newTombstones(cfg.Clock.Now())}, nil
 }
 
 // Expect announces a request admitted with do_remote_decode: pulls for its transfer may now
@@ -134,13 +242,9 @@ func (p *Producer) Expect(id TransferID, req RequestID) {
 	if _, ok := p.transfers[id]; ok {
 		return
 	}
-	delete(p.tombstones, id)
-	p.transfers[id] = &transfer{
-		request:  req,
-		served:   map[ConsumerRank]struct{}{},
-		inflight: map[ConsumerRank]struct{}{},
-		deadline: p.cfg.Clock.Now().Add(p.cfg.ReadyTimeout + p.cfg.HoldTimeout),
-	}
+	t := p.newTransferLocked()
+	t.request, t.deadline = req, p.cfg.Clock.Now().Add(p.cfg.ReadyTimeout+p.cfg.HoldTimeout)
+	p.transfers[id] = t
 }
 
 // Ready says prefill finished and the request's blocks are held for the consumers (vLLM's
@@ -150,27 +254,39 @@ func (p *Producer) Ready(id TransferID, req RequestID, blocks BlockIDs) []Decisi
 	p.mu.Lock()
 	t, ok := p.transfers[id]
 	if !ok {
-		t = &transfer{served: map[ConsumerRank]struct{}{}, inflight: map[ConsumerRank]struct{}{}}
+		t = p.newTransferLocked()
 		p.transfers[id] = t
-		delete(p.tombstones, id)
 	}
 	if t.ready || t.aborted {
 		p.mu.Unlock()
 		return nil
 	}
-	t.request, t.blocks, t.ready = req, blocks.Clone(), true
+	t.request, t.ready = req, true
+	t.setBlocks(blocks)
 	t.deadline = p.cfg.Clock.Now().Add(p.cfg.HoldTimeout)
-	var out []Decision
-	var rels []*Release
-	for _, w := range t.waiting {
-		d, rel := p.decideLocked(id, t, w.pull)
-		out = append(out, d)
-		rels = append(rels, rel)
+	if len(t.waiting) == 0 {
+		p.mu.Unlock()
+		return nil
 	}
+	out := make([]Decision, 0, len(t.waiting))
+	var rels []Release
+	waiting := t.waiting
 	t.waiting = nil
+	for _, w := range waiting {
+		if t.retired {
+			// More waiters than the consumers they announced: the blocks are released.
+			out = append(out, p.rejectLocked(w.pull, ErrReleased))
+			continue
+		}
+		d, rel, ok := p.decideLocked(id, t, w.pull)
+		out = append(out, d)
+		if ok {
+			rels = append(rels, rel)
+		}
+	}
 	p.mu.Unlock()
 	for _, r := range rels {
-		p.release(r)
+		p.cfg.Sink.FinishedSending(r)
 	}
 	return out
 }
@@ -187,12 +303,13 @@ func (p *Producer) Abort(id TransferID) []Decision {
 	}
 	t.aborted = true
 	out := p.rejectWaitersLocked(t, func(waiter) bool { return true }, ErrAborted)
-	var rel *Release
+	var rel Release
+	var released bool
 	if len(t.inflight) == 0 {
-		rel = p.retireLocked(id, t, ReleaseAborted)
+		rel, released = p.retireLocked(id, t, ReleaseAborted)
 	}
 	p.mu.Unlock()
-	p.release(rel)
+	p.release(rel, released)
 	return out
 }
 
@@ -201,32 +318,32 @@ func (p *Producer) Abort(id TransferID) []Decision {
 // has not finished prefill waits; otherwise the blocks to write are returned.
 func (p *Producer) Pull(req PullRequest) Decision {
 	p.mu.Lock()
-	d, rel := p.pullLocked(req)
+	d, rel, ok := p.pullLocked(req)
 	p.mu.Unlock()
-	p.release(rel)
+	p.release(rel, ok)
 	return d
 }
 
-func (p *Producer) pullLocked(req PullRequest) (Decision, *Release) {
+func (p *Producer) pullLocked(req PullRequest) (Decision, Release, bool) {
 	p.stats.Pulls++
 	t, ok := p.transfers[req.Transfer]
 	switch {
 	case !ok:
 		err := ErrUnknownTransfer
-		if _, late := p.tombstones[req.Transfer]; late {
+		if p.tombstones.has(req.Transfer) {
 			err = ErrReleased
 		}
-		return p.rejectLocked(req, err), nil
+		return p.rejectLocked(req, err), Release{}, false
 	case t.aborted:
-		return p.rejectLocked(req, ErrAborted), nil
+		return p.rejectLocked(req, ErrAborted), Release{}, false
 	case !t.ready:
 		for _, w := range t.waiting {
 			if w.pull.Consumer == req.Consumer {
-				return p.rejectLocked(req, ErrDuplicatePull), nil
+				return p.rejectLocked(req, ErrDuplicatePull), Release{}, false
 			}
 		}
 		t.waiting = append(t.waiting, waiter{pull: req, deadline: p.cfg.Clock.Now().Add(p.cfg.ReadyTimeout)})
-		return Decision{Pull: req, Action: ActionWait}, nil
+		return Decision{Pull: req, Action: ActionWait}, Release{}, false
 	}
 	return p.decideLocked(req.Transfer, t, req)
 }
@@ -238,20 +355,18 @@ func (p *Producer) rejectLocked(req PullRequest, err error) Decision {
 
 // decideLocked pairs a pull with the held blocks of a ready transfer. A pull whose blocks do
 // not fit is answered with the error and counts as served: the consumer will not pull again.
-func (p *Producer) decideLocked(id TransferID, t *transfer, req PullRequest) (Decision, *Release) {
-	if _, dup := t.served[req.Consumer]; dup {
-		return p.rejectLocked(req, ErrDuplicatePull), nil
-	}
-	if _, dup := t.inflight[req.Consumer]; dup {
-		return p.rejectLocked(req, ErrDuplicatePull), nil
+func (p *Producer) decideLocked(id TransferID, t *transfer, req PullRequest) (Decision, Release, bool) {
+	if t.served.has(req.Consumer) || t.inflight.has(req.Consumer) {
+		return p.rejectLocked(req, ErrDuplicatePull), Release{}, false
 	}
 	copies, err := matchBlocks(t.blocks, req.Blocks)
 	if err != nil {
 		p.stats.SendFailures++
-		return Decision{Pull: req, Action: ActionReject, Err: err}, p.serveLocked(id, t, req)
+		rel, ok := p.serveLocked(id, t, req)
+		return Decision{Pull: req, Action: ActionReject, Err: err}, rel, ok
 	}
-	t.inflight[req.Consumer] = struct{}{}
-	return Decision{Pull: req, Action: ActionSend, Copies: copies}, nil
+	t.inflight.add(req.Consumer)
+	return Decision{Pull: req, Action: ActionSend, Copies: copies}, Release{}, false
 }
 
 // matchBlocks maps the consumer's blocks onto the producer's per group. A consumer that hit
@@ -282,53 +397,55 @@ func matchBlocks(src, dst BlockIDs) ([]BlockCopy, error) {
 func (p *Producer) SendDone(id TransferID, consumer ConsumerRank, consumers int, err error) {
 	p.mu.Lock()
 	t, ok := p.transfers[id]
-	if ok {
-		_, ok = t.inflight[consumer]
-	}
-	if !ok {
+	if !ok || !t.inflight.has(consumer) {
 		p.mu.Unlock()
 		return
 	}
-	delete(t.inflight, consumer)
+	t.inflight.remove(consumer)
 	if err != nil {
 		p.stats.SendFailures++
 	}
-	rel := p.serveLocked(id, t, PullRequest{Transfer: id, Consumer: consumer, Consumers: consumers})
-	if rel == nil && t.aborted && len(t.inflight) == 0 {
-		rel = p.retireLocked(id, t, ReleaseAborted)
+	rel, released := p.serveLocked(id, t, PullRequest{Transfer: id, Consumer: consumer, Consumers: consumers})
+	if _, live := p.transfers[id]; live && t.aborted && len(t.inflight) == 0 {
+		rel, released = p.retireLocked(id, t, ReleaseAborted)
 	}
 	p.mu.Unlock()
-	p.release(rel)
+	p.release(rel, released)
 }
 
 // serveLocked marks a consumer answered and retires the transfer after the last one.
-func (p *Producer) serveLocked(id TransferID, t *transfer, req PullRequest) *Release {
-	if _, dup := t.served[req.Consumer]; dup {
-		return nil
+func (p *Producer) serveLocked(id TransferID, t *transfer, req PullRequest) (Release, bool) {
+	if t.served.has(req.Consumer) {
+		return Release{}, false
 	}
-	t.served[req.Consumer] = struct{}{}
+	t.served.add(req.Consumer)
 	p.stats.Served++
 	// Every consumer states the fan-in; take the largest so no rank is left out.
 	t.need = max(t.need, req.Consumers, 1)
 	if len(t.served) >= t.need && len(t.inflight) == 0 {
 		return p.retireLocked(id, t, ReleaseServed)
 	}
-	return nil
+	return Release{}, false
 }
 
 // retireLocked forgets a transfer and returns the release owed to the scheduler, if it held
 // blocks. Called once per transfer: the transfer leaves the map here.
-func (p *Producer) retireLocked(id TransferID, t *transfer, reason ReleaseReason) *Release {
+// The transfer goes back to the free list: callers must not use t afterwards.
+func (p *Producer) retireLocked(id TransferID, t *transfer, reason ReleaseReason) (Release, bool) {
 	delete(p.transfers, id)
-	p.tombstones[id] = tombstone{reason: reason, until: p.cfg.Clock.Now().Add(p.cfg.TombstoneTTL)}
+	p.tombstones.add(id)
+	t.retired = true
+	if len(p.free) < maxFree {
+		p.free = append(p.free, t)
+	}
 	if !t.ready || !t.blocks.HasLocal() {
-		return nil
+		return Release{}, false
 	}
 	p.stats.Released++
 	if reason == ReleaseExpired {
 		p.stats.Expired++
 	}
-	return &Release{Request: t.request, Transfer: id, Blocks: t.blocks.Count(), Reason: reason}
+	return Release{Request: t.request, Transfer: id, Blocks: t.blocks.Count(), Reason: reason}, true
 }
 
 func (p *Producer) rejectWaitersLocked(t *transfer, match func(waiter) bool, err error) []Decision {
@@ -345,9 +462,9 @@ func (p *Producer) rejectWaitersLocked(t *transfer, match func(waiter) bool, err
 	return out
 }
 
-func (p *Producer) release(r *Release) {
-	if r != nil {
-		p.cfg.Sink.FinishedSending(*r)
+func (p *Producer) release(r Release, ok bool) {
+	if ok {
+		p.cfg.Sink.FinishedSending(r)
 	}
 }
 
@@ -358,24 +475,20 @@ func (p *Producer) Expire() []Decision {
 	now := p.cfg.Clock.Now()
 	p.mu.Lock()
 	var out []Decision
-	var rels []*Release
+	var rels []Release
 	for id, t := range p.transfers {
 		out = append(out, p.rejectWaitersLocked(t, func(w waiter) bool { return !now.Before(w.deadline) }, ErrTimeout)...)
 		if len(t.inflight) == 0 && !now.Before(t.deadline) {
 			out = append(out, p.rejectWaitersLocked(t, func(waiter) bool { return true }, ErrTimeout)...)
-			if r := p.retireLocked(id, t, ReleaseExpired); r != nil {
+			if r, ok := p.retireLocked(id, t, ReleaseExpired); ok {
 				rels = append(rels, r)
 			}
 		}
 	}
-	for id, ts := range p.tombstones {
-		if !now.Before(ts.until) {
-			delete(p.tombstones, id)
-		}
-	}
+	p.tombstones.rotate(now, p.cfg.TombstoneTTL)
 	p.mu.Unlock()
 	for _, r := range rels {
-		p.release(r)
+		p.cfg.Sink.FinishedSending(r)
 	}
 	return out
 }
@@ -386,7 +499,7 @@ func (p *Producer) Stats() ProducerStats {
 	defer p.mu.Unlock()
 	s := p.stats
 	s.Transfers = len(p.transfers)
-	s.Tombstones = len(p.tombstones)
+	s.Tombstones = len(p.tombstones.cur) + len(p.tombstones.prev)
 	for _, t := range p.transfers {
 		if t.ready {
 			s.BlocksPinned += t.blocks.Count()

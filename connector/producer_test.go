@@ -117,10 +117,19 @@ func TestProducerExpiryWaitsForSends(t *testing.T) {
 	if len(rec.got) != 1 || rec.got[0].Reason != connector.ReleaseExpired {
 		t.Fatalf("releases = %v, want one expiry", rec.got)
 	}
+	// Remembered at least the TTL (10 min), forgotten within two.
+	clk.Step(9 * time.Minute)
+	p.Expire()
+	if late := p.Pull(pullOf("x", 1, 2, []connector.BlockID{9})); !errors.Is(late.Err, connector.ErrReleased) {
+		t.Errorf("pull 9 min after the release = %+v, want ErrReleased", late)
+	}
 	clk.Step(11 * time.Minute)
 	p.Expire()
 	if st := p.Stats(); st.Tombstones != 0 {
-		t.Errorf("tombstone outlived its TTL: %+v", st)
+		t.Errorf("tombstone outlived twice its TTL: %+v", st)
+	}
+	if late := p.Pull(pullOf("x", 1, 2, []connector.BlockID{9})); !errors.Is(late.Err, connector.ErrUnknownTransfer) {
+		t.Errorf("pull after the tombstone expired = %+v, want ErrUnknownTransfer", late)
 	}
 }
 
@@ -181,5 +190,39 @@ func TestProducerBlockMismatchAnswersAndServes(t *testing.T) {
 				t.Errorf("releases = %v, want one iff blocks were held", rec.got)
 			}
 		})
+	}
+}
+
+// Three consumers wait for a transfer whose pulls announce a fan-in of one and carry blocks
+// that do not fit: the first is answered and served, which releases the transfer; the others
+// must not be decided on released (and reused) state.
+func TestProducerWaitersBeyondTheFanInAreRejectedAfterRelease(t *testing.T) {
+	p, rec, _ := newProducer(t)
+	p.Expect("x", "p1")
+	for c := range 3 {
+		if d := p.Pull(pullOf("x", c, 1, []connector.BlockID{1, 2, 3})); d.Action != connector.ActionWait {
+			t.Fatalf("pull %d = %+v, want wait", c, d)
+		}
+	}
+	ds := p.Ready("x", "p1", connector.BlockIDs{{7}})
+	if len(ds) != 3 {
+		t.Fatalf("decisions = %+v, want three", ds)
+	}
+	if !errors.Is(ds[0].Err, connector.ErrBlockMismatch) {
+		t.Errorf("first waiter = %+v, want ErrBlockMismatch", ds[0])
+	}
+	for _, d := range ds[1:] {
+		if d.Action != connector.ActionReject || !errors.Is(d.Err, connector.ErrReleased) {
+			t.Errorf("waiter after the release = %+v, want ErrReleased", d)
+		}
+	}
+	if diff := cmp.Diff([]connector.Release{{Request: "p1", Transfer: "x", Blocks: 1, Reason: connector.ReleaseServed}}, rec.got); diff != "" {
+		t.Errorf("releases (-want +got):\n%s", diff)
+	}
+	// The retired transfer's storage is reused by the next one, with nothing carried over.
+	p.Ready("y", "p2", connector.BlockIDs{{4, 5}})
+	d := p.Pull(pullOf("y", 0, 1, []connector.BlockID{8, 9}))
+	if diff := cmp.Diff([]connector.BlockCopy{{Src: 4, Dst: 8}, {Src: 5, Dst: 9}}, d.Copies); diff != "" {
+		t.Errorf("copies of the next transfer (-want +got):\n%s", diff)
 	}
 }

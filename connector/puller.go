@@ -3,6 +3,7 @@ package connector
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -33,9 +34,71 @@ type pull struct {
 	meta     PullMeta
 	notify   bool
 	deadline time.Time
-	tasks    map[ProducerRank]taskState
+	tasks    []task // one per distinct producer rank: a handful, so a slice beats a map
 	pending  int
 	err      error // the first task error; later ones add nothing the scheduler can use
+	taskBuf  [2]task
+	// groups and flat back meta.LocalBlock; kept when the pull is reused.
+	groups [][]BlockID
+	flat   []BlockID
+}
+
+// maxFreePulls bounds the Puller's free list of finished pulls.
+const maxFreePulls = 256
+
+// newPullLocked takes a finished pull from the free list, or allocates one: reusing them
+// (with their block storage) keeps the garbage collector out of the pull path.
+func (p *Puller) newPullLocked() *pull {
+	if n := len(p.free); n > 0 {
+		pl := p.free[n-1]
+		p.free = p.free[:n-1]
+		*pl = pull{groups: pl.groups[:0], flat: pl.flat[:0]}
+		return pl
+	}
+	return &pull{}
+}
+
+// freeLocked returns a finished pull to the free list; it must not be used afterwards.
+func (p *Puller) freeLocked(pl *pull) {
+	if len(p.free) < maxFreePulls {
+		p.free = append(p.free, pl)
+	}
+}
+
+// setLocalBlocks copies blocks into the pull's own storage: the caller keeps its slices.
+func (pl *pull) setLocalBlocks(blocks BlockIDs) {
+	if blocks == nil {
+		pl.meta.LocalBlock = nil
+		return
+	}
+	pl.flat = slices.Grow(pl.flat[:0], blocks.Count())
+	pl.groups = pl.groups[:0]
+	for _, g := range blocks {
+		start := len(pl.flat)
+		pl.flat = append(pl.flat, g...)
+		pl.groups = append(pl.groups, pl.flat[start:len(pl.flat):len(pl.flat)])
+	}
+	pl.meta.LocalBlock = pl.groups
+}
+
+type task struct {
+	producer ProducerRank
+	state    taskState
+}
+
+// task returns producer's task, nil when the pull has none for it.
+func (pl *pull) task(producer ProducerRank) *task {
+	for i := range pl.tasks {
+		if pl.tasks[i].producer == producer {
+			return &pl.tasks[i]
+		}
+	}
+	return nil
+}
+
+func (pl *pull) pendingFor(producer ProducerRank) bool {
+	t := pl.task(producer)
+	return t != nil && t.state == taskPending
 }
 
 // PullerStats counts what the Puller did since it started.
@@ -58,6 +121,7 @@ type Puller struct {
 	cfg   PullerConfig
 	mu    sync.Mutex
 	pulls map[RequestID]*pull
+	free  []*pull
 	stats PullerStats
 }
 
@@ -79,23 +143,21 @@ func NewPuller(cfg PullerConfig) (*Puller, error) {
 // (the bootstrap lookup failed) ends at once as failed, so it is reported like any failure.
 // Only a second pull for a request still in flight is refused: vLLM does one transfer per request.
 func (p *Puller) Begin(meta PullMeta, producers []ProducerRank) error {
-	meta.LocalBlock = meta.LocalBlock.Clone()
-	pl := &pull{
-		meta:     meta,
-		notify:   meta.NotifiesScheduler(),
-		deadline: p.cfg.Clock.Now().Add(p.cfg.Timeout),
-		tasks:    make(map[ProducerRank]taskState, len(producers)),
-	}
-	for _, r := range producers {
-		if _, dup := pl.tasks[r]; !dup {
-			pl.tasks[r] = taskPending
-			pl.pending++
-		}
-	}
+	deadline := p.cfg.Clock.Now().Add(p.cfg.Timeout)
 	p.mu.Lock()
 	if _, busy := p.pulls[meta.Request]; busy {
 		p.mu.Unlock()
 		return fmt.Errorf("begin pull of %s: %w", meta.Request, ErrDuplicateRequest)
+	}
+	pl := p.newPullLocked()
+	pl.meta, pl.notify, pl.deadline = meta, meta.NotifiesScheduler(), deadline
+	pl.setLocalBlocks(meta.LocalBlock)
+	pl.tasks = pl.taskBuf[:0]
+	for _, r := range producers {
+		if pl.task(r) == nil {
+			pl.tasks = append(pl.tasks, task{producer: r, state: taskPending})
+			pl.pending++
+		}
 	}
 	p.stats.Started++
 	if !meta.LocalBlock.HasLocal() {
@@ -105,6 +167,7 @@ func (p *Puller) Begin(meta PullMeta, producers []ProducerRank) error {
 	if pl.pending == 0 {
 		pl.err = ErrNoProducers
 		done = p.finishLocked(pl)
+		p.freeLocked(pl)
 	} else {
 		p.pulls[meta.Request] = pl
 	}
@@ -119,7 +182,7 @@ func (p *Puller) Begin(meta PullMeta, producers []ProducerRank) error {
 func (p *Puller) TaskDone(req RequestID, transfer TransferID, producer ProducerRank, err error) bool {
 	p.mu.Lock()
 	pl, ok := p.pulls[req]
-	if !ok || pl.meta.Transfer != transfer || pl.tasks[producer] != taskPending {
+	if !ok || pl.meta.Transfer != transfer || !pl.pendingFor(producer) {
 		p.stats.IgnoredTaskDones++
 		p.mu.Unlock()
 		return false
@@ -132,20 +195,23 @@ func (p *Puller) TaskDone(req RequestID, transfer TransferID, producer ProducerR
 
 // endTaskLocked moves a pending task to its end state and finishes the pull after the last one.
 func (p *Puller) endTaskLocked(pl *pull, producer ProducerRank, err error) *Completion {
+	t := pl.task(producer)
 	if err != nil {
-		pl.tasks[producer] = taskFailed
+		t.state = taskFailed
 		if pl.err == nil {
 			pl.err = &TaskError{Producer: producer, Err: err}
 		}
 	} else {
-		pl.tasks[producer] = taskOK
+		t.state = taskOK
 	}
 	pl.pending--
 	if pl.pending > 0 {
 		return nil
 	}
 	delete(p.pulls, pl.meta.Request)
-	return p.finishLocked(pl)
+	c := p.finishLocked(pl)
+	p.freeLocked(pl)
+	return c
 }
 
 // finishLocked decides what the scheduler hears about a drained pull (invariants 1 and 3).
@@ -188,7 +254,7 @@ func (p *Puller) AcceptWrite(req RequestID, transfer TransferID, producer Produc
 
 func (p *Puller) acceptsLocked(req RequestID, transfer TransferID, producer ProducerRank) bool {
 	pl, ok := p.pulls[req]
-	return ok && pl.meta.Transfer == transfer && pl.tasks[producer] == taskPending
+	return ok && pl.meta.Transfer == transfer && pl.pendingFor(producer)
 }
 
 // WriteIfAccepted runs write only while producer's task for req is pending, holding the
@@ -222,10 +288,10 @@ func (p *Puller) failTasks(match func(*pull, ProducerRank) bool, err error) int 
 	var done []*Completion
 	n := 0
 	for _, pl := range p.pulls {
-		for r, s := range pl.tasks {
-			if s == taskPending && match(pl, r) {
+		for _, t := range pl.tasks {
+			if t.state == taskPending && match(pl, t.producer) {
 				n++
-				if c := p.endTaskLocked(pl, r, err); c != nil {
+				if c := p.endTaskLocked(pl, t.producer, err); c != nil {
 					done = append(done, c)
 				}
 			}

@@ -66,8 +66,12 @@ func (b BlockIDs) Clone() BlockIDs {
 		return nil
 	}
 	out := make(BlockIDs, len(b))
+	// One backing array for every group: two allocations whatever the group count.
+	flat := make([]BlockID, 0, b.Count())
 	for i, g := range b {
-		out[i] = append([]BlockID(nil), g...)
+		start := len(flat)
+		flat = append(flat, g...)
+		out[i] = flat[start:len(flat):len(flat)]
 	}
 	return out
 }
