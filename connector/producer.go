@@ -78,12 +78,12 @@ type transfer struct {
 	blocks   BlockIDs
 	ready    bool
 	aborted  bool
-	need     int          // consumers to serve; 0 until the first pull says
-	served   consumerSet  // each consumer is notified once (invariant 2)
-	inflight consumerSet  // sends in progress: expiry and abort wait for them
-	deadline time.Time    // expiry of a held transfer, or of an admitted one
+	need     int         // consumers to serve; 0 until the first pull says
+	served   consumerSet // each consumer is notified once (invariant 2)
+	inflight consumerSet // sends in progress: expiry and abort wait for them
+	deadline time.Time   // expiry of a held transfer, or of an admitted one
 	waiting  []waiter
-	retired  bool // released and back in the free list: nothing may decide on it any more
+	retired  bool            // released and back in the free list: nothing may decide on it any more
 	ranks    [4]ConsumerRank // backing store of served and inflight for the usual small fan-in
 	// groups and flat back blocks; kept when the transfer is reused.
 	groups [][]BlockID
