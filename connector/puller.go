@@ -38,6 +38,10 @@ type pull struct {
 	pending  int
 	err      error // the first task error; later ones add nothing the scheduler can use
 	taskBuf  [2]task
+	// gate is held shared by each write into the pull's blocks and exclusively by the end of
+	// its last task, which so waits for the writes in progress (only a task failed from
+	// outside, by Expire or FailTasks, can end during one of its writes).
+	gate sync.RWMutex
 	// groups and flat back meta.LocalBlock; kept when the pull is reused.
 	groups [][]BlockID
 	flat   []BlockID
@@ -52,7 +56,9 @@ func (p *Puller) newPullLocked() *pull {
 	if n := len(p.free); n > 0 {
 		pl := p.free[n-1]
 		p.free = p.free[:n-1]
-		*pl = pull{groups: pl.groups[:0], flat: pl.flat[:0]}
+		groups, flat := pl.groups[:0], pl.flat[:0]
+		*pl = pull{}
+		pl.groups, pl.flat = groups, flat
 		return pl
 	}
 	return &pull{}
@@ -208,6 +214,8 @@ func (p *Puller) endTaskLocked(pl *pull, producer ProducerRank, err error) *Comp
 	if pl.pending > 0 {
 		return nil
 	}
+	pl.gate.Lock() // no write of this pull runs from here on (new ones find it ended)
+	pl.gate.Unlock()
 	delete(p.pulls, pl.meta.Request)
 	c := p.finishLocked(pl)
 	p.freeLocked(pl)
@@ -257,16 +265,21 @@ func (p *Puller) acceptsLocked(req RequestID, transfer TransferID, producer Prod
 	return ok && pl.meta.Transfer == transfer && pl.pendingFor(producer)
 }
 
-// WriteIfAccepted runs write only while producer's task for req is pending, holding the
-// Puller's lock so no completion can be reported in between: a byte either lands before the
-// scheduler hears of the pull or not at all (invariant 3, Mooncake's I8). write must be short
-// (one block into local memory). It reports whether write ran.
+// WriteIfAccepted runs write only while producer's task for req is pending, and no completion
+// of req is reported while a write runs: a byte either lands before the scheduler hears of the
+// pull or not at all (invariant 3, Mooncake's I8). Writes of different pulls, and of one pull's
+// tasks, run concurrently: each holds its pull's gate shared, and the last task's end takes it
+// exclusively. It reports whether write ran.
 func (p *Puller) WriteIfAccepted(req RequestID, transfer TransferID, producer ProducerRank, write func() error) (bool, error) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if !p.acceptsLocked(req, transfer, producer) {
+		p.mu.Unlock()
 		return false, nil
 	}
+	pl := p.pulls[req]
+	pl.gate.RLock()
+	p.mu.Unlock()
+	defer pl.gate.RUnlock()
 	return true, write()
 }
 

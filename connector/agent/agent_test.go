@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -38,8 +39,16 @@ type pair struct {
 	consLink       *link.Link
 }
 
-func openKV(t *testing.T, name string) *kvfile.File {
-	kv, err := kvfile.Open(filepath.Join(t.TempDir(), name), 64, blockBytes)
+func openKV(t testing.TB, name string) *kvfile.File {
+	return openKVSized(t, name, 64, blockBytes)
+}
+
+func openKVSized(t testing.TB, name string, blocks, size int) *kvfile.File {
+	return openKVIn(t, t.TempDir(), name, blocks, size)
+}
+
+func openKVIn(t testing.TB, dir, name string, blocks, size int) *kvfile.File {
+	kv, err := kvfile.Open(filepath.Join(dir, name), blocks, size)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,17 +57,22 @@ func openKV(t *testing.T, name string) *kvfile.File {
 }
 
 // newPair runs a producer and a consumer agent on loopback, each with its engine's Link.
-func newPair(t *testing.T, mutate func(*Config)) *pair {
+func newPair(t testing.TB, mutate func(*Config)) *pair {
 	t.Helper()
 	return newPairOn(t, mutate, false)
 }
 
 // newPairOn with unixSockets serves each agent's local API on a Unix socket, as in a pod, and
 // the producer's bootstrap registry on its public TCP handler.
-func newPairOn(t *testing.T, mutate func(*Config), unixSockets bool) *pair {
+func newPairOn(t testing.TB, mutate func(*Config), unixSockets bool) *pair {
+	t.Helper()
+	return newPairKV(t, mutate, unixSockets, openKV(t, "p.kv"), openKV(t, "c.kv"))
+}
+
+func newPairKV(t testing.TB, mutate func(*Config), unixSockets bool, prodKV, consKV *kvfile.File) *pair {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &pair{prodKV: openKV(t, "p.kv"), consKV: openKV(t, "c.kv"), releases: wrappers.NewSink(), completions: wrappers.NewSink()}
+	p := &pair{prodKV: prodKV, consKV: consKV, releases: wrappers.NewSink(), completions: wrappers.NewSink()}
 	data, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -242,21 +256,53 @@ func TestEarlyPullIsRetried(t *testing.T) {
 	}
 }
 
-// A corrupted block is caught by its checksum.
+// A corrupted block is caught by its checksum, in either frame kind, for blocks sent through
+// the writer's buffer and for blocks written straight from memory in chunks.
 func TestChecksumCatchesCorruption(t *testing.T) {
-	var buf bytes.Buffer
-	w := newTestWriter(&buf)
-	if err := writeBlockFrame(w, 0, 3, bytes.Repeat([]byte{7}, 64)); err != nil {
-		t.Fatal(err)
-	}
-	_ = w.Flush()
-	frame := buf.Bytes()[5:]
-	if _, dst, _, err := parseBlock(frame); err != nil || dst != 3 {
-		t.Fatalf("intact block: dst %d, err %v", dst, err)
-	}
-	frame[len(frame)-1] ^= 1
-	if _, _, _, err := parseBlock(frame); !errors.Is(err, ErrChecksum) {
-		t.Fatalf("corrupted block: err %v, want ErrChecksum", err)
+	for _, trailer := range []bool{false, true} {
+		for _, size := range []int{64, 8 << 10, 2*chunkBytes + 5} {
+			var buf bytes.Buffer
+			w := bufio.NewWriterSize(&buf, 4<<10)
+			data := make([]byte, size)
+			for i := range data {
+				data[i] = byte(i * 7)
+			}
+			if err := writeBlockFrame(w, &buf, 0, 3, data, trailer); err != nil {
+				t.Fatal(err)
+			}
+			_ = w.Flush()
+			read := func(frame []byte) (blockFrame, error) {
+				r := bufio.NewReader(bytes.NewReader(frame))
+				kind, n, err := readFrameHeader(r)
+				if err != nil || (kind != frameKindBlock && kind != frameKindBlockTrailer) {
+					t.Fatalf("trailer %v, size %d: frame kind %q, err %v", trailer, size, kind, err)
+				}
+				f, err := readBlockHeader(r, kind, n)
+				if err != nil {
+					return f, err
+				}
+				got := make([]byte, f.size)
+				readErr, err := readBlockData(r, f, got)
+				if readErr != nil {
+					t.Fatalf("trailer %v, size %d: read data: %v", trailer, size, readErr)
+				}
+				if err == nil && !bytes.Equal(got, data) {
+					t.Fatalf("trailer %v, size %d: data changed on the way", trailer, size)
+				}
+				return f, err
+			}
+			frame := bytes.Clone(buf.Bytes())
+			if f, err := read(frame); err != nil || f.dst != 3 || f.size != size || f.trailer != trailer {
+				t.Fatalf("trailer %v, size %d: intact block: %+v, err %v", trailer, size, f, err)
+			}
+			for _, at := range []int{5 + blockHeader + 1, len(frame) - 1} { // in the data; the last byte
+				bad := bytes.Clone(frame)
+				bad[at] ^= 1
+				if _, err := read(bad); !errors.Is(err, ErrChecksum) {
+					t.Fatalf("trailer %v, size %d: byte %d corrupted: err %v, want ErrChecksum", trailer, size, at, err)
+				}
+			}
+		}
 	}
 }
 
@@ -354,5 +400,43 @@ func TestEngineRegistersExcludesABootstrapToRegisterWith(t *testing.T) {
 	_, err := New(Config{Role: v1alpha1.KVProducer, KV: openKV(t, "p.kv"), DataAddr: "127.0.0.1:1", EngineRegisters: true, Bootstrap: "http://x"})
 	if err == nil || !strings.Contains(err.Error(), "exclude each other") {
 		t.Errorf("err = %v, want the two settings refused together", err)
+	}
+}
+
+// During a rollout a consumer of the previous version pulls from a producer of this one: it
+// does not ask for checksum trailers, so it gets blocks with the checksum in the header, the
+// only kind it reads.
+func TestProducerSendsHeaderChecksumsToConsumersThatDoNotAskForTrailers(t *testing.T) {
+	for _, trailer := range []bool{false, true} {
+		p := newPair(t, nil)
+		ctx := context.Background()
+		src := fill(t, p.prodKV, 2, 'z')
+		_ = p.prodLink.Ready(ctx, "x", "p", connector.BlockIDs{{2}})
+		conn, err := net.Dial("tcp", p.prod.cfg.DataAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w, r := bufio.NewWriter(conn), bufio.NewReader(conn)
+		pf := pullFrame{Transfer: "x", Request: "d", Engine: p.prod.EngineID(), Consumers: 1, Blocks: connector.BlockIDs{{9}},
+			BlockSize: blockBytes, ChecksumTrailer: trailer}
+		if err := writeJSONFrame(w, frameKindPull, pf); err != nil {
+			t.Fatal(err)
+		}
+		kind, n, err := readFrameHeader(r)
+		if want := map[bool]byte{false: frameKindBlock, true: frameKindBlockTrailer}[trailer]; err != nil || kind != want {
+			t.Fatalf("trailer %v: frame %q (err %v), want %q", trailer, kind, err, want)
+		}
+		f, err := readBlockHeader(r, kind, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, f.size)
+		if readErr, err := readBlockData(r, f, got); readErr != nil || err != nil || f.dst != 9 || !bytes.Equal(got, src) {
+			t.Fatalf("trailer %v: block %d, errors %v %v, bytes equal %v", trailer, f.dst, readErr, err, bytes.Equal(got, src))
+		}
+		if kind, payload, err := readFrame(r, nil); err != nil || kind != frameKindResult || !strings.Contains(string(payload), `"ok":true`) {
+			t.Fatalf("trailer %v: result %q %s (err %v)", trailer, kind, payload, err)
+		}
+		conn.Close()
 	}
 }

@@ -78,16 +78,16 @@ func (a *Agent) servePeer(ctx context.Context, conn net.Conn) {
 			return
 		}
 	}
-	a.execute(conn, w, d)
+	a.execute(conn, w, d, pf.ChecksumTrailer)
 }
 
 // execute carries out a send or reject decision on the consumer's connection.
-func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d connector.Decision) {
+func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d connector.Decision, trailer bool) {
 	switch d.Action {
 	case connector.ActionReject:
 		_ = writeJSONFrame(w, frameKindResult, resultFrame{Code: codeOf(d.Err), Error: d.Err.Error()})
 	case connector.ActionSend:
-		err := a.send(conn, w, d.Copies)
+		err := a.send(conn, w, d.Copies, trailer)
 		if err == nil {
 			err = writeJSONFrame(w, frameKindResult, resultFrame{OK: true})
 		}
@@ -99,11 +99,12 @@ func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d connector.Decision) {
 	}
 }
 
-func (a *Agent) send(conn net.Conn, w *bufio.Writer, copies []connector.BlockCopy) error {
-	buf := make([]byte, a.cfg.KV.BlockBytes())
+// send writes each block straight from the KV mapping (no staging copy).
+func (a *Agent) send(conn net.Conn, w *bufio.Writer, copies []connector.BlockCopy, trailer bool) error {
 	_ = conn.SetWriteDeadline(time.Now().Add(a.cfg.PullTimeoutOr(time.Minute)))
 	for _, c := range copies {
-		if err := a.cfg.KV.Read(int64(c.Src), buf); err != nil {
+		data, err := a.cfg.KV.Block(int64(c.Src))
+		if err != nil {
 			return fmt.Errorf("read block %d: %w", c.Src, err)
 		}
 		if a.cfg.SendDelay > 0 {
@@ -112,10 +113,10 @@ func (a *Agent) send(conn net.Conn, w *bufio.Writer, copies []connector.BlockCop
 			}
 			time.Sleep(a.cfg.SendDelay)
 		}
-		if err := writeBlockFrame(w, c.Group, c.Dst, buf); err != nil {
+		if err := writeBlockFrame(w, conn, c.Group, c.Dst, data, trailer); err != nil {
 			return err
 		}
-		a.metrics.bytesSent.Add(float64(len(buf)))
+		a.metrics.bytesSent.Add(float64(len(data)))
 	}
 	return nil
 }

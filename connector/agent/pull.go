@@ -109,10 +109,12 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 	}
 	defer conn.Close()
 	_ = conn.SetDeadline(deadline)
-	r, w := bufio.NewReaderSize(conn, 256<<10), bufio.NewWriter(conn)
+	// A small read buffer: block data is read past it, straight into the KV mapping.
+	r, w := bufio.NewReaderSize(conn, 32<<10), bufio.NewWriter(conn)
 	pf := pullFrame{
 		Transfer: meta.Transfer, Request: meta.Request, Engine: meta.RemoteEngine,
 		Consumer: a.cfg.ConsumerRank, Consumers: a.cfg.Consumers, Blocks: meta.LocalBlock, BlockSize: a.cfg.KV.BlockBytes(),
+		ChecksumTrailer: true,
 	}
 	if err := writeJSONFrame(w, frameKindPull, pf); err != nil {
 		return fmt.Errorf("%w: send pull: %v", connector.ErrPeerGone, err)
@@ -122,37 +124,58 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 		want[id] = true
 	}
 	written := 0
-	buf := make([]byte, 0, a.cfg.KV.BlockBytes()+blockHeader)
+	peerErr := func(err error) error {
+		if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+			return fmt.Errorf("%w: waiting for producer %s", connector.ErrTimeout, addr)
+		}
+		return fmt.Errorf("%w: %s: %v", connector.ErrPeerGone, addr, err)
+	}
 	for {
-		kind, payload, err := readFrame(r, buf)
+		kind, n, err := readFrameHeader(r)
 		if err != nil {
-			if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
-				return fmt.Errorf("%w: waiting for producer %s", connector.ErrTimeout, addr)
-			}
-			return fmt.Errorf("%w: %s: %v", connector.ErrPeerGone, addr, err)
+			return peerErr(err)
 		}
 		switch kind {
-		case frameKindBlock:
-			_, dst, data, err := parseBlock(payload)
+		case frameKindBlock, frameKindBlockTrailer:
+			f, err := readBlockHeader(r, kind, n)
+			if err != nil {
+				return peerErr(err)
+			}
+			if !want[f.dst] {
+				return fmt.Errorf("producer wrote block %d, which the pull did not ask for", f.dst)
+			}
+			if f.size != a.cfg.KV.BlockBytes() {
+				return fmt.Errorf("producer sent block %d of %d bytes, want %d", f.dst, f.size, a.cfg.KV.BlockBytes())
+			}
+			block, err := a.cfg.KV.Block(int64(f.dst))
+			if err != nil {
+				return fmt.Errorf("write block %d: %w", f.dst, err)
+			}
+			// The bytes go from the socket straight into the destination block, only while the
+			// task is pending. A block that fails its checksum has landed, but the task fails, so
+			// the pull reports its blocks invalid (or reports nothing, having none).
+			var readErr error
+			accepted, err := a.puller.WriteIfAccepted(meta.Request, meta.Transfer, rank, func() (err error) {
+				readErr, err = readBlockData(r, f, block)
+				return err
+			})
+			if readErr != nil {
+				return peerErr(readErr)
+			}
 			if err != nil {
 				return err
-			}
-			if !want[dst] {
-				return fmt.Errorf("producer wrote block %d, which the pull did not ask for", dst)
-			}
-			accepted, err := a.puller.WriteIfAccepted(meta.Request, meta.Transfer, rank, func() error {
-				return a.cfg.KV.Write(int64(dst), data)
-			})
-			if err != nil {
-				return fmt.Errorf("write block %d: %w", dst, err)
 			}
 			if !accepted {
 				return nil // the task already ended (timeout); TaskDone will be ignored
 			}
-			delete(want, dst)
+			delete(want, f.dst)
 			written++
-			a.metrics.bytesReceived.Add(float64(len(data)))
+			a.metrics.bytesReceived.Add(float64(len(block)))
 		case frameKindResult:
+			payload, err := readPayload(r, n, nil)
+			if err != nil {
+				return peerErr(err)
+			}
 			var res resultFrame
 			if err := json.Unmarshal(payload, &res); err != nil {
 				return fmt.Errorf("decode result: %w", err)

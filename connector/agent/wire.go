@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 
 	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
@@ -20,7 +21,17 @@ const (
 	frameKindPull   byte = 'P'
 	frameKindBlock  byte = 'B'
 	frameKindResult byte = 'R'
+	// frameKindBlockTrailer is a block whose checksum follows its bytes: the producer sums
+	// each chunk while it is in cache, right before the kernel copies it to the socket, instead
+	// of reading the whole block from memory once more first. Sent only to consumers that say
+	// they read it (pullFrame.ChecksumTrailer), so agents of both versions pull from each other
+	// during a rollout.
+	frameKindBlockTrailer byte = 'T'
 )
+
+// chunkBytes is how much of a block is summed and copied at a time: small enough to stay in
+// cache between the checksum and the copy.
+const chunkBytes = 128 << 10
 
 // maxFrame bounds a frame so a corrupt length cannot make a peer allocate without limit.
 const maxFrame = 64 << 20
@@ -35,6 +46,8 @@ type pullFrame struct {
 	Consumers int                    `json:"consumers"`
 	Blocks    connector.BlockIDs     `json:"blocks"`
 	BlockSize int                    `json:"block_bytes"`
+	// ChecksumTrailer: the consumer reads frameKindBlockTrailer frames.
+	ChecksumTrailer bool `json:"checksum_trailer,omitempty"`
 }
 
 // resultFrame ends a pull: OK, or the producer's error with a code the consumer maps back.
@@ -44,8 +57,13 @@ type resultFrame struct {
 	Error string `json:"error,omitempty"`
 }
 
-// blockHeader precedes a block's bytes: group, destination block, CRC-32C of the data.
-const blockHeader = 4 + 8 + 4
+// blockHeader precedes a block's bytes: group, destination block, CRC-32C of the data (the
+// checksum comes after the bytes instead in a frameKindBlockTrailer frame).
+const (
+	blockHeader        = 4 + 8 + 4
+	blockTrailerHeader = 4 + 8
+	blockTrailer       = 4
+)
 
 var errCodes = map[string]error{
 	"unknown_transfer": connector.ErrUnknownTransfer,
@@ -105,52 +123,160 @@ func writeJSONFrame(w *bufio.Writer, kind byte, v any) error {
 	return w.Flush()
 }
 
-// writeBlockFrame sends one block with its checksum; the caller flushes.
-func writeBlockFrame(w *bufio.Writer, group int, dst connector.BlockID, data []byte) error {
+// writeBlockFrame sends one block with its checksum, in a frameKindBlockTrailer frame when
+// trailer is set. A block smaller than w's buffer goes through it (the caller flushes); a
+// larger one is written straight from data (the KV mapping) with writev, so it is copied once,
+// by the kernel.
+func writeBlockFrame(w *bufio.Writer, conn io.Writer, group int, dst connector.BlockID, data []byte, trailer bool) error {
 	var hdr [5 + blockHeader]byte
-	hdr[0] = frameKindBlock
-	binary.BigEndian.PutUint32(hdr[1:], uint32(blockHeader+len(data)))
 	binary.BigEndian.PutUint32(hdr[5:], uint32(group))
 	binary.BigEndian.PutUint64(hdr[9:], uint64(dst))
-	binary.BigEndian.PutUint32(hdr[17:], kvfile.Checksum(data))
-	if _, err := w.Write(hdr[:]); err != nil {
+	if !trailer {
+		hdr[0] = frameKindBlock
+		binary.BigEndian.PutUint32(hdr[1:], uint32(blockHeader+len(data)))
+		binary.BigEndian.PutUint32(hdr[17:], kvfile.Checksum(data))
+		if len(data) < w.Size() {
+			_, _ = w.Write(hdr[:])
+			_, err := w.Write(data)
+			return err
+		}
+		if err := w.Flush(); err != nil {
+			return err
+		}
+		bufs := net.Buffers{hdr[:], data}
+		_, err := bufs.WriteTo(conn)
 		return err
 	}
-	_, err := w.Write(data)
-	return err
+	head := hdr[:5+blockTrailerHeader]
+	head[0] = frameKindBlockTrailer
+	binary.BigEndian.PutUint32(head[1:], uint32(blockTrailerHeader+len(data)+blockTrailer))
+	var tr [blockTrailer]byte
+	if len(data) < w.Size() {
+		binary.BigEndian.PutUint32(tr[:], kvfile.Checksum(data))
+		_, _ = w.Write(head)
+		_, _ = w.Write(data)
+		_, err := w.Write(tr[:])
+		return err
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	// One writev per chunk, the header with the first and the checksum with the last: no
+	// small segment of its own on the wire.
+	var sum uint32
+	for off := 0; off < len(data); off += chunkBytes {
+		end := min(off+chunkBytes, len(data))
+		chunk := data[off:end]
+		sum = kvfile.UpdateChecksum(sum, chunk)
+		bufs := make(net.Buffers, 0, 3)
+		if off == 0 {
+			bufs = append(bufs, head)
+		}
+		bufs = append(bufs, chunk)
+		if end == len(data) {
+			binary.BigEndian.PutUint32(tr[:], sum)
+			bufs = append(bufs, tr[:])
+		}
+		if _, err := bufs.WriteTo(conn); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
-// readFrame reads one frame into buf (grown as needed) and returns its kind and payload.
-func readFrame(r *bufio.Reader, buf []byte) (byte, []byte, error) {
+// readFrameHeader reads a frame's kind and payload length.
+func readFrameHeader(r *bufio.Reader) (byte, uint32, error) {
 	var hdr [5]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return 0, nil, err
+		return 0, 0, err
 	}
 	n := binary.BigEndian.Uint32(hdr[1:])
 	if n > maxFrame {
-		return 0, nil, fmt.Errorf("frame of %d bytes exceeds %d", n, maxFrame)
+		return 0, 0, fmt.Errorf("frame of %d bytes exceeds %d", n, maxFrame)
 	}
+	return hdr[0], n, nil
+}
+
+// readPayload reads a frame's payload of n bytes into buf (grown as needed).
+func readPayload(r *bufio.Reader, n uint32, buf []byte) ([]byte, error) {
 	if cap(buf) < int(n) {
 		buf = make([]byte, n)
 	}
 	buf = buf[:n]
 	if _, err := io.ReadFull(r, buf); err != nil {
-		return 0, nil, err
+		return nil, err
 	}
-	return hdr[0], buf, nil
+	return buf, nil
 }
 
-// parseBlock splits a block frame's payload and verifies its checksum.
-func parseBlock(p []byte) (group int, dst connector.BlockID, data []byte, err error) {
-	if len(p) < blockHeader {
-		return 0, 0, nil, fmt.Errorf("block frame of %d bytes is too short", len(p))
+// readFrame reads one frame into buf (grown as needed) and returns its kind and payload.
+func readFrame(r *bufio.Reader, buf []byte) (byte, []byte, error) {
+	kind, n, err := readFrameHeader(r)
+	if err != nil {
+		return 0, nil, err
 	}
-	group = int(binary.BigEndian.Uint32(p))
-	dst = connector.BlockID(binary.BigEndian.Uint64(p[4:]))
-	sum := binary.BigEndian.Uint32(p[12:])
-	data = p[blockHeader:]
-	if kvfile.Checksum(data) != sum {
-		return 0, 0, nil, fmt.Errorf("%w: block %d of group %d", ErrChecksum, dst, group)
+	p, err := readPayload(r, n, buf)
+	return kind, p, err
+}
+
+// blockFrame is a block frame's header; its size bytes of data follow on the wire, then its
+// checksum when trailer is set.
+type blockFrame struct {
+	group   int
+	dst     connector.BlockID
+	sum     uint32
+	size    int
+	trailer bool
+}
+
+// readBlockHeader reads the header of a block frame (either kind) of n payload bytes, leaving
+// its data unread, so the caller can read it straight into the destination block.
+func readBlockHeader(r *bufio.Reader, kind byte, n uint32) (blockFrame, error) {
+	head, tail := blockHeader, 0
+	if kind == frameKindBlockTrailer {
+		head, tail = blockTrailerHeader, blockTrailer
 	}
-	return group, dst, data, nil
+	if n < uint32(head+tail) {
+		return blockFrame{}, fmt.Errorf("block frame of %d bytes is too short", n)
+	}
+	var p [blockHeader]byte
+	if _, err := io.ReadFull(r, p[:head]); err != nil {
+		return blockFrame{}, err
+	}
+	f := blockFrame{
+		group:   int(binary.BigEndian.Uint32(p[:])),
+		dst:     connector.BlockID(binary.BigEndian.Uint64(p[4:])),
+		size:    int(n) - head - tail,
+		trailer: tail > 0,
+	}
+	if !f.trailer {
+		f.sum = binary.BigEndian.Uint32(p[12:])
+	}
+	return f, nil
+}
+
+// readBlockData reads the frame's data into into (size bytes), a chunk at a time, summing
+// each chunk while it is in cache, then checks the checksum. A read error is returned as is;
+// a checksum mismatch as ErrChecksum.
+func readBlockData(r *bufio.Reader, f blockFrame, into []byte) (readErr, err error) {
+	var sum uint32
+	for off := 0; off < len(into); off += chunkBytes {
+		chunk := into[off:min(off+chunkBytes, len(into))]
+		if _, err := io.ReadFull(r, chunk); err != nil {
+			return err, nil
+		}
+		sum = kvfile.UpdateChecksum(sum, chunk)
+	}
+	want := f.sum
+	if f.trailer {
+		var tr [blockTrailer]byte
+		if _, err := io.ReadFull(r, tr[:]); err != nil {
+			return err, nil
+		}
+		want = binary.BigEndian.Uint32(tr[:])
+	}
+	if sum != want {
+		return nil, fmt.Errorf("%w: block %d of group %d", ErrChecksum, f.dst, f.group)
+	}
+	return nil, nil
 }

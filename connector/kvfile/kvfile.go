@@ -8,11 +8,16 @@ import (
 	"fmt"
 	"hash/crc32"
 	"os"
+	"syscall"
 )
 
-// File is an open KV-cache file. Reads and writes of distinct blocks are safe concurrently.
+// File is an open KV-cache file, mapped into memory (shared with every other process that
+// maps or writes it): the data plane sends a block straight from the mapping and receives
+// into it, one copy each way, as RDMA reads registered memory in place. Reads and writes of
+// distinct blocks are safe concurrently.
 type File struct {
 	f          *os.File
+	mem        []byte
 	blocks     int
 	blockBytes int
 }
@@ -45,7 +50,12 @@ func Open(path string, blocks, blockBytes int) (*File, error) {
 		f.Close()
 		return nil, fmt.Errorf("kvfile: %s has %d bytes, want %d (%d blocks of %d)", path, st.Size(), want, blocks, blockBytes)
 	}
-	return &File{f: f, blocks: blocks, blockBytes: blockBytes}, nil
+	mem, err := syscall.Mmap(int(f.Fd()), 0, int(want), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("kvfile: map %s: %w", path, err)
+	}
+	return &File{f: f, mem: mem, blocks: blocks, blockBytes: blockBytes}, nil
 }
 
 // ErrOutOfRange is returned for a block id outside the file.
@@ -64,36 +74,56 @@ func (k *File) offset(id int64) (int64, error) {
 	return id * int64(k.blockBytes), nil
 }
 
+// Block is block id itself, in the mapping: writes to it are the block's new contents. It is
+// valid until Close.
+func (k *File) Block(id int64) ([]byte, error) {
+	off, err := k.offset(id)
+	if err != nil {
+		return nil, err
+	}
+	return k.mem[off : off+int64(k.blockBytes) : off+int64(k.blockBytes)], nil
+}
+
 // Read copies block id into buf, which must be BlockBytes long.
 func (k *File) Read(id int64, buf []byte) error {
-	off, err := k.offset(id)
+	b, err := k.Block(id)
 	if err != nil {
 		return err
 	}
 	if len(buf) != k.blockBytes {
 		return fmt.Errorf("kvfile: read buffer of %d bytes, want %d", len(buf), k.blockBytes)
 	}
-	_, err = k.f.ReadAt(buf, off)
-	return err
+	copy(buf, b)
+	return nil
 }
 
 // Write stores data, BlockBytes long, as block id.
 func (k *File) Write(id int64, data []byte) error {
-	off, err := k.offset(id)
+	b, err := k.Block(id)
 	if err != nil {
 		return err
 	}
 	if len(data) != k.blockBytes {
 		return fmt.Errorf("kvfile: write of %d bytes, want %d", len(data), k.blockBytes)
 	}
-	_, err = k.f.WriteAt(data, off)
-	return err
+	copy(b, data)
+	return nil
 }
 
-// Close closes the file.
-func (k *File) Close() error { return k.f.Close() }
+// Close unmaps and closes the file; no block returned by Block may be used afterwards.
+func (k *File) Close() error {
+	if k.mem == nil {
+		return nil
+	}
+	err := syscall.Munmap(k.mem)
+	k.mem = nil
+	return errors.Join(err, k.f.Close())
+}
 
 // Checksum is the CRC-32C every block carries on the wire.
 func Checksum(data []byte) uint32 { return crc32.Checksum(data, castagnoli) }
+
+// UpdateChecksum extends sum, the Checksum of the bytes before data, with data.
+func UpdateChecksum(sum uint32, data []byte) uint32 { return crc32.Update(sum, castagnoli, data) }
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
