@@ -144,7 +144,7 @@ func isPermanent(err error) bool {
 // reconcileChildren renders the desired objects and applies the ones that differ from the
 // cluster. Nothing is written when everything already matches. It returns what it applied (as
 // rendered, not as the server answered), for the pool-status step.
-func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) ([]client.Object, error) {
+func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) ([]render.Object, error) {
 	objs, err := render.Render(pdc, r.Options)
 	if err != nil {
 		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonInvalidSpec, err.Error())

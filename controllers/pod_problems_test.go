@@ -154,7 +154,7 @@ func TestStaleCachedDeploymentIsNotReady(t *testing.T) {
 	}
 	c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(objs...).Build()
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: events.NewFakeRecorder(10), Options: render.DefaultOptions()}
-	applied := func() []client.Object {
+	applied := func() []render.Object {
 		objs, err := render.Render(p, render.DefaultOptions())
 		if err != nil {
 			t.Fatal(err)

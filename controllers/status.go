@@ -23,7 +23,7 @@ import (
 
 // reconcilePoolStatus copies each Deployment's replica counts and sets the per-component
 // conditions and Ready. applied is what this reconcile applied (nil: nothing to compare with).
-func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, applied []client.Object) error {
+func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, applied []render.Object) error {
 	components := []struct {
 		role      v1alpha1.Role
 		condition string

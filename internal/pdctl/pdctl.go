@@ -9,7 +9,6 @@ import (
 	"os"
 
 	"github.com/spf13/cobra"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/validation"
@@ -109,7 +108,7 @@ func newRenderCommand(stdin io.Reader) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			var objs []client.Object
+			var objs []render.Object
 			for _, d := range docs {
 				o, err := render.Render(d.PDCluster, opts)
 				if err != nil {

@@ -6,13 +6,12 @@ import (
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 )
 
 // ToUnstructured converts a rendered object to the map that is printed or applied, without
 // the zero-valued fields (creationTimestamp: null, status: {}) that typed structs carry.
-func ToUnstructured(obj client.Object) (map[string]any, error) {
+func ToUnstructured(obj Object) (map[string]any, error) {
 	m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
 	if err != nil {
 		return nil, fmt.Errorf("convert %T %s: %w", obj, obj.GetName(), err)
@@ -26,7 +25,7 @@ func ToUnstructured(obj client.Object) (map[string]any, error) {
 }
 
 // YAML prints objects as a multi-document YAML stream.
-func YAML(objs []client.Object) ([]byte, error) {
+func YAML(objs []Object) ([]byte, error) {
 	var out []byte
 	for i, obj := range objs {
 		m, err := ToUnstructured(obj)
@@ -46,7 +45,7 @@ func YAML(objs []client.Object) ([]byte, error) {
 }
 
 // JSONList prints objects as one indented v1 List.
-func JSONList(objs []client.Object) ([]byte, error) {
+func JSONList(objs []Object) ([]byte, error) {
 	items := make([]any, 0, len(objs))
 	for _, obj := range objs {
 		m, err := ToUnstructured(obj)

@@ -20,11 +20,11 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	utilvalidation "k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	"k8s.io/utils/ptr"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -108,11 +108,11 @@ func componentLabels(cluster, component string) map[string]string {
 }
 
 // Render returns every object the operator creates for pdc, in a stable order.
-func Render(pdc *v1alpha1.PDCluster, opts Options) ([]client.Object, error) {
+func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
 	if err := validatePodSettings(pdc); err != nil {
 		return nil, err
 	}
-	var objs []client.Object
+	var objs []Object
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		dep, err := EngineDeployment(pdc, opts, role)
 		if err != nil {
@@ -845,4 +845,12 @@ func RouterService(pdc *v1alpha1.PDCluster) *corev1.Service {
 			Ports:    []corev1.ServicePort{{Name: portHTTP, Port: 80, TargetPort: intstr.FromString(portHTTP), Protocol: corev1.ProtocolTCP}},
 		},
 	}
+}
+
+// Object is a rendered Kubernetes object. It is controller-runtime's client.Object, declared
+// here so that pdctl, which renders without a cluster, does not link the client and its
+// dependencies (client-go's typed clients and scheme: a third of pdctl's start-up time).
+type Object interface {
+	metav1.Object
+	runtime.Object
 }
