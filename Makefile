@@ -51,7 +51,7 @@ manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC into config/.
 	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
 	@if [ -d controllers ]; then $(CONTROLLER_GEN) rbac:roleName=manager-role paths=./controllers/... output:rbac:artifacts:config=config/rbac; fi
 	cp config/crd/bases/*.yaml charts/pdcluster-operator/crds/
-	$(GO) run ./hack/crdjson config/crd/bases/*.yaml
+	$(GO) run ./hack/crdschema config/crd/bases/*.yaml
 	{ echo "# Generated from config/rbac/role.yaml by make manifests: do not edit."; \
 	  sed -e 's/^  name: manager-role$$/  name: {{ include "pdcluster-operator.fullname" . }}-manager\n  labels:\n    {{- include "pdcluster-operator.labels" . | nindent 4 }}/' config/rbac/role.yaml; \
 	} > charts/pdcluster-operator/templates/clusterrole.yaml

@@ -1,11 +1,13 @@
-// Package crd embeds the generated CustomResourceDefinitions, so tools (pdctl validate) can run
-// exactly the schema, defaults and CEL rules that kube-apiserver runs at admission.
+// Package crd embeds what tools need of the generated CustomResourceDefinitions, so they
+// (pdctl validate) run exactly the schema, defaults and CEL rules kube-apiserver runs at
+// admission.
 package crd
 
 import _ "embed"
 
-// PDCluster is the generated CRD of serving.pdcluster.dev/PDCluster, as JSON (make manifests
-// writes it beside the YAML): decoding the YAML cost pdctl 40 ms a run.
+// PDClusterSchema is the schema of serving.pdcluster.dev/PDCluster, an encoded
+// crdschema.Schema that make manifests writes beside the CRD (hack/crdschema): decoding the
+// CRD's YAML cost pdctl 40 ms a run.
 //
-//go:embed bases/serving.pdcluster.dev_pdclusters.json
-var PDCluster []byte
+//go:embed bases/serving.pdcluster.dev_pdclusters.schema.json
+var PDClusterSchema []byte

@@ -21,7 +21,6 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/config/crd"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/router"
@@ -692,7 +691,11 @@ func TestOperatorEnvIsReservedInTheCRD(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	crdText := string(crd.PDCluster)
+	crdYAML, err := os.ReadFile("../../config/crd/bases/serving.pdcluster.dev_pdclusters.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	crdText := string(crdYAML)
 	for _, in := range inputs {
 		if strings.HasSuffix(in, ".golden.yaml") {
 			continue

@@ -5,6 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"strings"
+	"sync"
 
 	"k8s.io/apiextensions-apiserver/pkg/apis/apiextensions"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
@@ -17,6 +20,7 @@ import (
 	apimachineryvalidation "k8s.io/apimachinery/pkg/api/validation"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	celconfig "k8s.io/apiserver/pkg/apis/cel"
 	"sigs.k8s.io/yaml"
@@ -24,14 +28,26 @@ import (
 
 // Admitter defaults and validates objects of one CRD version: structural pruning and defaulting,
 // OpenAPI validation and CEL rules, in the order and with the messages of kube-apiserver.
+//
+// The validators are built per object, for the part of the schema the object can reach
+// (schemaFor): building them for the whole CRD took most of pdctl's run time. If that part
+// ever failed to compile a rule, the object is admitted again with validators for the whole
+// schema, built once.
 type Admitter struct {
+	name       string
 	namespaced bool
+	schema     *apiextensionsv1.JSONSchemaProps
+	full       func() (*validators, error)
+}
+
+// validators are what admitting needs, built for one schema.
+type validators struct {
 	structural *structuralschema.Structural
 	schema     apiextensionsvalidation.SchemaValidator
 	cel        *cel.Validator
 }
 
-// NewAdmitter builds an Admitter from a CRD manifest (YAML or JSON) for the given version.
+// NewAdmitter reads a CRD manifest (YAML or JSON) for the given version.
 func NewAdmitter(crdManifest []byte, version string) (*Admitter, error) {
 	var crd apiextensionsv1.CustomResourceDefinition
 	if err := decodeStrict(crdManifest, &crd); err != nil {
@@ -44,26 +60,31 @@ func NewAdmitter(crdManifest []byte, version string) (*Admitter, error) {
 		if v.Schema == nil || v.Schema.OpenAPIV3Schema == nil {
 			return nil, fmt.Errorf("CRD %s version %s has no schema", crd.Name, version)
 		}
-		var internal apiextensions.JSONSchemaProps
-		if err := apiextensionsv1.Convert_v1_JSONSchemaProps_To_apiextensions_JSONSchemaProps(v.Schema.OpenAPIV3Schema, &internal, nil); err != nil {
-			return nil, fmt.Errorf("convert schema of %s: %w", crd.Name, err)
-		}
-		structural, err := structuralschema.NewStructural(&internal)
-		if err != nil {
-			return nil, fmt.Errorf("structural schema of %s: %w", crd.Name, err)
-		}
-		validator, _, err := apiextensionsvalidation.NewSchemaValidator(&internal)
-		if err != nil {
-			return nil, fmt.Errorf("schema validator of %s: %w", crd.Name, err)
-		}
-		return &Admitter{
-			namespaced: crd.Spec.Scope == apiextensionsv1.NamespaceScoped,
-			structural: structural,
-			schema:     validator,
-			cel:        cel.NewValidator(structural, true, celconfig.PerCallLimit),
-		}, nil
+		return newAdmitter(crd.Name, crd.Spec.Scope == apiextensionsv1.NamespaceScoped, v.Schema.OpenAPIV3Schema), nil
 	}
 	return nil, fmt.Errorf("CRD %s has no version %s", crd.Name, version)
+}
+
+func newAdmitter(name string, namespaced bool, schema *apiextensionsv1.JSONSchemaProps) *Admitter {
+	a := &Admitter{name: name, namespaced: namespaced, schema: schema}
+	a.full = sync.OnceValues(func() (*validators, error) { return newValidators(name, schema) })
+	return a
+}
+
+func newValidators(crdName string, schema *apiextensionsv1.JSONSchemaProps) (*validators, error) {
+	var internal apiextensions.JSONSchemaProps
+	if err := apiextensionsv1.Convert_v1_JSONSchemaProps_To_apiextensions_JSONSchemaProps(schema, &internal, nil); err != nil {
+		return nil, fmt.Errorf("convert schema of %s: %w", crdName, err)
+	}
+	structural, err := structuralschema.NewStructural(&internal)
+	if err != nil {
+		return nil, fmt.Errorf("structural schema of %s: %w", crdName, err)
+	}
+	validator, _, err := apiextensionsvalidation.NewSchemaValidator(&internal)
+	if err != nil {
+		return nil, fmt.Errorf("schema validator of %s: %w", crdName, err)
+	}
+	return &validators{structural: structural, schema: validator, cel: cel.NewValidator(structural, true, celconfig.PerCallLimit)}, nil
 }
 
 // decodeStrict decodes JSON directly (the embedded CRD: a tenth of the time) and anything else
@@ -80,9 +101,29 @@ func decodeStrict(b []byte, v any) error {
 // Admit prunes unknown fields and applies defaults to obj in place, then validates it.
 // It returns the pruned field paths (the apiserver drops them with a warning) and the errors.
 func (a *Admitter) Admit(ctx context.Context, obj map[string]any) (pruned []string, errs field.ErrorList) {
-	pruned = structuralpruning.PruneWithOptions(obj, a.structural, true, structuralschema.UnknownFieldPathOptions{TrackUnknownFieldPaths: true})
-	structuraldefaulting.PruneNonNullableNullsWithoutDefaults(obj, a.structural)
-	structuraldefaulting.Default(obj, a.structural)
+	original := runtime.DeepCopyJSON(obj)
+	v, err := newValidators(a.name, schemaFor(a.schema, obj))
+	if err == nil {
+		pruned, errs = a.admit(ctx, v, obj)
+		if !compileFailed(errs) {
+			return pruned, errs
+		}
+	}
+	// The pruned schema should never fail where the whole one does not; if it does, the
+	// whole one decides.
+	full, err := a.full()
+	if err != nil {
+		return nil, field.ErrorList{field.InternalError(nil, err)}
+	}
+	clear(obj)
+	maps.Copy(obj, original)
+	return a.admit(ctx, full, obj)
+}
+
+func (a *Admitter) admit(ctx context.Context, v *validators, obj map[string]any) (pruned []string, errs field.ErrorList) {
+	pruned = structuralpruning.PruneWithOptions(obj, v.structural, true, structuralschema.UnknownFieldPathOptions{TrackUnknownFieldPaths: true})
+	structuraldefaulting.PruneNonNullableNullsWithoutDefaults(obj, v.structural)
+	structuraldefaulting.Default(obj, v.structural)
 
 	// Object metadata as the API server checks it for every custom resource (the name a DNS
 	// subdomain, label and annotation syntax). A namespace the request would supply is assumed.
@@ -92,20 +133,31 @@ func (a *Admitter) Admit(ctx context.Context, obj map[string]any) (pruned []stri
 		meta.SetNamespace(metav1.NamespaceDefault)
 	}
 	errs = append(errs, apimachineryvalidation.ValidateObjectMetaAccessor(meta, a.namespaced, apimachineryvalidation.NameIsDNSSubdomain, field.NewPath("metadata"))...)
-	errs = append(errs, apiextensionsvalidation.ValidateCustomResource(nil, obj, a.schema)...)
-	errs = append(errs, structurallisttype.ValidateListSetsAndMaps(nil, a.structural, obj)...)
+	errs = append(errs, apiextensionsvalidation.ValidateCustomResource(nil, obj, v.schema)...)
+	errs = append(errs, structurallisttype.ValidateListSetsAndMaps(nil, v.structural, obj)...)
 	// As the API server (apiextensions' customResourceStrategy.Validate): CEL is skipped, with a
 	// note saying so, only after an error that leaves rules without the data they assume;
 	// after others (a minimum, say) the rules still run.
-	if a.cel != nil {
+	if v.cel != nil {
 		if blocked := blockingError(errs); blocked != nil {
 			errs = append(errs, blocked)
 		} else {
-			celErrs, _ := a.cel.Validate(ctx, nil, a.structural, obj, nil, celconfig.RuntimeCELCostBudget)
+			celErrs, _ := v.cel.Validate(ctx, nil, v.structural, obj, nil, celconfig.RuntimeCELCostBudget)
 			errs = append(errs, celErrs...)
 		}
 	}
 	return pruned, errs
+}
+
+// compileFailed reports the errors apiextensions' CEL validator gives for rules it could not
+// compile (never for a CRD the API server accepted, so only for a schema pruned too far).
+func compileFailed(errs field.ErrorList) bool {
+	for _, err := range errs {
+		if strings.Contains(err.Detail, "rule compile error") || strings.Contains(err.Detail, "rule compiler initialization error") {
+			return true
+		}
+	}
+	return false
 }
 
 // blockingError is the API server's hasBlockingErr: a wrong type, a missing required field, an

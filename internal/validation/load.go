@@ -47,7 +47,7 @@ type Loader struct{ admitter *Admitter }
 
 // NewLoader builds a Loader from the embedded CRD.
 func NewLoader() (*Loader, error) {
-	a, err := NewAdmitter(crd.PDCluster, v1alpha1.GroupVersion.Version)
+	a, err := NewAdmitterFromSchema(crd.PDClusterSchema, v1alpha1.GroupVersion.Version)
 	if err != nil {
 		return nil, fmt.Errorf("load PDCluster CRD: %w", err)
 	}

@@ -75,105 +75,107 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 	}
 }
 
+// invalidSpecs are bad manifests with what the error must say.
+var invalidSpecs = []struct {
+name string
+doc  string   // a whole manifest
+want []string // substrings of the error: the field path and the user-facing message
+}{
+	{
+		name: "rdma protocol without devices",
+		doc:  strings.Replace(minimal, "kvTransfer: {protocol: tcp}", "kvTransfer: {protocol: rdma}", 1),
+		want: []string{"spec.kvTransfer", "rdmaDevices must list at least one RDMA device"},
+	},
+	{
+		name: "rdma is the default protocol, so devices are required by default",
+		doc:  strings.Replace(minimal, "  kvTransfer: {protocol: tcp}\n", "", 1),
+		want: []string{"spec.kvTransfer", "rdmaDevices must list"},
+	},
+	{
+		name: "rdma devices with tcp mean nothing",
+		doc:  strings.Replace(minimal, "kvTransfer: {protocol: tcp}", "kvTransfer: {protocol: tcp, rdmaDevices: [mlx5_0]}", 1),
+		want: []string{"spec.kvTransfer", "rdmaDevices is only used with protocol rdma"},
+	},
+	{
+		name: "operator-owned flag in engine args",
+		doc:  strings.Replace(minimal, "{image: vllm/vllm-openai:v0.11.0}", `{image: x, args: ["--max-model-len=4096", "--block-size=32"]}`, 1),
+		want: []string{"spec.engine.args", "flag --block-size=32 is set by the operator"},
+	},
+	{
+		name: "operator-owned short flag in pool args",
+		doc:  minimal + "  decode: {args: [\"-tp\", \"4\"]}\n",
+		want: []string{"spec.decode.args", "flag -tp is set by the operator"},
+	},
+	{
+		name: "underscore spelling of an owned flag",
+		doc:  minimal + "  prefill: {args: [\"--kv_transfer_config={}\"]}\n",
+		want: []string{"spec.prefill.args", "flag --kv_transfer_config={} is set by the operator"},
+	},
+	{
+		name: "connector backoff cap below its start",
+		doc:  minimal + "  connector: {health: {initialBackoffSeconds: 60, maxBackoffSeconds: 10}}\n",
+		want: []string{"spec.connector.health", "maxBackoffSeconds must be at least initialBackoffSeconds"},
+	},
+	{
+		name: "connector failure threshold of zero",
+		doc:  minimal + "  connector: {health: {failureThreshold: 0}}\n",
+		want: []string{"spec.connector.health.failureThreshold", "greater than or equal to 1"},
+	},
+	{
+		name: "negative replicas",
+		doc:  minimal + "  decode: {replicas: -1}\n",
+		want: []string{"spec.decode.replicas", "should be greater than or equal to 0"},
+	},
+	{
+		name: "zero tensor parallelism",
+		doc:  minimal + "  prefill: {parallelism: {tensor: 0}}\n",
+		want: []string{"spec.prefill.parallelism.tensor", "greater than or equal to 1"},
+	},
+	{
+		name: "unknown connector",
+		doc:  strings.Replace(minimal, "{protocol: tcp}", "{protocol: tcp, connector: LMCacheConnector}", 1),
+		want: []string{"spec.kvTransfer.connector", `Unsupported value: "LMCacheConnector"`, "MooncakeConnector"},
+	},
+	{
+		name: "block size not supported by vLLM",
+		doc:  strings.Replace(minimal, "{image: vllm/vllm-openai:v0.11.0}", "{image: x, blockSize: 48}", 1),
+		want: []string{"spec.engine.blockSize", "Unsupported value: 48"},
+	},
+	{
+		name: "GPUs set by hand",
+		doc:  minimal + "  prefill: {resources: {limits: {nvidia.com/gpu: 8}}}\n",
+		want: []string{"spec.prefill", "resources.limits may not set nvidia.com/gpu"},
+	},
+	{
+		name: "missing model path",
+		doc:  strings.Replace(minimal, "model: {path: facebook/opt-125m}", "model: {servedModelName: x}", 1),
+		want: []string{"spec.model.path", "Required value"},
+	},
+	{
+		name: "name too long for child objects",
+		doc:  strings.Replace(minimal, "name: tiny", "name: "+strings.Repeat("a", 56), 1),
+		want: []string{"metadata.name must be at most 55 characters"},
+	},
+	{
+		name: "name that is not a DNS label",
+		doc:  strings.Replace(minimal, "name: tiny", "name: 1tiny", 1),
+		want: []string{"metadata.name must start with a lowercase letter"},
+	},
+	{
+		name: "wrong kind",
+		doc:  strings.Replace(minimal, "kind: PDCluster", "kind: PDClustr", 1),
+		want: []string{`kind "PDClustr"`, "want apiVersion serving.pdcluster.dev/v1alpha1 kind PDCluster"},
+	},
+	{
+		name: "missing name",
+		doc:  strings.Replace(minimal, "metadata: {name: tiny}", "metadata: {}", 1),
+		want: []string{"metadata.name: Required value"},
+	},
+}
+
 func TestAdmitRejectsInvalidSpecs(t *testing.T) {
-	cases := []struct {
-		name string
-		doc  string   // a whole manifest
-		want []string // substrings of the error: the field path and the user-facing message
-	}{
-		{
-			name: "rdma protocol without devices",
-			doc:  strings.Replace(minimal, "kvTransfer: {protocol: tcp}", "kvTransfer: {protocol: rdma}", 1),
-			want: []string{"spec.kvTransfer", "rdmaDevices must list at least one RDMA device"},
-		},
-		{
-			name: "rdma is the default protocol, so devices are required by default",
-			doc:  strings.Replace(minimal, "  kvTransfer: {protocol: tcp}\n", "", 1),
-			want: []string{"spec.kvTransfer", "rdmaDevices must list"},
-		},
-		{
-			name: "rdma devices with tcp mean nothing",
-			doc:  strings.Replace(minimal, "kvTransfer: {protocol: tcp}", "kvTransfer: {protocol: tcp, rdmaDevices: [mlx5_0]}", 1),
-			want: []string{"spec.kvTransfer", "rdmaDevices is only used with protocol rdma"},
-		},
-		{
-			name: "operator-owned flag in engine args",
-			doc:  strings.Replace(minimal, "{image: vllm/vllm-openai:v0.11.0}", `{image: x, args: ["--max-model-len=4096", "--block-size=32"]}`, 1),
-			want: []string{"spec.engine.args", "flag --block-size=32 is set by the operator"},
-		},
-		{
-			name: "operator-owned short flag in pool args",
-			doc:  minimal + "  decode: {args: [\"-tp\", \"4\"]}\n",
-			want: []string{"spec.decode.args", "flag -tp is set by the operator"},
-		},
-		{
-			name: "underscore spelling of an owned flag",
-			doc:  minimal + "  prefill: {args: [\"--kv_transfer_config={}\"]}\n",
-			want: []string{"spec.prefill.args", "flag --kv_transfer_config={} is set by the operator"},
-		},
-		{
-			name: "connector backoff cap below its start",
-			doc:  minimal + "  connector: {health: {initialBackoffSeconds: 60, maxBackoffSeconds: 10}}\n",
-			want: []string{"spec.connector.health", "maxBackoffSeconds must be at least initialBackoffSeconds"},
-		},
-		{
-			name: "connector failure threshold of zero",
-			doc:  minimal + "  connector: {health: {failureThreshold: 0}}\n",
-			want: []string{"spec.connector.health.failureThreshold", "greater than or equal to 1"},
-		},
-		{
-			name: "negative replicas",
-			doc:  minimal + "  decode: {replicas: -1}\n",
-			want: []string{"spec.decode.replicas", "should be greater than or equal to 0"},
-		},
-		{
-			name: "zero tensor parallelism",
-			doc:  minimal + "  prefill: {parallelism: {tensor: 0}}\n",
-			want: []string{"spec.prefill.parallelism.tensor", "greater than or equal to 1"},
-		},
-		{
-			name: "unknown connector",
-			doc:  strings.Replace(minimal, "{protocol: tcp}", "{protocol: tcp, connector: LMCacheConnector}", 1),
-			want: []string{"spec.kvTransfer.connector", `Unsupported value: "LMCacheConnector"`, "MooncakeConnector"},
-		},
-		{
-			name: "block size not supported by vLLM",
-			doc:  strings.Replace(minimal, "{image: vllm/vllm-openai:v0.11.0}", "{image: x, blockSize: 48}", 1),
-			want: []string{"spec.engine.blockSize", "Unsupported value: 48"},
-		},
-		{
-			name: "GPUs set by hand",
-			doc:  minimal + "  prefill: {resources: {limits: {nvidia.com/gpu: 8}}}\n",
-			want: []string{"spec.prefill", "resources.limits may not set nvidia.com/gpu"},
-		},
-		{
-			name: "missing model path",
-			doc:  strings.Replace(minimal, "model: {path: facebook/opt-125m}", "model: {servedModelName: x}", 1),
-			want: []string{"spec.model.path", "Required value"},
-		},
-		{
-			name: "name too long for child objects",
-			doc:  strings.Replace(minimal, "name: tiny", "name: "+strings.Repeat("a", 56), 1),
-			want: []string{"metadata.name must be at most 55 characters"},
-		},
-		{
-			name: "name that is not a DNS label",
-			doc:  strings.Replace(minimal, "name: tiny", "name: 1tiny", 1),
-			want: []string{"metadata.name must start with a lowercase letter"},
-		},
-		{
-			name: "wrong kind",
-			doc:  strings.Replace(minimal, "kind: PDCluster", "kind: PDClustr", 1),
-			want: []string{`kind "PDClustr"`, "want apiVersion serving.pdcluster.dev/v1alpha1 kind PDCluster"},
-		},
-		{
-			name: "missing name",
-			doc:  strings.Replace(minimal, "metadata: {name: tiny}", "metadata: {}", 1),
-			want: []string{"metadata.name: Required value"},
-		},
-	}
 	l := loader(t)
-	for _, tc := range cases {
+	for _, tc := range invalidSpecs {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := l.Admit(context.Background(), []byte(tc.doc))
 			if err == nil {
