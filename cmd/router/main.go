@@ -29,10 +29,10 @@ func (l *list) Set(v string) error { *l = append(*l, v); return nil }
 // options are the command line; parseFlags is separate so a test can check that the arguments
 // the operator renders are ones this command accepts.
 type options struct {
-	listen, flow, configPath string
-	prefill, decode          list
-	refresh                  time.Duration
-	zap                      zap.Options
+	listen, flow, configPath, balance string
+	prefill, decode                   list
+	refresh                           time.Duration
+	zap                               zap.Options
 }
 
 func parseFlags(args []string) (*options, error) {
@@ -42,6 +42,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.configPath, "config", "", "router.json as the operator renders it: the flow and the pools' headless Services, resolved every --refresh (replaces --flow, --prefill and --decode)")
 	fs.DurationVar(&o.refresh, "refresh", 5*time.Second, "how often --config's Services are resolved again")
 	fs.StringVar(&o.flow, "flow", string(routerconfig.FlowMooncake), "transfer flow: mooncake (both legs at once) or nixl (prefill first)")
+	fs.StringVar(&o.balance, "balance", "", "how an engine of each pool is picked: least-in-flight (the default) or round-robin (default with --config: its balance)")
 	fs.Var(&o.prefill, "prefill", "prefill engine as URL or URL,BOOTSTRAP_URL (repeatable)")
 	fs.Var(&o.decode, "decode", "decode engine URL (repeatable)")
 	o.zap.BindFlags(fs)
@@ -57,7 +58,7 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	cfg := router.Config{Flow: routerconfig.Flow(o.flow), Decode: o.decode}
+	cfg := router.Config{Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance), Decode: o.decode}
 	for _, p := range o.prefill {
 		url, boot, _ := strings.Cut(p, ",")
 		cfg.Prefill = append(cfg.Prefill, router.Prefill{URL: url, Bootstrap: boot})
@@ -69,6 +70,9 @@ func main() {
 			os.Exit(1)
 		}
 		cfg.Flow = fc.Flow
+		if cfg.Balance == "" {
+			cfg.Balance = fc.Balance
+		}
 		cfg.Prefill, cfg.Decode = nil, nil
 	} else if len(cfg.Prefill) == 0 || len(cfg.Decode) == 0 {
 		log.Error(errors.New("need --config, or at least one --prefill and one --decode"), "configure router")
@@ -90,7 +94,7 @@ func main() {
 		defer cancel()
 		_ = srv.Shutdown(c)
 	}()
-	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String())
+	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "balance", cfg.Balance, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String())
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		log.Error(err, "serve")
 		os.Exit(1)

@@ -81,10 +81,14 @@ type Agent struct {
 	gate     *gateWatch
 	metrics  *metrics
 	dialer   net.Dialer
+	conns    peerConns
 
 	mu      sync.Mutex
 	waiters map[waiterKey]chan connector.Decision
-	ready   bool
+	// early are pulls that came before their prefill request (the concurrent flow): they wait
+	// for its Expect or Ready, by transfer, instead of being sent away to ask again.
+	early map[connector.TransferID]chan struct{}
+	ready bool
 }
 
 type waiterKey struct {
@@ -109,7 +113,7 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.ExpireEvery <= 0 {
 		cfg.ExpireEvery = 100 * time.Millisecond
 	}
-	a := &Agent{cfg: cfg, epoch: randomID(), events: newEventQueue(), gate: newGateWatch(cfg.Gate), boot: bootstrap.NewClient(), waiters: map[waiterKey]chan connector.Decision{}}
+	a := &Agent{cfg: cfg, epoch: randomID(), events: newEventQueue(), gate: newGateWatch(cfg.Gate), boot: bootstrap.NewClient(), waiters: map[waiterKey]chan connector.Decision{}, early: map[connector.TransferID]chan struct{}{}}
 	a.dialer.Timeout = 5 * time.Second
 	var err error
 	switch cfg.Role {
@@ -163,6 +167,7 @@ func (a *Agent) Epoch() string { return a.epoch }
 // consumers), the expiry loop, and, for a producer, its registration with the bootstrap
 // registry. The HTTP side is Handler, served by the caller.
 func (a *Agent) Serve(ctx context.Context, data net.Listener) error {
+	defer a.conns.closeAll()
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	ctx, cancel := context.WithCancel(ctx)

@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -17,6 +19,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
@@ -241,8 +244,9 @@ func TestUnknownEngineFailsByThePolicyRules(t *testing.T) {
 }
 
 // In the concurrent flow the pull may reach the producer before the prefill request: the
-// consumer asks again and the pull succeeds.
-func TestEarlyPullIsRetried(t *testing.T) {
+// producer holds it until the request's Expect, on the one connection (the consumer does not
+// have to ask again), and the pull succeeds.
+func TestEarlyPullWaitsForItsRequest(t *testing.T) {
 	p := newPair(t, nil)
 	fill(t, p.prodKV, 5, 'z')
 	p.pull(t, "d", "early", connector.BlockIDs{{9}}, true)
@@ -253,6 +257,12 @@ func TestEarlyPullIsRetried(t *testing.T) {
 	p.completions.Wait(t, 1, "completion")
 	if c := p.completions.Completions()[0]; c.Err != nil {
 		t.Fatalf("early pull failed: %v", c.Err)
+	}
+	if got := testutilCounter(t, p.prod.metrics.earlyPulls); got != 1 {
+		t.Errorf("early pulls = %v, want 1", got)
+	}
+	if got := testutilCounter(t, p.prod.metrics.pullsServed); got != 1 {
+		t.Errorf("pull connections = %v, want 1: the consumer should not have had to ask again", got)
 	}
 }
 
@@ -439,4 +449,103 @@ func TestProducerSendsHeaderChecksumsToConsumersThatDoNotAskForTrailers(t *testi
 		}
 		conn.Close()
 	}
+}
+
+func testutilCounter(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
+}
+
+// A consumer keeps its data connection to a producer between pulls.
+func TestPullsShareADataConnection(t *testing.T) {
+	p := newPair(t, nil)
+	ctx := context.Background()
+	for i, tid := range []string{"x1", "x2", "x3"} {
+		fill(t, p.prodKV, int64(i), 'a'+byte(i))
+		_ = p.prodLink.Ready(ctx, connector.TransferID(tid), connector.RequestID("p"+tid), connector.BlockIDs{{connector.BlockID(i)}})
+		p.pull(t, "d"+tid, tid, connector.BlockIDs{{connector.BlockID(10 + i)}}, true)
+		p.completions.Wait(t, i+1, "completion")
+	}
+	for _, c := range p.completions.Completions() {
+		if c.Err != nil {
+			t.Fatalf("pull failed: %v", c.Err)
+		}
+	}
+	if got := testutilCounter(t, p.prod.metrics.pullsServed); got != 3 {
+		t.Errorf("pulls served = %v, want 3", got)
+	}
+	if got := testutilCounter(t, p.prod.metrics.peerConns); got != 1 {
+		t.Errorf("data connections = %v, want 1 for three pulls in a row", got)
+	}
+}
+
+// A producer of the previous version serves one pull per connection and closes it: the
+// consumer's kept connection is found closed, and the pull goes through on a new one.
+func TestPullAfterTheProducerClosedAKeptConnection(t *testing.T) {
+	p := newPair(t, func(c *Config) {
+		if c.Role == v1alpha1.KVProducer {
+			c.DataAddr = onePullPerConnection(t, c.DataAddr)
+		}
+	})
+	ctx := context.Background()
+	for i, tid := range []string{"x1", "x2", "x3"} {
+		src := fill(t, p.prodKV, int64(i), 'a'+byte(i))
+		_ = p.prodLink.Ready(ctx, connector.TransferID(tid), connector.RequestID("p"+tid), connector.BlockIDs{{connector.BlockID(i)}})
+		p.pull(t, "d"+tid, tid, connector.BlockIDs{{connector.BlockID(10 + i)}}, true)
+		p.completions.Wait(t, i+1, "completion")
+		if c := p.completions.Completions()[i]; c.Err != nil {
+			t.Fatalf("pull %d failed: %v", i, c.Err)
+		}
+		got := make([]byte, blockBytes)
+		_ = p.consKV.Read(int64(10+i), got)
+		if !bytes.Equal(got, src) {
+			t.Fatalf("pull %d: the block did not arrive", i)
+		}
+	}
+}
+
+// onePullPerConnection serves as a producer of the previous version would, in front of the
+// producer at upstream: it relays one pull and its answer, then closes the connection.
+func onePullPerConnection(t *testing.T, upstream string) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				u, err := net.Dial("tcp", upstream)
+				if err != nil {
+					return
+				}
+				defer u.Close()
+				go func() { _, _ = io.Copy(u, c) }()
+				r := bufio.NewReader(u)
+				for {
+					kind, payload, err := readFrame(r, nil)
+					if err != nil {
+						return
+					}
+					var hdr [5]byte
+					hdr[0] = kind
+					binary.BigEndian.PutUint32(hdr[1:], uint32(len(payload)))
+					if _, err := c.Write(append(hdr[:], payload...)); err != nil || kind == frameKindResult {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return l.Addr().String()
 }

@@ -115,10 +115,13 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 	}
 	mux.HandleFunc("POST "+localapi.PathExpect, producerOp(func(h localapi.Hold) []connector.Decision {
 		a.producer.Expect(h.Transfer, h.Request)
+		a.wakeEarly(h.Transfer)
 		return nil
 	}))
 	mux.HandleFunc("POST "+localapi.PathReady, producerOp(func(h localapi.Hold) []connector.Decision {
-		return a.producer.Ready(h.Transfer, h.Request, h.Blocks)
+		d := a.producer.Ready(h.Transfer, h.Request, h.Blocks)
+		a.wakeEarly(h.Transfer)
+		return d
 	}))
 	mux.HandleFunc("POST "+localapi.PathAbort, producerOp(func(h localapi.Hold) []connector.Decision {
 		return a.producer.Abort(h.Transfer)

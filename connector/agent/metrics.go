@@ -11,6 +11,8 @@ type metrics struct {
 	emptyPulls    prometheus.Counter
 	pulls         prometheus.Counter
 	pullsServed   prometheus.Counter
+	earlyPulls    prometheus.Counter
+	peerConns     prometheus.Counter
 	releases      *prometheus.CounterVec
 	bytesSent     prometheus.Counter
 	bytesReceived prometheus.Counter
@@ -34,6 +36,14 @@ func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
 			Name: "pdcluster_connector_pulls_served_total",
 			Help: "Pull connections accepted by this producer agent.",
 		}),
+		earlyPulls: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "pdcluster_connector_early_pulls_total",
+			Help: "Pulls that reached this producer agent before their prefill request and waited for it.",
+		}),
+		peerConns: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "pdcluster_connector_peer_connections_total",
+			Help: "Data connections accepted by this producer agent (consumers keep them for several pulls).",
+		}),
 		releases: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdcluster_connector_releases_total",
 			Help: "Held prefill requests released to the producer scheduler, by reason (served, expired, aborted).",
@@ -45,7 +55,7 @@ func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
 			Name: "pdcluster_connector_transfer_bytes_received_total", Help: "KV bytes received from producers and written.",
 		}),
 	}
-	cs := []prometheus.Collector{a.gate, m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.releases, m.bytesSent, m.bytesReceived}
+	cs := []prometheus.Collector{a.gate, m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.earlyPulls, m.peerConns, m.releases, m.bytesSent, m.bytesReceived}
 	if a.puller != nil {
 		cs = append(cs,
 			prometheus.NewCounterFunc(prometheus.CounterOpts{

@@ -22,36 +22,72 @@ func (a *Agent) acceptPeers(ctx context.Context, l net.Listener) {
 			}
 			return
 		}
+		a.metrics.peerConns.Inc()
 		go a.servePeer(ctx, conn)
 	}
 }
 
-// servePeer answers one pull: waits for prefill if needed, writes the blocks, sends the result.
+// servePeer answers the pulls a consumer sends on conn, one after the other, until it closes
+// the connection or leaves it idle for peerConnServeIdle.
 func (a *Agent) servePeer(ctx context.Context, conn net.Conn) {
 	defer conn.Close()
-	r, w := bufio.NewReader(conn), bufio.NewWriterSize(conn, 256<<10)
-	_ = conn.SetReadDeadline(time.Now().Add(30 * time.Second))
-	kind, payload, err := readFrame(r, nil)
-	if err != nil || kind != frameKindPull {
-		a.cfg.Log.V(1).Info("bad pull from peer", "remote", conn.RemoteAddr(), "err", err, "kind", kind)
-		return
+	stop := context.AfterFunc(ctx, func() { _ = conn.Close() }) // a kept connection ends with the agent
+	defer stop()
+	r, w := bufio.NewReader(conn), bufio.NewWriterSize(conn, 32<<10) // large blocks bypass it (writev)
+	for first := true; ctx.Err() == nil; first = false {
+		idle := peerConnServeIdle
+		if first {
+			idle = 30 * time.Second
+		}
+		_ = conn.SetReadDeadline(time.Now().Add(idle))
+		kind, payload, err := readFrame(r, nil)
+		if err != nil || kind != frameKindPull {
+			if !first && err != nil {
+				return // the consumer closed a kept connection, or left it idle
+			}
+			a.cfg.Log.V(1).Info("bad pull from peer", "remote", conn.RemoteAddr(), "err", err, "kind", kind)
+			return
+		}
+		_ = conn.SetReadDeadline(time.Time{})
+		if !a.servePull(ctx, conn, w, payload) {
+			return
+		}
 	}
+}
+
+// servePull answers one pull: waits for prefill if needed, writes the blocks, sends the
+// result. It returns whether the connection can carry another pull.
+func (a *Agent) servePull(ctx context.Context, conn net.Conn, w *bufio.Writer, payload []byte) bool {
 	var pf pullFrame
 	if err := json.Unmarshal(payload, &pf); err != nil {
-		_ = writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: "decode pull: " + err.Error()})
-		return
+		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: "decode pull: " + err.Error()}) == nil
 	}
-	_ = conn.SetReadDeadline(time.Time{})
 	if pf.Engine != a.cfg.EngineID {
-		_ = writeJSONFrame(w, frameKindResult, resultFrame{Code: "engine_mismatch", Error: fmt.Sprintf("this producer is %s, not %s", a.cfg.EngineID, pf.Engine)})
-		return
+		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "engine_mismatch", Error: fmt.Sprintf("this producer is %s, not %s", a.cfg.EngineID, pf.Engine)}) == nil
 	}
 	if pf.Blocks.HasLocal() && pf.BlockSize != a.cfg.KV.BlockBytes() {
-		_ = writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: fmt.Sprintf("block size mismatch: producer %d bytes, consumer %d", a.cfg.KV.BlockBytes(), pf.BlockSize)})
-		return
+		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: fmt.Sprintf("block size mismatch: producer %d bytes, consumer %d", a.cfg.KV.BlockBytes(), pf.BlockSize)}) == nil
 	}
 	req := connector.PullRequest{Transfer: pf.Transfer, Consumer: pf.Consumer, Consumers: max(pf.Consumers, 1), Blocks: pf.Blocks}
 	a.metrics.pullsServed.Inc()
+	d, ok := a.decide(ctx, req)
+	if !ok {
+		return false // the agent is stopping; the Producer's state goes with it
+	}
+	if d.Action == connector.ActionReject && errors.Is(d.Err, connector.ErrUnknownTransfer) {
+		// Early: the decode engine's pull came before the prefill request reached this engine
+		// (the concurrent flow). Wait for it here rather than send the consumer away to ask
+		// again after a back-off.
+		if d, ok = a.decideEarly(ctx, req, d); !ok {
+			return false
+		}
+	}
+	return a.execute(conn, w, d, pf.ChecksumTrailer) == nil
+}
+
+// decide asks the Producer about req, parking it until the prefill finishes if it must wait.
+// It returns false when the agent stops first.
+func (a *Agent) decide(ctx context.Context, req connector.PullRequest) (connector.Decision, bool) {
 	k := waiterKey{req.Transfer, req.Consumer}
 	ch := make(chan connector.Decision, 1)
 	// Park before deciding, so a Ready racing with this pull finds the channel.
@@ -62,30 +98,84 @@ func (a *Agent) servePeer(ctx context.Context, conn net.Conn) {
 	}
 	a.mu.Unlock()
 	if busy {
-		_ = writeJSONFrame(w, frameKindResult, resultFrame{Code: "duplicate_pull", Error: connector.ErrDuplicatePull.Error()})
-		return
+		return connector.Decision{Pull: req, Action: connector.ActionReject, Err: connector.ErrDuplicatePull}, true
 	}
 	d := a.producer.Pull(req)
 	if d.Action != connector.ActionWait {
 		a.mu.Lock()
 		delete(a.waiters, k)
 		a.mu.Unlock()
-	} else {
-		select {
-		case d = <-ch:
-		case <-ctx.Done():
-			// The agent is stopping; the Producer's state goes with it.
-			return
-		}
+		return d, true
 	}
-	a.execute(conn, w, d, pf.ChecksumTrailer)
+	select {
+	case d = <-ch:
+		return d, true
+	case <-ctx.Done():
+		return d, false
+	}
+}
+
+// Early pulls wait this long at most for their prefill request, and at most this many at once
+// (beyond, they are answered ErrUnknownTransfer at once and the consumer asks again).
+const (
+	earlyPullWait = 2 * time.Second
+	maxEarlyPulls = 4096
+)
+
+// decideEarly waits for the Expect or Ready of an early pull's transfer, then decides again.
+// unknown is the first decision, returned if nothing comes.
+func (a *Agent) decideEarly(ctx context.Context, req connector.PullRequest, unknown connector.Decision) (connector.Decision, bool) {
+	a.mu.Lock()
+	ch, ok := a.early[req.Transfer]
+	if !ok && len(a.early) < maxEarlyPulls {
+		ch = make(chan struct{})
+		a.early[req.Transfer] = ch
+		ok = true
+	}
+	a.mu.Unlock()
+	if !ok {
+		return unknown, true
+	}
+	// Registered first, then asked again: an Expect between the first decision and the
+	// registration is seen now; one after it closes ch.
+	d, alive := a.decide(ctx, req)
+	if !alive || d.Action != connector.ActionReject || !errors.Is(d.Err, connector.ErrUnknownTransfer) {
+		return d, alive
+	}
+	a.metrics.earlyPulls.Inc()
+	t := time.NewTimer(earlyPullWait)
+	defer t.Stop()
+	select {
+	case <-ch:
+	case <-t.C:
+		a.mu.Lock()
+		if a.early[req.Transfer] == ch {
+			delete(a.early, req.Transfer)
+		}
+		a.mu.Unlock()
+		return unknown, true
+	case <-ctx.Done():
+		return unknown, false
+	}
+	return a.decide(ctx, req)
+}
+
+// wakeEarly lets the early pulls of transfer decide again: its request reached the engine.
+func (a *Agent) wakeEarly(transfer connector.TransferID) {
+	a.mu.Lock()
+	ch, ok := a.early[transfer]
+	delete(a.early, transfer)
+	a.mu.Unlock()
+	if ok {
+		close(ch)
+	}
 }
 
 // execute carries out a send or reject decision on the consumer's connection.
-func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d connector.Decision, trailer bool) {
+func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d connector.Decision, trailer bool) error {
 	switch d.Action {
 	case connector.ActionReject:
-		_ = writeJSONFrame(w, frameKindResult, resultFrame{Code: codeOf(d.Err), Error: d.Err.Error()})
+		return writeJSONFrame(w, frameKindResult, resultFrame{Code: codeOf(d.Err), Error: d.Err.Error()})
 	case connector.ActionSend:
 		err := a.send(conn, w, d.Copies, trailer)
 		if err == nil {
@@ -96,7 +186,10 @@ func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d connector.Decision, tr
 		}
 		// Served either way: a consumer whose send failed will not pull again (it fails its pull).
 		a.producer.SendDone(d.Pull.Transfer, d.Pull.Consumer, d.Pull.Consumers, err)
+		_ = conn.SetWriteDeadline(time.Time{})
+		return err
 	}
+	return nil
 }
 
 // send writes each block straight from the KV mapping (no staging copy).

@@ -1,16 +1,17 @@
 package agent
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"net"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"pdcluster.dev/pdcluster-operator/connector"
@@ -103,22 +104,48 @@ func (a *Agent) runTask(meta connector.PullMeta, rank connector.ProducerRank, ad
 func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, addr string, deadline time.Time) error {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	conn, err := a.dialer.DialContext(ctx, "tcp", addr)
-	if err != nil {
-		return fmt.Errorf("%w: dial %s: %v", connector.ErrPeerGone, addr, err)
-	}
-	defer conn.Close()
-	_ = conn.SetDeadline(deadline)
-	// A small read buffer: block data is read past it, straight into the KV mapping.
-	r, w := bufio.NewReaderSize(conn, 32<<10), bufio.NewWriter(conn)
 	pf := pullFrame{
 		Transfer: meta.Transfer, Request: meta.Request, Engine: meta.RemoteEngine,
 		Consumer: a.cfg.ConsumerRank, Consumers: a.cfg.Consumers, Blocks: meta.LocalBlock, BlockSize: a.cfg.KV.BlockBytes(),
 		ChecksumTrailer: true,
 	}
-	if err := writeJSONFrame(w, frameKindPull, pf); err != nil {
-		return fmt.Errorf("%w: send pull: %v", connector.ErrPeerGone, err)
+	c, err := a.conns.get(ctx, &a.dialer, addr)
+	if err != nil {
+		return fmt.Errorf("%w: dial %s: %v", connector.ErrPeerGone, addr, err)
 	}
+	clean, err := a.pullOn(c, meta, rank, addr, deadline, pf)
+	if err != nil && c.reused && errors.Is(err, errStaleConn) {
+		// A kept connection the producer had closed (idle, or a producer of the previous
+		// version, which serves one pull per connection): it took nothing, so ask on a new one.
+		_ = c.Close()
+		if c, err = a.conns.dial(ctx, &a.dialer, addr); err != nil {
+			return fmt.Errorf("%w: dial %s: %v", connector.ErrPeerGone, addr, err)
+		}
+		clean, err = a.pullOn(c, meta, rank, addr, deadline, pf)
+	}
+	if clean {
+		a.conns.put(addr, c)
+	} else {
+		_ = c.Close()
+	}
+	if errors.Is(err, errStaleConn) {
+		err = fmt.Errorf("%w: %s closed the connection: %v", connector.ErrPeerGone, addr, err)
+	}
+	return err
+}
+
+// errStaleConn marks a connection that failed before the producer answered anything.
+var errStaleConn = errors.New("connection closed before any answer")
+
+// pullOn runs one pull on c. clean is true when it ended with the producer's result frame
+// read, so c can carry another pull.
+func (a *Agent) pullOn(c *peerConn, meta connector.PullMeta, rank connector.ProducerRank, addr string, deadline time.Time, pf pullFrame) (clean bool, err error) {
+	_ = c.SetDeadline(deadline)
+	r, w := c.r, c.w
+	if err := writeJSONFrame(w, frameKindPull, pf); err != nil {
+		return false, fmt.Errorf("%w: send pull: %v", errStaleConn, err)
+	}
+	answered := false
 	want := map[connector.BlockID]bool{}
 	for _, id := range meta.LocalBlock.Flatten() {
 		want[id] = true
@@ -133,23 +160,27 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 	for {
 		kind, n, err := readFrameHeader(r)
 		if err != nil {
-			return peerErr(err)
+			if !answered && (errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)) {
+				return false, fmt.Errorf("%w: %v", errStaleConn, err)
+			}
+			return false, peerErr(err)
 		}
+		answered = true
 		switch kind {
 		case frameKindBlock, frameKindBlockTrailer:
 			f, err := readBlockHeader(r, kind, n)
 			if err != nil {
-				return peerErr(err)
+				return false, peerErr(err)
 			}
 			if !want[f.dst] {
-				return fmt.Errorf("producer wrote block %d, which the pull did not ask for", f.dst)
+				return false, fmt.Errorf("producer wrote block %d, which the pull did not ask for", f.dst)
 			}
 			if f.size != a.cfg.KV.BlockBytes() {
-				return fmt.Errorf("producer sent block %d of %d bytes, want %d", f.dst, f.size, a.cfg.KV.BlockBytes())
+				return false, fmt.Errorf("producer sent block %d of %d bytes, want %d", f.dst, f.size, a.cfg.KV.BlockBytes())
 			}
 			block, err := a.cfg.KV.Block(int64(f.dst))
 			if err != nil {
-				return fmt.Errorf("write block %d: %w", f.dst, err)
+				return false, fmt.Errorf("write block %d: %w", f.dst, err)
 			}
 			// The bytes go from the socket straight into the destination block, only while the
 			// task is pending. A block that fails its checksum has landed, but the task fails, so
@@ -160,13 +191,13 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 				return err
 			})
 			if readErr != nil {
-				return peerErr(readErr)
+				return false, peerErr(readErr)
 			}
 			if err != nil {
-				return err
+				return false, err
 			}
 			if !accepted {
-				return nil // the task already ended (timeout); TaskDone will be ignored
+				return false, nil // the task already ended (timeout); TaskDone will be ignored
 			}
 			delete(want, f.dst)
 			written++
@@ -174,21 +205,21 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 		case frameKindResult:
 			payload, err := readPayload(r, n, nil)
 			if err != nil {
-				return peerErr(err)
+				return false, peerErr(err)
 			}
 			var res resultFrame
 			if err := json.Unmarshal(payload, &res); err != nil {
-				return fmt.Errorf("decode result: %w", err)
+				return false, fmt.Errorf("decode result: %w", err)
 			}
 			if err := errorOf(res); err != nil {
-				return err
+				return true, err
 			}
 			if len(want) > 0 {
-				return fmt.Errorf("producer finished after %d blocks, %d missing", written, len(want))
+				return true, fmt.Errorf("producer finished after %d blocks, %d missing", written, len(want))
 			}
-			return nil
+			return true, nil
 		default:
-			return fmt.Errorf("unexpected frame %q from producer", kind)
+			return false, fmt.Errorf("unexpected frame %q from producer", kind)
 		}
 	}
 }

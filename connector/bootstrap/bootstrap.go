@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"golang.org/x/sync/singleflight"
+	"k8s.io/utils/clock"
 )
 
 // Registration is the body of POST /register.
@@ -145,43 +146,61 @@ func writeJSON(w http.ResponseWriter, v any) {
 type Client struct {
 	HTTP    *http.Client
 	Timeout time.Duration // per query; llm-d uses 5 s
-	// NoCache makes every Query ask the server (concurrent ones still share a request): for a
-	// router, which cannot tell when a producer restarted under a new engine id.
-	NoCache bool
-	group   singleflight.Group
-	mu      sync.Mutex
-	cache   map[string]Topology
+	// MaxAge, if set, is how long an answer is used (a router cannot tell when a producer
+	// restarted under a new engine id); 0 keeps answers until Invalidate.
+	MaxAge time.Duration
+	// RefreshAfter, if set, is the age after which an answer is still used but asked again in
+	// the background, so a busy client sees a producer's new engine id within about that long
+	// while asking at most once per RefreshAfter.
+	RefreshAfter time.Duration
+	// Clock dates answers; tests inject a fake one.
+	Clock clock.PassiveClock
+	group singleflight.Group
+	mu    sync.Mutex
+	cache map[string]cached
+}
+
+type cached struct {
+	topo Topology
+	at   time.Time
 }
 
 // NewClient returns a Client with a 5 s query timeout.
 func NewClient() *Client {
-	return &Client{HTTP: &http.Client{}, Timeout: 5 * time.Second, cache: map[string]Topology{}}
+	return &Client{HTTP: &http.Client{}, Timeout: 5 * time.Second, Clock: clock.RealClock{}, cache: map[string]cached{}}
 }
 
 // Query returns the topology served at addr (http://host:port), from the cache if present.
 func (c *Client) Query(ctx context.Context, addr string) (Topology, error) {
 	c.mu.Lock()
-	t, ok := c.cache[addr]
+	e, ok := c.cache[addr]
 	c.mu.Unlock()
-	if ok {
-		return t, nil
+	if ok && (c.MaxAge <= 0 || c.Clock.Since(e.at) < c.MaxAge) {
+		if c.RefreshAfter > 0 && c.Clock.Since(e.at) >= c.RefreshAfter {
+			go func() {
+				_, _, _ = c.group.Do(addr, func() (any, error) { return c.fetchAndCache(context.WithoutCancel(ctx), addr) })
+			}()
+		}
+		return e.topo, nil
 	}
-	v, err, _ := c.group.Do(addr, func() (any, error) {
-		t, err := c.fetch(ctx, addr)
-		if err != nil {
-			return nil, err
-		}
-		if len(t) > 0 && !c.NoCache { // an empty registry is not worth remembering: workers are still coming
-			c.mu.Lock()
-			c.cache[addr] = t
-			c.mu.Unlock()
-		}
-		return t, nil
-	})
+	v, err, _ := c.group.Do(addr, func() (any, error) { return c.fetchAndCache(ctx, addr) })
 	if err != nil {
 		return nil, err
 	}
 	return v.(Topology), nil
+}
+
+func (c *Client) fetchAndCache(ctx context.Context, addr string) (Topology, error) {
+	t, err := c.fetch(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	if len(t) > 0 { // an empty registry is not worth remembering: workers are still coming
+		c.mu.Lock()
+		c.cache[addr] = cached{topo: t, at: c.Clock.Now()}
+		c.mu.Unlock()
+	}
+	return t, nil
 }
 
 // Invalidate forgets addr's cached topology.

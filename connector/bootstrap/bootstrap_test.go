@@ -8,6 +8,9 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/google/go-cmp/cmp"
 )
@@ -114,15 +117,61 @@ func TestClientCachesUntilInvalidated(t *testing.T) {
 		t.Errorf("after Invalidate: %d asks, err %v; want 2", hits.Load(), err)
 	}
 
-	nc := NewClient()
-	nc.NoCache = true
-	for i := 0; i < 2; i++ {
-		_, _ = nc.Query(ctx, srv.URL)
+	// A client with MaxAge uses an answer that long, then asks again.
+	clk := clocktesting.NewFakeClock(time.Unix(0, 0))
+	mc := NewClient()
+	mc.MaxAge, mc.Clock = 2*time.Second, clk
+	for range 3 {
+		_, _ = mc.Query(ctx, srv.URL)
+		clk.Step(500 * time.Millisecond)
 	}
+	if n := hits.Load(); n != 3 {
+		t.Errorf("MaxAge client within its age: %d asks in all, want 3", n)
+	}
+	clk.Step(time.Second)
+	_, _ = mc.Query(ctx, srv.URL)
 	if n := hits.Load(); n != 4 {
-		t.Errorf("NoCache client: %d asks in all, want 4", n)
+		t.Errorf("MaxAge client past its age: %d asks in all, want 4", n)
 	}
 	if _, err := c.Query(ctx, "http://127.0.0.1:1"); err == nil {
 		t.Error("query of a closed port succeeded")
+	}
+}
+
+// Past RefreshAfter an answer is still given at once, and asked again in the background: the
+// next query has the registry's new answer.
+func TestQueryRefreshesOldAnswersInTheBackground(t *testing.T) {
+	var engine atomic.Value
+	engine.Store("engine-a")
+	var hits atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		hits.Add(1)
+		_ = json.NewEncoder(w).Encode(Topology{"0": {EngineID: engine.Load().(string)}})
+	}))
+	defer srv.Close()
+	clk := clocktesting.NewFakeClock(time.Unix(0, 0))
+	c := NewClient()
+	c.MaxAge, c.RefreshAfter, c.Clock = 2*time.Second, 100*time.Millisecond, clk
+	ctx := context.Background()
+	if topo, err := c.Query(ctx, srv.URL); err != nil || topo["0"].EngineID != "engine-a" {
+		t.Fatalf("first query: %v, %v", topo, err)
+	}
+	engine.Store("engine-b") // the producer restarted
+	clk.Step(150 * time.Millisecond)
+	if topo, _ := c.Query(ctx, srv.URL); topo["0"].EngineID != "engine-a" {
+		t.Errorf("an answer past RefreshAfter was not served at once from the cache: %v", topo)
+	}
+	for deadline := time.Now().Add(5 * time.Second); hits.Load() < 2; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no background refresh")
+		}
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if topo, _ := c.Query(ctx, srv.URL); topo["0"].EngineID == "engine-b" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the refreshed answer never replaced the old one")
+		}
 	}
 }

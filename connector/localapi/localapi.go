@@ -120,16 +120,22 @@ func Listen(addr string) (net.Listener, error) {
 // Client returns the base URL and the HTTP client that reach endpoint, an http:// URL
 // or unix:///path.
 func Client(endpoint string, timeout time.Duration) (string, *http.Client) {
+	// One agent, many requests at once (a pull or a hold per request, and the events long
+	// poll): keep as many connections as are busy, not net/http's default two, which made
+	// the engine dial the agent again for most calls under load.
+	tr := &http.Transport{MaxIdleConnsPerHost: maxIdleConns, MaxIdleConns: maxIdleConns}
 	path, ok := strings.CutPrefix(endpoint, unixScheme)
 	if !ok {
-		return strings.TrimSuffix(endpoint, "/"), &http.Client{Timeout: timeout}
+		return strings.TrimSuffix(endpoint, "/"), &http.Client{Timeout: timeout, Transport: tr}
 	}
 	var d net.Dialer
-	tr := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+	tr.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
 		return d.DialContext(ctx, "unix", path)
-	}}
+	}
 	return "http://agent", &http.Client{Timeout: timeout, Transport: tr}
 }
+
+const maxIdleConns = 256
 
 // PathGate is POST /v1/gate: the engine's completion-gate plugin (pdgate) reports that it is
 // loaded, with its counts so far, every few seconds (body: connector/vllm.Report).

@@ -15,6 +15,8 @@ import (
 	"maps"
 	"net/http"
 	"slices"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -35,7 +37,9 @@ type Prefill struct {
 // Config is the router's configuration: its mode and the engines it starts with (SetPools
 // replaces them, e.g. from ResolvePools as pods come and go).
 type Config struct {
-	Flow    routerconfig.Flow
+	Flow routerconfig.Flow
+	// Balance picks an engine in each pool; empty: least-in-flight.
+	Balance routerconfig.Balance
 	Prefill []Prefill
 	Decode  []string
 	// PrefillTimeout bounds the prefill leg.
@@ -45,6 +49,9 @@ type Config struct {
 // Validate reports a configuration the router cannot serve with.
 func (c Config) Validate() error {
 	if err := c.Flow.Validate(); err != nil {
+		return err
+	}
+	if err := c.Balance.Validate(); err != nil {
 		return err
 	}
 	return validatePrefill(c.Flow, c.Prefill)
@@ -65,12 +72,23 @@ type Router struct {
 	pools atomic.Pointer[Pools]
 	hc    *http.Client
 	boot  *bootstrap.Client
-	// nextP and nextD round-robin each pool on its own: one shared counter, advanced twice per
-	// request, would pin every request to the same pair when both pools have an even size.
-	nextP, nextD atomic.Uint64
-	log          logr.Logger
-	requests     *prometheus.CounterVec
+	// prefill and decode pick each pool's engines on their own: one shared turn counter,
+	// advanced twice per request, would pin every request to the same pair when both pools
+	// have an even size.
+	prefill, decode *balancer
+	log             logr.Logger
+	requests        *prometheus.CounterVec
 }
+
+// A prefill's engine id is asked again in the background once its answer is older than
+// bootstrapRefresh, and not used at all past bootstrapMaxAge: a producer that restarted has a
+// new id, and a pull naming the old one fails (or, with kv_load_failure_policy recompute,
+// quietly recomputes), so a busy router must learn the new id within about bootstrapRefresh.
+// A failed leg makes it ask at once. Asking on every request was a tenth of a request's cost.
+const (
+	bootstrapRefresh = 100 * time.Millisecond
+	bootstrapMaxAge  = 2 * time.Second
+)
 
 // New validates cfg and returns a Router; metrics register on reg.
 func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error) {
@@ -81,9 +99,10 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		cfg.PrefillTimeout = 10 * time.Minute
 	}
 	boot := bootstrap.NewClient()
-	boot.NoCache = true // the engine id changes when a producer restarts; asking is cheap
+	boot.MaxAge, boot.RefreshAfter = bootstrapMaxAge, bootstrapRefresh
 	r := &Router{
 		cfg: cfg, hc: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}, boot: boot, log: log,
+		prefill: newBalancer(cfg.Balance), decode: newBalancer(cfg.Balance),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
 		}, []string{"flow", "code"}),
@@ -142,23 +161,32 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	return mux
 }
 
-func newID() string {
-	var b [16]byte
+// ids are unique per router run: a random prefix drawn once and a counter. A crypto/rand read
+// per request (two per request) was a system call each.
+var ids = struct {
+	prefix string
+	n      atomic.Uint64
+}{prefix: func() string {
+	var b [8]byte
 	_, _ = rand.Read(b[:])
 	return hex.EncodeToString(b[:])
-}
+}()}
 
-func pick(next *atomic.Uint64, n int) int { return int(next.Add(1)-1) % n }
+func newID() string {
+	return ids.prefix + strconv.FormatUint(ids.n.Add(1), 16)
+}
 
 func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	sw := &statusWriter{ResponseWriter: w}
-	defer func() { r.requests.WithLabelValues(string(r.cfg.Flow), fmt.Sprint(sw.code())).Inc() }()
+	defer func() { r.requests.WithLabelValues(string(r.cfg.Flow), strconv.Itoa(sw.code())).Inc() }()
 	raw, err := io.ReadAll(io.LimitReader(req.Body, 32<<20))
 	if err != nil {
 		writeError(sw, http.StatusBadRequest, "read body: "+err.Error())
 		return
 	}
-	var body map[string]any
+	// Values stay raw: the router reads none of them, and re-encoding a long prompt's token list
+	// was a tenth of its time.
+	var body map[string]json.RawMessage
 	if err := json.Unmarshal(raw, &body); err != nil || body == nil {
 		writeError(sw, http.StatusBadRequest, "body must be a JSON object")
 		return
@@ -182,8 +210,12 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(pools.Prefill), len(pools.Decode)))
 		return
 	}
-	p := pools.Prefill[pick(&r.nextP, len(pools.Prefill))]
-	d := pools.Decode[pick(&r.nextD, len(pools.Decode))]
+	pi := r.prefill.pick(prefillURLs(pools.Prefill))
+	defer r.prefill.done(pi)
+	p := pools.Prefill[pi.index]
+	di := r.decode.pick(pools.Decode)
+	defer r.decode.done(di)
+	d := pools.Decode[di.index]
 	switch r.cfg.Flow {
 	case routerconfig.FlowMooncake:
 		r.mooncake(sw, req, body, reqID, p, d)
@@ -192,22 +224,50 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	}
 }
 
-// prefillBody is the prefill leg: one token, no streaming, the given transfer params.
-func prefillBody(body map[string]any, params map[string]any) map[string]any {
-	pb := maps.Clone(body)
-	pb["kv_transfer_params"] = params
-	pb["max_tokens"] = 1
-	if _, ok := pb["max_completion_tokens"]; ok {
-		pb["max_completion_tokens"] = 1
+func prefillURLs(ps []Prefill) []string {
+	out := make([]string, len(ps))
+	for i, p := range ps {
+		out[i] = p.URL
 	}
-	pb["stream"] = false
+	return out
+}
+
+// rawJSON encodes v, which cannot fail for the maps of strings, numbers and bools given here.
+func rawJSON(v any) json.RawMessage {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+// withParams is body with kv_transfer_params set.
+func withParams(body map[string]json.RawMessage, params map[string]any) map[string]json.RawMessage {
+	b := maps.Clone(body)
+	b["kv_transfer_params"] = rawJSON(params)
+	return b
+}
+
+var (
+	jsonOne   = json.RawMessage("1")
+	jsonFalse = json.RawMessage("false")
+)
+
+// prefillBody is the prefill leg: one token, no streaming, the given transfer params.
+func prefillBody(body map[string]json.RawMessage, params map[string]any) map[string]json.RawMessage {
+	pb := withParams(body, params)
+	pb["max_tokens"] = jsonOne
+	if _, ok := pb["max_completion_tokens"]; ok {
+		pb["max_completion_tokens"] = jsonOne
+	}
+	pb["stream"] = jsonFalse
 	delete(pb, "stream_options")
 	return pb
 }
 
 // mooncake runs both legs at once. The prefill leg is never cancelled by the client: its
 // blocks are released by the decode's pull (or cleanup pull) either way.
-func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[string]any, reqID string, p Prefill, d string) {
+func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[string]json.RawMessage, reqID string, p Prefill, d string) {
 	engineID, dp, err := r.engine(req.Context(), p.Bootstrap)
 	if err != nil {
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill bootstrap %s: %v", p.Bootstrap, err))
@@ -215,11 +275,10 @@ func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[str
 	}
 	transfer := "xfer-" + newID()
 	pb := prefillBody(body, map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer})
-	db := maps.Clone(body)
-	db["kv_transfer_params"] = map[string]any{
+	db := withParams(body, map[string]any{
 		"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": transfer,
 		"remote_bootstrap_addr": p.Bootstrap, "remote_engine_id": engineID,
-	}
+	})
 	prefillErr := make(chan error, 1)
 	go func() {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(req.Context()), r.cfg.PrefillTimeout)
@@ -239,11 +298,14 @@ func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[str
 		if req.Context().Err() != nil {
 			return // the client went away
 		}
+		r.boot.Invalidate(p.Bootstrap)
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("decode leg %s failed: %v", d, err))
 		return
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 500 {
+		// A decode that failed may have pulled with a stale engine id: ask again next time.
+		r.boot.Invalidate(p.Bootstrap)
 		// Say why: the prefill leg's failure is usually the cause of the decode's.
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		reason := fmt.Sprintf("decode leg %s: %s: %s", d, resp.Status, bytes.TrimSpace(b))
@@ -261,7 +323,7 @@ func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[str
 }
 
 // nixl runs the prefill leg first and passes its kv_transfer_params to decode.
-func (r *Router) nixl(w http.ResponseWriter, req *http.Request, body map[string]any, reqID string, p Prefill, d string) {
+func (r *Router) nixl(w http.ResponseWriter, req *http.Request, body map[string]json.RawMessage, reqID string, p Prefill, d string) {
 	pb := prefillBody(body, map[string]any{
 		"do_remote_decode": true, "do_remote_prefill": false,
 		"remote_engine_id": nil, "remote_block_ids": nil, "remote_host": nil, "remote_port": nil,
@@ -290,9 +352,9 @@ func (r *Router) nixl(w http.ResponseWriter, req *http.Request, body map[string]
 		return
 	}
 	var pr struct {
-		KVTransferParams map[string]any `json:"kv_transfer_params"`
+		KVTransferParams json.RawMessage `json:"kv_transfer_params"`
 	}
-	if err := json.Unmarshal(pbody, &pr); err != nil || pr.KVTransferParams == nil {
+	if err := json.Unmarshal(pbody, &pr); err != nil || len(pr.KVTransferParams) == 0 || string(pr.KVTransferParams) == "null" {
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill leg %s returned no kv_transfer_params", p.URL))
 		return
 	}
@@ -324,12 +386,8 @@ func (r *Router) engine(ctx context.Context, addr string) (engineID, dp string, 
 	return topo[dp].EngineID, dp, nil
 }
 
-func (r *Router) post(ctx context.Context, url string, body map[string]any, reqID string, headers map[string]string) (*http.Response, error) {
-	b, err := json.Marshal(body)
-	if err != nil {
-		return nil, err
-	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
+func (r *Router) post(ctx context.Context, url string, body map[string]json.RawMessage, reqID string, headers map[string]string) (*http.Response, error) {
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(encodeBody(body)))
 	if err != nil {
 		return nil, err
 	}
@@ -341,6 +399,42 @@ func (r *Router) post(ctx context.Context, url string, body map[string]any, reqI
 	return r.hc.Do(hr)
 }
 
+// appendJSONString appends s as a JSON string: plain ASCII as it is, anything else through
+// encoding/json.
+func appendJSONString(b []byte, s string) []byte {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c > 0x7e || c == '"' || c == '\\' {
+			q, _ := json.Marshal(s)
+			return append(b, q...)
+		}
+	}
+	b = append(b, '"')
+	b = append(b, s...)
+	return append(b, '"')
+}
+
+// encodeBody writes body as a JSON object, keys sorted as json.Marshal would. The values are
+// copied as they are: they came from json.Unmarshal or rawJSON, so they are valid JSON, and
+// json.Marshal would only scan them again.
+func encodeBody(body map[string]json.RawMessage) []byte {
+	keys := slices.Sorted(maps.Keys(body))
+	n := 2
+	for _, k := range keys {
+		n += len(k) + len(body[k]) + 4
+	}
+	b := make([]byte, 0, n+16)
+	b = append(b, '{')
+	for i, k := range keys {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = appendJSONString(b, k)
+		b = append(b, ':')
+		b = append(b, body[k]...)
+	}
+	return append(b, '}')
+}
+
 func drain(resp *http.Response) error {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
@@ -350,14 +444,20 @@ func drain(resp *http.Response) error {
 	return nil
 }
 
-// copyResponse streams resp to w, flushing as chunks arrive (server-sent events).
+// copyResponse streams resp to w: a stream of server-sent events flushed as chunks arrive,
+// any other answer copied whole with its length (no flush per read, no chunked encoding).
 func copyResponse(w http.ResponseWriter, resp *http.Response) {
-	for _, h := range []string{"Content-Type", "Cache-Control"} {
-		if v := resp.Header.Get(h); v != "" {
+	stream := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+	for _, h := range []string{"Content-Type", "Cache-Control", "Content-Length"} {
+		if v := resp.Header.Get(h); v != "" && (h != "Content-Length" || !stream) {
 			w.Header().Set(h, v)
 		}
 	}
 	w.WriteHeader(resp.StatusCode)
+	if !stream {
+		_, _ = io.Copy(w, resp.Body)
+		return
+	}
 	fl, _ := w.(http.Flusher)
 	buf := make([]byte, 32<<10)
 	for {

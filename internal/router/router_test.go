@@ -223,3 +223,23 @@ func TestReadyNeedsAnEngineInEachPool(t *testing.T) {
 		}
 	}
 }
+
+// The router writes the legs' bodies itself: the same JSON as encoding/json, whatever the keys.
+func TestEncodeBodyIsJSON(t *testing.T) {
+	body := map[string]json.RawMessage{
+		"prompt": json.RawMessage(`[1, 2, 3]`), "max_tokens": json.RawMessage(`1`), `quo"te`: json.RawMessage(`"x"`),
+		"tab\tkey": json.RawMessage(`null`), "ünïcode": json.RawMessage(`{"a": [true]}`), `back\slash`: json.RawMessage(`2.5`),
+	}
+	want, err := json.Marshal(body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var gotV, wantV any
+	if err := json.Unmarshal(encodeBody(body), &gotV); err != nil {
+		t.Fatalf("not JSON: %v: %s", err, encodeBody(body))
+	}
+	_ = json.Unmarshal(want, &wantV)
+	if diff := cmp.Diff(wantV, gotV); diff != "" {
+		t.Errorf("body (-encoding/json +router):\n%s", diff)
+	}
+}

@@ -32,6 +32,26 @@ func (f Flow) Validate() error {
 	return fmt.Errorf("flow must be %s or %s, got %q", FlowMooncake, FlowNIXL, f)
 }
 
+// Balance is how the router picks an engine in each pool.
+type Balance string
+
+const (
+	// BalanceLeastInFlight picks the engine with the fewest requests in flight from this
+	// router, taking turns among equals: a slow or busy engine gets fewer requests.
+	BalanceLeastInFlight Balance = "least-in-flight"
+	// BalanceRoundRobin takes turns, whatever the engines' load.
+	BalanceRoundRobin Balance = "round-robin"
+)
+
+// Validate reports whether b is a known balance; empty means the default, least-in-flight.
+func (b Balance) Validate() error {
+	switch b {
+	case "", BalanceLeastInFlight, BalanceRoundRobin:
+		return nil
+	}
+	return fmt.Errorf("balance must be %s or %s, got %q", BalanceLeastInFlight, BalanceRoundRobin, b)
+}
+
 // File is router.json. The pools are headless Services: their DNS names resolve to the ready
 // pods, and each prefill pod runs its own bootstrap server, so the router resolves them itself
 // instead of going through a Service VIP.
@@ -42,11 +62,16 @@ type File struct {
 	EnginePort    int32  `json:"enginePort"`
 	BootstrapPort int32  `json:"bootstrapPort,omitempty"`
 	Model         string `json:"model"`
+	// Balance picks engines; empty: least-in-flight.
+	Balance Balance `json:"balance,omitempty"`
 }
 
 // Validate checks that f names a flow and the pools, and the bootstrap port the Mooncake flow needs.
 func (f File) Validate() error {
 	if err := f.Flow.Validate(); err != nil {
+		return err
+	}
+	if err := f.Balance.Validate(); err != nil {
 		return err
 	}
 	if f.Flow == FlowMooncake && f.BootstrapPort <= 0 {

@@ -77,9 +77,9 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 
 // invalidSpecs are bad manifests with what the error must say.
 var invalidSpecs = []struct {
-name string
-doc  string   // a whole manifest
-want []string // substrings of the error: the field path and the user-facing message
+	name string
+	doc  string   // a whole manifest
+	want []string // substrings of the error: the field path and the user-facing message
 }{
 	{
 		name: "rdma protocol without devices",

@@ -32,7 +32,7 @@ func TestMain(m *testing.M) {
 	if err != nil {
 		panic(err)
 	}
-	build := exec.Command("go", "build", "-o", dir, "./test/sim/cmd/sandbox", "./cmd/connector", "./test/sim/cmd/enginesim", "./cmd/router")
+	build := exec.Command("go", "build", "-o", dir, "./test/sim/cmd/sandbox", "./cmd/connector", "./test/sim/cmd/enginesim", "./cmd/router", "./test/sim/cmd/plainproxy")
 	build.Dir = filepath.Join("..", "..")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
@@ -46,12 +46,12 @@ func TestMain(m *testing.M) {
 }
 
 type box struct {
-	t     *testing.T
+	t     testing.TB
 	dir   string
 	state sandbox.State
 }
 
-func freeAddr(t *testing.T) string {
+func freeAddr(t testing.TB) string {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -61,7 +61,7 @@ func freeAddr(t *testing.T) string {
 }
 
 // start runs the sandbox with args and waits for it to report ready.
-func start(t *testing.T, args ...string) *box {
+func start(t testing.TB, args ...string) *box {
 	t.Helper()
 	dir := t.TempDir()
 	all := append([]string{"--listen", freeAddr(t), "--work-dir", dir, "--bin-dir", binDir}, args...)
@@ -191,7 +191,7 @@ func post(ctx context.Context, url string, body any) result {
 	return r
 }
 
-func get(t *testing.T, url string) (int, string) {
+func get(t testing.TB, url string) (int, string) {
 	t.Helper()
 	resp, err := http.Get(url)
 	if err != nil {

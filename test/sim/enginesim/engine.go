@@ -54,8 +54,8 @@ type Engine struct {
 	cfg   Config
 	sched *vllmsched.Scheduler
 	link  *link.Link
-	// boot asks this producer's bootstrap registry for its engine id (never cached: it changes
-	// when the agent restarts).
+	// boot asks this producer's bootstrap registry for its engine id (for a second at most: it
+	// changes when the agent restarts).
 	boot   *bootstrap.Client
 	wake   chan struct{}
 	nextID atomic.Uint64
@@ -107,7 +107,7 @@ func New(cfg Config) (*Engine, error) {
 		cfg.MaxModelLen = cfg.Capacity * cfg.BlockSize
 	}
 	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[connector.RequestID]*request{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
-	e.boot.NoCache = true
+	e.boot.MaxAge = time.Second
 	if cfg.Role != "" {
 		e.link = link.New(cfg.Agent, connector.CompletionFunc(e.finishedReceiving), connector.ReleaseFunc(e.finishedSending))
 		e.link.Log = cfg.Log

@@ -34,9 +34,14 @@ type Config struct {
 	Flow            routerconfig.Flow
 	Policy          string // kv_load_failure_policy of the decode engines
 	StepTime        time.Duration
-	SendDelay       time.Duration
-	HoldTimeout     time.Duration
-	PullTimeout     time.Duration
+	// SlowStepTime, if set, is the step time of the first engine of each pool: a slow engine
+	// for the load-balancing benchmark.
+	SlowStepTime time.Duration
+	// Balance is the router's --balance (empty: its default).
+	Balance     string
+	SendDelay   time.Duration
+	HoldTimeout time.Duration
+	PullTimeout time.Duration
 	// UngatedCompletions starts the decode agents with the seed bug, to demonstrate it.
 	UngatedCompletions bool
 	// BinDir holds the connector, enginesim and router binaries.
@@ -62,9 +67,10 @@ type Node struct {
 
 // State is written to WorkDir/sandbox.json whenever a process starts.
 type State struct {
-	Router  string `json:"router"`
-	Prefill []Node `json:"prefill"`
-	Decode  []Node `json:"decode"`
+	Router    string `json:"router"`
+	RouterPID int    `json:"routerPID"`
+	Prefill   []Node `json:"prefill"`
+	Decode    []Node `json:"decode"`
 }
 
 // StateFile is where Run writes the State.
@@ -121,8 +127,12 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		agentArgs := append([]string{"--role", kvRole, "--listen", n.AgentAPI, "--public-listen", fmt.Sprintf("127.0.0.1:%d", p[0]),
 			"--pull-timeout", cfg.PullTimeout.String(), "--hold-timeout", cfg.HoldTimeout.String(), "--ready-timeout", cfg.HoldTimeout.String(),
 			"--tombstone-ttl", (2 * cfg.HoldTimeout).String()}, common(name)...)
+		step := cfg.StepTime
+		if i == 0 && cfg.SlowStepTime > 0 {
+			step = cfg.SlowStepTime
+		}
 		engineArgs := append([]string{"--kv-role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[1]), "--agent", n.AgentAPI,
-			"--block-size", strconv.Itoa(cfg.BlockSize), "--step-time", cfg.StepTime.String(), "--kv-load-failure-policy", cfg.Policy}, common(name)...)
+			"--block-size", strconv.Itoa(cfg.BlockSize), "--step-time", step.String(), "--kv-load-failure-policy", cfg.Policy}, common(name)...)
 		if role == "prefill" {
 			n.Bootstrap = n.Agent
 			agentArgs = append(agentArgs, "--data-listen", fmt.Sprintf("127.0.0.1:%d", p[2]), "--send-delay", cfg.SendDelay.String())
@@ -153,8 +163,10 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 	for _, n := range st.Decode {
 		routerArgs = append(routerArgs, "--decode", n.Engine)
 	}
-	var routerPID int
-	procs = append(procs, proc{name: "router", bin: "router", args: routerArgs, pid: &routerPID})
+	if cfg.Balance != "" {
+		routerArgs = append(routerArgs, "--balance", cfg.Balance)
+	}
+	procs = append(procs, proc{name: "router", bin: "router", args: routerArgs, pid: &st.RouterPID})
 
 	writeState := func() {
 		mu.Lock()

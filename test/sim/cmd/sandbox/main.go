@@ -44,6 +44,8 @@ func run(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar((*string)(&cfg.Flow), "flow", "mooncake", "transfer flow: mooncake (both legs at once) or nixl (prefill first)")
 	fs.StringVar(&cfg.Policy, "kv-load-failure-policy", "fail", "decode engines' policy on a failed KV load: fail or recompute")
 	fs.DurationVar(&cfg.StepTime, "step-time", time.Millisecond, "simulated time of one decode step")
+	fs.DurationVar(&cfg.SlowStepTime, "slow-step-time", 0, "step time of the first engine of each pool (a slow engine; 0: as the others)")
+	fs.StringVar(&cfg.Balance, "balance", "", "the router's --balance (default: the router's default)")
 	fs.DurationVar(&cfg.SendDelay, "send-delay", 0, "delay per KV block sent (a slow link)")
 	fs.DurationVar(&cfg.HoldTimeout, "hold-timeout", 30*time.Second, "producer hold and ready timeout")
 	fs.DurationVar(&cfg.PullTimeout, "pull-timeout", 40*time.Second, "consumer pull timeout")
