@@ -6,6 +6,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
+	"sync"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -25,6 +27,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/log"
@@ -47,6 +50,9 @@ type PDClusterReconciler struct {
 	// APIReader reads past the cache: a restart round first checks that the cached PDCluster
 	// (and the restart record in its status) is current. nil skips the check.
 	APIReader client.Reader
+	// MaxConcurrentReconciles is how many PDClusters are reconciled at once (0: one).
+	// Reconciles of different PDClusters share nothing but the API server.
+	MaxConcurrentReconciles int
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
@@ -151,19 +157,37 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 		*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonInvalidSpec, "Render", err.Error()})
 		return nil, permanentError{fmt.Errorf("render: %w", err)}
 	}
+	// One event per action for all the children it touched: the events library merges events
+	// of one reason and action into a series that keeps only the first note, so one event per
+	// child named a single child (and cost a write each).
+	var created, updated []string
+	defer func() {
+		for _, e := range []struct {
+			reason, action string
+			names          []string
+		}{{"Created", "Create", created}, {"Updated", "Update", updated}} {
+			if len(e.names) > 0 {
+				*pending = append(*pending, event{corev1.EventTypeNormal, e.reason, e.action, strings.ToLower(e.reason) + " " + strings.Join(e.names, ", ")})
+			}
+		}
+	}()
 	for _, obj := range objs {
 		if err := controllerutil.SetControllerReference(pdc, obj, r.Scheme); err != nil {
 			return nil, fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
 		}
-		ev, err := r.reconcileObject(ctx, obj)
+		action, err := r.reconcileObject(ctx, obj)
 		if err != nil {
 			msg := fmt.Sprintf("apply %T %s: %v", obj, obj.GetName(), err)
 			setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonApplyFailed, msg)
 			*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonApplyFailed, "Apply", msg})
 			return nil, fmt.Errorf("apply %s: %w", obj.GetName(), err)
 		}
-		if ev != nil {
-			*pending = append(*pending, *ev)
+		name := obj.GetObjectKind().GroupVersionKind().Kind + " " + obj.GetName()
+		switch action {
+		case actionCreated:
+			created = append(created, name)
+		case actionUpdated:
+			updated = append(updated, name)
 		}
 	}
 	return objs, r.deleteUnusedChildren(ctx, pdc, pending)
@@ -210,34 +234,42 @@ func (r *PDClusterReconciler) deleteUnused(ctx context.Context, pdc *v1alpha1.PD
 	return nil
 }
 
-// reconcileObject applies obj when it is missing or differs; it returns the event to record.
-func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired client.Object) (*event, error) {
+type applyAction int
+
+const (
+	actionNone applyAction = iota
+	actionCreated
+	actionUpdated
+)
+
+// reconcileObject applies obj when it is missing or differs; it returns what it did.
+func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired client.Object) (applyAction, error) {
 	kind := desired.GetObjectKind().GroupVersionKind().Kind // render sets TypeMeta
 	existing, ok := desired.DeepCopyObject().(client.Object)
 	if !ok {
-		return nil, fmt.Errorf("%T is not a client.Object", desired)
+		return actionNone, fmt.Errorf("%T is not a client.Object", desired)
 	}
 	err := r.Get(ctx, client.ObjectKeyFromObject(desired), existing)
 	switch {
 	case apierrors.IsNotFound(err):
 		if err := r.apply(ctx, desired); err != nil {
 			appliesTotal.WithLabelValues(kind, "create", "error").Inc()
-			return nil, err
+			return actionNone, err
 		}
 		appliesTotal.WithLabelValues(kind, "create", "ok").Inc()
-		return &event{corev1.EventTypeNormal, "Created", "Create", fmt.Sprintf("created %s %s", kind, desired.GetName())}, nil
+		return actionCreated, nil
 	case err != nil:
-		return nil, fmt.Errorf("get: %w", err)
+		return actionNone, fmt.Errorf("get: %w", err)
 	}
 	if upToDate(desired, existing) {
-		return nil, nil
+		return actionNone, nil
 	}
 	if err := r.apply(ctx, desired); err != nil {
 		appliesTotal.WithLabelValues(kind, "update", "error").Inc()
-		return nil, err
+		return actionNone, err
 	}
 	appliesTotal.WithLabelValues(kind, "update", "ok").Inc()
-	return &event{corev1.EventTypeNormal, "Updated", "Update", fmt.Sprintf("updated %s %s", kind, desired.GetName())}, nil
+	return actionUpdated, nil
 }
 
 // derivative is equality.Semantic, except that an unset (zero) desired metav1.Time matches any
@@ -286,15 +318,61 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Owns(&policyv1.PodDisruptionBudget{}).
 		// Engine pods belong to ReplicaSets, not to the PDCluster: map them by label.
 		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(podToPDCluster)).
+		WithOptions(controller.Options{MaxConcurrentReconciles: r.MaxConcurrentReconciles}).
 		Named("pdcluster").
 		Complete(r)
 }
 
-// CacheOptions limit the manager's pod cache to the engine pods the operator manages: the
-// reconciler watches pods for connector health, and caching every pod of a large cluster
-// would cost the manager memory for nothing.
+// CacheOptions shape the manager's cache. Pods, Deployments, Services, ConfigMaps and
+// PodDisruptionBudgets: only the ones the operator manages, by their managed-by label (caching
+// every one of a large cluster would cost memory for nothing; a child whose label a user
+// removed is found missing and applied again, label and all). Every object: no managedFields (the reconciler compares
+// fields, never their managers; they were a third of each cached child). ConfigMaps: large
+// values are kept once however many ConfigMaps hold them (the completion gate's plugin files,
+// the same in every PDCluster's ConfigMap, were half the operator's memory per PDCluster).
 func CacheOptions() cache.Options {
-	return cache.Options{ByObject: map[client.Object]cache.ByObject{
-		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{v1alpha1.LabelManagedBy: v1alpha1.OperatorName})},
-	}}
+	strip := cache.TransformStripManagedFields()
+	managed := labels.SelectorFromSet(labels.Set{v1alpha1.LabelManagedBy: v1alpha1.OperatorName})
+	return cache.Options{
+		DefaultTransform: strip,
+		ByObject: map[client.Object]cache.ByObject{
+			&corev1.Pod{}:                   {Label: managed},
+			&appsv1.Deployment{}:            {Label: managed},
+			&corev1.Service{}:               {Label: managed},
+			&policyv1.PodDisruptionBudget{}: {Label: managed},
+			&corev1.ConfigMap{}: {Label: managed, Transform: func(obj any) (any, error) {
+				if cm, ok := obj.(*corev1.ConfigMap); ok {
+					for k, v := range cm.Data {
+						cm.Data[k] = largeValues.intern(v)
+					}
+				}
+				return strip(obj)
+			}},
+		},
+	}
+}
+
+// largeValues keeps one copy of each large ConfigMap value in the cache.
+var largeValues = &internPool{m: map[string]string{}}
+
+// internPool returns one shared copy of each string of internMinBytes or more. Small values
+// are returned as they are: they are not shared, and would only fill the pool.
+type internPool struct {
+	mu sync.Mutex
+	m  map[string]string
+}
+
+const internMinBytes = 4 << 10
+
+func (p *internPool) intern(s string) string {
+	if len(s) < internMinBytes {
+		return s
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if c, ok := p.m[s]; ok {
+		return c
+	}
+	p.m[s] = s
+	return s
 }

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -126,5 +127,41 @@ func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 				t.Errorf("events %v, want %d", pending, want)
 			}
 		})
+	}
+}
+
+// The cache keeps no managedFields, and one copy of a large ConfigMap value shared by every
+// PDCluster's ConfigMap (the gate plugin's files).
+func TestCacheTransformsStripManagedFieldsAndShareLargeValues(t *testing.T) {
+	var cmTransform func(any) (any, error)
+	for obj, o := range CacheOptions().ByObject {
+		if _, ok := obj.(*corev1.ConfigMap); ok {
+			cmTransform = o.Transform
+		}
+	}
+	if cmTransform == nil {
+		t.Fatal("no ConfigMap transform")
+	}
+	big := strings.Repeat("x", internMinBytes)
+	mk := func() *corev1.ConfigMap {
+		return &corev1.ConfigMap{
+			ObjectMeta: metav1.ObjectMeta{ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "someone"}}},
+			Data:       map[string]string{"plugin.py": strings.Clone(big), "small": strings.Clone("tiny")},
+		}
+	}
+	a, err := cmTransform(mk())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := cmTransform(mk())
+	ca, cb := a.(*corev1.ConfigMap), b.(*corev1.ConfigMap)
+	if len(ca.ManagedFields) != 0 {
+		t.Errorf("managedFields kept: %v", ca.ManagedFields)
+	}
+	if ca.Data["plugin.py"] != big || unsafe.StringData(ca.Data["plugin.py"]) != unsafe.StringData(cb.Data["plugin.py"]) {
+		t.Error("two ConfigMaps with the same large value hold two copies")
+	}
+	if ca.Data["small"] != "tiny" {
+		t.Errorf("small value changed: %q", ca.Data["small"])
 	}
 }

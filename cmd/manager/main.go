@@ -20,12 +20,14 @@ import (
 func main() {
 	var metricsAddr, probeAddr string
 	var leaderElect, readGate bool
+	var concurrency int
 	opts := render.DefaultOptions()
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus /metrics endpoint (0 disables it)")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of /healthz and /readyz")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader so only one replica reconciles")
 	flag.StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router")
 	flag.StringVar(&opts.ConnectorImage, "connector-image", opts.ConnectorImage, "image of the connector sidecar, unless a PDCluster sets spec.connector.image")
+	flag.IntVar(&concurrency, "max-concurrent-reconciles", 16, "PDClusters reconciled at once")
 	flag.BoolVar(&readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8190/gate) into status.<pool>.gate")
 	zapOpts := zap.Options{}
 	zapOpts.BindFlags(flag.CommandLine)
@@ -61,6 +63,8 @@ func main() {
 		Scheme:    mgr.GetScheme(),
 		Recorder:  mgr.GetEventRecorder(v1alpha1.OperatorName),
 		Options:   opts,
+
+		MaxConcurrentReconciles: concurrency,
 	}
 	if readGate {
 		reconciler.GateReader = controllers.NewHTTPGateReader()

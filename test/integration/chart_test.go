@@ -55,7 +55,7 @@ func TestHelmChartInstalls(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := dep.Spec.Template.Spec.Containers[0]
-	if d := cmp.Diff([]string{"--leader-elect", "--metrics-bind-address=:8080", "--health-probe-bind-address=:8081", "--router-image=example/router:v1"}, c.Args); d != "" {
+	if d := cmp.Diff([]string{"--leader-elect", "--metrics-bind-address=:8080", "--health-probe-bind-address=:8081", "--max-concurrent-reconciles=16", "--router-image=example/router:v1"}, c.Args); d != "" {
 		t.Errorf("manager args (-want +got):\n%s", d)
 	}
 	var role rbacv1.ClusterRole
