@@ -18,6 +18,8 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -729,5 +731,41 @@ func TestPodSettingsNamesAreCheckedAtRender(t *testing.T) {
 	pdc.Spec.Decode.Pod = &v1alpha1.PodSettings{Env: []corev1.EnvVar{{Name: "NCCL_DEBUG", Value: "INFO"}}, Volumes: []corev1.Volume{{Name: "topo"}}}
 	if _, err := render.Render(pdc, render.DefaultOptions()); err != nil {
 		t.Errorf("valid names refused: %v", err)
+	}
+}
+
+// ToUnstructured goes through JSON for speed: it must give what apimachinery's converter
+// gives (the map the reconciler applies), for every object of every test input.
+func TestToUnstructuredMatchesTheConverter(t *testing.T) {
+	inputs, err := filepath.Glob("testdata/*.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range inputs {
+		if strings.HasSuffix(in, ".golden.yaml") {
+			continue
+		}
+		objs, err := render.Render(load(t, in), render.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, obj := range objs {
+			got, err := render.ToUnstructured(obj)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
+			if err != nil {
+				t.Fatal(err)
+			}
+			unstructured.RemoveNestedField(want, "metadata", "creationTimestamp")
+			unstructured.RemoveNestedField(want, "spec", "template", "metadata", "creationTimestamp")
+			if status, ok := want["status"].(map[string]any); ok && len(status) == 0 {
+				delete(want, "status")
+			}
+			if diff := cmp.Diff(want, got); diff != "" {
+				t.Errorf("%s: %s %s (-converter +ToUnstructured):\n%s", in, obj.GetObjectKind().GroupVersionKind().Kind, obj.GetName(), diff)
+			}
+		}
 	}
 }
