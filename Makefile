@@ -95,8 +95,8 @@ e2e: envtest-assets ## End-to-end tests only, on a local cluster of their own.
 	hack/e2e.sh
 
 .PHONY: bench
-bench: ## Benchmarks (pulls processed per second and friends).
-	$(GO) test ./connector/... -run '^$$' -bench . -benchmem
+bench: envtest-assets build ## Every benchmark, each figure against a reference measured in the same run: one table (docs/performance.md).
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) run ./hack/bench -log bin/bench.log
 
 .PHONY: help
 help:

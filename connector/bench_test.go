@@ -2,6 +2,7 @@ package connector_test
 
 import (
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 // 1,000 pulls, as the agent's ticker does: the producers remember the default ten minutes of
 // released transfers (60,000 to 120,000 tombstones), not every pull of the run.
 func BenchmarkPulls(b *testing.B) {
+	b.Run("reference", benchmarkPullFloor)
 	for _, ranks := range []int{1, 4} {
 		b.Run(fmt.Sprintf("ranks=%d", ranks), func(b *testing.B) {
 			var completions int
@@ -79,4 +81,32 @@ func BenchmarkPulls(b *testing.B) {
 			}
 		})
 	}
+}
+
+// benchmarkPullFloor is the reference: the least any pull tracker does per pull, on each side
+// a mutex-guarded map entry added and removed under the transfer id. It measures the machine,
+// so the core's figure can be read as a multiple of it.
+func benchmarkPullFloor(b *testing.B) {
+	var mu [2]sync.Mutex
+	maps := [2]map[connector.TransferID]int{{}, {}}
+	ids := make([]connector.TransferID, b.N)
+	for i := range ids {
+		ids[i] = connector.TransferID(fmt.Sprintf("x-%d", i))
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for side := range maps {
+			mu[side].Lock()
+			maps[side][ids[i]] = i
+			mu[side].Unlock()
+		}
+		for side := range maps {
+			mu[side].Lock()
+			delete(maps[side], ids[i])
+			mu[side].Unlock()
+		}
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "pulls/s")
 }

@@ -97,12 +97,13 @@ const maxFree = 256
 // producer retires one transfer per request, and reusing them (with their block storage) is
 // most of what keeps the garbage collector out of the pull path.
 func (p *Producer) newTransferLocked() *transfer {
-	t := &transfer{}
+	var t *transfer
 	if n := len(p.free); n > 0 {
-		old := p.free[n-1]
+		t = p.free[n-1]
 		p.free = p.free[:n-1]
-		*old = transfer{groups: old.groups[:0], flat: old.flat[:0], waiting: old.waiting[:0]}
-		t = old
+		*t = transfer{groups: t.groups[:0], flat: t.flat[:0], waiting: t.waiting[:0]}
+	} else {
+		t = &transfer{}
 	}
 	t.served, t.inflight = t.ranks[:0:2], t.ranks[2:2:4]
 	return t
