@@ -53,6 +53,18 @@ const (
 	LoadFailurePolicyRecompute LoadFailurePolicy = "recompute"
 )
 
+// RouterBalance is how the router picks a prefill and a decode engine for each request.
+// +kubebuilder:validation:Enum=least-in-flight;round-robin
+type RouterBalance string
+
+const (
+	// RouterBalanceLeastInFlight picks, in each pool, the engine with the fewest of the
+	// router's requests in flight, taking turns among equals: a slow or busy engine gets fewer.
+	RouterBalanceLeastInFlight RouterBalance = "least-in-flight"
+	// RouterBalanceRoundRobin takes turns whatever the engines' load.
+	RouterBalanceRoundRobin RouterBalance = "round-robin"
+)
+
 // EngineArgs are extra `vllm serve` arguments, one token per item (e.g. "--max-model-len=8192"
 // or "--max-model-len", "8192"). Flags the operator derives from typed fields are rejected.
 // +kubebuilder:validation:MaxItems=128
@@ -470,6 +482,13 @@ type RouterSpec struct {
 	// +optional
 	// +listType=atomic
 	Tolerations []corev1.Toleration `json:"tolerations,omitempty"`
+
+	// balance is how the router picks a prefill and a decode engine for each request:
+	// least-in-flight (the engines with the fewest of its requests in flight, so a slow or
+	// busy engine gets fewer) or round-robin (in turns).
+	// +kubebuilder:default=least-in-flight
+	// +optional
+	Balance RouterBalance `json:"balance,omitempty"`
 }
 
 // ConnectorSpec configures the completion-gated connector agent the operator runs as a sidecar

@@ -774,6 +774,11 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 	if cfg.Model == "" {
 		cfg.Model = pdc.Spec.Model.Path
 	}
+	// Only round robin is written: least-in-flight is the router's default, and leaving it
+	// out keeps router.json (and so the router's pods) as they were before the field existed.
+	if pdc.Spec.Router.Balance == v1alpha1.RouterBalanceRoundRobin {
+		cfg.Balance = routerconfig.BalanceRoundRobin
+	}
 	if connector == v1alpha1.ConnectorMooncake {
 		cfg.BootstrapPort = v1alpha1.DefaultBootstrapPort
 	} else {

@@ -407,11 +407,18 @@ func renderRouter(t *testing.T, pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, *ap
 // probes what the router serves.
 func TestRouterReadsTheRenderedConfig(t *testing.T) {
 	for _, tc := range []struct {
-		in   string
-		flow routerconfig.Flow
-	}{{"testdata/mooncake-rdma.yaml", routerconfig.FlowMooncake}, {"testdata/nixl-tcp.yaml", routerconfig.FlowNIXL}} {
-		t.Run(tc.in, func(t *testing.T) {
+		in      string
+		balance v1alpha1.RouterBalance
+		flow    routerconfig.Flow
+		want    routerconfig.Balance
+	}{
+		{"testdata/mooncake-rdma.yaml", "", routerconfig.FlowMooncake, ""},
+		{"testdata/nixl-tcp.yaml", v1alpha1.RouterBalanceLeastInFlight, routerconfig.FlowNIXL, ""},
+		{"testdata/mooncake-rdma.yaml", v1alpha1.RouterBalanceRoundRobin, routerconfig.FlowMooncake, routerconfig.BalanceRoundRobin},
+	} {
+		t.Run(tc.in+"/"+string(tc.balance), func(t *testing.T) {
 			pdc := load(t, tc.in)
+			pdc.Spec.Router.Balance = tc.balance
 			cm, dep := renderRouter(t, pdc)
 			pod := dep.Spec.Template.Spec
 			c := pod.Containers[0]
@@ -433,12 +440,12 @@ func TestRouterReadsTheRenderedConfig(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if fc.Flow != tc.flow || fc.PrefillHost != render.ObjectName(pdc.Name, v1alpha1.RolePrefill)+"."+pdc.Namespace+".svc" {
-				t.Errorf("router config %+v, want flow %s and the prefill Service", fc, tc.flow)
+			if fc.Flow != tc.flow || fc.Balance != tc.want || fc.PrefillHost != render.ObjectName(pdc.Name, v1alpha1.RolePrefill)+"."+pdc.Namespace+".svc" {
+				t.Errorf("router config %+v, want flow %s, balance %q and the prefill Service", fc, tc.flow, tc.want)
 			}
 			// The router the probes reach answers them (200 once it knows both pools), and
 			// readiness is not liveness: an empty pool must not get the router killed.
-			r, err := router.New(router.Config{Flow: fc.Flow}, logr.Discard(), nil)
+			r, err := router.New(router.Config{Flow: fc.Flow, Balance: fc.Balance}, logr.Discard(), nil)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -56,7 +56,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		},
 		Prefill: defaultPool,
 		Decode:  defaultPool,
-		Router:  v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas)},
+		Router:  v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas), Balance: v1alpha1.RouterBalanceLeastInFlight},
 		Connector: v1alpha1.ConnectorSpec{
 			BufferBlocks: ptr.To(v1alpha1.DefaultConnectorBufferBlocks), BlockBytes: ptr.To(v1alpha1.DefaultConnectorBlockBytes),
 			Health: v1alpha1.ConnectorHealthPolicy{
