@@ -9,5 +9,5 @@ import _ "embed"
 // crdschema.Schema that make manifests writes beside the CRD (hack/crdschema): decoding the
 // CRD's YAML cost pdctl 40 ms a run.
 //
-//go:embed bases/serving.pdcluster.dev_pdclusters.schema.json
+//go:embed bases/serving.pdcluster.dev_pdclusters.schema.gob
 var PDClusterSchema []byte

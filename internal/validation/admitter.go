@@ -24,6 +24,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	celconfig "k8s.io/apiserver/pkg/apis/cel"
 	"sigs.k8s.io/yaml"
+
+	"pdcluster.dev/pdcluster-operator/internal/crdschema"
 )
 
 // Admitter defaults and validates objects of one CRD version: structural pruning and defaulting,
@@ -36,7 +38,7 @@ import (
 type Admitter struct {
 	name       string
 	namespaced bool
-	schema     *apiextensionsv1.JSONSchemaProps
+	schema     *crdschema.Tree
 	full       func() (*validators, error)
 }
 
@@ -60,14 +62,28 @@ func NewAdmitter(crdManifest []byte, version string) (*Admitter, error) {
 		if v.Schema == nil || v.Schema.OpenAPIV3Schema == nil {
 			return nil, fmt.Errorf("CRD %s version %s has no schema", crd.Name, version)
 		}
-		return newAdmitter(crd.Name, crd.Spec.Scope == apiextensionsv1.NamespaceScoped, v.Schema.OpenAPIV3Schema), nil
+		encoded, err := crdschema.Encode(&crd)
+		if err != nil {
+			return nil, err
+		}
+		s, err := crdschema.Decode(encoded)
+		if err != nil {
+			return nil, err
+		}
+		return newAdmitter(s.Name, s.Namespaced, s.Versions[version]), nil
 	}
 	return nil, fmt.Errorf("CRD %s has no version %s", crd.Name, version)
 }
 
-func newAdmitter(name string, namespaced bool, schema *apiextensionsv1.JSONSchemaProps) *Admitter {
+func newAdmitter(name string, namespaced bool, schema *crdschema.Tree) *Admitter {
 	a := &Admitter{name: name, namespaced: namespaced, schema: schema}
-	a.full = sync.OnceValues(func() (*validators, error) { return newValidators(name, schema) })
+	a.full = sync.OnceValues(func() (*validators, error) {
+		whole, err := schema.Build(0)
+		if err != nil {
+			return nil, fmt.Errorf("decode schema of %s: %w", name, err)
+		}
+		return newValidators(name, &whole)
+	})
 	return a
 }
 
@@ -102,7 +118,11 @@ func decodeStrict(b []byte, v any) error {
 // It returns the pruned field paths (the apiserver drops them with a warning) and the errors.
 func (a *Admitter) Admit(ctx context.Context, obj map[string]any) (pruned []string, errs field.ErrorList) {
 	original := runtime.DeepCopyJSON(obj)
-	v, err := newValidators(a.name, schemaFor(a.schema, obj))
+	part, err := schemaFor(a.schema, obj)
+	var v *validators
+	if err == nil {
+		v, err = newValidators(a.name, part)
+	}
 	if err == nil {
 		pruned, errs = a.admit(ctx, v, obj)
 		if !compileFailed(errs) {

@@ -1,10 +1,13 @@
 package validation
 
 import (
+	"fmt"
 	"regexp"
 	"strings"
 
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+
+	"pdcluster.dev/pdcluster-operator/internal/crdschema"
 )
 
 // schemaFor returns the part of schema that admitting obj can use, so the validators are built
@@ -16,53 +19,69 @@ import (
 // sets it, then validates it: kept whole), or when a CEL rule of a kept ancestor names it (the
 // rule needs its type to compile; its own rules are dropped, as they never run on an absent
 // value). Required lists, enums, formats and the rest of a kept node stay as they are.
-func schemaFor(schema *apiextensionsv1.JSONSchemaProps, obj map[string]any) *apiextensionsv1.JSONSchemaProps {
-	out := prune(schema, []any{obj}, nil)
-	return &out
+func schemaFor(t *crdschema.Tree, obj map[string]any) (*apiextensionsv1.JSONSchemaProps, error) {
+	out, err := prune(t, 0, []any{obj}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("decode schema: %w", err)
+	}
+	return &out, nil
 }
 
-// prune returns s for values (every value the object has at this node, over all list items
-// and map entries; none for an absent node). names are the identifiers the CEL rules of the
-// node's kept ancestors use.
-func prune(s *apiextensionsv1.JSONSchemaProps, values []any, names map[string]bool) apiextensionsv1.JSONSchemaProps {
-	out := *s
+// prune returns node i of t for values (every value the object has at this node, over all list
+// items and map entries; none for an absent node). names are the identifiers the CEL rules of
+// the node's kept ancestors use. Only the nodes kept are decoded.
+func prune(t *crdschema.Tree, i int, values []any, names map[string]bool) (apiextensionsv1.JSONSchemaProps, error) {
+	out, err := t.Own(i)
+	if err != nil {
+		return out, err
+	}
 	if len(values) == 0 {
 		out.XValidations = nil // rules of an absent node never run
-	} else if len(s.XValidations) > 0 {
-		names = withRuleNames(names, s.XValidations)
+	} else if len(out.XValidations) > 0 {
+		names = withRuleNames(names, out.XValidations)
 	}
-	if s.Properties != nil {
-		out.Properties = make(map[string]apiextensionsv1.JSONSchemaProps, len(s.Properties))
-		for name, child := range s.Properties {
+	if props := t.Properties(i); len(props) > 0 {
+		out.Properties = make(map[string]apiextensionsv1.JSONSchemaProps, len(props))
+		for _, c := range props {
 			var childValues []any
 			for _, v := range values {
 				if m, ok := v.(map[string]any); ok {
-					if cv, ok := m[name]; ok {
+					if cv, ok := m[c.Name]; ok {
 						childValues = append(childValues, cv)
 					}
 				}
 			}
+			var kept apiextensionsv1.JSONSchemaProps
 			switch {
 			case len(childValues) > 0:
-				out.Properties[name] = prune(&child, childValues, names)
-			case child.Default != nil:
-				out.Properties[name] = child
-			case names[name]:
-				out.Properties[name] = prune(&child, nil, names)
+				kept, err = prune(t, c.Node, childValues, names)
+			case t.HasDefault(c.Node):
+				kept, err = t.Build(c.Node)
+			case names[c.Name]:
+				kept, err = prune(t, c.Node, nil, names)
+			default:
+				continue
 			}
+			if err != nil {
+				return out, err
+			}
+			out.Properties[c.Name] = kept
 		}
 	}
-	if s.Items != nil && s.Items.Schema != nil {
+	if it, ok := t.Items(i); ok {
 		var elems []any
 		for _, v := range values {
 			if l, ok := v.([]any); ok {
 				elems = append(elems, l...)
 			}
 		}
-		items := prune(s.Items.Schema, elems, names)
+		items, err := prune(t, it, elems, names)
+		if err != nil {
+			return out, err
+		}
 		out.Items = &apiextensionsv1.JSONSchemaPropsOrArray{Schema: &items}
 	}
-	if s.AdditionalProperties != nil && s.AdditionalProperties.Schema != nil {
+	if ap, ok := t.AdditionalProperties(i); ok {
 		var entries []any
 		for _, v := range values {
 			if m, ok := v.(map[string]any); ok {
@@ -71,10 +90,13 @@ func prune(s *apiextensionsv1.JSONSchemaProps, values []any, names map[string]bo
 				}
 			}
 		}
-		ap := prune(s.AdditionalProperties.Schema, entries, names)
-		out.AdditionalProperties = &apiextensionsv1.JSONSchemaPropsOrBool{Allows: s.AdditionalProperties.Allows, Schema: &ap}
+		schema, err := prune(t, ap, entries, names)
+		if err != nil {
+			return out, err
+		}
+		out.AdditionalProperties = &apiextensionsv1.JSONSchemaPropsOrBool{Allows: true, Schema: &schema}
 	}
-	return out
+	return out, nil
 }
 
 var identifier = regexp.MustCompile(`[A-Za-z_][A-Za-z0-9_]*`)
