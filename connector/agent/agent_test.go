@@ -19,7 +19,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector"
@@ -453,11 +453,7 @@ func TestProducerSendsHeaderChecksumsToConsumersThatDoNotAskForTrailers(t *testi
 
 func testutilCounter(t *testing.T, c prometheus.Counter) float64 {
 	t.Helper()
-	var m dto.Metric
-	if err := c.Write(&m); err != nil {
-		t.Fatal(err)
-	}
-	return m.GetCounter().GetValue()
+	return testutil.ToFloat64(c)
 }
 
 // A consumer keeps its data connection to a producer between pulls.
