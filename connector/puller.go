@@ -214,10 +214,11 @@ func (p *Puller) endTaskLocked(pl *pull, producer ProducerRank, err error) *Comp
 	if pl.pending > 0 {
 		return nil
 	}
-	pl.gate.Lock() // no write of this pull runs from here on (new ones find it ended)
-	pl.gate.Unlock()
+	// Wait for the writes in progress; none starts after (they check the task under p.mu).
+	pl.gate.Lock()
 	delete(p.pulls, pl.meta.Request)
 	c := p.finishLocked(pl)
+	pl.gate.Unlock()
 	p.freeLocked(pl)
 	return c
 }

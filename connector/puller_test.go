@@ -2,6 +2,7 @@ package connector_test
 
 import (
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -279,5 +280,56 @@ func TestPullerWriteIfAccepted(t *testing.T) {
 	}
 	if ok, _ := p.WriteIfAccepted("b", meta.Transfer, 0, func() error { return nil }); ok {
 		t.Error("write for an unknown request ran")
+	}
+}
+
+// Invariant 3 across goroutines: a task failed from outside (expiry) while one of its blocks
+// is being written reports the pull only after that write ends, and no write starts after.
+func TestFailedTaskWaitsForTheWriteInProgress(t *testing.T) {
+	var mu sync.Mutex
+	var got []connector.Completion
+	p, err := connector.NewPuller(connector.PullerConfig{Timeout: time.Minute, Sink: connector.CompletionFunc(func(c connector.Completion) {
+		mu.Lock()
+		got = append(got, c)
+		mu.Unlock()
+	})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	meta := connector.PullMeta{Request: "r", Transfer: "x", LocalBlock: connector.BlockIDs{{1}}, WaitingForRemote: true}
+	if err := p.Begin(meta, []connector.ProducerRank{0}); err != nil {
+		t.Fatal(err)
+	}
+	writing, release := make(chan struct{}), make(chan struct{})
+	wrote := make(chan bool, 1)
+	go func() {
+		ran, _ := p.WriteIfAccepted("r", "x", 0, func() error {
+			close(writing)
+			<-release
+			return nil
+		})
+		wrote <- ran
+	}()
+	<-writing
+	failed := make(chan int, 1)
+	go func() { failed <- p.FailTasks(func(connector.PullMeta, connector.ProducerRank) bool { return true }, connector.ErrPeerGone) }()
+	time.Sleep(50 * time.Millisecond) // FailTasks is now waiting for the write
+	mu.Lock()
+	early := len(got)
+	mu.Unlock()
+	if early != 0 {
+		t.Fatalf("the pull was reported while its block was being written: %+v", got)
+	}
+	close(release)
+	if n := <-failed; n != 1 || !<-wrote {
+		t.Fatalf("FailTasks ended %d tasks, write ran: want 1 and true", n)
+	}
+	if ran, _ := p.WriteIfAccepted("r", "x", 0, func() error { return nil }); ran {
+		t.Error("a write ran after the pull was reported")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(got) != 1 || got[0].Err == nil {
+		t.Fatalf("completions = %+v, want one failure", got)
 	}
 }

@@ -170,7 +170,7 @@ func main() {
 			want[s] = true
 		}
 	}
-	var log io.Writer = io.Discard
+	log := io.Writer(io.Discard)
 	if *logPath != "" {
 		f, err := os.Create(*logPath)
 		if err != nil {
