@@ -312,7 +312,9 @@ func TestFailedTaskWaitsForTheWriteInProgress(t *testing.T) {
 	}()
 	<-writing
 	failed := make(chan int, 1)
-	go func() { failed <- p.FailTasks(func(connector.PullMeta, connector.ProducerRank) bool { return true }, connector.ErrPeerGone) }()
+	go func() {
+		failed <- p.FailTasks(func(connector.PullMeta, connector.ProducerRank) bool { return true }, connector.ErrPeerGone)
+	}()
 	time.Sleep(50 * time.Millisecond) // FailTasks is now waiting for the write
 	mu.Lock()
 	early := len(got)
