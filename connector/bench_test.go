@@ -43,10 +43,7 @@ func BenchmarkPulls(b *testing.B) {
 			}
 			held := connector.BlockIDs{{1, 2, 3, 4, 5, 6, 7, 8}}
 			local := connector.BlockIDs{{11, 12, 13, 14}}
-			ids := make([]connector.TransferID, b.N)
-			for i := range ids {
-				ids[i] = connector.TransferID(fmt.Sprintf("x-%d", i))
-			}
+			ids := transferIDs(b.N)
 			b.ReportAllocs()
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
@@ -89,10 +86,7 @@ func BenchmarkPulls(b *testing.B) {
 func benchmarkPullFloor(b *testing.B) {
 	var mu [2]sync.Mutex
 	maps := [2]map[connector.TransferID]int{{}, {}}
-	ids := make([]connector.TransferID, b.N)
-	for i := range ids {
-		ids[i] = connector.TransferID(fmt.Sprintf("x-%d", i))
-	}
+	ids := transferIDs(b.N)
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
@@ -109,4 +103,12 @@ func benchmarkPullFloor(b *testing.B) {
 	}
 	b.StopTimer()
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "pulls/s")
+}
+
+func transferIDs(n int) []connector.TransferID {
+	ids := make([]connector.TransferID, n)
+	for i := range ids {
+		ids[i] = connector.TransferID(fmt.Sprintf("x-%d", i))
+	}
+	return ids
 }

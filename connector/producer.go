@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
-	"slices"
 	"sync"
 	"time"
 
@@ -85,9 +84,7 @@ type transfer struct {
 	waiting  []waiter
 	retired  bool            // released and back in the free list: nothing may decide on it any more
 	ranks    [4]ConsumerRank // backing store of served and inflight for the usual small fan-in
-	// groups and flat back blocks; kept when the transfer is reused.
-	groups [][]BlockID
-	flat   []BlockID
+	store    blockStore      // backs blocks; kept when the transfer is reused
 }
 
 // maxFree bounds the producer's free list of retired transfers.
@@ -101,28 +98,12 @@ func (p *Producer) newTransferLocked() *transfer {
 	if n := len(p.free); n > 0 {
 		t = p.free[n-1]
 		p.free = p.free[:n-1]
-		*t = transfer{groups: t.groups[:0], flat: t.flat[:0], waiting: t.waiting[:0]}
+		*t = transfer{store: t.store, waiting: t.waiting[:0]}
 	} else {
 		t = &transfer{}
 	}
 	t.served, t.inflight = t.ranks[:0:2], t.ranks[2:2:4]
 	return t
-}
-
-// setBlocks copies blocks into the transfer's own storage: the caller keeps its slices.
-func (t *transfer) setBlocks(blocks BlockIDs) {
-	if blocks == nil {
-		t.blocks = nil
-		return
-	}
-	t.flat = slices.Grow(t.flat[:0], blocks.Count())
-	t.groups = t.groups[:0]
-	for _, g := range blocks {
-		start := len(t.flat)
-		t.flat = append(t.flat, g...)
-		t.groups = append(t.groups, t.flat[start:len(t.flat):len(t.flat)])
-	}
-	t.blocks = t.groups
 }
 
 // consumerSet is the set of decode ranks of one transfer: a handful at most (the TP fan-in),
@@ -263,7 +244,7 @@ func (p *Producer) Ready(id TransferID, req RequestID, blocks BlockIDs) []Decisi
 		return nil
 	}
 	t.request, t.ready = req, true
-	t.setBlocks(blocks)
+	t.blocks = t.store.set(blocks)
 	t.deadline = p.cfg.Clock.Now().Add(p.cfg.HoldTimeout)
 	if len(t.waiting) == 0 {
 		p.mu.Unlock()

@@ -3,7 +3,6 @@ package connector
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -41,10 +40,8 @@ type pull struct {
 	// gate is held shared by each write into the pull's blocks and exclusively by the end of
 	// its last task, which so waits for the writes in progress (only a task failed from
 	// outside, by Expire or FailTasks, can end during one of its writes).
-	gate sync.RWMutex
-	// groups and flat back meta.LocalBlock; kept when the pull is reused.
-	groups [][]BlockID
-	flat   []BlockID
+	gate  sync.RWMutex
+	store blockStore // backs meta.LocalBlock; kept when the pull is reused
 }
 
 // maxFreePulls bounds the Puller's free list of finished pulls.
@@ -56,9 +53,7 @@ func (p *Puller) newPullLocked() *pull {
 	if n := len(p.free); n > 0 {
 		pl := p.free[n-1]
 		p.free = p.free[:n-1]
-		groups, flat := pl.groups[:0], pl.flat[:0]
-		*pl = pull{}
-		pl.groups, pl.flat = groups, flat
+		*pl = pull{store: pl.store}
 		return pl
 	}
 	return &pull{}
@@ -69,22 +64,6 @@ func (p *Puller) freeLocked(pl *pull) {
 	if len(p.free) < maxFreePulls {
 		p.free = append(p.free, pl)
 	}
-}
-
-// setLocalBlocks copies blocks into the pull's own storage: the caller keeps its slices.
-func (pl *pull) setLocalBlocks(blocks BlockIDs) {
-	if blocks == nil {
-		pl.meta.LocalBlock = nil
-		return
-	}
-	pl.flat = slices.Grow(pl.flat[:0], blocks.Count())
-	pl.groups = pl.groups[:0]
-	for _, g := range blocks {
-		start := len(pl.flat)
-		pl.flat = append(pl.flat, g...)
-		pl.groups = append(pl.groups, pl.flat[start:len(pl.flat):len(pl.flat)])
-	}
-	pl.meta.LocalBlock = pl.groups
 }
 
 type task struct {
@@ -157,7 +136,7 @@ func (p *Puller) Begin(meta PullMeta, producers []ProducerRank) error {
 	}
 	pl := p.newPullLocked()
 	pl.meta, pl.notify, pl.deadline = meta, meta.NotifiesScheduler(), deadline
-	pl.setLocalBlocks(meta.LocalBlock)
+	pl.meta.LocalBlock = pl.store.set(meta.LocalBlock)
 	pl.tasks = pl.taskBuf[:0]
 	for _, r := range producers {
 		if pl.task(r) == nil {

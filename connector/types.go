@@ -16,6 +16,7 @@ package connector
 import (
 	"errors"
 	"fmt"
+	"slices"
 )
 
 // TransferID is the id the router gives both legs of one request (Mooncake's transfer_id).
@@ -74,6 +75,28 @@ func (b BlockIDs) Clone() BlockIDs {
 		out[i] = flat[start:len(flat):len(flat)]
 	}
 	return out
+}
+
+// blockStore keeps a copy of BlockIDs in storage that is reused, with the transfer or pull
+// that owns it, from one request to the next.
+type blockStore struct {
+	groups [][]BlockID
+	flat   []BlockID
+}
+
+// set copies blocks into the store (the caller keeps its slices) and returns the copy.
+func (s *blockStore) set(blocks BlockIDs) BlockIDs {
+	if blocks == nil {
+		return nil
+	}
+	s.flat = slices.Grow(s.flat[:0], blocks.Count())
+	s.groups = s.groups[:0]
+	for _, g := range blocks {
+		start := len(s.flat)
+		s.flat = append(s.flat, g...)
+		s.groups = append(s.groups, s.flat[start:len(s.flat):len(s.flat)])
+	}
+	return s.groups
 }
 
 // ProducerRank identifies one producer (prefill) worker a pull fans out to.

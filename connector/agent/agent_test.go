@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -459,18 +460,7 @@ func testutilCounter(t *testing.T, c prometheus.Counter) float64 {
 // A consumer keeps its data connection to a producer between pulls.
 func TestPullsShareADataConnection(t *testing.T) {
 	p := newPair(t, nil)
-	ctx := context.Background()
-	for i, tid := range []string{"x1", "x2", "x3"} {
-		fill(t, p.prodKV, int64(i), 'a'+byte(i))
-		_ = p.prodLink.Ready(ctx, connector.TransferID(tid), connector.RequestID("p"+tid), connector.BlockIDs{{connector.BlockID(i)}})
-		p.pull(t, "d"+tid, tid, connector.BlockIDs{{connector.BlockID(10 + i)}}, true)
-		p.completions.Wait(t, i+1, "completion")
-	}
-	for _, c := range p.completions.Completions() {
-		if c.Err != nil {
-			t.Fatalf("pull failed: %v", c.Err)
-		}
-	}
+	pullInTurn(t, p, 3)
 	if got := testutilCounter(t, p.prod.metrics.pullsServed); got != 3 {
 		t.Errorf("pulls served = %v, want 3", got)
 	}
@@ -479,16 +469,13 @@ func TestPullsShareADataConnection(t *testing.T) {
 	}
 }
 
-// A producer of the previous version serves one pull per connection and closes it: the
-// consumer's kept connection is found closed, and the pull goes through on a new one.
-func TestPullAfterTheProducerClosedAKeptConnection(t *testing.T) {
-	p := newPair(t, func(c *Config) {
-		if c.Role == v1alpha1.KVProducer {
-			c.DataAddr = onePullPerConnection(t, c.DataAddr)
-		}
-	})
+// pullInTurn runs n pulls one after the other, each of one block, and checks that each
+// completes with the producer's bytes.
+func pullInTurn(t *testing.T, p *pair, n int) {
+	t.Helper()
 	ctx := context.Background()
-	for i, tid := range []string{"x1", "x2", "x3"} {
+	for i := range n {
+		tid := fmt.Sprintf("x%d", i)
 		src := fill(t, p.prodKV, int64(i), 'a'+byte(i))
 		_ = p.prodLink.Ready(ctx, connector.TransferID(tid), connector.RequestID("p"+tid), connector.BlockIDs{{connector.BlockID(i)}})
 		p.pull(t, "d"+tid, tid, connector.BlockIDs{{connector.BlockID(10 + i)}}, true)
@@ -502,6 +489,17 @@ func TestPullAfterTheProducerClosedAKeptConnection(t *testing.T) {
 			t.Fatalf("pull %d: the block did not arrive", i)
 		}
 	}
+}
+
+// A producer of the previous version serves one pull per connection and closes it: the
+// consumer's kept connection is found closed, and the pull goes through on a new one.
+func TestPullAfterTheProducerClosedAKeptConnection(t *testing.T) {
+	p := newPair(t, func(c *Config) {
+		if c.Role == v1alpha1.KVProducer {
+			c.DataAddr = onePullPerConnection(t, c.DataAddr)
+		}
+	})
+	pullInTurn(t, p, 3)
 }
 
 // onePullPerConnection serves as a producer of the previous version would, in front of the

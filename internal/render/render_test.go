@@ -50,16 +50,25 @@ func load(t *testing.T, path string) *v1alpha1.PDCluster {
 	return docs[0].PDCluster
 }
 
-// Golden files pin the whole rendered output; `make golden` rewrites them after a deliberate change.
-func TestRenderGolden(t *testing.T) {
-	inputs, err := filepath.Glob("testdata/*.yaml")
+// testInputs are the PDClusters of testdata (each beside its .golden.yaml).
+func testInputs(t *testing.T) []string {
+	t.Helper()
+	all, err := filepath.Glob("testdata/*.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, in := range inputs {
-		if strings.HasSuffix(in, ".golden.yaml") {
-			continue
+	var inputs []string
+	for _, in := range all {
+		if !strings.HasSuffix(in, ".golden.yaml") {
+			inputs = append(inputs, in)
 		}
+	}
+	return inputs
+}
+
+// Golden files pin the whole rendered output; `make golden` rewrites them after a deliberate change.
+func TestRenderGolden(t *testing.T) {
+	for _, in := range testInputs(t) {
 		t.Run(filepath.Base(in), func(t *testing.T) {
 			objs, err := render.Render(load(t, in), render.DefaultOptions())
 			if err != nil {
@@ -696,19 +705,12 @@ func TestPodSettingsMerge(t *testing.T) {
 // Every environment variable render sets on an engine is one the CRD refuses in pod.env, so a
 // user's value can never silently shadow (or be shadowed by) the operator's.
 func TestOperatorEnvIsReservedInTheCRD(t *testing.T) {
-	inputs, err := filepath.Glob("testdata/*.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
 	crdYAML, err := os.ReadFile("../../config/crd/bases/serving.pdcluster.dev_pdclusters.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
 	crdText := string(crdYAML)
-	for _, in := range inputs {
-		if strings.HasSuffix(in, ".golden.yaml") {
-			continue
-		}
+	for _, in := range testInputs(t) {
 		pdc := load(t, in)
 		pdc.Spec.Engine.Pod, pdc.Spec.Prefill.Pod, pdc.Spec.Decode.Pod = nil, nil, nil
 		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
@@ -744,14 +746,7 @@ func TestPodSettingsNamesAreCheckedAtRender(t *testing.T) {
 // ToUnstructured goes through JSON for speed: it must give what apimachinery's converter
 // gives (the map the reconciler applies), for every object of every test input.
 func TestToUnstructuredMatchesTheConverter(t *testing.T) {
-	inputs, err := filepath.Glob("testdata/*.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, in := range inputs {
-		if strings.HasSuffix(in, ".golden.yaml") {
-			continue
-		}
+	for _, in := range testInputs(t) {
 		objs, err := render.Render(load(t, in), render.DefaultOptions())
 		if err != nil {
 			t.Fatal(err)

@@ -86,15 +86,16 @@ func benchClient(b *testing.B) client.Client {
 	return cl
 }
 
-// createFleet creates the PDClusters with benchConcurrency workers.
-func createFleet(b *testing.B, c client.Client, ns string) {
+// forFleet runs do for every PDCluster of the fleet, by name, with benchConcurrency workers,
+// and returns one of the errors.
+func forFleet(do func(name string) error) error {
 	work := make(chan int)
 	var wg sync.WaitGroup
 	var failed atomic.Value
 	for range benchConcurrency {
 		wg.Go(func() {
 			for i := range work {
-				if err := c.Create(context.Background(), wrappers.MakePDCluster(ns, fmt.Sprintf("p%04d", i)).Obj()); err != nil {
+				if err := do(fmt.Sprintf("p%04d", i)); err != nil {
 					failed.Store(err)
 				}
 			}
@@ -105,7 +106,15 @@ func createFleet(b *testing.B, c client.Client, ns string) {
 	}
 	close(work)
 	wg.Wait()
-	if err, _ := failed.Load().(error); err != nil {
+	err, _ := failed.Load().(error)
+	return err
+}
+
+// createFleet creates the PDClusters.
+func createFleet(b *testing.B, c client.Client, ns string) {
+	if err := forFleet(func(name string) error {
+		return c.Create(context.Background(), wrappers.MakePDCluster(ns, name).Obj())
+	}); err != nil {
 		b.Fatalf("create PDClusters: %v", err)
 	}
 }
@@ -254,26 +263,10 @@ func benchmarkPlainClientFleet(b *testing.B) {
 	b.ReportMetric(time.Since(start).Seconds(), "create-s")
 	// What a controller must write per PDCluster, written straight: every rendered child by
 	// server-side apply, then the status.
-	work := make(chan int)
-	var wg sync.WaitGroup
-	var failed atomic.Value
-	for range benchConcurrency {
-		wg.Go(func() {
-			for i := range work {
-				if err := writeChildrenAndStatus(wc, ns, fmt.Sprintf("p%04d", i)); err != nil {
-					failed.Store(err)
-				}
-			}
-		})
-	}
-	for i := range benchFleet {
-		work <- i
-	}
-	close(work)
-	wg.Wait()
+	err = forFleet(func(name string) error { return writeChildrenAndStatus(wc, ns, name) })
 	elapsed := time.Since(start)
 	b.StopTimer()
-	if err, _ := failed.Load().(error); err != nil {
+	if err != nil {
 		b.Fatal(err)
 	}
 	b.ReportMetric(float64(benchFleet)/elapsed.Seconds(), "PDClusters/s")
