@@ -40,6 +40,9 @@ func (p *peerConns) get(ctx context.Context, d *net.Dialer, addr string) (*peerC
 	for l := p.idle[addr]; len(l) > 0; l = p.idle[addr] {
 		c := l[len(l)-1]
 		p.idle[addr] = l[:len(l)-1]
+		if len(l) == 1 {
+			delete(p.idle, addr) // producers come and go: keep no key for one that left
+		}
 		if time.Since(c.idle) < peerConnMaxIdle {
 			p.mu.Unlock()
 			c.reused = true

@@ -161,8 +161,9 @@ type Client struct {
 }
 
 type cached struct {
-	topo Topology
-	at   time.Time
+	topo  Topology
+	at    time.Time // when it was answered
+	tried time.Time // when it was last asked again in the background
 }
 
 // NewClient returns a Client with a 5 s query timeout.
@@ -176,7 +177,7 @@ func (c *Client) Query(ctx context.Context, addr string) (Topology, error) {
 	e, ok := c.cache[addr]
 	c.mu.Unlock()
 	if ok && (c.MaxAge <= 0 || c.Clock.Since(e.at) < c.MaxAge) {
-		if c.RefreshAfter > 0 && c.Clock.Since(e.at) >= c.RefreshAfter {
+		if c.RefreshAfter > 0 && c.Clock.Since(e.at) >= c.RefreshAfter && c.startRefresh(addr) {
 			go func() {
 				_, _, _ = c.group.Do(addr, func() (any, error) { return c.fetchAndCache(context.WithoutCancel(ctx), addr) })
 			}()
@@ -188,6 +189,20 @@ func (c *Client) Query(ctx context.Context, addr string) (Topology, error) {
 		return nil, err
 	}
 	return v.(Topology), nil
+}
+
+// startRefresh reports whether addr's answer should be asked again now: at most once per
+// RefreshAfter, so a registry that does not answer is not asked on every query.
+func (c *Client) startRefresh(addr string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.cache[addr]
+	if !ok || c.Clock.Since(e.tried) < c.RefreshAfter {
+		return false
+	}
+	e.tried = c.Clock.Now()
+	c.cache[addr] = e
+	return true
 }
 
 func (c *Client) fetchAndCache(ctx context.Context, addr string) (Topology, error) {

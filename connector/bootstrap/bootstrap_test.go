@@ -175,3 +175,37 @@ func TestQueryRefreshesOldAnswersInTheBackground(t *testing.T) {
 		}
 	}
 }
+
+// A registry that stops answering is asked again at most once per RefreshAfter, not on every
+// query; the old answer is used until MaxAge.
+func TestBackgroundRefreshOfADeadRegistryIsPaced(t *testing.T) {
+	var hits atomic.Int32
+	var down atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		hits.Add(1)
+		if down.Load() {
+			http.Error(w, "down", http.StatusServiceUnavailable)
+			return
+		}
+		_ = json.NewEncoder(w).Encode(Topology{"0": {EngineID: "engine-a"}})
+	}))
+	defer srv.Close()
+	clk := clocktesting.NewFakeClock(time.Unix(0, 0))
+	c := NewClient()
+	c.MaxAge, c.RefreshAfter, c.Clock = 2*time.Second, 100*time.Millisecond, clk
+	ctx := context.Background()
+	if _, err := c.Query(ctx, srv.URL); err != nil {
+		t.Fatal(err)
+	}
+	down.Store(true)
+	clk.Step(150 * time.Millisecond)
+	for range 40 {
+		if topo, err := c.Query(ctx, srv.URL); err != nil || topo["0"].EngineID != "engine-a" {
+			t.Fatalf("query within MaxAge: %v, %v; want the cached answer", topo, err)
+		}
+		time.Sleep(5 * time.Millisecond) // a failed refresh has ended before the next query
+	}
+	if n := hits.Load(); n != 2 {
+		t.Errorf("registry asked %d times, want 2 (the answer, then one refresh per RefreshAfter)", n)
+	}
+}
