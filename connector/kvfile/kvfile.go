@@ -110,14 +110,16 @@ func (k *File) Write(id int64, data []byte) error {
 	return nil
 }
 
-// Close unmaps and closes the file; no block returned by Block may be used afterwards.
+// Close closes the file. The mapping stays until the process exits: a transfer still running
+// when its agent stops (a pull's goroutine, a checksum over a block) must fail on its socket,
+// not fault on memory unmapped under it.
 func (k *File) Close() error {
-	if k.mem == nil {
+	if k.f == nil {
 		return nil
 	}
-	err := syscall.Munmap(k.mem)
-	k.mem = nil
-	return errors.Join(err, k.f.Close())
+	err := k.f.Close()
+	k.f = nil
+	return err
 }
 
 // Checksum is the CRC-32C every block carries on the wire.

@@ -41,3 +41,26 @@ func TestOpenSharesBlocksAndRejectsOtherLayouts(t *testing.T) {
 		t.Error("checksum ignores length")
 	}
 }
+
+// Blocks stay readable and writable after Close: a transfer still running when the agent stops
+// must not fault.
+func TestBlocksOutliveClose(t *testing.T) {
+	kv, err := Open(filepath.Join(t.TempDir(), "kv"), 4, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := kv.Block(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := kv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	b[0] = 7 // would fault on an unmapped block
+	if b[0] != 7 {
+		t.Fatal("block not writable after Close")
+	}
+	if err := kv.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+}
