@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strings"
 	"syscall"
 	"time"
@@ -35,6 +36,9 @@ type options struct {
 	zap                               zap.Options
 }
 
+// routerGCPercent is the router's GOGC unless the environment sets one.
+const routerGCPercent = 400
+
 func parseFlags(args []string) (*options, error) {
 	o := &options{}
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
@@ -55,6 +59,11 @@ func main() {
 		os.Exit(2) // the FlagSet printed why
 	}
 	log := zap.New(zap.UseFlagOptions(&o.zap))
+	if os.Getenv("GOGC") == "" {
+		// The router's live heap is a few MB of requests in flight: collecting at 5x it instead
+		// of 2x costs tens of MB and saves a sixth of its CPU per request (make bench).
+		debug.SetGCPercent(routerGCPercent)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
