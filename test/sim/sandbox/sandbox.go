@@ -8,12 +8,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -291,7 +293,14 @@ func waitHealthy(ctx context.Context, st State) error {
 }
 
 // freePorts reserves n loopback ports by binding them, then releases them for the children.
-func freePorts(n int) ([]int, error) {
+func freePorts(n int) ([]int, error) { return FreePorts(n) }
+
+// FreePorts returns n free loopback ports below the kernel's ephemeral range. A port the
+// kernel hands out for ":0" is in that range, where any process's outgoing connection may take
+// it between the check and the bind: with kept (keep-alive) connections a sandbox process then
+// could not bind it for as long as the connection lived.
+func FreePorts(n int) ([]int, error) {
+	low := ephemeralLow()
 	var ls []net.Listener
 	defer func() {
 		for _, l := range ls {
@@ -299,13 +308,30 @@ func freePorts(n int) ([]int, error) {
 		}
 	}()
 	out := make([]int, 0, n)
-	for i := 0; i < n; i++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+	for tries := 0; len(out) < n; tries++ {
+		if tries > 1000 {
+			return nil, fmt.Errorf("no free port below %d", low)
+		}
+		port := 10000 + rand.IntN(low-10000)
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
 		if err != nil {
-			return nil, err
+			continue
 		}
 		ls = append(ls, l)
-		out = append(out, l.Addr().(*net.TCPAddr).Port)
+		out = append(out, port)
 	}
 	return out, nil
+}
+
+// ephemeralLow is the start of the kernel's ephemeral port range (32768 if unknown).
+func ephemeralLow() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if v, err := strconv.Atoi(f[0]); err == nil && v > 11000 {
+				return v
+			}
+		}
+	}
+	return 32768
 }
