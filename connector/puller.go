@@ -166,8 +166,8 @@ func (p *Puller) Begin(meta PullMeta, producers []ProducerRank) error {
 // nothing: an unknown or already finished request, another transfer, a task that already ended.
 func (p *Puller) TaskDone(req RequestID, transfer TransferID, producer ProducerRank, err error) bool {
 	p.mu.Lock()
-	pl, ok := p.pulls[req]
-	if !ok || pl.meta.Transfer != transfer || !pl.pendingFor(producer) {
+	pl := p.acceptingLocked(req, transfer, producer)
+	if pl == nil {
 		p.stats.IgnoredTaskDones++
 		p.mu.Unlock()
 		return false
@@ -237,12 +237,16 @@ func (p *Puller) deliver(c *Completion) {
 func (p *Puller) AcceptWrite(req RequestID, transfer TransferID, producer ProducerRank) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.acceptsLocked(req, transfer, producer)
+	return p.acceptingLocked(req, transfer, producer) != nil
 }
 
-func (p *Puller) acceptsLocked(req RequestID, transfer TransferID, producer ProducerRank) bool {
+// acceptingLocked is req's pull if producer's task for transfer is pending, else nil.
+func (p *Puller) acceptingLocked(req RequestID, transfer TransferID, producer ProducerRank) *pull {
 	pl, ok := p.pulls[req]
-	return ok && pl.meta.Transfer == transfer && pl.pendingFor(producer)
+	if !ok || pl.meta.Transfer != transfer || !pl.pendingFor(producer) {
+		return nil
+	}
+	return pl
 }
 
 // WriteIfAccepted runs write only while producer's task for req is pending, and no completion
@@ -252,11 +256,11 @@ func (p *Puller) acceptsLocked(req RequestID, transfer TransferID, producer Prod
 // exclusively. It reports whether write ran.
 func (p *Puller) WriteIfAccepted(req RequestID, transfer TransferID, producer ProducerRank, write func() error) (bool, error) {
 	p.mu.Lock()
-	if !p.acceptsLocked(req, transfer, producer) {
+	pl := p.acceptingLocked(req, transfer, producer)
+	if pl == nil {
 		p.mu.Unlock()
 		return false, nil
 	}
-	pl := p.pulls[req]
 	pl.gate.RLock()
 	p.mu.Unlock()
 	defer pl.gate.RUnlock()

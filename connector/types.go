@@ -63,18 +63,8 @@ func (b BlockIDs) Flatten() []BlockID {
 
 // Clone copies the ids so callers can keep mutating their own slices.
 func (b BlockIDs) Clone() BlockIDs {
-	if b == nil {
-		return nil
-	}
-	out := make(BlockIDs, len(b))
-	// One backing array for every group: two allocations whatever the group count.
-	flat := make([]BlockID, 0, b.Count())
-	for i, g := range b {
-		start := len(flat)
-		flat = append(flat, g...)
-		out[i] = flat[start:len(flat):len(flat)]
-	}
-	return out
+	var s blockStore
+	return s.set(b)
 }
 
 // blockStore keeps a copy of BlockIDs in storage that is reused, with the transfer or pull
@@ -84,13 +74,14 @@ type blockStore struct {
 	flat   []BlockID
 }
 
-// set copies blocks into the store (the caller keeps its slices) and returns the copy.
+// set copies blocks into the store (the caller keeps its slices) and returns the copy: one
+// backing array for every group, so a new store allocates twice whatever the group count.
 func (s *blockStore) set(blocks BlockIDs) BlockIDs {
 	if blocks == nil {
 		return nil
 	}
 	s.flat = slices.Grow(s.flat[:0], blocks.Count())
-	s.groups = s.groups[:0]
+	s.groups = slices.Grow(s.groups[:0], len(blocks))
 	for _, g := range blocks {
 		start := len(s.flat)
 		s.flat = append(s.flat, g...)
