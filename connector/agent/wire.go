@@ -125,60 +125,60 @@ func writeJSONFrame(w *bufio.Writer, kind byte, v any) error {
 
 // writeBlockFrame sends one block with its checksum, in a frameKindBlockTrailer frame when
 // trailer is set. A block smaller than w's buffer goes through it (the caller flushes); a
-// larger one is written straight from data (the KV mapping) with writev, so it is copied once,
-// by the kernel.
+// larger one is written straight from data (the KV mapping) with one writev per chunk, the
+// header with the first, so it is copied once, by the kernel. In a trailer frame each chunk is
+// summed right after the kernel copied it, so it is read from cache (summing the mapping before
+// sending cost more than the copy), and a block the engine changed while it was sent fails the
+// consumer's check, as it should; a header frame, for consumers of the previous version, needs
+// the sum first.
 func writeBlockFrame(w *bufio.Writer, conn io.Writer, group int, dst connector.BlockID, data []byte, trailer bool) error {
 	var hdr [5 + blockHeader]byte
+	head := hdr[:]
+	hdr[0] = frameKindBlock
+	binary.BigEndian.PutUint32(hdr[1:], uint32(blockHeader+len(data)))
+	if trailer {
+		head = hdr[:5+blockTrailerHeader]
+		hdr[0] = frameKindBlockTrailer
+		binary.BigEndian.PutUint32(hdr[1:], uint32(blockTrailerHeader+len(data)+blockTrailer))
+	}
 	binary.BigEndian.PutUint32(hdr[5:], uint32(group))
 	binary.BigEndian.PutUint64(hdr[9:], uint64(dst))
 	if !trailer {
-		hdr[0] = frameKindBlock
-		binary.BigEndian.PutUint32(hdr[1:], uint32(blockHeader+len(data)))
 		binary.BigEndian.PutUint32(hdr[17:], kvfile.Checksum(data))
-		if len(data) < w.Size() {
-			_, _ = w.Write(hdr[:])
-			_, err := w.Write(data)
+	}
+	var sum uint32
+	if len(data) < w.Size() {
+		_, _ = w.Write(head)
+		if _, err := w.Write(data); err != nil {
 			return err
 		}
+		if trailer {
+			sum = kvfile.Checksum(data)
+		}
+	} else {
 		if err := w.Flush(); err != nil {
 			return err
 		}
-		bufs := net.Buffers{hdr[:], data}
-		_, err := bufs.WriteTo(conn)
-		return err
+		var parts [2][]byte
+		for off := 0; off < len(data); off += chunkBytes {
+			chunk := data[off:min(off+chunkBytes, len(data))]
+			bufs := net.Buffers(parts[:0])
+			if off == 0 {
+				bufs = append(bufs, head)
+			}
+			bufs = append(bufs, chunk)
+			if _, err := bufs.WriteTo(conn); err != nil {
+				return err
+			}
+			if trailer {
+				sum = kvfile.UpdateChecksum(sum, chunk)
+			}
+		}
 	}
-	head := hdr[:5+blockTrailerHeader]
-	head[0] = frameKindBlockTrailer
-	binary.BigEndian.PutUint32(head[1:], uint32(blockTrailerHeader+len(data)+blockTrailer))
+	if !trailer {
+		return nil
+	}
 	var tr [blockTrailer]byte
-	if len(data) < w.Size() {
-		binary.BigEndian.PutUint32(tr[:], kvfile.Checksum(data))
-		_, _ = w.Write(head)
-		_, _ = w.Write(data)
-		_, err := w.Write(tr[:])
-		return err
-	}
-	if err := w.Flush(); err != nil {
-		return err
-	}
-	// One writev per chunk, the header with the first, each chunk summed right after the
-	// kernel copied it (so it is read from cache: summing it before, from the mapping, cost
-	// more than the copy), and the checksum in a write of its own at the end. A block the
-	// engine changed while it was sent fails the consumer's check, as it should.
-	var sum uint32
-	bufs := make(net.Buffers, 0, 2)
-	for off := 0; off < len(data); off += chunkBytes {
-		chunk := data[off:min(off+chunkBytes, len(data))]
-		bufs = bufs[:0]
-		if off == 0 {
-			bufs = append(bufs, head)
-		}
-		bufs = append(bufs, chunk)
-		if _, err := bufs.WriteTo(conn); err != nil {
-			return err
-		}
-		sum = kvfile.UpdateChecksum(sum, chunk)
-	}
 	binary.BigEndian.PutUint32(tr[:], sum)
 	_, err := w.Write(tr[:]) // goes out with the next frame's bytes
 	return err
