@@ -142,7 +142,8 @@ func writeJSON(w http.ResponseWriter, v any) {
 }
 
 // Client queries bootstrap servers. Concurrent queries of one address share a request, and
-// answers are cached until Invalidate (after a connection failure or an unknown engine id).
+// answers are cached until Invalidate (after a connection failure or an unknown engine id)
+// or, when MaxAge is set, until they are that old.
 type Client struct {
 	HTTP    *http.Client
 	Timeout time.Duration // per query; llm-d uses 5 s

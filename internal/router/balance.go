@@ -1,6 +1,7 @@
 package router
 
 import (
+	"maps"
 	"sync"
 	"sync/atomic"
 
@@ -27,22 +28,24 @@ type picked struct {
 	url   string
 }
 
-func (b *balancer) pick(urls []string) picked {
-	start := int(b.turn.Add(1)-1) % len(urls)
+// pick chooses one of n engines; url(i) is engine i's URL, by which requests in flight are
+// counted (so they survive a reordering of the pool).
+func (b *balancer) pick(n int, url func(int) string) picked {
+	start := int(b.turn.Add(1)-1) % n
 	if !b.leastInFlight {
 		return picked{index: start}
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	best := start
-	for i := range urls {
-		j := (start + i) % len(urls)
-		if b.inFlight[urls[j]] < b.inFlight[urls[best]] {
+	for i := range n {
+		j := (start + i) % n
+		if b.inFlight[url(j)] < b.inFlight[url(best)] {
 			best = j
 		}
 	}
-	b.inFlight[urls[best]]++
-	return picked{index: best, url: urls[best]}
+	b.inFlight[url(best)]++
+	return picked{index: best, url: url(best)}
 }
 
 func (b *balancer) done(p picked) {
@@ -60,9 +63,5 @@ func (b *balancer) done(p picked) {
 func (b *balancer) snapshot() map[string]int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	out := make(map[string]int, len(b.inFlight))
-	for k, v := range b.inFlight {
-		out[k] = v
-	}
-	return out
+	return maps.Clone(b.inFlight)
 }

@@ -37,7 +37,7 @@ func TestBalancerPicks(t *testing.T) {
 			}
 			var got []string
 			for range tc.want {
-				p := b.pick(urls)
+				p := b.pick(len(urls), func(i int) string { return urls[i] })
 				got = append(got, urls[p.index])
 				if !contains(tc.hold, urls[p.index]) {
 					b.done(p)
@@ -52,7 +52,7 @@ func TestBalancerPicks(t *testing.T) {
 
 func TestBalancerForgetsIdleEngines(t *testing.T) {
 	b := newBalancer(routerconfig.BalanceLeastInFlight)
-	p := b.pick([]string{"gone"})
+	p := b.pick(1, func(int) string { return "gone" })
 	b.done(p)
 	if s := b.snapshot(); len(s) != 0 {
 		t.Errorf("in flight after every request ended: %v, want nothing", s)

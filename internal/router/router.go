@@ -210,10 +210,10 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(pools.Prefill), len(pools.Decode)))
 		return
 	}
-	pi := r.prefill.pick(prefillURLs(pools.Prefill))
+	pi := r.prefill.pick(len(pools.Prefill), func(i int) string { return pools.Prefill[i].URL })
 	defer r.prefill.done(pi)
 	p := pools.Prefill[pi.index]
-	di := r.decode.pick(pools.Decode)
+	di := r.decode.pick(len(pools.Decode), func(i int) string { return pools.Decode[i] })
 	defer r.decode.done(di)
 	d := pools.Decode[di.index]
 	switch r.cfg.Flow {
@@ -222,14 +222,6 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	case routerconfig.FlowNIXL:
 		r.nixl(sw, req, body, reqID, p, d)
 	}
-}
-
-func prefillURLs(ps []Prefill) []string {
-	out := make([]string, len(ps))
-	for i, p := range ps {
-		out[i] = p.URL
-	}
-	return out
 }
 
 // rawJSON encodes v, which cannot fail for the maps of strings, numbers and bools given here.
