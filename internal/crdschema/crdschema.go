@@ -108,7 +108,7 @@ func Encode(crd *apiextensionsv1.CustomResourceDefinition) ([]byte, error) {
 
 // add appends s and its children to the table and returns its index.
 func (v *version) add(s *apiextensionsv1.JSONSchemaProps, path string) (int, error) {
-	self := *s.DeepCopy()
+	self := *s // its children are written as nodes of their own; only self's fields are cleared
 	self.Description = ""
 	self.Properties = nil
 	n := node{HasDefault: s.Default != nil}

@@ -1,9 +1,7 @@
 package validation
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"maps"
 	"strings"
@@ -52,27 +50,14 @@ type validators struct {
 // NewAdmitter reads a CRD manifest (YAML or JSON) for the given version.
 func NewAdmitter(crdManifest []byte, version string) (*Admitter, error) {
 	var crd apiextensionsv1.CustomResourceDefinition
-	if err := decodeStrict(crdManifest, &crd); err != nil {
+	if err := yaml.UnmarshalStrict(crdManifest, &crd); err != nil {
 		return nil, fmt.Errorf("decode CRD: %w", err)
 	}
-	for _, v := range crd.Spec.Versions {
-		if v.Name != version {
-			continue
-		}
-		if v.Schema == nil || v.Schema.OpenAPIV3Schema == nil {
-			return nil, fmt.Errorf("CRD %s version %s has no schema", crd.Name, version)
-		}
-		encoded, err := crdschema.Encode(&crd)
-		if err != nil {
-			return nil, err
-		}
-		s, err := crdschema.Decode(encoded)
-		if err != nil {
-			return nil, err
-		}
-		return newAdmitter(s.Name, s.Namespaced, s.Versions[version]), nil
+	encoded, err := crdschema.Encode(&crd)
+	if err != nil {
+		return nil, err
 	}
-	return nil, fmt.Errorf("CRD %s has no version %s", crd.Name, version)
+	return NewAdmitterFromSchema(encoded, version)
 }
 
 func newAdmitter(name string, namespaced bool, schema *crdschema.Tree) *Admitter {
@@ -101,17 +86,6 @@ func newValidators(crdName string, schema *apiextensionsv1.JSONSchemaProps) (*va
 		return nil, fmt.Errorf("schema validator of %s: %w", crdName, err)
 	}
 	return &validators{structural: structural, schema: validator, cel: cel.NewValidator(structural, true, celconfig.PerCallLimit)}, nil
-}
-
-// decodeStrict decodes JSON directly (the embedded CRD: a tenth of the time) and anything else
-// as YAML, refusing unknown fields either way.
-func decodeStrict(b []byte, v any) error {
-	if t := bytes.TrimSpace(b); len(t) > 0 && t[0] == '{' {
-		dec := json.NewDecoder(bytes.NewReader(t))
-		dec.DisallowUnknownFields()
-		return dec.Decode(v)
-	}
-	return yaml.UnmarshalStrict(b, v)
 }
 
 // Admit prunes unknown fields and applies defaults to obj in place, then validates it.
