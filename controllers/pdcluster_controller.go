@@ -7,8 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"time"
+	"unique"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -326,10 +326,12 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 // CacheOptions shape the manager's cache. Pods, Deployments, Services, ConfigMaps and
 // PodDisruptionBudgets: only the ones the operator manages, by their managed-by label (caching
 // every one of a large cluster would cost memory for nothing; a child whose label a user
-// removed is found missing and applied again, label and all). Every object: no managedFields (the reconciler compares
-// fields, never their managers; they were a third of each cached child). ConfigMaps: large
-// values are kept once however many ConfigMaps hold them (the completion gate's plugin files,
-// the same in every PDCluster's ConfigMap, were half the operator's memory per PDCluster).
+// removed is found missing and applied again, label and all). Every object: no managedFields
+// (the reconciler compares fields, never their managers; they were a third of each cached
+// child). ConfigMaps: large values are kept once however many ConfigMaps hold them (the
+// completion gate's plugin files, the same in every PDCluster's ConfigMap, were half the
+// operator's memory per PDCluster), with the standard library's unique, which also lets a
+// value go once no ConfigMap holds it.
 func CacheOptions() cache.Options {
 	strip := cache.TransformStripManagedFields()
 	managed := labels.SelectorFromSet(labels.Set{v1alpha1.LabelManagedBy: v1alpha1.OperatorName})
@@ -343,7 +345,9 @@ func CacheOptions() cache.Options {
 			&corev1.ConfigMap{}: {Label: managed, Transform: func(obj any) (any, error) {
 				if cm, ok := obj.(*corev1.ConfigMap); ok {
 					for k, v := range cm.Data {
-						cm.Data[k] = largeValues.intern(v)
+						if len(v) >= internMinBytes {
+							cm.Data[k] = unique.Make(v).Value()
+						}
 					}
 				}
 				return strip(obj)
@@ -352,27 +356,6 @@ func CacheOptions() cache.Options {
 	}
 }
 
-// largeValues keeps one copy of each large ConfigMap value in the cache.
-var largeValues = &internPool{m: map[string]string{}}
-
-// internPool returns one shared copy of each string of internMinBytes or more. Small values
-// are returned as they are: they are not shared, and would only fill the pool.
-type internPool struct {
-	mu sync.Mutex
-	m  map[string]string
-}
-
+// internMinBytes is the size from which ConfigMap values are shared: small ones are not
+// worth the lookup.
 const internMinBytes = 4 << 10
-
-func (p *internPool) intern(s string) string {
-	if len(s) < internMinBytes {
-		return s
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if c, ok := p.m[s]; ok {
-		return c
-	}
-	p.m[s] = s
-	return s
-}
