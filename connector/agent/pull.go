@@ -110,18 +110,20 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 		ChecksumTrailer: true,
 	}
 	c, err := a.conns.get(ctx, &a.dialer, addr)
-	if err != nil {
-		return fmt.Errorf("%w: dial %s: %v", connector.ErrPeerGone, addr, err)
-	}
-	clean, err := a.pullOn(c, meta, rank, addr, deadline, pf)
-	if err != nil && c.reused && errors.Is(err, errStaleConn) {
-		// A kept connection the producer had closed (idle, or a producer of the previous
-		// version, which serves one pull per connection): it took nothing, so ask on a new one.
-		_ = c.Close()
-		if c, err = a.conns.dial(ctx, &a.dialer, addr); err != nil {
+	var clean bool
+	for {
+		if err != nil {
 			return fmt.Errorf("%w: dial %s: %v", connector.ErrPeerGone, addr, err)
 		}
 		clean, err = a.pullOn(c, meta, rank, addr, deadline, pf)
+		if err == nil || !c.reused || !errors.Is(err, errStaleConn) {
+			break
+		}
+		// A kept connection the producer had closed (idle, or a producer of the previous
+		// version, which serves one pull per connection): it took nothing, so ask on a new one
+		// (a dialed connection is not reused: this happens once).
+		_ = c.Close()
+		c, err = a.conns.dial(ctx, &a.dialer, addr)
 	}
 	if clean {
 		a.conns.put(addr, c)
