@@ -149,8 +149,6 @@ func run(s suite, into results, log io.Writer) error {
 
 func format(v float64) string {
 	switch {
-	case v >= 1e5:
-		return strconv.FormatFloat(v, 'f', 0, 64)
 	case v >= 100:
 		return strconv.FormatFloat(v, 'f', 0, 64)
 	case v >= 10:
