@@ -87,8 +87,8 @@ test: envtest-assets test-plugin ## Unit, golden, connector, plugin, envtest int
 	hack/e2e.sh
 
 .PHONY: test-plugin
-test-plugin: ## The vLLM completion-gate plugin's tests (Python standard library unittest).
-	cd connector/vllm && python3 -m unittest discover -s tests -t . -v
+test-plugin: ## The completion-gate plugin's tests against each tested vLLM release, installed from PyPI into cached virtual environments (hack/test-plugin.sh).
+	hack/test-plugin.sh
 
 .PHONY: e2e
 e2e: envtest-assets ## End-to-end tests only, on a local cluster of their own.

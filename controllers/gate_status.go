@@ -138,7 +138,6 @@ func (r *PDClusterReconciler) reconcileGateStatus(ctx context.Context, pdc *v1al
 		g.GatedCompletions += c.Gated
 		g.PassedCompletions += c.Passed
 		g.FailedPulls += c.Failed
-		g.GatedFailures += c.GatedFailures
 	}
 	return gateRefresh, nil
 }

@@ -37,9 +37,9 @@ func (f fakeGates) ReadGate(_ context.Context, pod *corev1.Pod) (vllmplugin.Stat
 	return st, nil
 }
 
-func loaded(gated, passed, failed, gatedFailures int64) vllmplugin.State {
+func loaded(gated, passed, failed int64) vllmplugin.State {
 	return vllmplugin.State{Loaded: true, Report: &vllmplugin.Report{Connector: "GatedMooncakeConnector",
-		Counts: vllmplugin.Counts{Gated: gated, Passed: passed, Failed: failed, GatedFailures: gatedFailures}}}
+		Counts: vllmplugin.Counts{Gated: gated, Passed: passed, Failed: failed}}}
 }
 
 func TestGateStatusSumsEachPool(t *testing.T) {
@@ -53,12 +53,12 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 		wrappers.MakeEnginePod("ns", "r-0", "c", v1alpha1.RoleRouter, start).Obj(),                          // not an engine
 	}
 	gates := fakeGates{
-		"p-0": loaded(0, 0, 0, 0),
-		"d-0": loaded(2, 10, 1, 0),
-		"d-1": loaded(3, 5, 0, 4),
+		"p-0": loaded(0, 0, 0),
+		"d-0": loaded(2, 10, 1),
+		"d-1": loaded(3, 5, 0),
 		"d-2": {Report: &vllmplugin.Report{Connector: "GatedMooncakeConnector", Counts: vllmplugin.Counts{Gated: 99}}},
-		"d-4": loaded(100, 100, 100, 100),
-		"r-0": loaded(100, 100, 100, 100),
+		"d-4": loaded(100, 100, 100),
+		"r-0": loaded(100, 100, 100),
 	}
 	cases := []struct {
 		name        string
@@ -71,7 +71,7 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 		{
 			name: "counts of the reporting pods, silent and unreachable ones apart", reader: gates,
 			wantPrefill: &v1alpha1.PoolGateStatus{ReportingPods: 1},
-			wantDecode:  &v1alpha1.PoolGateStatus{ReportingPods: 2, SilentPods: 1, GatedCompletions: 5, PassedCompletions: 15, FailedPulls: 1, GatedFailures: 4},
+			wantDecode:  &v1alpha1.PoolGateStatus{ReportingPods: 2, SilentPods: 1, GatedCompletions: 5, PassedCompletions: 15, FailedPulls: 1},
 			wantAfter:   gateRefresh,
 		},
 		{name: "no reader: no counts", reader: nil},
@@ -111,7 +111,7 @@ func TestHTTPGateReader(t *testing.T) {
 			http.NotFound(w, r)
 			return
 		}
-		_ = json.NewEncoder(w).Encode(loaded(2, 3, 0, 0))
+		_ = json.NewEncoder(w).Encode(loaded(2, 3, 0))
 	}))
 	defer srv.Close()
 	host := strings.TrimPrefix(srv.URL, "http://")
@@ -121,7 +121,7 @@ func TestHTTPGateReader(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d := cmp.Diff(loaded(2, 3, 0, 0), st); d != "" {
+	if d := cmp.Diff(loaded(2, 3, 0), st); d != "" {
 		t.Errorf("state (-want +got):\n%s", d)
 	}
 	if _, err := NewHTTPGateReader().ReadGate(context.Background(), &corev1.Pod{}); err == nil || !strings.Contains(err.Error(), "no IP") {
@@ -150,7 +150,7 @@ func TestHTTPGateReaderReadsARealAgent(t *testing.T) {
 	public := httptest.NewServer(a.PublicHandler(prometheus.NewRegistry()))
 	defer public.Close()
 
-	report, _ := json.Marshal(loaded(6, 8, 0, 0).Report)
+	report, _ := json.Marshal(loaded(6, 8, 0).Report)
 	resp, err := http.Post(local.URL+localapi.PathGate, "application/json", bytes.NewReader(report))
 	if err != nil {
 		t.Fatal(err)

@@ -655,12 +655,9 @@ type PoolGateStatus struct {
 	GatedCompletions int64 `json:"gatedCompletions"`
 	// passedCompletions are finished-receiving reports the gate passed on.
 	PassedCompletions int64 `json:"passedCompletions"`
-	// failedPulls are failed pulls with local blocks the gate passed on as failed.
+	// failedPulls are failed pulls with local blocks the gate saw reported to vLLM's scheduler.
 	// +optional
 	FailedPulls int64 `json:"failedPulls,omitempty"`
-	// gatedFailures are failed pulls with no local block the gate kept from the scheduler.
-	// +optional
-	GatedFailures int64 `json:"gatedFailures,omitempty"`
 }
 
 // UnhealthyPod is an engine pod whose connector is not ready.

@@ -108,10 +108,10 @@ var (
 		"finished_recving reports the engine's completion gate saw, by result: gated (a pull with no local block, kept from the scheduler) or passed.",
 		[]string{"result"}, nil)
 	gateFailuresDesc = prometheus.NewDesc("pdcluster_connector_gate_failed_pulls_total",
-		"failed_recving reports the engine's completion gate saw, by result: gated or passed.",
-		[]string{"result"}, nil)
+		"failed_recving reports of pulls with local blocks the engine's completion gate saw (vLLM's scheduler handles them).",
+		nil, nil)
 	gateExpiredDesc = prometheus.NewDesc("pdcluster_connector_gate_expired_records_total",
-		"Empty-pull records the gate dropped after vLLM's abort timeout without a report.", nil, nil)
+		"Empty-pull records the gate dropped without a report: past vLLM's abort timeout and then its grace steps.", nil, nil)
 	gateDroppedDesc = prometheus.NewDesc("pdcluster_connector_gate_heartbeats_dropped_total",
 		"Heartbeats the engine's gate could not deliver to this sidecar.", nil, nil)
 	gateLoadedDesc = prometheus.NewDesc("pdcluster_connector_gate_loaded",
@@ -138,8 +138,7 @@ func (g *gateWatch) Collect(ch chan<- prometheus.Metric) {
 	c := st.Report.Counts
 	ch <- prometheus.MustNewConstMetric(gateCompletionsDesc, prometheus.CounterValue, float64(c.Gated), "gated")
 	ch <- prometheus.MustNewConstMetric(gateCompletionsDesc, prometheus.CounterValue, float64(c.Passed), "passed")
-	ch <- prometheus.MustNewConstMetric(gateFailuresDesc, prometheus.CounterValue, float64(c.GatedFailures), "gated")
-	ch <- prometheus.MustNewConstMetric(gateFailuresDesc, prometheus.CounterValue, float64(c.Failed), "passed")
+	ch <- prometheus.MustNewConstMetric(gateFailuresDesc, prometheus.CounterValue, float64(c.Failed))
 	ch <- prometheus.MustNewConstMetric(gateExpiredDesc, prometheus.CounterValue, float64(c.Expired))
 	ch <- prometheus.MustNewConstMetric(gateDroppedDesc, prometheus.CounterValue, float64(c.SendFailures))
 	loaded := 0.0

@@ -86,16 +86,15 @@ func TestGateMetrics(t *testing.T) {
 `), "pdcluster_connector_gate_loaded"); err != nil {
 		t.Errorf("before any report: %v", err)
 	}
-	postGate(t, g, `{"connector":"GatedNixlConnector","vllm_version":"0.27.0","counts":{"gated":3,"passed":7,"failed":1,"gated_failures":2,"expired":4,"send_failures":5}}`)
+	postGate(t, g, `{"connector":"GatedNixlConnector","vllm_version":"0.27.0","counts":{"gated":3,"passed":7,"failed":1,"expired":4,"send_failures":5}}`)
 	want := `
 # HELP pdcluster_connector_gate_completions_total finished_recving reports the engine's completion gate saw, by result: gated (a pull with no local block, kept from the scheduler) or passed.
 # TYPE pdcluster_connector_gate_completions_total counter
 pdcluster_connector_gate_completions_total{result="gated"} 3
 pdcluster_connector_gate_completions_total{result="passed"} 7
-# HELP pdcluster_connector_gate_failed_pulls_total failed_recving reports the engine's completion gate saw, by result: gated or passed.
+# HELP pdcluster_connector_gate_failed_pulls_total failed_recving reports of pulls with local blocks the engine's completion gate saw (vLLM's scheduler handles them).
 # TYPE pdcluster_connector_gate_failed_pulls_total counter
-pdcluster_connector_gate_failed_pulls_total{result="gated"} 2
-pdcluster_connector_gate_failed_pulls_total{result="passed"} 1
+pdcluster_connector_gate_failed_pulls_total 1
 # HELP pdcluster_connector_gate_loaded 1 while the engine's completion gate heartbeats (labels: connector class, vLLM version), else 0.
 # TYPE pdcluster_connector_gate_loaded gauge
 pdcluster_connector_gate_loaded{connector="GatedNixlConnector",vllm_version="0.27.0"} 1

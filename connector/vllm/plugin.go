@@ -84,12 +84,11 @@ type Report struct {
 }
 
 // Counts is what the gate did: finished_recving reports suppressed (gated) and passed, failed
-// pulls passed on and suppressed, records aged out, heartbeats the engine dropped.
+// pulls with local blocks seen, records dropped without a report, heartbeats the engine dropped.
 type Counts struct {
 	Gated         int64 `json:"gated"`
 	Passed        int64 `json:"passed"`
 	Failed        int64 `json:"failed"`
-	GatedFailures int64 `json:"gated_failures"`
 	Expired       int64 `json:"expired"`
 	SendFailures  int64 `json:"send_failures"`
 }

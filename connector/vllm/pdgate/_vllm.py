@@ -10,8 +10,13 @@ from .gate import Gate, Reporter, socket_path_from_env
 
 logger = logging.getLogger("pdgate")
 
-SUPPORTED = ("vLLM with kv_connector_module_path taking priority over built-in names "
-             "(2026-04, PR #38301) through the 00f4240 revision of the Mooncake connector")
+# What the gate was measured on (docs/completion-gate.md): make test-plugin runs its tests
+# against each of these releases, installed from PyPI. Other releases load when they have the
+# surface the checks below probe, and are refused otherwise.
+TESTED = ("0.30.0", "0.33.0")
+SUPPORTED = ("vLLM releases whose kv_connector factory loads a class from "
+             "kv_connector_module_path, with the connectors in v1/mooncake/ and v1/nixl/ "
+             f"(tested: {', '.join(TESTED)})")
 
 
 class UnsupportedVLLM(ImportError):
@@ -68,6 +73,39 @@ def require_metadata(meta_cls: type, attr: str) -> None:
         raise refuse(f"{meta_cls.__name__}() without arguments ({e})") from e
     if not isinstance(getattr(meta, attr, None), dict):
         raise refuse(f"{meta_cls.__name__}.{attr} as a dict")
+
+
+PROBE_REQUEST = "pdgate-import-probe"
+
+
+def require_shape(meta_cls: type, add: Callable[[Any], None],
+                  pulls_of: Callable[[Any], Iterable[tuple[str, Any]]]) -> None:
+    """Fails closed unless the gate's walk of the metadata finds the one empty pull that add
+    put in: a vLLM that nests reqs_to_recv differently would otherwise pass import and die on
+    its first pull."""
+    what = f"{meta_cls.__name__}.reqs_to_recv in the shape the gate walks"
+    try:
+        meta = meta_cls()
+        add(meta)
+        found = [(req_id, list(blocks)) for req_id, blocks in pulls_of(meta)]
+    except Exception as e:  # noqa: BLE001 - any failure means the surface changed
+        raise refuse(f"{what} ({type(e).__name__}: {e})") from e
+    if found != [(PROBE_REQUEST, [[]])]:
+        raise refuse(f"{what} (a probe pull came back as {found!r})")
+
+
+def stock_name_refused(module: str, stock: str, gated_name: str) -> Callable[[str], Any]:
+    """A module __getattr__: `kv_connector: <stock>` with this module path must not load the
+    stock class from here (vLLM's factory does getattr(module, kv_connector))."""
+
+    def __getattr__(name: str) -> Any:
+        if name == stock:
+            raise AttributeError(
+                f"pdgate: {module} has no {stock}: use kv_connector {gated_name!r} (the gated "
+                f"class); {stock!r} with kv_connector_module_path {module!r} would run ungated")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def gated(base: type, name: str, flow: str,

@@ -21,9 +21,16 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 logger = logging.getLogger("pdgate")
 
-# Records outlive vLLM's abort timeout (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s) plus the
-# consumer's receive timeout (+60 s), with a margin: after that no report of the pull can come.
+# A record's deadline: after vLLM's abort timeout (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s)
+# and the consumer's receive timeout (+60 s), with a margin, the pull has completed or failed.
 DEFAULT_TTL_SECONDS = 480.0 + 60.0 + 120.0
+# The deadline bounds when a pull completes, not when its report reaches the scheduler: an idle
+# engine does not step (EngineCore blocks on its input queue while it has no request), so a
+# completion waits in the worker until the next request's step, however late. A record past its
+# deadline is therefore kept until this many scheduler steps later, which covers the steps a
+# report lags behind the schedule that produced it (async scheduling: one; pipeline
+# parallelism: one per stage in the batch queue).
+DEFAULT_GRACE_STEPS = 64
 
 
 def has_local_block(local_block_ids: Any) -> bool:
@@ -49,9 +56,8 @@ class Counts:
     def __init__(self) -> None:
         self.gated = 0  # finished_recving reports suppressed (empty pulls)
         self.passed = 0  # finished_recving reports passed (pulls with local blocks)
-        self.failed = 0  # failed pulls passed to the scheduler (with local blocks)
-        self.gated_failures = 0  # failed_recving reports suppressed (empty pulls)
-        self.expired = 0  # records that aged out without a report
+        self.failed = 0  # failed_recving reports of pulls with local blocks seen
+        self.expired = 0  # records dropped without a report (past the deadline and the grace steps)
         self.send_failures = 0  # reports to the sidecar dropped
 
     def as_dict(self) -> dict[str, int]:
@@ -60,34 +66,67 @@ class Counts:
 
 class Gate:
     """Remembers empty pulls and strips them from the connector output. Not thread-safe by
-    itself: vLLM's scheduler calls both hooks from its one loop."""
+    itself: vLLM's scheduler calls both hooks from its one loop.
+
+    A record goes when its report passes the gate, or when no report can come any more: past
+    its deadline (wall clock) and then ``grace_steps`` scheduler steps (``observe`` calls)
+    later. Time alone never drops one, so an engine idle for any length of time still gates
+    the report its next step delivers. Memory stays bounded by the empty pulls of one TTL:
+    a record is made only in a step, and every step moves the clock of the oldest ones on.
+    """
 
     def __init__(self, ttl_seconds: float = DEFAULT_TTL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 grace_steps: int = DEFAULT_GRACE_STEPS) -> None:
         self._ttl = ttl_seconds
         self._clock = clock
-        self._empty: dict[str, float] = {}  # request id -> deadline
+        self._grace = grace_steps
+        self._step = 0
+        # request id -> deadline, oldest first (a monotonic clock and a fixed TTL keep
+        # insertion order deadline order; a re-recorded id is removed and added again).
+        self._pending: dict[str, float] = {}
+        # request id -> the step at which its deadline was seen passed, oldest first.
+        self._overdue: dict[str, int] = {}
         self.counts = Counts()
 
     def __len__(self) -> int:
-        return len(self._empty)
+        return len(self._pending) + len(self._overdue)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._pending or req_id in self._overdue
+
+    def _forget(self, req_id: str) -> bool:
+        """Drops the record of req_id; returns whether there was one."""
+        found = req_id in self
+        self._pending.pop(req_id, None)
+        self._overdue.pop(req_id, None)
+        return found
 
     def observe(self, pulls: Iterable[tuple[str, Any]]) -> None:
-        """Classifies the pulls of one metadata build: (request id, local_block_ids) pairs."""
+        """Classifies the pulls of one metadata build (one scheduler step): (request id,
+        local_block_ids) pairs."""
+        self._step += 1
         now = self._clock()
         for req_id, local_block_ids in pulls:
-            if has_local_block(local_block_ids):
-                # A request may be pulled again (preemption, retry): the newest pull decides.
-                self._empty.pop(req_id, None)
-            else:
-                self._empty[req_id] = now + self._ttl
+            # A request may be pulled again (preemption, retry): the newest pull decides.
+            self._forget(req_id)
+            if not has_local_block(local_block_ids):
+                self._pending[req_id] = now + self._ttl
         self._expire(now)
 
     def _expire(self, now: float) -> None:
-        old = [r for r, deadline in self._empty.items() if deadline <= now]
-        for r in old:
-            del self._empty[r]
-        self.counts.expired += len(old)
+        while self._pending:
+            req_id, deadline = next(iter(self._pending.items()))
+            if deadline > now:
+                break
+            del self._pending[req_id]
+            self._overdue[req_id] = self._step
+        while self._overdue:
+            req_id, since = next(iter(self._overdue.items()))
+            if self._step - since < self._grace:
+                break
+            del self._overdue[req_id]
+            self.counts.expired += 1
 
     def filter_finished(self, finished: Optional[set]) -> Optional[set]:
         """Returns finished_recving without the empty pulls (None when nothing is left)."""
@@ -95,8 +134,7 @@ class Gate:
             return finished
         kept = set()
         for req_id in finished:
-            if req_id in self._empty:
-                del self._empty[req_id]  # every worker's report is aggregated into this one
+            if self._forget(req_id):  # every worker's report is aggregated into this one
                 self.counts.gated += 1
             else:
                 kept.add(req_id)
@@ -105,15 +143,17 @@ class Gate:
 
     def filter_failed(self, failed: Any) -> Any:
         """Returns failed_recving (a set, or a dict of request id to failure) without the empty
-        pulls, in the same shape."""
+        pulls, in the same shape. Where vLLM has the field its scheduler has already read it
+        (update_from_output, before update_connector_output) and skips ids it does not wait
+        for, so this keeps the output consistent but prevents nothing and is not counted as
+        gated. The record stays for the finished_recving report of the same pull."""
         if not failed:
             return failed
-        gated = sum(1 for req_id in failed if req_id in self._empty)
-        self.counts.gated_failures += gated
-        self.counts.failed += len(failed) - gated
+        kept = [r for r in failed if r not in self]
+        self.counts.failed += len(kept)
         if isinstance(failed, Mapping):
-            return type(failed)({r: why for r, why in failed.items() if r not in self._empty})
-        return type(failed)(r for r in failed if r not in self._empty)
+            return type(failed)({r: failed[r] for r in kept})
+        return type(failed)(kept)
 
     def filter_output(self, output: Any) -> None:
         """Strips empty pulls from a KVConnectorOutput in place. Failures go first: a failed

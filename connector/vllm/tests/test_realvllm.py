@@ -1,0 +1,390 @@
+"""The gate against the installed vLLM release (make test-plugin installs each tested release
+into a virtual environment of its own and runs this suite on it). Never skipped: without vLLM
+these tests fail, because a gate nobody ran against vLLM is not tested.
+
+Every empty-pull scenario runs twice, through vLLM's stock class and through the gated one,
+on the same real Scheduler. On a release whose Mooncake worker still reports empty pulls
+(STOCK_REPORTS_EMPTY_PULLS) the stock class must kill the scheduler with its assertion, which
+proves the scenario reaches the bug; the gated class must never.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+import unittest
+from typing import Any, Callable, Optional
+
+from tests import realvllm as rv
+
+import vllm  # no skip: an environment without vLLM fails here
+from vllm.v1.request import RequestStatus
+
+VERSION = vllm.__version__
+# Releases whose MooncakeConnectorWorker adds every settled pull to finished_recving, local
+# blocks or not (the seed bug). vLLM 0.32.0 added `and any(pull_meta.local_block_ids)`.
+STOCK_REPORTS_EMPTY_PULLS = {"0.30.0": True, "0.33.0": False}
+
+
+# Releases whose scheduler gives a full-attention request no external tokens when it skips
+# the prefix cache (prompt logprobs); on the others only hybrid (Mamba) models get there.
+NO_EXTERNAL_TOKENS_ON_FULL_ATTENTION = {"0.30.0": False, "0.33.0": True}
+
+
+def measured(table: dict[str, bool]) -> bool:
+    if VERSION not in table:
+        raise AssertionError(f"vLLM {VERSION} is not measured in this table: measure it and add it")
+    return table[VERSION]
+
+
+def stock_dies() -> bool:
+    return measured(STOCK_REPORTS_EMPTY_PULLS)
+
+
+class Unreachable(Exception):
+    """The scenario cannot be reached on this release (see the tables above)."""
+
+
+def scheduler_assert(fn: Callable[..., Any], *args: Any) -> Optional[str]:
+    """Runs fn and returns where vLLM's scheduler asserted (None if it did not). An assertion
+    raised anywhere else (the test's own) is raised again."""
+    try:
+        fn(*args)
+    except AssertionError as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        if frames and frames[-1].filename.replace("\\", "/").endswith("vllm/v1/core/sched/scheduler.py"):
+            return f"{frames[-1].name}: {frames[-1].line}"
+        raise
+    return None
+
+
+MOONCAKE = rv.rendered_kv_transfer_configs("minimal.golden.yaml")
+NIXL = rv.rendered_kv_transfer_configs("nixl-tcp.golden.yaml")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def engine(gated: bool, tp: int = 1, groups: int = 1) -> rv.Engine:
+    raw = MOONCAKE["kv_consumer"]
+    e = rv.Engine(raw if gated else rv.stock(raw), tp=tp, groups=groups)
+    assert type(e.connector).__name__ == ("GatedMooncakeConnector" if gated else "MooncakeConnector")
+    return e
+
+
+# Each scenario drives a decode engine to the point where the pull's report is due, delivers
+# it and steps on; it returns the request. An engine that dies raises AssertionError.
+def abort_before_first_schedule(e: rv.Engine) -> Any:
+    r = e.request()
+    e.abort(r)  # freed at once; request_finished queues the cleanup pull
+    e.step()  # the step that has the finished request carries the empty pull
+    for w in e.workers:
+        w.producer_answers(ok=[r.request_id])
+    e.step()
+    return r
+
+
+def rejected_request(e: rv.Engine) -> Any:
+    # AsyncLLM.notify_kv_transfer_request_rejected: a request with abort_immediately, only to
+    # run request_finished; the scheduler aborts it before any schedule.
+    r = e.request()
+    r.abort_immediately = True
+    e.abort(r)
+    e.step()
+    for w in e.workers:
+        w.producer_answers(ok=[r.request_id])
+    e.step()
+    return r
+
+
+def no_external_tokens(e: rv.Engine) -> Any:
+    # A request that loads nothing although prefill ran (here prompt logprobs, which skip
+    # reading any prefix cache; on hybrid models a full local hit): update_state_after_alloc
+    # gets num_external_tokens == 0 and the pull only frees prefill's blocks. The request runs.
+    r = e.request(prompt_logprobs=True)
+    e.step()
+    if e.status(r) != RequestStatus.RUNNING:
+        raise Unreachable(f"the request is {e.status(r).name}: it loads external tokens")
+    for w in e.workers:
+        w.producer_answers(ok=[r.request_id])
+    e.step()
+    return r
+
+
+def failed_empty_pull(e: rv.Engine) -> Any:
+    r = e.request()
+    e.abort(r)
+    e.step()
+    for w in e.workers:
+        w.producer_answers(err=[r.request_id])
+    e.step()
+    return r
+
+
+def idle_engine(e: rv.Engine, clock: Clock) -> Any:
+    # The cleanup pull's answer comes after the step that started it; the worker holds the
+    # completion, and with no request left EngineCore does not step. The next request comes
+    # long after the gate's deadline: its step delivers the held report.
+    r = e.request()
+    e.abort(r)
+    e.step()
+    for w in e.workers:
+        w.producer_answers(ok=[r.request_id])
+    clock.now += 3600  # a quiet hour
+    nxt = e.request()
+    e.step()  # its first step: build_connector_meta, then the held report
+    e.step()
+    return nxt
+
+
+def lagging_report(e: rv.Engine, lag: int, clock: Clock) -> Any:
+    # Async scheduling and pipeline parallelism: the scheduler schedules `lag` more steps
+    # before the output carrying the report is processed; the deadline passed while idle.
+    r = e.request()
+    e.abort(r)
+    e.step()
+    for w in e.workers:
+        w.producer_answers(ok=[r.request_id])
+    clock.now += 3600
+    nxt = e.request()
+    first = e.schedule()
+    e.execute(first)  # the report is in this step's output...
+    for _ in range(lag):  # ...which is processed after `lag` more schedules
+        e.execute(e.schedule())
+    for _ in range(lag + 1):
+        e.process()
+    return nxt
+
+
+EMPTY_PULLS: dict[str, Callable[[rv.Engine], Any]] = {
+    "abort before first schedule": abort_before_first_schedule,
+    "rejected request": rejected_request,
+    "no external tokens": no_external_tokens,
+}
+
+
+class EmptyPullsTest(unittest.TestCase):
+    def run_both(self, scenario: Callable[..., Any], *args: Any, tp: int = 1) -> rv.Engine:
+        if stock_dies():
+            died = scheduler_assert(scenario, engine(gated=False, tp=tp), *args)
+            self.assertIsNotNone(died, "the stock class survived: the scenario does not reach the bug")
+        else:
+            scenario(engine(gated=False, tp=tp), *args)  # upstream gates the success path itself
+        e = engine(gated=True, tp=tp)
+        for a in args:
+            if isinstance(a, Clock):
+                e.gate._clock = a
+        scenario(e, *args)
+        return e
+
+    def test_empty_pulls(self) -> None:
+        for name, scenario in EMPTY_PULLS.items():
+            with self.subTest(name):
+                if scenario is no_external_tokens and not measured(NO_EXTERNAL_TOKENS_ON_FULL_ATTENTION):
+                    with self.assertRaises(Unreachable):
+                        scenario(engine(gated=True))
+                    continue
+                e = self.run_both(scenario)
+                self.assertEqual(e.gate.counts.gated, 1 if stock_dies() else 0)
+                self.assertEqual(e.gate.counts.passed, 0)
+
+    def test_failed_empty_pull(self) -> None:
+        # Every tested release's _handle_failed_recv skips a pull without local blocks: the
+        # failure path is quiet under both classes, and the gate counts nothing.
+        for gated in (False, True):
+            e = engine(gated)
+            failed_empty_pull(e)
+            if gated:
+                self.assertEqual((e.gate.counts.gated, e.gate.counts.failed), (0, 0))
+
+    def test_idle_engine_past_the_deadline(self) -> None:
+        e = self.run_both(idle_engine, Clock())
+        self.assertEqual(e.gate.counts.gated, 1 if stock_dies() else 0)
+        self.assertEqual(e.gate.counts.expired, 0)
+
+    def test_report_lagging_steps(self) -> None:
+        for lag in (1, 2):
+            with self.subTest(lag=lag):
+                self.run_both(lagging_report, lag, Clock())
+
+    def test_tp_fan_out(self) -> None:
+        # Four decode workers each report the empty pull; the aggregator passes it once.
+        e = self.run_both(abort_before_first_schedule, tp=4)
+        self.assertEqual(e.gate.counts.gated, 1 if stock_dies() else 0)
+        self.assertEqual(len(e.gate), 0 if stock_dies() else 1)
+
+    def test_record_goes_only_after_deadline_and_grace_steps(self) -> None:
+        # On a release that never reports the pull, the record must still go, and only then.
+        e = engine(gated=True)
+        clock = Clock()
+        e.gate._clock = clock
+        r = e.request()
+        e.abort(r)
+        e.step()
+        self.assertIn(r.request_id, e.gate)
+        clock.now += 3600
+        for _ in range(e.gate._grace - 1):
+            e.step()
+        self.assertIn(r.request_id, e.gate, "dropped before the grace steps")
+        e.step()
+        e.step()
+        self.assertNotIn(r.request_id, e.gate)
+
+
+class PullsWithBlocksTest(unittest.TestCase):
+    """Pulls with a local block complete exactly as vLLM completes them, under both classes."""
+
+    def test_normal_pull(self) -> None:
+        for gated in (False, True):
+            with self.subTest(gated=gated):
+                e = engine(gated, tp=2)
+                r = e.request()
+                e.step()
+                self.assertEqual(e.status(r), RequestStatus.WAITING_FOR_REMOTE_KVS)
+                for w in e.workers:
+                    w.producer_answers(ok=[r.request_id])
+                e.step()  # the report
+                e.step()  # the request resumes
+                self.assertEqual(e.status(r), RequestStatus.RUNNING)
+                if gated:
+                    self.assertEqual((e.gate.counts.passed, e.gate.counts.gated), (1, 0))
+
+    def test_abort_while_waiting_is_freed_by_the_late_report(self) -> None:
+        for gated in (False, True):
+            with self.subTest(gated=gated):
+                e = engine(gated)
+                r = e.request()
+                e.step()
+                e.abort(r)  # delayed free: blocks held until the report
+                self.assertIn(r.request_id, e.scheduler.requests)
+                for w in e.workers:
+                    w.producer_answers(ok=[r.request_id])
+                e.step()
+                self.assertNotIn(r.request_id, e.scheduler.requests, "the aborted request was left behind")
+
+    def test_failed_pull_with_blocks_reaches_the_scheduler(self) -> None:
+        e = engine(gated=True)
+        r = e.request()
+        e.step()
+        for w in e.workers:
+            w.producer_answers(err=[r.request_id])
+        e.step()
+        e.step()
+        # kv_load_failure_policy "fail" (as rendered): the request ends with an error.
+        self.assertNotIn(r.request_id, e.scheduler.requests)
+        self.assertEqual(e.gate.counts.gated, 0)
+
+
+class NixlTest(unittest.TestCase):
+    """NIXL's worker cannot run here (no nixl package); its failure path hands the scheduler
+    a finished_recving for a failed pull, which for an empty pull would kill it. The report is
+    delivered here as that path delivers it, to the real scheduler and connector."""
+
+    def test_empty_pull_report_is_gated(self) -> None:
+        for gated in (False, True):
+            with self.subTest(gated=gated):
+                raw = NIXL["kv_consumer"]
+                e = rv.Engine(raw if gated else rv.stock(raw))
+                r = e.request(kv_transfer_params={
+                    "do_remote_prefill": True, "remote_engine_id": rv.ENGINE, "remote_request_id": "p-1",
+                    "remote_block_ids": [[1, 2]], "remote_host": "prefill", "remote_port": 5600, "tp_size": 1})
+                e.abort(r)
+                e.step()
+                from vllm.v1.outputs import KVConnectorOutput
+                e.in_flight.append((e.schedule(), [KVConnectorOutput(finished_recving={r.request_id})]))
+                if gated:
+                    e.process()
+                    self.assertEqual(e.gate.counts.gated, 1)
+                else:
+                    self.assertIsNotNone(scheduler_assert(e.process))
+
+
+class ContractTest(unittest.TestCase):
+    """vLLM's own factory loads the gated classes from the exact kv_transfer_config JSON the
+    operator renders (read from the render golden files), for both roles and connectors."""
+
+    def test_factory_loads_the_rendered_configs(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        for flow, configs, want in (("mooncake", MOONCAKE, "GatedMooncakeConnector"),
+                                    ("nixl", NIXL, "GatedNixlConnector")):
+            for role in ("kv_producer", "kv_consumer"):
+                with self.subTest(flow=flow, role=role):
+                    kv = rv.parse_kv_transfer_config(configs[role])
+                    cls = KVConnectorFactory.get_connector_class(kv)
+                    self.assertEqual(cls.__name__, want)
+                    self.assertEqual(cls.__module__, f"pdgate.{flow}")
+                    e = rv.Engine(configs[role])
+                    self.assertIs(type(e.connector), cls)
+                    self.assertIsNotNone(e.gate, "the connector the scheduler built is not gated")
+
+    def test_stock_name_with_the_plugin_module_fails_loudly(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        import json
+
+        for flow, configs, stock_name in (("mooncake", MOONCAKE, "MooncakeConnector"),
+                                          ("nixl", NIXL, "NixlConnector")):
+            with self.subTest(flow):
+                cfg = json.loads(configs["kv_consumer"])
+                cfg["kv_connector"] = stock_name
+                kv = rv.parse_kv_transfer_config(json.dumps(cfg))
+                with self.assertRaises(AttributeError) as ctx:
+                    KVConnectorFactory.get_connector_class(kv)
+                self.assertIn("Gated" + stock_name, str(ctx.exception.__cause__ or ctx.exception))
+
+
+class RefusalTest(unittest.TestCase):
+    """An unsupported vLLM is refused at import: the real release with one surface taken away,
+    as a later release might."""
+
+    def reimport(self, module: str) -> Any:
+        for name in ("pdgate.mooncake", "pdgate.nixl", "pdgate._vllm"):
+            sys.modules.pop(name, None)
+        return importlib.import_module(module)
+
+    def tearDown(self) -> None:
+        self.reimport("pdgate.mooncake")
+        self.reimport("pdgate.nixl")
+
+    def test_missing_surface(self) -> None:
+        mc = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector")
+        nixl_meta = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata")
+
+        def nested_once_more(meta_cls: type) -> Callable[[], None]:
+            add = meta_cls.add_new_req
+
+            def changed(self: Any, request_id: str, *a: Any, **kw: Any) -> None:
+                add(self, request_id, *a, **kw)  # a later vLLM nesting by (engine, dp rank)
+                self.reqs_to_recv = {k: {0: v} for k, v in self.reqs_to_recv.items()}
+            return changed
+
+        cases = [
+            ("pdgate.mooncake", mc.MooncakeConnectorMetadata, "add_new_req", nested_once_more(mc.MooncakeConnectorMetadata), "shape"),
+            ("pdgate.mooncake", mc, "PullReqMeta", None, "PullReqMeta"),
+            ("pdgate.nixl", nixl_meta.NixlConnectorMetadata, "add_new_req_to_recv", None, "shape"),
+        ]
+        for module, owner, attr, replacement, what in cases:
+            with self.subTest(module=module, attr=attr):
+                saved = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+                try:
+                    if replacement is None:
+                        delattr(owner, attr)
+                    else:
+                        setattr(owner, attr, replacement)
+                    with self.assertRaises(ImportError) as ctx:
+                        self.reimport(module)
+                    self.assertIn(f"vLLM {VERSION}", str(ctx.exception))
+                    self.assertIn(what, str(ctx.exception))
+                    self.assertIn("completionGate: Disabled", str(ctx.exception))
+                finally:
+                    setattr(owner, attr, saved)
+
+
+if __name__ == "__main__":
+    unittest.main()
