@@ -188,11 +188,26 @@ func testPullMovesBytesAndCompletesOnce(t *testing.T, p *pair) {
 	}
 	p.completions.Wait(t, 1, "completion")
 	p.releases.Wait(t, 1, "release")
-	if len(p.completions.Completions()) != 1 || p.completions.Completions()[0].Err != nil || p.completions.Completions()[0].Request != "d-1" {
-		t.Fatalf("completions = %+v, want one success for d-1", p.completions.Completions())
+	// Once: a second report of the pull, or of the release, would be queued before the
+	// sentinels' reports, so it has arrived when they have.
+	p.drainConsumer(t, 1)
+	p.drainProducer(t, 1)
+	if d := cmp.Diff([]reported{{"d-1", false}, {sentinelRequest, true}}, reportedOf(p.completions.Completions())); d != "" {
+		t.Errorf("completions (-want +got):\n%s", d)
 	}
-	if len(p.releases.Releases()) != 1 || p.releases.Releases()[0].Reason != connector.ReleaseServed || p.releases.Releases()[0].Blocks != 2 {
-		t.Fatalf("releases = %+v, want one served release of 2 blocks", p.releases.Releases())
+	wantReleases := []connector.Release{
+		{Request: "p-1", Transfer: "x1", Blocks: 2, Reason: connector.ReleaseServed},
+		{Request: sentinelRequest, Transfer: sentinelTransfer, Blocks: 1, Reason: connector.ReleaseAborted},
+	}
+	if d := cmp.Diff(wantReleases, p.releases.Releases()); d != "" {
+		t.Errorf("releases (-want +got):\n%s", d)
+	}
+	// The agents' own counts agree: one completion of d-1 (the sentinel's is the failure).
+	if d := cmp.Diff(map[string]float64{"ok": 1, "failed": 1}, counts(p.cons.metrics.completions, "ok", "failed")); d != "" {
+		t.Errorf("pdcluster_connector_completions_total (-want +got):\n%s", d)
+	}
+	if d := cmp.Diff(map[string]float64{"served": 1, "expired": 0, "aborted": 1}, counts(p.prod.metrics.releases, "served", "expired", "aborted")); d != "" {
+		t.Errorf("pdcluster_connector_releases_total (-want +got):\n%s", d)
 	}
 	got := make([]byte, blockBytes)
 	for i, dst := range []int64{10, 11} {
@@ -203,22 +218,99 @@ func testPullMovesBytesAndCompletesOnce(t *testing.T, p *pair) {
 	}
 }
 
-// The seed case: a pull without local blocks tells the producer and reports nothing.
+// The sentinels mark the end of an agent's event stream so far: each makes one report, queued
+// after every report the agent made before it (the event queue keeps order), so a test that
+// waited for it has seen everything before it, without waiting for time to pass.
+const (
+	sentinelRequest  = "sentinel"
+	sentinelTransfer = "x-sentinel"
+)
+
+// drainConsumer waits until the consumer has reported a pull for an engine the producer does
+// not have (it fails at once, with a completion), after the before completions already seen.
+func (p *pair) drainConsumer(t *testing.T, before int) {
+	t.Helper()
+	err := p.consLink.Pull(context.Background(), localapi.Pull{Request: sentinelRequest, Transfer: sentinelTransfer, Blocks: connector.BlockIDs{{63}},
+		WaitingForRemote: true, RemoteEngine: "engine-sentinel", RemoteBootstrap: p.prodURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.completions.Wait(t, before+1, "the sentinel's completion")
+}
+
+// drainProducer waits until the producer has released a sentinel transfer it was told was
+// aborted, after the before releases already seen.
+func (p *pair) drainProducer(t *testing.T, before int) {
+	t.Helper()
+	ctx := context.Background()
+	if err := p.prodLink.Ready(ctx, sentinelTransfer, sentinelRequest, connector.BlockIDs{{63}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.prodLink.Abort(ctx, sentinelTransfer); err != nil {
+		t.Fatal(err)
+	}
+	p.releases.Wait(t, before+1, "the sentinel's release")
+}
+
+// reported is what a test compares of a completion: whose, and whether it failed.
+type reported struct {
+	Request connector.RequestID
+	Failed  bool
+}
+
+func reportedOf(cs []connector.Completion) []reported {
+	out := make([]reported, 0, len(cs))
+	for _, c := range cs {
+		out = append(out, reported{c.Request, c.Err != nil})
+	}
+	return out
+}
+
+// counts reads a labelled counter's series.
+func counts(v *prometheus.CounterVec, labels ...string) map[string]float64 {
+	out := map[string]float64{}
+	for _, l := range labels {
+		out[l] = testutil.ToFloat64(v.WithLabelValues(l))
+	}
+	return out
+}
+
+// The seed case: a pull without local blocks tells the producer, which releases the prefill
+// request as served, and reports nothing to the decode scheduler. The holds cannot time out
+// within the test, so only the pull can have released them.
 func TestEmptyPullReleasesProducerAndReportsNothing(t *testing.T) {
-	for _, blocks := range []connector.BlockIDs{nil, {{}}, {{}, {}}} {
-		p := newPair(t, nil)
-		ctx := context.Background()
-		_ = p.prodLink.Expect(ctx, "x", "p")
-		_ = p.prodLink.Ready(ctx, "x", "p", connector.BlockIDs{{1, 2}})
-		p.pull(t, "d", "x", blocks, true)
-		p.releases.Wait(t, 1, "release")
-		time.Sleep(100 * time.Millisecond) // a wrong completion would have come by now
-		if len(p.completions.Completions()) != 0 {
-			t.Errorf("blocks %v: completions %+v, want none", blocks, p.completions.Completions())
-		}
-		if st := p.cons.puller.Stats(); st.NotifiedOnly != 1 || st.InFlight != 0 {
-			t.Errorf("blocks %v: puller stats %+v", blocks, st)
-		}
+	for _, tc := range []struct {
+		name   string
+		blocks connector.BlockIDs
+	}{{"no groups", nil}, {"one empty group", connector.BlockIDs{{}}}, {"two empty groups", connector.BlockIDs{{}, {}}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t, func(c *Config) {
+				c.HoldTimeout, c.ReadyTimeout, c.PullTimeout = 10*time.Minute, 10*time.Minute, 11*time.Minute
+			})
+			ctx := context.Background()
+			if err := p.prodLink.Expect(ctx, "x", "p"); err != nil {
+				t.Fatal(err)
+			}
+			if err := p.prodLink.Ready(ctx, "x", "p", connector.BlockIDs{{1, 2}}); err != nil {
+				t.Fatal(err)
+			}
+			p.pull(t, "d", "x", tc.blocks, true)
+			p.releases.Wait(t, 1, "the release the empty pull owes the producer")
+			want := []connector.Release{{Request: "p", Transfer: "x", Blocks: 2, Reason: connector.ReleaseServed}}
+			if d := cmp.Diff(want, p.releases.Releases()); d != "" {
+				t.Errorf("releases (-want +got):\n%s", d)
+			}
+			if d := cmp.Diff(map[string]float64{"served": 1, "expired": 0, "aborted": 0}, counts(p.prod.metrics.releases, "served", "expired", "aborted")); d != "" {
+				t.Errorf("pdcluster_connector_releases_total (-want +got):\n%s", d)
+			}
+			p.drainConsumer(t, 0)
+			if d := cmp.Diff([]reported{{sentinelRequest, true}}, reportedOf(p.completions.Completions())); d != "" {
+				t.Errorf("completions (-want +got): the empty pull must report nothing\n%s", d)
+			}
+			if st := p.cons.puller.Stats(); st.NotifiedOnly != 1 || st.InFlight != 0 {
+				t.Errorf("puller stats %+v, want one notify-only pull and none in flight", st)
+			}
+		})
 	}
 }
 
