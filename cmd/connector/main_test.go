@@ -2,8 +2,12 @@ package main
 
 import (
 	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/agent"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -21,9 +25,13 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			if c.Name != v1alpha1.ConnectorContainerName {
 				continue
 			}
-			_, o, err := parseFlags(c.Args)
+			cfg, o, err := parseFlags(c.Args)
 			if err != nil {
 				t.Fatalf("%s sidecar args %v: %v", role, c.Args, err)
+			}
+			// The gate is on by default, and the sidecar beside a gated engine requires it.
+			if !cfg.Gate.Required {
+				t.Errorf("%s sidecar args %v: the agent does not require the completion gate", role, c.Args)
 			}
 			if o.listen != render.ConnectorSocket || o.kvPath == "" || o.blocks <= 0 {
 				t.Errorf("%s sidecar: listen %q, kv file %q, %d blocks", role, o.listen, o.kvPath, o.blocks)
@@ -32,5 +40,32 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 	}
 	if _, _, err := parseFlags([]string{"--no-such-flag"}); err == nil {
 		t.Error("an unknown flag was accepted")
+	}
+}
+
+// The gate flags reach the agent's config.
+func TestGateFlags(t *testing.T) {
+	cases := []struct {
+		name string
+		args []string
+		want agent.GateConfig
+	}{
+		{"defaults", nil, agent.GateConfig{Required: false, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second}},
+		{"required", []string{"--require-gate"}, agent.GateConfig{Required: true, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second}},
+		{"all set", []string{"--require-gate=true", "--gate-startup-grace=3m", "--gate-heartbeat-timeout=45s"},
+			agent.GateConfig{Required: true, StartupGrace: 3 * time.Minute, HeartbeatTimeout: 45 * time.Second}},
+		{"not required, timings set", []string{"--require-gate=false", "--gate-startup-grace=90s", "--gate-heartbeat-timeout=1m"},
+			agent.GateConfig{Required: false, StartupGrace: 90 * time.Second, HeartbeatTimeout: time.Minute}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg, _, err := parseFlags(tc.args)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d := cmp.Diff(tc.want, cfg.Gate); d != "" {
+				t.Errorf("parseFlags(%q).Gate (-want +got):\n%s", tc.args, d)
+			}
+		})
 	}
 }

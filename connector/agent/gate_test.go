@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
@@ -15,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 )
@@ -172,5 +174,87 @@ func TestGateState(t *testing.T) {
 	clk.SetTime(gateT0.Add(time.Minute))
 	if st := g.state(); st.Loaded {
 		t.Error("a stale heartbeat still counts as loaded")
+	}
+}
+
+// The sidecar's side of "unready while the gate is silent": what the kubelet's probe of
+// /readyz on the public handler sees, as the engine's gate posts heartbeats to the local API
+// and the (injected) clock moves on.
+func TestReadyzFollowsTheGate(t *testing.T) {
+	const heartbeat = `{"connector":"GatedMooncakeConnector","vllm_version":"0.27.0","counts":{}}`
+	type step struct {
+		at        time.Duration // since the agent started
+		heartbeat bool          // the gate posts a heartbeat at this time, before the probe
+		wantCode  int
+		wantBody  string // a part of /readyz's answer
+	}
+	cases := []struct {
+		name     string
+		required bool
+		steps    []step
+	}{
+		{"required", true, []step{
+			{at: 0, wantCode: http.StatusOK, wantBody: "ok"},
+			{at: 2 * time.Minute, wantCode: http.StatusOK, wantBody: "ok"}, // the grace, to the end
+			{at: 2*time.Minute + time.Second, wantCode: http.StatusServiceUnavailable, wantBody: "completion gate has not reported in 2m0s"},
+			{at: 3 * time.Minute, heartbeat: true, wantCode: http.StatusOK, wantBody: "ok"},
+			{at: 3*time.Minute + 45*time.Second, wantCode: http.StatusOK, wantBody: "ok"}, // as old as allowed
+			{at: 3*time.Minute + 46*time.Second, wantCode: http.StatusServiceUnavailable, wantBody: "completion gate (GatedMooncakeConnector) last reported 46s ago"},
+			{at: 4 * time.Minute, heartbeat: true, wantCode: http.StatusOK, wantBody: "ok"},
+		}},
+		{"not required", false, []step{
+			{at: 0, wantCode: http.StatusOK, wantBody: "ok"},
+			{at: time.Hour, wantCode: http.StatusOK, wantBody: "ok"}, // silent long past the grace
+			{at: 2 * time.Hour, heartbeat: true, wantCode: http.StatusOK, wantBody: "ok"},
+			{at: 3 * time.Hour, wantCode: http.StatusOK, wantBody: "ok"}, // the heartbeat long stale
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := clocktesting.NewFakePassiveClock(gateT0)
+			a := servingAgent(t, Config{Role: v1alpha1.KVConsumer, KV: openKV(t, "c.kv"), PullTimeout: time.Minute,
+				Gate: GateConfig{Required: tc.required, StartupGrace: 2 * time.Minute, HeartbeatTimeout: 45 * time.Second, Clock: clk}})
+			local, public := a.Handler(prometheus.NewRegistry()), a.PublicHandler(prometheus.NewRegistry())
+			for _, s := range tc.steps {
+				clk.SetTime(gateT0.Add(s.at))
+				if s.heartbeat {
+					rec := httptest.NewRecorder()
+					local.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, localapi.PathGate, strings.NewReader(heartbeat)))
+					if rec.Code != http.StatusNoContent {
+						t.Fatalf("at %v: POST %s = %d %s", s.at, localapi.PathGate, rec.Code, rec.Body)
+					}
+				}
+				rec := httptest.NewRecorder()
+				public.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+				if rec.Code != s.wantCode || !strings.Contains(rec.Body.String(), s.wantBody) {
+					t.Errorf("at %v: GET /readyz = %d %q, want %d with %q", s.at, rec.Code, rec.Body, s.wantCode, s.wantBody)
+				}
+			}
+		})
+	}
+}
+
+// servingAgent builds a consumer agent from cfg and serves it until the test ends, returning
+// once it is up (ready but for the gate).
+func servingAgent(t *testing.T, cfg Config) *Agent {
+	t.Helper()
+	a, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = a.Serve(ctx, nil) }()
+	t.Cleanup(func() { cancel(); <-done })
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		a.mu.Lock()
+		up := a.ready
+		a.mu.Unlock()
+		if up {
+			return a
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("consumer agent not up after 5s")
+		}
 	}
 }
