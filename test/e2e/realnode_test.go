@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -21,7 +24,10 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
 )
 
 // The sample hack/run.sh puts on the real node (config/samples/local-node.yaml).
@@ -206,6 +212,96 @@ func (r realNode) serves(t *testing.T) {
 	}
 }
 
+// gateCounts is what the decode sidecar last heard from the engine's gate (GET :8190/gate).
+func gateCounts(pod corev1.Pod) (vllmplugin.Counts, error) {
+	resp, err := http.Get("http://" + pod.Status.PodIP + ":8190" + vllmplugin.StatePath)
+	if err != nil {
+		return vllmplugin.Counts{}, err
+	}
+	defer resp.Body.Close()
+	var st vllmplugin.State
+	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+		return vllmplugin.Counts{}, err
+	}
+	if !st.Loaded || st.Report == nil {
+		return vllmplugin.Counts{}, fmt.Errorf("the decode engine's gate is not loaded: %+v", st)
+	}
+	return st.Report.Counts, nil
+}
+
+// gatesIdleEngine runs the two pulls with no local block a decode engine meets: the 13-token
+// request's, and a rejected request's cleanup pull whose report the worker holds while the
+// engine is idle for longer than the gate's TTL (set short here). The next request's step
+// delivers it; a gate that dropped its record on time alone would let it kill the engine.
+func (r realNode) gatesIdleEngine(t *testing.T) {
+	const ttl = 2 * time.Second
+	p := &v1alpha1.PDCluster{ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: realName}}
+	patch := fmt.Sprintf(`{"spec":{"decode":{"pod":{"env":[{"name":%q,"value":"%d"}]}}}}`, enginesim.GateTTLEnv, int(ttl.Seconds()))
+	if err := r.c.Patch(r.ctx, p, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
+		t.Fatal(err)
+	}
+	r.eventually("decode rolled with the short gate TTL and settled", func() error {
+		for _, pod := range r.pods(v1alpha1.RoleDecode) {
+			if !slices.ContainsFunc(pod.Spec.Containers[0].Env, func(e corev1.EnvVar) bool { return e.Name == enginesim.GateTTLEnv }) {
+				return fmt.Errorf("decode pod %s has no %s", pod.Name, enginesim.GateTTLEnv)
+			}
+		}
+		return r.settled()
+	})
+	decode, prefill := r.pods(v1alpha1.RoleDecode)[0], r.pods(v1alpha1.RolePrefill)[0]
+	var before vllmplugin.Counts
+	r.eventually("the decode engine's gate heartbeats", func() (err error) { before, err = gateCounts(decode); return err })
+	statusBefore := r.pdc().Status.Decode.Gate
+
+	if code, n, err := r.complete(words(13), 4); err != nil || code != http.StatusOK || n != 4 {
+		t.Fatalf("13-token request: status %d, %d tokens, %v", code, n, err)
+	}
+	// A request the decode API rejects (max_tokens 0) still frees prefill's blocks, as vLLM's
+	// notify_kv_transfer_request_rejected does: a cleanup pull with no local block.
+	boot := "http://" + net.JoinHostPort(prefill.Status.PodIP, strconv.Itoa(int(v1alpha1.DefaultBootstrapPort)))
+	topo, err := bootstrap.NewClient().Query(r.ctx, boot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := json.Marshal(map[string]any{"model": realModel, "prompt": words(3), "max_tokens": 0, "kv_transfer_params": map[string]any{
+		"do_remote_prefill": true, "transfer_id": fmt.Sprintf("xfer-e2e-rejected-%d", time.Now().UnixNano()),
+		"remote_engine_id": topo["0"].EngineID, "remote_bootstrap_addr": boot,
+	}})
+	resp, err := http.Post("http://"+decode.Status.PodIP+":8000/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadRequest {
+		t.Fatalf("rejected request: status %d, want 400", resp.StatusCode)
+	}
+	time.Sleep(3 * ttl) // idle: no request reaches decode, so it does not step
+	if code, n, err := r.complete(words(3*realBlock+5), 4); err != nil || code != http.StatusOK || n != 4 {
+		t.Fatalf("the request after the idle period: status %d, %d tokens, %v", code, n, err)
+	}
+	r.eventually("the sidecar heard both pulls gated", func() error {
+		c, err := gateCounts(decode)
+		if err != nil {
+			return err
+		}
+		if c.Gated < before.Gated+2 {
+			return fmt.Errorf("gated %d, want at least %d", c.Gated, before.Gated+2)
+		}
+		return nil
+	})
+	pod := r.pods(v1alpha1.RoleDecode)[0]
+	if n := restarts(pod, v1alpha1.EngineContainerName); n != 0 || pod.UID != decode.UID {
+		t.Errorf("decode engine restarted %d times (pod %s, was %s)", n, pod.UID, decode.UID)
+	}
+	r.eventually("status.decode.gate.gatedCompletions rose", func() error {
+		g := r.pdc().Status.Decode.Gate
+		if g == nil || statusBefore != nil && g.GatedCompletions < statusBefore.GatedCompletions+2 || statusBefore == nil && g.GatedCompletions < 2 {
+			return fmt.Errorf("status.decode.gate = %+v, was %+v", g, statusBefore)
+		}
+		return nil
+	})
+}
+
 // connectorPID finds the prefill pod's connector process on this host: the pod's containers
 // are processes of the real node, which is this machine.
 func connectorPID(t *testing.T) int {
@@ -297,6 +393,10 @@ func TestRealNode(t *testing.T) {
 		r.run("diff", "-f", "config/samples/local-node.yaml")
 		r.run("diff", "--server-side", "--field-manager=argocd-controller", "--force-conflicts", "-f", "config/samples/local-node.yaml")
 		r.run("diff", "--server-side", "--field-manager=kustomize-controller", "--force-conflicts", "-f", "config/samples/local-node.yaml")
+	})
+
+	t.Run("the decode engine's gate: notify-only pulls gated, an idle engine's held report too", func(t *testing.T) {
+		r.gatesIdleEngine(t)
 	})
 
 	t.Run("nixl: the same requests after switching the connector", func(t *testing.T) {

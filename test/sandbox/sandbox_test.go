@@ -341,7 +341,8 @@ func TestUngatedConnectorKillsDecodeEngine(t *testing.T) {
 	r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{
 		"prompt": tokens(13, 1), "max_tokens": 32, "ignore_eos": true,
 	})
-	// The request may finish before the bogus report lands; the engine dies either way.
+	// The request may finish before the bogus report lands: the report then waits in the worker
+	// until the scheduler's next step, which an idle engine takes only for its next request.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		code, body := get(t, b.state.Decode[0].Engine+"/health")
@@ -352,6 +353,7 @@ func TestUngatedConnectorKillsDecodeEngine(t *testing.T) {
 			t.Fatalf("decode engine still healthy (%d %s); first request: %d %s", code, body, r.status, r.body)
 		}
 		time.Sleep(50 * time.Millisecond)
+		post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(64, 2), "max_tokens": 1})
 	}
 	r = post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(13, 1), "max_tokens": 4})
 	if r.status != http.StatusInternalServerError || !strings.Contains(r.body, "EngineCore died") {

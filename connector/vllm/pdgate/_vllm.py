@@ -6,7 +6,7 @@ import importlib
 import logging
 from typing import Any, Callable, Iterable, Optional
 
-from .gate import Gate, Reporter, socket_path_from_env
+from .gate import Gate, Reporter, socket_path_from_env, ttl_from_env
 
 logger = logging.getLogger("pdgate")
 
@@ -117,7 +117,7 @@ def gated(base: type, name: str, flow: str,
             base.__init__(self, vllm_config, role)
         else:
             base.__init__(self, vllm_config, role, kv_cache_config)
-        self._pdgate = Gate()
+        self._pdgate = Gate(ttl_seconds=ttl_from_env())
         self._pdgate_reporter = None
         role_name = str(getattr(role, "name", role))
         logger.info("pdgate: %s loaded on vLLM %s (role %s): pulls with no local block are not "

@@ -225,6 +225,24 @@ def _plugin_version() -> str:
     return __version__
 
 
+TTL_ENV = "PDGATE_TTL_SECONDS"
+
+
+def ttl_from_env(environ: Mapping[str, str] = os.environ) -> float:
+    """The gate's TTL: PDGATE_TTL_SECONDS, else DEFAULT_TTL_SECONDS. A record never goes on time
+    alone, so a short TTL (tests) only lets records go sooner once grace steps have passed."""
+    raw = environ.get(TTL_ENV, "")
+    if not raw:
+        return DEFAULT_TTL_SECONDS
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = -1.0
+    if not ttl > 0:
+        raise ValueError(f"pdgate: {TTL_ENV}={raw!r}: want a positive number of seconds")
+    return ttl
+
+
 def socket_path_from_env(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """The sidecar's local API socket, from PDCLUSTER_CONNECTOR_URL (unix:///path)."""
     url = environ.get("PDCLUSTER_CONNECTOR_URL", "")

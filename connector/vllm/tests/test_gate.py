@@ -43,6 +43,14 @@ class GateTest(unittest.TestCase):
         self.assertGreaterEqual(gatemod.DEFAULT_GRACE_STEPS, 8)
         self.assertEqual(gatemod.Gate()._grace, gatemod.DEFAULT_GRACE_STEPS)
 
+    def test_ttl_from_env(self) -> None:
+        self.assertEqual(gatemod.ttl_from_env({}), gatemod.DEFAULT_TTL_SECONDS)
+        self.assertEqual(gatemod.ttl_from_env({"PDGATE_TTL_SECONDS": "2.5"}), 2.5)
+        for bad in ("0", "-1", "soon", "nan"):
+            with self.subTest(bad):
+                with self.assertRaises(ValueError):
+                    gatemod.ttl_from_env({"PDGATE_TTL_SECONDS": bad})
+
     def test_time_alone_never_drops_a_record(self) -> None:
         clock = Clock()
         g = gatemod.Gate(ttl_seconds=660, clock=clock, grace_steps=3)

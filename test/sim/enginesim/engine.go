@@ -23,6 +23,7 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector/kvfile"
 	"pdcluster.dev/pdcluster-operator/connector/link"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
 
@@ -46,7 +47,15 @@ type Config struct {
 	// BootstrapAddr is how consumers reach this producer's bootstrap registry, returned in
 	// kv_transfer_params (the NIXL-style sequential flow needs it).
 	BootstrapAddr string
-	Log           logr.Logger
+	// WorkerReportsEmptyPulls is vLLM's stock Mooncake worker before 0.32: every settled pull
+	// is reported as finished receiving, local blocks or not (the seed bug). The stand-in
+	// reports a pull with no local block once its agent took it.
+	WorkerReportsEmptyPulls bool
+	// Gate runs pdgate's completion gate on the scheduler side, as vLLM does with the plugin
+	// loaded; GateTTL is its TTL (0: pdgate's default).
+	Gate    bool
+	GateTTL time.Duration
+	Log     logr.Logger
 }
 
 // Engine is one simulated vLLM engine.
@@ -59,6 +68,12 @@ type Engine struct {
 	boot   *bootstrap.Client
 	wake   chan struct{}
 	nextID atomic.Uint64
+
+	// reports are the worker's finished-receiving reports, held until the scheduler's next
+	// step (vLLM's worker hands them over in the model output of a step); gate filters them.
+	rmu     sync.Mutex
+	reports []connector.Completion
+	gate    *gate
 
 	mu     sync.Mutex
 	reqs   map[connector.RequestID]*request
@@ -108,6 +123,9 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[connector.RequestID]*request{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
 	e.boot.MaxAge = time.Second
+	if cfg.Gate {
+		e.gate = newGate(cfg.GateTTL, DefaultGateGrace, nil)
+	}
 	if cfg.Role != "" {
 		e.link = link.New(cfg.Agent, connector.CompletionFunc(e.finishedReceiving), connector.ReleaseFunc(e.finishedSending))
 		e.link.Log = cfg.Log
@@ -128,6 +146,16 @@ func (e *Engine) Dead() error { return e.sched.Dead() }
 
 // Scheduler exposes the scheduler state for tests and /debug.
 func (e *Engine) Scheduler() vllmsched.Stats { return e.sched.Stats() }
+
+// GateCounts is what the engine's completion gate did (zero without one).
+func (e *Engine) GateCounts() vllmplugin.Counts {
+	e.rmu.Lock()
+	defer e.rmu.Unlock()
+	if e.gate == nil {
+		return vllmplugin.Counts{}
+	}
+	return e.gate.counts
+}
 
 // Stats returns the engine's counters.
 func (e *Engine) Stats() Stats {
@@ -150,9 +178,22 @@ func (e *Engine) Run(ctx context.Context) {
 			}
 			continue
 		}
+		if !e.sched.HasRequests() {
+			// EngineCore with no request blocks on its input queue: no step, so a report the
+			// worker holds waits for the next request's step, however late.
+			select {
+			case <-ctx.Done():
+			case <-e.wake:
+			}
+			continue
+		}
 		running := e.sched.Schedule()
+		delivered := e.deliverReports()
 		e.reapFailedLoads()
 		if len(running) == 0 {
+			if delivered {
+				continue // a request may resume at once
+			}
 			select {
 			case <-ctx.Done():
 			case <-e.wake:
@@ -355,9 +396,18 @@ func (e *Engine) onPull(meta connector.PullMeta) {
 	if r != nil {
 		p.RemoteEngine, p.RemoteBootstrap = r.remoteEngine, r.remoteBootstrap
 	}
+	if e.gate != nil {
+		e.rmu.Lock()
+		e.gate.observe(meta)
+		e.rmu.Unlock()
+	}
 	go func() {
-		if err := e.link.Pull(context.Background(), p); err != nil {
+		err := e.link.Pull(context.Background(), p)
+		if err != nil {
 			e.cfg.Log.Info("pull not taken by the connector agent", "request", p.Request, "err", err.Error())
+		}
+		if err == nil && e.cfg.WorkerReportsEmptyPulls && !meta.NotifiesScheduler() {
+			e.finishedReceiving(connector.Completion{Request: meta.Request})
 		}
 	}()
 }
@@ -384,17 +434,43 @@ func (e *Engine) onDrop(transfer connector.TransferID, req connector.RequestID, 
 	}()
 }
 
+// finishedReceiving is the worker's report of a pull: held until the scheduler's next step.
 func (e *Engine) finishedReceiving(c connector.Completion) {
-	e.mu.Lock()
-	if r := e.reqs[c.Request]; r != nil && c.Err != nil {
-		r.pullErr = true
-	}
-	e.mu.Unlock()
-	e.sched.FinishedReceiving(c)
-	if c.Err != nil {
-		e.cfg.Log.Info("KV pull failed", "request", c.Request, "policy", e.cfg.Policy, "err", c.Err.Error())
-	}
+	e.rmu.Lock()
+	e.reports = append(e.reports, c)
+	e.rmu.Unlock()
 	e.kick()
+}
+
+// deliverReports is the step's model output reaching the scheduler: the held reports, through
+// the gate when there is one. It reports whether any reached the scheduler.
+func (e *Engine) deliverReports() bool {
+	e.rmu.Lock()
+	reports := e.reports
+	e.reports = nil
+	if e.gate != nil {
+		e.gate.tick()
+		kept := reports[:0]
+		for _, c := range reports {
+			if e.gate.pass(c) {
+				kept = append(kept, c)
+			}
+		}
+		reports = kept
+	}
+	e.rmu.Unlock()
+	for _, c := range reports {
+		e.mu.Lock()
+		if r := e.reqs[c.Request]; r != nil && c.Err != nil {
+			r.pullErr = true
+		}
+		e.mu.Unlock()
+		e.sched.FinishedReceiving(c)
+		if c.Err != nil {
+			e.cfg.Log.Info("KV pull failed", "request", c.Request, "policy", e.cfg.Policy, "err", c.Err.Error())
+		}
+	}
+	return len(reports) > 0
 }
 
 func (e *Engine) finishedSending(rel connector.Release) {

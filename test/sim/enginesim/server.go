@@ -115,6 +115,9 @@ func (e *Engine) serve(w http.ResponseWriter, hr *http.Request, chat bool) {
 	}
 	r, status, err := e.admit(hr, &body, chat)
 	if err != nil {
+		if status == http.StatusBadRequest {
+			e.rejectedKVTransfer(body.KVTransferParams)
+		}
 		writeError(w, status, err.Error(), "BadRequestError")
 		return
 	}
@@ -236,6 +239,25 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 	}
 	e.kick()
 	return r, 0, nil
+}
+
+// rejectedKVTransfer is vLLM's AsyncLLM.notify_kv_transfer_request_rejected: a decode request
+// the API rejected still frees its prefill's blocks, through a pre-aborted request whose only
+// effect is the connector's cleanup pull (a pull with no local block).
+func (e *Engine) rejectedKVTransfer(p *KVTransferParams) {
+	if p == nil || !p.DoRemotePrefill || e.cfg.Role != v1alpha1.KVConsumer ||
+		p.TransferID == "" || p.RemoteEngineID == "" || p.RemoteBootstrapAddr == "" {
+		return
+	}
+	r := &request{id: e.newID(), tokens: []int{0}, out: make(chan int, 1), done: make(chan struct{}),
+		transfer: p.TransferID, remoteEngine: p.RemoteEngineID, remoteBootstrap: p.RemoteBootstrapAddr}
+	e.mu.Lock()
+	e.reqs[r.id] = r
+	e.mu.Unlock()
+	if err := e.sched.AddAborted(r.id, r.transfer); err != nil {
+		e.cfg.Log.Info("rejected request not freed on prefill", "request", r.id, "err", err.Error())
+	}
+	e.end(r, nil, "abort")
 }
 
 func roleName(r v1alpha1.KVRole) string {

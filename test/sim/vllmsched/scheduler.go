@@ -144,6 +144,26 @@ func (s *Scheduler) Add(id connector.RequestID, transfer connector.TransferID, p
 	return nil
 }
 
+// AddAborted is a consumer request submitted with abort_immediately (vLLM's
+// notify_kv_transfer_request_rejected): it is never scheduled, and request_finished turns it
+// into a cleanup pull with no local block that only tells the producer to release.
+func (s *Scheduler) AddAborted(id connector.RequestID, transfer connector.TransferID) error {
+	s.mu.Lock()
+	if s.dead != nil {
+		defer s.mu.Unlock()
+		return s.dead
+	}
+	if _, dup := s.requests[id]; dup {
+		s.mu.Unlock()
+		return fmt.Errorf("request %s already exists", id)
+	}
+	s.mu.Unlock()
+	if s.cfg.Role == v1alpha1.KVConsumer && transfer != "" {
+		s.emitPulls([]connector.PullMeta{{Request: id, Transfer: transfer}})
+	}
+	return nil
+}
+
 // transferableTokens is the part of a prompt that moves between engines: whole blocks only, as
 // a partial last block is recomputed on decode. A 13-token prompt with 64-token blocks has none.
 func (s *Scheduler) transferableTokens(prompt int) int {
@@ -373,6 +393,13 @@ func (s *Scheduler) FinishedSending(rel connector.Release) {
 	r.delayFree = false
 	s.freeLocked(r)
 	delete(s.requests, r.ID)
+}
+
+// HasRequests is vLLM's has_requests: whether the engine has anything to step for.
+func (s *Scheduler) HasRequests() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.requests) > 0
 }
 
 // Stats is a snapshot for tests and metrics.

@@ -9,7 +9,12 @@
 //     $VLLM_NIXL_SIDE_CHANNEL_HOST (localhost):$VLLM_NIXL_SIDE_CHANNEL_PORT (5600) + dp rank, and
 //     that host is what prefill hands decode. A port already bound fails the start, as it
 //     fails vLLM's;
-//   - the gate: with pdgate's class loaded it heartbeats to the sidecar as the plugin does.
+//   - reports: the worker's finished-receiving reports reach the scheduler at its next step,
+//     and an engine with no request does not step (EngineCore blocks on its input queue); the
+//     worker reports pulls with no local block too, as vLLM's stock Mooncake worker did before
+//     0.32, so the stock class dies of them as vLLM did;
+//   - the gate: with pdgate's class loaded the scheduler side runs pdgate's rule (TTL from
+//     PDGATE_TTL_SECONDS) and heartbeats its counts to the sidecar as the plugin does.
 //
 // The KV moves through the connector sidecar (PDCLUSTER_CONNECTOR_URL), whose data address the
 // prefill engine registers in its bootstrap server, as vLLM's workers register theirs.
@@ -96,6 +101,15 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 			return err
 		}
 		cfg.Role = v1alpha1.KVRole(kv.Role)
+		cfg.WorkerReportsEmptyPulls = true
+		cfg.Gate = conn.File != "" // a class imported from pdgate's mounted files
+		if v := getenv(enginesim.GateTTLEnv); v != "" {
+			secs, err := strconv.ParseFloat(v, 64)
+			if err != nil || secs <= 0 {
+				return fmt.Errorf("%s=%q: want a positive number of seconds", enginesim.GateTTLEnv, v)
+			}
+			cfg.GateTTL = time.Duration(secs * float64(time.Second))
+		}
 		if kv.LoadFailurePolicy != "" {
 			cfg.Policy = vllmsched.Policy(kv.LoadFailurePolicy)
 		}
@@ -235,14 +249,14 @@ func registerAgent(ctx context.Context, agent string, registry *bootstrap.Regist
 	}
 }
 
-// heartbeat reports the loaded gate to the sidecar every 5 s, as pdgate's Reporter does. The
-// simulator's gate is the sidecar's own, so the counts are the completions the engine was told.
+// heartbeat reports the loaded gate to the sidecar every 5 s, as pdgate's Reporter does, with
+// the counts of what this engine's gate kept from its scheduler and passed.
 func heartbeat(ctx context.Context, agent string, conn vllmcli.Connector, role string, e *enginesim.Engine) {
 	c := newSidecar(agent)
 	for ctx.Err() == nil {
-		st := e.Scheduler()
+		counts := e.GateCounts()
 		_ = c.gate(ctx, vllmplugin.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllmplugin.Hash(), Role: role, PID: os.Getpid(),
-			Counts: vllmplugin.Counts{Passed: int64(st.Completions), Failed: int64(st.Errored)}})
+			Counts: counts})
 		select {
 		case <-ctx.Done():
 		case <-time.After(5 * time.Second):
