@@ -4,6 +4,7 @@
 package gitops
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -14,7 +15,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
 	"sigs.k8s.io/yaml"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/pdctl"
 )
 
 const script = "../../config/gitops/argocd/pdcluster-health.lua"
@@ -104,15 +109,42 @@ func TestArgoCDHealthCheck(t *testing.T) {
 			t.Errorf("health = %s, want Progressing", status)
 		}
 	})
-	t.Run("restart budget exhausted", func(t *testing.T) {
-		obj := map[string]any{"metadata": map[string]any{"generation": float64(1)}, "status": map[string]any{"observedGeneration": float64(1), "conditions": []any{
-			map[string]any{"type": "Ready", "status": "True", "reason": "AllComponentsReady", "message": "ok"},
-			map[string]any{"type": "ConnectorHealthy", "status": "False", "reason": "RestartBudgetExhausted", "message": "5 rounds in 3600s"},
-		}}}
-		if status, message := health(t, lua, obj); status != "Degraded" || !strings.HasPrefix(message, "RestartBudgetExhausted") {
-			t.Errorf("health = %s %q, want Degraded for an exhausted restart budget", status, message)
-		}
-	})
+	// Every reason that needs someone to act is Degraded, on the condition the operator puts
+	// it on; the reasons that pass by waiting are not.
+	cond := func(typ, status, reason string) map[string]any {
+		return map[string]any{"type": typ, "status": status, "reason": reason, "message": "the operator's words"}
+	}
+	readyTrue := cond(v1alpha1.ConditionReady, "True", v1alpha1.ReasonAllReady)
+	for _, tc := range []struct {
+		name       string
+		conditions []any
+		status     string
+		message    string
+	}{
+		{"Ready " + v1alpha1.ReasonUnschedulable, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonUnschedulable)}, "Degraded", "Unschedulable: the operator's words"},
+		{"Ready " + v1alpha1.ReasonCrashLoopBackOff, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonCrashLoopBackOff)}, "Degraded", "CrashLoopBackOff: the operator's words"},
+		{"Ready " + v1alpha1.ReasonImagePullFailed, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonImagePullFailed)}, "Degraded", "ImagePullFailed: the operator's words"},
+		{"Ready " + v1alpha1.ReasonContainerFailed, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonContainerFailed)}, "Degraded", "ContainerFailed: the operator's words"},
+		{"Ready " + v1alpha1.ReasonInvalidSpec, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonInvalidSpec)}, "Degraded", "InvalidSpec: the operator's words"},
+		{"Ready " + v1alpha1.ReasonApplyFailed, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonApplyFailed)}, "Degraded", "ApplyFailed: the operator's words"},
+		{"ConnectorHealthy " + v1alpha1.ReasonRestartBudgetExhausted, []any{readyTrue, cond(v1alpha1.ConditionConnectorHealthy, "False", v1alpha1.ReasonRestartBudgetExhausted)},
+			"Degraded", "RestartBudgetExhausted: the operator's words"},
+		// Waiting helps.
+		{"Ready " + v1alpha1.ReasonRollingOut, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonRollingOut)}, "Progressing", "RollingOut: the operator's words"},
+		{"Ready " + v1alpha1.ReasonNotReady, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonNotReady)}, "Progressing", "ComponentsNotReady: the operator's words"},
+		{"ConnectorHealthy " + v1alpha1.ReasonRestartBackoff, []any{readyTrue, cond(v1alpha1.ConditionConnectorHealthy, "False", v1alpha1.ReasonRestartBackoff)},
+			"Healthy", "AllComponentsReady: the operator's words"},
+		{"ConnectorHealthy " + v1alpha1.ReasonConnectorNotReady, []any{readyTrue, cond(v1alpha1.ConditionConnectorHealthy, "False", v1alpha1.ReasonConnectorNotReady)},
+			"Healthy", "AllComponentsReady: the operator's words"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			obj := map[string]any{"metadata": map[string]any{"generation": float64(1)}, "status": map[string]any{"observedGeneration": float64(1), "conditions": tc.conditions}}
+			status, message := health(t, lua, obj)
+			if d := cmp.Diff([2]string{tc.status, tc.message}, [2]string{status, message}); d != "" {
+				t.Errorf("health (-want +got):\n%s", d)
+			}
+		})
+	}
 }
 
 // kustomize builds what Argo CD and Flux apply; kubectl comes from the cluster binaries.
@@ -154,11 +186,27 @@ func TestArgoCDConfigMapCarriesTheHealthCheck(t *testing.T) {
 	}
 }
 
-// The site both tools apply holds the operator and a PDCluster that passes admission.
+// The site both tools apply holds the operator and a PDCluster that passes admission: each
+// PDCluster is put through `pdctl validate` (the CRD's schema and CEL rules as the API server
+// runs them, then what only render checks), which must accept it without dropping a field.
 func TestGitOpsSiteBuilds(t *testing.T) {
 	kinds := map[string]bool{}
 	for _, o := range kustomize(t, "../../config/gitops/site") {
 		kinds[fmt.Sprint(o["kind"])] = true
+		if o["kind"] != "PDCluster" {
+			continue
+		}
+		name := fmt.Sprint(o["metadata"].(map[string]any)["name"])
+		t.Run("pdctl validate "+name, func(t *testing.T) {
+			doc, err := yaml.Marshal(o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var stdout, stderr bytes.Buffer
+			if code := pdctl.Execute([]string{"validate", "-f", "-"}, bytes.NewReader(doc), &stdout, &stderr); code != 0 || stderr.Len() > 0 {
+				t.Errorf("pdctl validate: exit %d\n%s%s\nof:\n%s", code, stdout.Bytes(), stderr.Bytes(), doc)
+			}
+		})
 	}
 	for _, k := range []string{"CustomResourceDefinition", "Deployment", "ClusterRole", "PDCluster"} {
 		if !kinds[k] {
