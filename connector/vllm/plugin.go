@@ -86,11 +86,11 @@ type Report struct {
 // Counts is what the gate did: finished_recving reports suppressed (gated) and passed, failed
 // pulls with local blocks seen, records dropped without a report, heartbeats the engine dropped.
 type Counts struct {
-	Gated         int64 `json:"gated"`
-	Passed        int64 `json:"passed"`
-	Failed        int64 `json:"failed"`
-	Expired       int64 `json:"expired"`
-	SendFailures  int64 `json:"send_failures"`
+	Gated        int64 `json:"gated"`
+	Passed       int64 `json:"passed"`
+	Failed       int64 `json:"failed"`
+	Expired      int64 `json:"expired"`
+	SendFailures int64 `json:"send_failures"`
 }
 
 // StatePath is GET /gate on the sidecar's public port: the gate as the sidecar last heard of

@@ -2,8 +2,11 @@ package vllmcli_test
 
 import (
 	"context"
+	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -62,6 +65,8 @@ func TestRenderedEngineCommandsParseAndImport(t *testing.T) {
 		t.Fatal(err)
 	}
 	n := 0
+	var inVLLM []vllmLoad
+	mounts := t.TempDir()
 	for _, spec := range specs {
 		if strings.HasSuffix(spec, ".golden.yaml") {
 			continue
@@ -94,7 +99,8 @@ func TestRenderedEngineCommandsParseAndImport(t *testing.T) {
 				if s.KVTransfer == nil || s.KVTransfer.Role != string(role.KVRole()) {
 					t.Fatalf("kv-transfer-config = %+v, want kv_role %s", s.KVTransfer, role.KVRole())
 				}
-				pythonPath := mount(t, t.TempDir(), c, render.GateObjectName(pdc.Name), pod)
+				// Kept until loadInVLLM has run: a subtest's own TempDir goes when it ends.
+				pythonPath := mount(t, filepath.Join(mounts, strings.ReplaceAll(t.Name(), "/", "_")), c, render.GateObjectName(pdc.Name), pod)
 				conn, err := vllmcli.LoadConnector(s.KVTransfer, pythonPath)
 				if err != nil {
 					t.Fatalf("vLLM could not load the connector: %v", err)
@@ -102,12 +108,93 @@ func TestRenderedEngineCommandsParseAndImport(t *testing.T) {
 				if render.GateEnabled(pdc.Spec.KVTransfer) && conn.File == "" {
 					t.Errorf("gate enabled but vLLM would load its built-in %s", conn.Class)
 				}
+				i := slices.Index(c.Args, "--kv-transfer-config")
+				if i < 0 || i+1 >= len(c.Args) {
+					t.Fatalf("no --kv-transfer-config in %q", c.Args)
+				}
+				inVLLM = append(inVLLM, vllmLoad{Name: t.Name(), Config: c.Args[i+1], PythonPath: pythonPath, WantGated: render.GateEnabled(pdc.Spec.KVTransfer)})
 				n++
 			})
 		}
 	}
 	if n < 6 {
 		t.Fatalf("checked %d engine commands, want every pool of every test spec", n)
+	}
+	loadInVLLM(t, inVLLM)
+}
+
+// vllmLoad is one rendered engine's connector, to load in the installed vLLM.
+type vllmLoad struct {
+	Name       string `json:"name"`
+	Config     string `json:"config"`
+	PythonPath string `json:"pythonPath"`
+	WantGated  bool   `json:"wantGated"`
+}
+
+// loadInVLLM has the installed vLLM (PDCLUSTER_VLLM_PYTHON, set by make test from
+// hack/vllm-venv.sh) parse each rendered --kv-transfer-config and load its class through its
+// own KVConnectorFactory, with the plugin files where the pod mounts them on the rendered
+// PYTHONPATH: a plugin that raises on import, or the stock class under the gated name, fails
+// here. One interpreter for all (importing vLLM takes tens of seconds).
+func loadInVLLM(t *testing.T, loads []vllmLoad) {
+	t.Helper()
+	python := os.Getenv("PDCLUSTER_VLLM_PYTHON")
+	if python == "" {
+		t.Fatal("PDCLUSTER_VLLM_PYTHON is not set: run make test, or set it to $(hack/vllm-venv.sh 0.33.0)")
+	}
+	const script = `
+import importlib, json, sys
+from pydantic import TypeAdapter
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+out = []
+for load in json.load(sys.stdin):
+    sys.path[:0] = load["pythonPath"].split(":")
+    importlib.invalidate_caches()
+    for m in [m for m in sys.modules if m == "pdgate" or m.startswith("pdgate.")]:
+        del sys.modules[m]
+    try:
+        cls = KVConnectorFactory.get_connector_class(TypeAdapter(KVTransferConfig).validate_json(load["config"]))
+        gated = cls.update_connector_output.__module__ == "pdgate._vllm" and cls.__module__.startswith("pdgate.")
+        out.append({"name": load["name"], "class": cls.__name__, "file": sys.modules[cls.__module__].__file__, "gated": gated})
+    except Exception as e:
+        out.append({"name": load["name"], "error": f"{type(e).__name__}: {e}"})
+    del sys.path[:len(load["pythonPath"].split(":"))]
+json.dump(out, sys.stdout)
+`
+	in, err := json.Marshal(loads)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(python, "-c", script)
+	cmd.Env = append(os.Environ(), "HF_HUB_OFFLINE=1")
+	cmd.Stdin = strings.NewReader(string(in))
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	stdout, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("%s: %v\n%s", python, err, stderr.String())
+	}
+	var got []struct {
+		Name, Class, File, Error string
+		Gated                    bool
+	}
+	if err := json.Unmarshal(stdout, &got); err != nil {
+		t.Fatalf("%v: %s", err, stdout)
+	}
+	if len(got) != len(loads) {
+		t.Fatalf("vLLM loaded %d connectors, want %d", len(got), len(loads))
+	}
+	for i, g := range got {
+		want := loads[i]
+		switch {
+		case g.Error != "":
+			t.Errorf("%s: vLLM could not load the rendered connector: %s", g.Name, g.Error)
+		case g.Gated != want.WantGated:
+			t.Errorf("%s: vLLM loaded %s (gated %v), want gated %v", g.Name, g.Class, g.Gated, want.WantGated)
+		case want.WantGated && !strings.HasPrefix(g.File, strings.Split(want.PythonPath, ":")[0]):
+			t.Errorf("%s: the gated class came from %s, not the mounted plugin on %s", g.Name, g.File, want.PythonPath)
+		}
 	}
 }
 
