@@ -95,6 +95,10 @@ test: envtest-assets test-plugin ## Unit, golden, connector, plugin, envtest int
 test-plugin: ## The completion-gate plugin's tests against each tested vLLM release, installed from PyPI into cached virtual environments (hack/test-plugin.sh).
 	hack/test-plugin.sh
 
+.PHONY: vllm-versions
+vllm-versions: ## Print the vLLM releases the plugin is tested on.
+	@echo $(VLLM_TESTED_VERSIONS)
+
 .PHONY: e2e
 e2e: envtest-assets ## End-to-end tests only, on a local cluster of their own.
 	hack/e2e.sh

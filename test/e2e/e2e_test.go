@@ -263,7 +263,7 @@ func TestLocalCluster(t *testing.T) {
 		}
 	})
 
-	t.Run("an unhealthy prefill connector restarts its pod and the connected decode pods", func(t *testing.T) {
+	t.Run("an unhealthy prefill connector (unready status written by the test: kwok runs no probes) restarts its pod and the connected decode pods", func(t *testing.T) {
 		before := e.pdc().Status.Connector.Restarts
 		sick := e.pods(v1alpha1.RolePrefill)[0]
 		healthyPrefill := e.pods(v1alpha1.RolePrefill)[1].UID
