@@ -174,7 +174,8 @@ func TestGateHashFollowsThePluginContent(t *testing.T) {
 		// One byte changed: the file keeps its name and size.
 		b := []byte(base.Files[n])
 		i := len(b) / 2
-		for i < len(b) && !(b[i] >= 'a' && b[i] <= 'z' || b[i] >= 'A' && b[i] <= 'Z') {
+		isLetter := func(c byte) bool { return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' }
+		for i < len(b) && !isLetter(b[i]) {
 			i++
 		}
 		if i == len(b) {
