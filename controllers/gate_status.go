@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -79,18 +80,20 @@ func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllmplu
 }
 
 // reconcileGateStatus sums the gate counts of each pool's running engines into status and
-// returns when to read them again. Sidecars that do not answer are left out.
-func (r *PDClusterReconciler) reconcileGateStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus) (time.Duration, error) {
+// returns when to read them again, and the pods whose connector is unready while their gate is
+// silent (the gate is why). Sidecars that do not answer are left out.
+func (r *PDClusterReconciler) reconcileGateStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus) (time.Duration, []string, error) {
 	status.Prefill.Gate, status.Decode.Gate = nil, nil
 	if r.GateReader == nil || !render.GateEnabled(pdc.Spec.KVTransfer) {
-		return 0, nil
+		return 0, nil, nil
 	}
 	var list corev1.PodList
 	if err := r.List(ctx, &list, client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}); err != nil {
-		return 0, fmt.Errorf("list pods: %w", err)
+		return 0, nil, fmt.Errorf("list pods: %w", err)
 	}
 	type read struct {
 		role v1alpha1.Role
+		pod  *corev1.Pod
 		st   vllmplugin.State
 	}
 	var (
@@ -115,11 +118,12 @@ func (r *PDClusterReconciler) reconcileGateStatus(ctx context.Context, pdc *v1al
 				return
 			}
 			mu.Lock()
-			reads = append(reads, read{role, st})
+			reads = append(reads, read{role, pod, st})
 			mu.Unlock()
 		}()
 	}
 	wg.Wait()
+	var silent []string
 	for _, rd := range reads {
 		out := &status.Prefill.Gate
 		if rd.role == v1alpha1.RoleDecode {
@@ -131,6 +135,9 @@ func (r *PDClusterReconciler) reconcileGateStatus(ctx context.Context, pdc *v1al
 		g := *out
 		if !rd.st.Loaded || rd.st.Report == nil {
 			g.SilentPods++
+			if !connectorReady(rd.pod) {
+				silent = append(silent, rd.pod.Name)
+			}
 			continue
 		}
 		c := rd.st.Report.Counts
@@ -139,5 +146,16 @@ func (r *PDClusterReconciler) reconcileGateStatus(ctx context.Context, pdc *v1al
 		g.PassedCompletions += c.Passed
 		g.FailedPulls += c.Failed
 	}
-	return gateRefresh, nil
+	slices.Sort(silent)
+	return gateRefresh, silent, nil
+}
+
+// connectorReady is the kubelet's readiness of the pod's connector container.
+func connectorReady(pod *corev1.Pod) bool {
+	for _, cs := range pod.Status.ContainerStatuses {
+		if cs.Name == v1alpha1.ConnectorContainerName {
+			return cs.Ready
+		}
+	}
+	return false
 }

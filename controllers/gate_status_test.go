@@ -15,6 +15,8 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
@@ -49,6 +51,8 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 		wrappers.MakeEnginePod("ns", "d-1", "c", v1alpha1.RoleDecode, start).Obj(),
 		wrappers.MakeEnginePod("ns", "d-2", "c", v1alpha1.RoleDecode, start).Obj(),                          // sidecar answers, gate silent
 		wrappers.MakeEnginePod("ns", "d-3", "c", v1alpha1.RoleDecode, start).Obj(),                          // sidecar unreachable
+		wrappers.MakeEnginePod("ns", "d-5", "c", v1alpha1.RoleDecode, start).ConnectorUnready(start).Obj(),  // gate silent: the connector is unready for it
+		wrappers.MakeEnginePod("ns", "d-6", "c", v1alpha1.RoleDecode, start).ConnectorUnready(start).Obj(),  // unready, gate reporting: not the gate
 		wrappers.MakeEnginePod("ns", "d-4", "c", v1alpha1.RoleDecode, start).Phase(corev1.PodPending).Obj(), // not read
 		wrappers.MakeEnginePod("ns", "r-0", "c", v1alpha1.RoleRouter, start).Obj(),                          // not an engine
 	}
@@ -57,6 +61,8 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 		"d-0": loaded(2, 10, 1),
 		"d-1": loaded(3, 5, 0),
 		"d-2": {Report: &vllmplugin.Report{Connector: "GatedMooncakeConnector", Counts: vllmplugin.Counts{Gated: 99}}},
+		"d-5": {},
+		"d-6": loaded(0, 0, 0),
 		"d-4": loaded(100, 100, 100),
 		"r-0": loaded(100, 100, 100),
 	}
@@ -66,12 +72,14 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 		reader      GateReader
 		wantPrefill *v1alpha1.PoolGateStatus
 		wantDecode  *v1alpha1.PoolGateStatus
+		wantSilent  []string
 		wantAfter   time.Duration
 	}{
 		{
 			name: "counts of the reporting pods, silent and unreachable ones apart", reader: gates,
 			wantPrefill: &v1alpha1.PoolGateStatus{ReportingPods: 1},
-			wantDecode:  &v1alpha1.PoolGateStatus{ReportingPods: 2, SilentPods: 1, GatedCompletions: 5, PassedCompletions: 15, FailedPulls: 1},
+			wantDecode:  &v1alpha1.PoolGateStatus{ReportingPods: 3, SilentPods: 2, GatedCompletions: 5, PassedCompletions: 15, FailedPulls: 1},
+			wantSilent:  []string{"d-5"},
 			wantAfter:   gateRefresh,
 		},
 		{name: "no reader: no counts", reader: nil},
@@ -87,9 +95,12 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 			status := p.Status.DeepCopy()
 			// A stale value from an earlier read must not survive a reconcile that reads nothing.
 			status.Decode.Gate = &v1alpha1.PoolGateStatus{GatedCompletions: 1234}
-			after, err := r.reconcileGateStatus(context.Background(), p, status)
+			after, silent, err := r.reconcileGateStatus(context.Background(), p, status)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if d := cmp.Diff(tc.wantSilent, silent); d != "" {
+				t.Errorf("pods unready for a silent gate (-want +got):\n%s", d)
 			}
 			if d := cmp.Diff(tc.wantPrefill, status.Prefill.Gate); d != "" {
 				t.Errorf("prefill gate (-want +got):\n%s", d)
@@ -167,5 +178,56 @@ func TestHTTPGateReaderReadsARealAgent(t *testing.T) {
 	}
 	if !st.Loaded || st.Report == nil || st.Report.Counts.Gated != 6 || st.Report.Counts.Passed != 8 {
 		t.Errorf("state %+v, want the heartbeat's counts, loaded", st)
+	}
+}
+
+func TestGateConditionNamesSilentPods(t *testing.T) {
+	cond := func(s metav1.ConditionStatus, reason string) *metav1.Condition {
+		return &metav1.Condition{Type: v1alpha1.ConditionCompletionGated, Status: s, Reason: reason}
+	}
+	cases := []struct {
+		name       string
+		disabled   bool
+		before     *metav1.Condition
+		silent     []string
+		wantStatus metav1.ConditionStatus
+		wantReason string
+		wantInMsg  string
+		wantEvents []string // reasons
+	}{
+		{name: "enabled, every gate reports", wantStatus: metav1.ConditionTrue, wantReason: v1alpha1.ReasonGateEnabled},
+		{name: "a pod unready for its silent gate is named, once", before: cond(metav1.ConditionTrue, v1alpha1.ReasonGateEnabled), silent: []string{"d-0", "d-1"},
+			wantStatus: metav1.ConditionFalse, wantReason: v1alpha1.ReasonGateSilent, wantInMsg: "d-0, d-1", wantEvents: []string{v1alpha1.ReasonGateSilent}},
+		{name: "still silent: no new event", before: cond(metav1.ConditionFalse, v1alpha1.ReasonGateSilent), silent: []string{"d-0"},
+			wantStatus: metav1.ConditionFalse, wantReason: v1alpha1.ReasonGateSilent, wantInMsg: "pdgate"},
+		{name: "reports again", before: cond(metav1.ConditionFalse, v1alpha1.ReasonGateSilent),
+			wantStatus: metav1.ConditionTrue, wantReason: v1alpha1.ReasonGateEnabled, wantEvents: []string{v1alpha1.ReasonGateEnabled}},
+		{name: "disabled: silence does not apply", disabled: true, before: cond(metav1.ConditionFalse, v1alpha1.ReasonGateDisabled), silent: []string{"d-0"},
+			wantStatus: metav1.ConditionFalse, wantReason: v1alpha1.ReasonGateDisabled},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := wrappers.MakePDCluster("ns", "c").Obj()
+			if tc.disabled {
+				p.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled
+			}
+			if tc.before != nil {
+				p.Status.Conditions = []metav1.Condition{*tc.before}
+			}
+			status := p.Status.DeepCopy()
+			var pending []event
+			reconcileGateCondition(p, status, tc.silent, &pending)
+			c := meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionCompletionGated)
+			if c == nil || c.Status != tc.wantStatus || c.Reason != tc.wantReason || !strings.Contains(c.Message, tc.wantInMsg) {
+				t.Errorf("condition = %+v, want %s/%s with %q", c, tc.wantStatus, tc.wantReason, tc.wantInMsg)
+			}
+			var reasons []string
+			for _, e := range pending {
+				reasons = append(reasons, e.reason)
+			}
+			if d := cmp.Diff(tc.wantEvents, reasons); d != "" {
+				t.Errorf("events (-want +got):\n%s", d)
+			}
+		})
 	}
 }

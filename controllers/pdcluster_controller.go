@@ -82,7 +82,6 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	applied, applyErr := r.reconcileChildren(ctx, &pdc, status, &pending)
 	var requeueAfter time.Duration
 	if applyErr == nil {
-		reconcileGateCondition(&pdc, status, &pending)
 		// A failed restart is reported in status like a failed apply, then retried.
 		requeueAfter, applyErr = r.reconcileConnectorHealth(ctx, &pdc, status, &pending)
 		// A pool status that cannot be read must not keep a restart round that already
@@ -90,9 +89,10 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		if err := r.reconcilePoolStatus(ctx, &pdc, status, applied); err != nil {
 			applyErr = errors.Join(applyErr, err)
 		}
-		gateAfter, err := r.reconcileGateStatus(ctx, &pdc, status)
+		gateAfter, silent, err := r.reconcileGateStatus(ctx, &pdc, status)
 		applyErr = errors.Join(applyErr, err)
 		requeueAfter = sooner(requeueAfter, gateAfter)
+		reconcileGateCondition(&pdc, status, silent, &pending)
 	}
 	pending = append(pending, poolProblemEvents(pdc.Status.Conditions, status)...)
 	pending = append(pending, readinessEvents(pdc.Status.Conditions, status)...)

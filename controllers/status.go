@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -154,14 +155,28 @@ func readinessEvents(before []metav1.Condition, after *v1alpha1.PDClusterStatus)
 }
 
 // reconcileGateCondition reports whether the engines run the completion-gated connector; a
-// user who turns it off is told, once, what that risks.
-func reconcileGateCondition(pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) {
+// user who turns it off is told, once, what that risks, and pods whose connector is unready
+// because their gate is silent are named.
+func reconcileGateCondition(pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, silent []string, pending *[]event) {
 	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionCompletionGated)
+	if render.GateEnabled(pdc.Spec.KVTransfer) && len(silent) > 0 {
+		msg := fmt.Sprintf("the completion gate of %s has not reported, so its connector is unready and the pod is restarted: "+
+			"is vLLM loading the pdgate plugin (kv_connector_module_path, PYTHONPATH)? see the engine log for an UnsupportedVLLM or import error",
+			strings.Join(silent, ", "))
+		setCondition(status, pdc, v1alpha1.ConditionCompletionGated, metav1.ConditionFalse, v1alpha1.ReasonGateSilent, msg)
+		if before == nil || before.Reason != v1alpha1.ReasonGateSilent {
+			*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonGateSilent, "Observe", msg})
+		}
+		return
+	}
 	if render.GateEnabled(pdc.Spec.KVTransfer) {
 		setCondition(status, pdc, v1alpha1.ConditionCompletionGated, metav1.ConditionTrue, v1alpha1.ReasonGateEnabled,
 			"engines load the pdgate plugin: pulls with no local KV block are never reported to vLLM's scheduler as finished")
-		if before != nil && before.Status != metav1.ConditionTrue {
+		switch {
+		case before != nil && before.Reason == v1alpha1.ReasonGateDisabled:
 			*pending = append(*pending, event{corev1.EventTypeNormal, v1alpha1.ReasonGateEnabled, "Render", "completion gate enabled; engines roll to load it"})
+		case before != nil && before.Reason == v1alpha1.ReasonGateSilent:
+			*pending = append(*pending, event{corev1.EventTypeNormal, v1alpha1.ReasonGateEnabled, "Observe", "every engine's completion gate reports again"})
 		}
 		return
 	}

@@ -18,6 +18,9 @@ const (
 const (
 	ReasonGateEnabled  = "GateEnabled"
 	ReasonGateDisabled = "GateDisabled"
+	// ReasonGateSilent: an engine pod's connector is unready because its engine's completion
+	// gate has not reported (the plugin did not load, or the engine stopped heartbeating).
+	ReasonGateSilent = "GateSilent"
 )
 
 // Reasons of Ready and of the pool conditions.

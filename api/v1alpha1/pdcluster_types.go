@@ -560,6 +560,16 @@ type ConnectorHealthPolicy struct {
 	// +optional
 	MaxBackoffSeconds *int32 `json:"maxBackoffSeconds,omitempty"`
 
+	// gateStartupGraceSeconds is how long a connector stays ready after it starts without
+	// hearing the engine's completion gate (vLLM loads the model first); after it, and whenever
+	// the gate's heartbeat stops, the connector is unready, its pod is restarted as above, and
+	// the CompletionGated condition names the pod. Unset: 900 (15 minutes). Only with
+	// kvTransfer.completionGate Enabled.
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=86400
+	// +optional
+	GateStartupGraceSeconds *int32 `json:"gateStartupGraceSeconds,omitempty"`
+
 	// restartBudget is the most restart rounds in any budgetWindowSeconds; when it is spent the
 	// operator stops restarting and reports RestartBudgetExhausted. 0 disables restarts.
 	// +kubebuilder:default=5

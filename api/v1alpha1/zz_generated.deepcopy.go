@@ -35,6 +35,11 @@ func (in *ConnectorHealthPolicy) DeepCopyInto(out *ConnectorHealthPolicy) {
 		*out = new(int32)
 		**out = **in
 	}
+	if in.GateStartupGraceSeconds != nil {
+		in, out := &in.GateStartupGraceSeconds, &out.GateStartupGraceSeconds
+		*out = new(int32)
+		**out = **in
+	}
 	if in.RestartBudget != nil {
 		in, out := &in.RestartBudget, &out.RestartBudget
 		*out = new(int32)

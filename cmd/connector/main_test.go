@@ -16,6 +16,8 @@ import (
 func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 	pdc := &v1alpha1.PDCluster{}
 	pdc.Name, pdc.Namespace = "c", "ns"
+	grace := int32(1200)
+	pdc.Spec.Connector.Health.GateStartupGraceSeconds = &grace
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), role)
 		if err != nil {
@@ -32,6 +34,9 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			// The gate is on by default, and the sidecar beside a gated engine requires it.
 			if !cfg.Gate.Required {
 				t.Errorf("%s sidecar args %v: the agent does not require the completion gate", role, c.Args)
+			}
+			if cfg.Gate.StartupGrace != 1200*time.Second {
+				t.Errorf("%s sidecar args %v: gate start-up grace %s, want spec.connector.health.gateStartupGraceSeconds (1200s)", role, c.Args, cfg.Gate.StartupGrace)
 			}
 			if o.listen != render.ConnectorSocket || o.kvPath == "" || o.blocks <= 0 {
 				t.Errorf("%s sidecar: listen %q, kv file %q, %d blocks", role, o.listen, o.kvPath, o.blocks)

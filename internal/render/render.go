@@ -632,6 +632,9 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 	if GateEnabled(pdc.Spec.KVTransfer) {
 		// Not ready until the engine's gate has loaded and while its heartbeat is missing.
 		args = append(args, "--require-gate")
+		if g := c.Health.GateStartupGraceSeconds; g != nil {
+			args = append(args, fmt.Sprintf("--gate-startup-grace=%ds", *g))
+		}
 	}
 	if role == v1alpha1.RolePrefill {
 		// The engine owns the bootstrap server and registers this agent's data address in it,

@@ -141,9 +141,9 @@ func TestConnectorSidecar(t *testing.T) {
 		ports    []string
 	}{
 		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190", "--kv-file=/var/run/pdcluster/kv.blocks",
-			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate", "--data-listen=:7200", "--advertise-data=$(POD_IP):7200", "--engine-registers"}, []string{"connector", "kv-data"}},
+			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate", "--gate-startup-grace=1200s", "--data-listen=:7200", "--advertise-data=$(POD_IP):7200", "--engine-registers"}, []string{"connector", "kv-data"}},
 		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190", "--kv-file=/var/run/pdcluster/kv.blocks",
-			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate"}, []string{"connector"}},
+			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate", "--gate-startup-grace=1200s"}, []string{"connector"}},
 	} {
 		t.Run(string(tc.role), func(t *testing.T) {
 			pod := enginePod(t, pdc, tc.role)

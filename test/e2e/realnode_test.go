@@ -302,6 +302,49 @@ func (r realNode) gatesIdleEngine(t *testing.T) {
 	})
 }
 
+// silentGate runs the decode engine with a gate that never reports (the stand-in's
+// VLLM_SIM_SILENT_GATE) and a 5 s gate start-up grace: the decode connector must turn unready
+// and CompletionGated name the pod; then the decode pool is put back.
+func (r realNode) silentGate(t *testing.T) {
+	p := &v1alpha1.PDCluster{ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: realName}}
+	apply := func(patch string) {
+		t.Helper()
+		if err := r.c.Patch(r.ctx, p, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ttlEnv := fmt.Sprintf(`{"name":%q,"value":"2"}`, enginesim.GateTTLEnv)
+	apply(`{"spec":{"connector":{"health":{"gateStartupGraceSeconds":5}},"decode":{"pod":{"env":[` + ttlEnv + `,{"name":"VLLM_SIM_SILENT_GATE","value":"1"}]}}}}`)
+	r.eventually("CompletionGated names the decode pod whose connector is unready for its silent gate", func() error {
+		c := meta.FindStatusCondition(r.pdc().Status.Conditions, v1alpha1.ConditionCompletionGated)
+		if c == nil || c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonGateSilent {
+			return fmt.Errorf("CompletionGated = %+v", c)
+		}
+		for _, pod := range r.pods(v1alpha1.RoleDecode) {
+			if slices.ContainsFunc(pod.Spec.Containers[0].Env, func(e corev1.EnvVar) bool { return e.Name == "VLLM_SIM_SILENT_GATE" }) &&
+				strings.Contains(c.Message, pod.Name) {
+				for _, cs := range pod.Status.ContainerStatuses {
+					if cs.Name == v1alpha1.ConnectorContainerName && cs.Ready {
+						return fmt.Errorf("connector of %s is ready with a silent gate", pod.Name)
+					}
+				}
+				return nil
+			}
+		}
+		return fmt.Errorf("CompletionGated names no silent decode pod: %s", c.Message)
+	})
+	apply(`{"spec":{"connector":{"health":{"gateStartupGraceSeconds":null}},"decode":{"pod":{"env":[` + ttlEnv + `]}}}}`)
+	r.eventually("the decode pool rolled back and settled, its gate reporting", func() error {
+		if err := r.settled(); err != nil {
+			return err
+		}
+		if c := meta.FindStatusCondition(r.pdc().Status.Conditions, v1alpha1.ConditionCompletionGated); c == nil || c.Status != metav1.ConditionTrue {
+			return fmt.Errorf("CompletionGated = %+v", c)
+		}
+		return nil
+	})
+}
+
 // connectorPID finds the prefill pod's connector process on this host: the pod's containers
 // are processes of the real node, which is this machine.
 func connectorPID(t *testing.T) int {
@@ -397,6 +440,10 @@ func TestRealNode(t *testing.T) {
 
 	t.Run("the decode engine's gate: notify-only pulls gated, an idle engine's held report too", func(t *testing.T) {
 		r.gatesIdleEngine(t)
+	})
+
+	t.Run("an engine whose gate never reports keeps its pod unready, and the operator names it", func(t *testing.T) {
+		r.silentGate(t)
 	})
 
 	t.Run("nixl: the same requests after switching the connector", func(t *testing.T) {

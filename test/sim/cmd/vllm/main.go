@@ -14,7 +14,10 @@
 //     worker reports pulls with no local block too, as vLLM's stock Mooncake worker did before
 //     0.32, so the stock class dies of them as vLLM did;
 //   - the gate: with pdgate's class loaded the scheduler side runs pdgate's rule (TTL from
-//     PDGATE_TTL_SECONDS) and heartbeats its counts to the sidecar as the plugin does.
+//     PDGATE_TTL_SECONDS) and heartbeats its counts to the sidecar as the plugin does;
+//     VLLM_SIM_SILENT_GATE=1 keeps the heartbeat from ever reaching the sidecar (a test knob:
+//     an engine whose gate never reports, for the sidecar's readiness and the operator's
+//     report of it).
 //
 // The KV moves through the connector sidecar (PDCLUSTER_CONNECTOR_URL), whose data address the
 // prefill engine registers in its bootstrap server, as vLLM's workers register theirs.
@@ -65,6 +68,9 @@ func main() {
 		os.Exit(1)
 	}
 }
+
+// silentGateEnv is the stand-in's knob for a gate that never reports.
+const silentGateEnv = "VLLM_SIM_SILENT_GATE"
 
 func envOr(getenv func(string) string, key, def string) string {
 	if v := getenv(key); v != "" {
@@ -180,7 +186,7 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 	if err != nil {
 		return err
 	}
-	if conn.File != "" && conn.Class != "" {
+	if conn.File != "" && conn.Class != "" && getenv(silentGateEnv) != "1" {
 		go heartbeat(ctx, cfg.Agent, conn, string(cfg.Role), e)
 	}
 	go e.Run(ctx)
