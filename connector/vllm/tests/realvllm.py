@@ -234,6 +234,11 @@ class Engine:
 
         self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
 
+    def answer(self, req: Any, ok: bool = True) -> None:
+        """The producer answers every worker's pull of req: served, or failed."""
+        for w in self.workers:
+            w.producer_answers(ok=[req.request_id]) if ok else w.producer_answers(err=[req.request_id])
+
     def status(self, req: Any) -> Any:
         r = self.scheduler.requests.get(req.request_id)
         return None if r is None else r.status

@@ -78,27 +78,29 @@ def engine(gated: bool, tp: int = 1, groups: int = 1) -> rv.Engine:
     return e
 
 
+def cleanup_pull(e: rv.Engine, rejected: bool = False) -> Any:
+    """A request aborted before its first schedule: freed at once, request_finished queues the
+    cleanup pull, and the step that has the finished request carries it. rejected is
+    AsyncLLM.notify_kv_transfer_request_rejected's request (abort_immediately)."""
+    r = e.request()
+    r.abort_immediately = rejected
+    e.abort(r)
+    e.step()
+    return r
+
+
 # Each scenario drives a decode engine to the point where the pull's report is due, delivers
 # it and steps on; it returns the request. An engine that dies raises AssertionError.
 def abort_before_first_schedule(e: rv.Engine) -> Any:
-    r = e.request()
-    e.abort(r)  # freed at once; request_finished queues the cleanup pull
-    e.step()  # the step that has the finished request carries the empty pull
-    for w in e.workers:
-        w.producer_answers(ok=[r.request_id])
+    r = cleanup_pull(e)
+    e.answer(r)
     e.step()
     return r
 
 
 def rejected_request(e: rv.Engine) -> Any:
-    # AsyncLLM.notify_kv_transfer_request_rejected: a request with abort_immediately, only to
-    # run request_finished; the scheduler aborts it before any schedule.
-    r = e.request()
-    r.abort_immediately = True
-    e.abort(r)
-    e.step()
-    for w in e.workers:
-        w.producer_answers(ok=[r.request_id])
+    r = cleanup_pull(e, rejected=True)
+    e.answer(r)
     e.step()
     return r
 
@@ -111,18 +113,14 @@ def no_external_tokens(e: rv.Engine) -> Any:
     e.step()
     if e.status(r) != RequestStatus.RUNNING:
         raise Unreachable(f"the request is {e.status(r).name}: it loads external tokens")
-    for w in e.workers:
-        w.producer_answers(ok=[r.request_id])
+    e.answer(r)
     e.step()
     return r
 
 
 def failed_empty_pull(e: rv.Engine) -> Any:
-    r = e.request()
-    e.abort(r)
-    e.step()
-    for w in e.workers:
-        w.producer_answers(err=[r.request_id])
+    r = cleanup_pull(e)
+    e.answer(r, ok=False)
     e.step()
     return r
 
@@ -131,11 +129,7 @@ def idle_engine(e: rv.Engine, clock: Clock) -> Any:
     # The cleanup pull's answer comes after the step that started it; the worker holds the
     # completion, and with no request left EngineCore does not step. The next request comes
     # long after the gate's deadline: its step delivers the held report.
-    r = e.request()
-    e.abort(r)
-    e.step()
-    for w in e.workers:
-        w.producer_answers(ok=[r.request_id])
+    e.answer(cleanup_pull(e))
     clock.now += 3600  # a quiet hour
     nxt = e.request()
     e.step()  # its first step: build_connector_meta, then the held report
@@ -146,11 +140,7 @@ def idle_engine(e: rv.Engine, clock: Clock) -> Any:
 def lagging_report(e: rv.Engine, lag: int, clock: Clock) -> Any:
     # Async scheduling and pipeline parallelism: the scheduler schedules `lag` more steps
     # before the output carrying the report is processed; the deadline passed while idle.
-    r = e.request()
-    e.abort(r)
-    e.step()
-    for w in e.workers:
-        w.producer_answers(ok=[r.request_id])
+    e.answer(cleanup_pull(e))
     clock.now += 3600
     nxt = e.request()
     first = e.schedule()
@@ -224,9 +214,7 @@ class EmptyPullsTest(unittest.TestCase):
         e = engine(gated=True)
         clock = Clock()
         e.gate._clock = clock
-        r = e.request()
-        e.abort(r)
-        e.step()
+        r = cleanup_pull(e)
         self.assertIn(r.request_id, e.gate)
         clock.now += 3600
         for _ in range(e.gate._grace - 1):
@@ -247,8 +235,7 @@ class PullsWithBlocksTest(unittest.TestCase):
                 r = e.request()
                 e.step()
                 self.assertEqual(e.status(r), RequestStatus.WAITING_FOR_REMOTE_KVS)
-                for w in e.workers:
-                    w.producer_answers(ok=[r.request_id])
+                e.answer(r)
                 e.step()  # the report
                 e.step()  # the request resumes
                 self.assertEqual(e.status(r), RequestStatus.RUNNING)
@@ -263,8 +250,7 @@ class PullsWithBlocksTest(unittest.TestCase):
                 e.step()
                 e.abort(r)  # delayed free: blocks held until the report
                 self.assertIn(r.request_id, e.scheduler.requests)
-                for w in e.workers:
-                    w.producer_answers(ok=[r.request_id])
+                e.answer(r)
                 e.step()
                 self.assertNotIn(r.request_id, e.scheduler.requests, "the aborted request was left behind")
 
@@ -272,8 +258,7 @@ class PullsWithBlocksTest(unittest.TestCase):
         e = engine(gated=True)
         r = e.request()
         e.step()
-        for w in e.workers:
-            w.producer_answers(err=[r.request_id])
+        e.answer(r, ok=False)
         e.step()
         e.step()
         # kv_load_failure_policy "fail" (as rendered): the request ends with an error.
