@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
@@ -80,9 +81,14 @@ func main() {
 	}
 }
 
-func run(cfg agent.Config, o options, log interface {
-	Info(string, ...any)
-}) error {
+// withRun is cfg with what run adds to the flags: the role, the KV file, the consumer rank and
+// the logger (without which the agent logs nothing after its start line).
+func withRun(cfg agent.Config, o options, kv *kvfile.File, log logr.Logger) agent.Config {
+	cfg.Role, cfg.KV, cfg.ConsumerRank, cfg.Log = v1alpha1.KVRole(o.role), kv, connector.ConsumerRank(o.consumerRank), log
+	return cfg
+}
+
+func run(cfg agent.Config, o options, log logr.Logger) error {
 	if o.kvPath == "" || o.blocks <= 0 {
 		return errors.New("--kv-file and --kv-blocks are required")
 	}
@@ -91,7 +97,7 @@ func run(cfg agent.Config, o options, log interface {
 		return err
 	}
 	defer kv.Close()
-	cfg.Role, cfg.KV, cfg.ConsumerRank = v1alpha1.KVRole(o.role), kv, connector.ConsumerRank(o.consumerRank)
+	cfg = withRun(cfg, o, kv, log)
 	var data net.Listener
 	if cfg.Role == v1alpha1.KVProducer {
 		if data, err = net.Listen("tcp", o.dataListen); err != nil {

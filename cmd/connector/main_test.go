@@ -1,9 +1,11 @@
 package main
 
 import (
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr/funcr"
 	"github.com/google/go-cmp/cmp"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -72,5 +74,17 @@ func TestGateFlags(t *testing.T) {
 				t.Errorf("parseFlags(%q).Gate (-want +got):\n%s", tc.args, d)
 			}
 		})
+	}
+}
+
+// The agent logs through the logger main builds (it once had none, so it logged nothing after
+// its start line).
+func TestAgentLogsThroughMainsLogger(t *testing.T) {
+	var lines []string
+	log := funcr.New(func(prefix, args string) { lines = append(lines, args) }, funcr.Options{})
+	cfg := withRun(agent.Config{}, options{role: "kv_consumer"}, nil, log)
+	cfg.Log.Info("refused a pull", "why", "test")
+	if len(lines) != 1 || !strings.Contains(lines[0], "refused a pull") {
+		t.Fatalf("agent log lines %q, want the agent's message", lines)
 	}
 }

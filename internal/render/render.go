@@ -69,6 +69,36 @@ const (
 
 // drain is the preStop hook of the engine pods' containers (the engine and its connector alike:
 // a connector that left first would fail the engine's last transfers).
+// nonRootUser runs the operator's own images (static binaries on an empty base), which need no
+// user of their own in the image.
+const nonRootUser = 65532
+
+// hardened is every rendered container's security context: no privilege escalation, every
+// capability dropped but add, the runtime's default seccomp profile (what the restricted Pod
+// Security Standard asks of a container, bar the user).
+func hardened(add ...corev1.Capability) *corev1.SecurityContext {
+	return &corev1.SecurityContext{
+		AllowPrivilegeEscalation: ptr.To(false),
+		Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}, Add: add},
+		SeccompProfile:           &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
+	}
+}
+
+// engineCapabilities: RDMA needs to pin (mlock) the registered KV-cache memory; TCP needs
+// nothing, so a TCP PDCluster runs in a namespace that enforces the baseline Pod Security
+// Standard (which refuses IPC_LOCK).
+func engineCapabilities(kv v1alpha1.KVTransferSpec) []corev1.Capability {
+	if kv.Protocol == v1alpha1.ProtocolRDMA {
+		return []corev1.Capability{"IPC_LOCK"}
+	}
+	return nil
+}
+
+func readOnlyRoot(sc *corev1.SecurityContext) *corev1.SecurityContext {
+	sc.ReadOnlyRootFilesystem = ptr.To(true)
+	return sc
+}
+
 func drain() *corev1.Lifecycle {
 	return &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: drainSeconds}}}
 }
@@ -389,11 +419,10 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 			Env:       env,
 			Resources: resources,
 			// Model loading can take many minutes; the startup probe holds liveness off until then.
-			StartupProbe:   probe(health, 10, 180),
-			ReadinessProbe: probe(health, 5, 3),
-			LivenessProbe:  probe(health, 10, 6),
-			// RDMA needs to pin (mlock) the registered KV-cache memory.
-			SecurityContext: &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Add: []corev1.Capability{"IPC_LOCK"}}},
+			StartupProbe:    probe(health, 10, 180),
+			ReadinessProbe:  probe(health, 5, 3),
+			LivenessProbe:   probe(health, 10, 6),
+			SecurityContext: hardened(engineCapabilities(pdc.Spec.KVTransfer)...),
 			VolumeMounts:    mounts,
 			Lifecycle:       drain(),
 			// A crashing engine's last log lines become its termination message, which the
@@ -648,15 +677,17 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 	period := ptr.Deref(c.Health.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds)
 	port := intstr.FromString(portConnector)
 	return corev1.Container{
-		Name:                     v1alpha1.ConnectorContainerName,
-		Image:                    orDefault(c.Image, opts.ConnectorImage),
-		Args:                     args,
-		Ports:                    connectorPorts(role),
-		Env:                      []corev1.EnvVar{podIPEnv()},
-		Resources:                resources,
-		ReadinessProbe:           probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
-		LivenessProbe:            probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
-		VolumeMounts:             []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
+		Name:           v1alpha1.ConnectorContainerName,
+		Image:          orDefault(c.Image, opts.ConnectorImage),
+		Args:           args,
+		Ports:          connectorPorts(role),
+		Env:            []corev1.EnvVar{podIPEnv()},
+		Resources:      resources,
+		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
+		LivenessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
+		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
+		// It writes only to its volume (the engine, which may run as root, shares its files).
+		SecurityContext:          readOnlyRoot(hardened()),
 		Lifecycle:                drain(),
 		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
 	}, int64(blocks) * int64(blockBytes)
@@ -811,7 +842,14 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 			ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString(portHTTP)}}, 5, 3),
 			LivenessProbe:  probe(health, 10, 3),
 			VolumeMounts:   []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
+			SecurityContext: func() *corev1.SecurityContext {
+				sc := readOnlyRoot(hardened())
+				sc.RunAsNonRoot, sc.RunAsUser = ptr.To(true), ptr.To(int64(nonRootUser))
+				return sc
+			}(),
 		}},
+		// The router reads its pools from DNS, never from the API server.
+		AutomountServiceAccountToken: ptr.To(false),
 		Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
 			LocalObjectReference: corev1.LocalObjectReference{Name: ObjectName(pdc.Name, v1alpha1.RoleRouter)},
 		}}}},

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -381,6 +382,21 @@ func TestRealNode(t *testing.T) {
 					t.Errorf("%s/%s restarted %d times", role, cs.Name, cs.RestartCount)
 				}
 			}
+		}
+	})
+
+	t.Run("a TCP PDCluster runs where the baseline Pod Security Standard is enforced", func(t *testing.T) {
+		// kube-apiserver's PodSecurity admission checks the running pods when the level is set
+		// (a warning names those that violate it) and refuses new ones: every later rollout of
+		// this test (decode twice, then every pool for NIXL) is admitted under it.
+		cmd := exec.Command(r.kubectl, "--kubeconfig", r.kubeconfig, "label", "--overwrite", "namespace", sampleNS,
+			"pod-security.kubernetes.io/enforce=baseline", "pod-security.kubernetes.io/enforce-version=latest")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("label namespace %s: %v\n%s", sampleNS, err, out)
+		}
+		if strings.Contains(string(out), "violate") {
+			t.Errorf("the sample's pods violate baseline Pod Security:\n%s", out)
 		}
 	})
 
