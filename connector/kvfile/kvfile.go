@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io/fs"
 	"os"
 	"syscall"
 )
@@ -29,7 +30,7 @@ func Open(path string, blocks, blockBytes int) (*File, error) {
 	if blocks <= 0 || blockBytes <= 0 {
 		return nil, fmt.Errorf("kvfile: blocks and block bytes must be positive, got %d and %d", blocks, blockBytes)
 	}
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	f, err := create(path)
 	if err != nil {
 		return nil, fmt.Errorf("kvfile: %w", err)
 	}
@@ -129,3 +130,23 @@ func Checksum(data []byte) uint32 { return crc32.Checksum(data, castagnoli) }
 func UpdateChecksum(sum uint32, data []byte) uint32 { return crc32.Update(sum, castagnoli, data) }
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// create opens path read-write, creating it readable and writable by every user: the engine and
+// the agent are containers of one pod that run as different users (an engine as root with
+// every capability dropped cannot open another user's 0600 file), and the file lives on the
+// pod's own volume, which no other pod mounts.
+func create(path string) (*os.File, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o666)
+	if errors.Is(err, fs.ErrExist) {
+		return os.OpenFile(path, os.O_RDWR, 0)
+	}
+	if err != nil {
+		return nil, err
+	}
+	// The umask took group and other write away.
+	if err := f.Chmod(0o666); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"pdcluster.dev/pdcluster-operator/test/asuser"
 )
 
 func TestOpenSharesBlocksAndRejectsOtherLayouts(t *testing.T) {
@@ -62,5 +64,31 @@ func TestBlocksOutliveClose(t *testing.T) {
 	}
 	if err := kv.Close(); err != nil {
 		t.Errorf("second Close: %v", err)
+	}
+}
+
+// The engine and the agent run as different users (the agent's image as 65532, an engine image
+// usually as root with every capability dropped, so without CAP_DAC_OVERRIDE): the file one of
+// them creates on the pod's shared volume must open read-write for the other.
+func TestOpenByTheOtherContainersUser(t *testing.T) {
+	dir := asuser.SharedDir(t)
+	path := filepath.Join(dir, "kv")
+	var created *File
+	if err := asuser.Do(t, 65532, func() (err error) { created, err = Open(path, 4, 32); return err }); err != nil {
+		t.Fatalf("create as the agent's user: %v", err)
+	}
+	defer created.Close()
+	var opened *File
+	if err := asuser.Do(t, asuser.Nobody, func() (err error) { opened, err = Open(path, 4, 32); return err }); err != nil {
+		t.Fatalf("open as the engine's user: %v", err)
+	}
+	defer opened.Close()
+	data := bytes.Repeat([]byte{7}, 32)
+	if err := opened.Write(1, data); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 32)
+	if err := created.Read(1, got); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("the creator reads %v, %v; want the other user's write", got, err)
 	}
 }

@@ -114,7 +114,19 @@ func Listen(addr string) (net.Listener, error) {
 	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
 		return nil, fmt.Errorf("remove stale socket %s: %w", path, err)
 	}
-	return net.Listen("unix", path)
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, err
+	}
+	// Connecting needs write permission on the socket, and the engine runs as another user than
+	// the agent (often root with every capability dropped, which cannot reach another user's
+	// socket): any user of the pod may connect. The socket is on the pod's own volume, which no
+	// other pod mounts.
+	if err := os.Chmod(path, 0o666); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("open socket %s to the engine's user: %w", path, err)
+	}
+	return l, nil
 }
 
 // Client returns the base URL and the HTTP client that reach endpoint, an http:// URL
