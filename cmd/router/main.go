@@ -33,6 +33,7 @@ type options struct {
 	listen, flow, configPath, balance string
 	prefill, decode                   list
 	refresh                           time.Duration
+	maxBodyBytes, maxInFlight         int64
 	zap                               zap.Options
 }
 
@@ -49,6 +50,8 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.balance, "balance", "", "how an engine of each pool is picked: least-in-flight (the default) or round-robin (default with --config: its balance)")
 	fs.Var(&o.prefill, "prefill", "prefill engine as URL or URL,BOOTSTRAP_URL (repeatable)")
 	fs.Var(&o.decode, "decode", "decode engine URL (repeatable)")
+	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", router.DefaultMaxBodyBytes, "largest request body accepted (413 past it)")
+	fs.Int64Var(&o.maxInFlight, "max-in-flight", router.DefaultMaxInFlight, "most requests proxied at once (503 past it)")
 	o.zap.BindFlags(fs)
 	return o, fs.Parse(args)
 }
@@ -67,7 +70,10 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	cfg := router.Config{Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance), Decode: o.decode}
+	cfg := router.Config{
+		Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance), Decode: o.decode,
+		MaxBodyBytes: o.maxBodyBytes, MaxInFlight: o.maxInFlight,
+	}
 	for _, p := range o.prefill {
 		url, boot, _ := strings.Cut(p, ",")
 		cfg.Prefill = append(cfg.Prefill, router.Prefill{URL: url, Bootstrap: boot})
@@ -96,7 +102,7 @@ func main() {
 	if o.configPath != "" {
 		go resolveLoop(ctx, r, fc, o.refresh, log)
 	}
-	srv := &http.Server{Addr: o.listen, Handler: r.Handler(reg), ReadHeaderTimeout: 10 * time.Second}
+	srv := router.NewServer(o.listen, r.Handler(reg), router.ServerLimits{})
 	go func() {
 		<-ctx.Done()
 		c, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -169,7 +170,8 @@ type cached struct {
 
 // NewClient returns a Client with a 5 s query timeout.
 func NewClient() *Client {
-	return &Client{HTTP: &http.Client{}, Timeout: 5 * time.Second, Clock: clock.RealClock{}, cache: map[string]cached{}}
+	hc := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return errRedirect }}
+	return &Client{HTTP: hc, Timeout: 5 * time.Second, Clock: clock.RealClock{}, cache: map[string]cached{}}
 }
 
 // Query returns the topology served at addr (http://host:port), from the cache if present.
@@ -242,12 +244,26 @@ func (c *Client) fetch(ctx context.Context, addr string) (Topology, error) {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		return nil, fmt.Errorf("query bootstrap %s: %s: %s", addr, resp.Status, b)
 	}
+	b, err := io.ReadAll(io.LimitReader(resp.Body, MaxTopologyBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("query bootstrap %s: read: %w", addr, err)
+	}
+	if len(b) > MaxTopologyBytes {
+		return nil, fmt.Errorf("query bootstrap %s: answer larger than %d bytes", addr, MaxTopologyBytes)
+	}
 	var t Topology
-	if err := json.NewDecoder(resp.Body).Decode(&t); err != nil {
+	if err := json.Unmarshal(b, &t); err != nil {
 		return nil, fmt.Errorf("query bootstrap %s: decode: %w", addr, err)
 	}
 	return t, nil
 }
+
+// MaxTopologyBytes bounds a registry's answer: a topology of every DP, TP and PP rank of an
+// engine is a few kilobytes.
+const MaxTopologyBytes = 1 << 20
+
+// errRedirect: a registry is asked at the address its engine registered, never elsewhere.
+var errRedirect = errors.New("the bootstrap server answered with a redirect, which is not followed")
 
 // Register posts reg to the bootstrap server at addr, retrying with backoff as vLLM workers do.
 func Register(ctx context.Context, hc *http.Client, addr string, reg Registration, attempts int) error {

@@ -209,3 +209,33 @@ func TestBackgroundRefreshOfADeadRegistryIsPaced(t *testing.T) {
 		t.Errorf("registry asked %d times, want 2 (the answer, then one refresh per RefreshAfter)", n)
 	}
 }
+
+// A registry's answer is bounded and never redirected: a topology is a few kilobytes, and a
+// registry that answers 30 MiB or points elsewhere must cost its client nothing.
+func TestQueryBoundsTheAnswer(t *testing.T) {
+	var elsewhere atomic.Int32
+	trap := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { elsewhere.Add(1) }))
+	defer trap.Close()
+	for _, tc := range []struct {
+		name, want string
+		serve      http.HandlerFunc
+	}{
+		{"huge", "larger than", func(w http.ResponseWriter, r *http.Request) {
+			_, _ = w.Write([]byte(`{"0":{"engine_id":"` + strings.Repeat("e", MaxTopologyBytes) + `"}}`))
+		}},
+		{"redirect", "redirect", func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, trap.URL+"/query", http.StatusFound)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := httptest.NewServer(tc.serve)
+			defer srv.Close()
+			if _, err := NewClient().Query(context.Background(), srv.URL); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Query = %v, want an error saying %q", err, tc.want)
+			}
+		})
+	}
+	if n := elsewhere.Load(); n != 0 {
+		t.Errorf("the redirect was followed %d times", n)
+	}
+}

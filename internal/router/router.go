@@ -7,7 +7,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -44,7 +43,20 @@ type Config struct {
 	Decode  []string
 	// PrefillTimeout bounds the prefill leg.
 	PrefillTimeout time.Duration
+	// MaxBodyBytes bounds a client's request body (413 past it); 0: DefaultMaxBodyBytes.
+	MaxBodyBytes int64
+	// MaxInFlight bounds the requests proxied at once (503 past it); 0: DefaultMaxInFlight.
+	MaxInFlight int64
+	// UpstreamHeaderTimeout bounds the wait for an engine's response headers; 0: the default
+	// of 10 minutes. A non-streaming completion's headers come only when it has finished.
+	UpstreamHeaderTimeout time.Duration
 }
+
+// Defaults of Config's limits.
+const (
+	DefaultMaxBodyBytes int64 = 32 << 20
+	DefaultMaxInFlight  int64 = 4096
+)
 
 // Validate reports a configuration the router cannot serve with.
 func (c Config) Validate() error {
@@ -76,6 +88,7 @@ type Router struct {
 	// advanced twice per request, would pin every request to the same pair when both pools
 	// have an even size.
 	prefill, decode *balancer
+	inFlight        atomic.Int64
 	log             logr.Logger
 	requests        *prometheus.CounterVec
 }
@@ -98,10 +111,19 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	if cfg.PrefillTimeout <= 0 {
 		cfg.PrefillTimeout = 10 * time.Minute
 	}
+	if cfg.MaxBodyBytes <= 0 {
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if cfg.MaxInFlight <= 0 {
+		cfg.MaxInFlight = DefaultMaxInFlight
+	}
+	if cfg.UpstreamHeaderTimeout <= 0 {
+		cfg.UpstreamHeaderTimeout = 10 * time.Minute
+	}
 	boot := bootstrap.NewClient()
 	boot.MaxAge, boot.RefreshAfter = bootstrapMaxAge, bootstrapRefresh
 	r := &Router{
-		cfg: cfg, hc: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}, boot: boot, log: log,
+		cfg: cfg, hc: upstreamClient(cfg.UpstreamHeaderTimeout), boot: boot, log: log,
 		prefill: newBalancer(cfg.Balance), decode: newBalancer(cfg.Balance),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
@@ -161,26 +183,27 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	return mux
 }
 
-// ids are unique per router run: a random prefix drawn once and a counter. A crypto/rand read
-// per request (two per request) was a system call each.
-var ids = struct {
-	prefix string
-	n      atomic.Uint64
-}{prefix: func() string {
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
-}()}
-
-func newID() string {
-	return ids.prefix + strconv.FormatUint(ids.n.Add(1), 16)
-}
+// newID is 128 random bits (base32): a transfer id names the KV a pull takes, so one client's
+// ids must tell it nothing of another's. crypto/rand reads through the vDSO on Linux 6.11+,
+// without a system call.
+func newID() string { return rand.Text() }
 
 func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	sw := &statusWriter{ResponseWriter: w}
 	defer func() { r.requests.WithLabelValues(string(r.cfg.Flow), strconv.Itoa(sw.code())).Inc() }()
-	raw, err := io.ReadAll(io.LimitReader(req.Body, 32<<20))
+	if n := r.inFlight.Add(1); n > r.cfg.MaxInFlight {
+		r.inFlight.Add(-1)
+		sw.Header().Set("Retry-After", "1")
+		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("%d requests in flight, the router's limit", r.cfg.MaxInFlight))
+		return
+	}
+	defer r.inFlight.Add(-1)
+	raw, err := io.ReadAll(http.MaxBytesReader(sw, req.Body, r.cfg.MaxBodyBytes))
 	if err != nil {
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+			writeError(sw, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than %d bytes", r.cfg.MaxBodyBytes))
+			return
+		}
 		writeError(sw, http.StatusBadRequest, "read body: "+err.Error())
 		return
 	}
@@ -191,7 +214,7 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		writeError(sw, http.StatusBadRequest, "body must be a JSON object")
 		return
 	}
-	if _, ok := body["kv_transfer_params"]; ok {
+	if clientSetsTransferParams(body) {
 		writeError(sw, http.StatusBadRequest, "kv_transfer_params is set by the router, not by clients")
 		return
 	}
@@ -204,6 +227,9 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	reqID := req.Header.Get("X-Request-Id")
 	if reqID == "" {
 		reqID = newID()
+	} else if !validRequestID(reqID) {
+		writeError(sw, http.StatusBadRequest, fmt.Sprintf("X-Request-Id must be at most %d printable ASCII characters without spaces", maxRequestIDBytes))
+		return
 	}
 	pools := r.pools.Load()
 	if len(pools.Prefill) == 0 || len(pools.Decode) == 0 {
@@ -445,11 +471,25 @@ func copyResponse(w http.ResponseWriter, resp *http.Response) {
 			w.Header().Set(h, v)
 		}
 	}
-	w.WriteHeader(resp.StatusCode)
 	if !stream {
-		_, _ = io.Copy(w, resp.Body)
+		b, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes+1))
+		if err == nil && len(b) > maxResponseBytes {
+			err = fmt.Errorf("answer larger than %d bytes", maxResponseBytes)
+		}
+		if err != nil {
+			w.Header().Del("Content-Length")
+			writeError(w, http.StatusBadGateway, "read engine answer: "+err.Error())
+			return
+		}
+		if stripped, ok := withoutTransferParams(b); ok {
+			b = stripped
+			w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+		}
+		w.WriteHeader(resp.StatusCode)
+		_, _ = w.Write(b)
 		return
 	}
+	w.WriteHeader(resp.StatusCode)
 	fl, _ := w.(http.Flusher)
 	buf := make([]byte, 32<<10)
 	for {
