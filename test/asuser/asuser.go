@@ -4,6 +4,7 @@
 package asuser
 
 import (
+	"fmt"
 	"os"
 	"runtime"
 	"syscall"
@@ -26,9 +27,15 @@ func Do(t *testing.T, uid int, fn func() error) error {
 	go func() {
 		// Never unlocked: the goroutine's end takes the thread, and its credentials, with it.
 		runtime.LockOSThread()
-		// setfsuid and setfsgid return the previous id, never an error.
-		syscall.RawSyscall(syscall.SYS_SETFSGID, uintptr(uid), 0, 0)
-		syscall.RawSyscall(syscall.SYS_SETFSUID, uintptr(uid), 0, 0)
+		// setfsuid and setfsgid return the previous id, never an error: asking again tells
+		// whether the first call took.
+		for _, call := range []uintptr{syscall.SYS_SETFSGID, syscall.SYS_SETFSUID} {
+			_, _, _ = syscall.RawSyscall(call, uintptr(uid), 0, 0)
+			if got, _, _ := syscall.RawSyscall(call, uintptr(uid), 0, 0); int(got) != uid {
+				done <- fmt.Errorf("asuser: filesystem id %d, want %d", got, uid)
+				return
+			}
+		}
 		done <- fn()
 	}()
 	return <-done
