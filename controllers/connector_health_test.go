@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/managedfields"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
@@ -26,6 +27,15 @@ import (
 )
 
 var start = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
+
+// newFakeClient is a fake client builder over testScheme whose server-side apply deduces every
+// object's schema: with client-go's schemas first (the builder's default) it refuses
+// NetworkPolicies (".status: field not declared in schema", controller-runtime v0.25.3). The
+// envtest suite applies them to a real API server.
+func newFakeClient(t *testing.T) *fake.ClientBuilder {
+	t.Helper()
+	return fake.NewClientBuilder().WithScheme(testScheme(t)).WithTypeConverters(managedfields.NewDeducedTypeConverter())
+}
 
 func testScheme(t *testing.T) *runtime.Scheme {
 	t.Helper()
@@ -92,7 +102,7 @@ func newHealthFixture(t *testing.T, funcs interceptor.Funcs, pods ...*corev1.Pod
 		f.deletes = append(f.deletes, obj.GetName())
 		return c.Delete(ctx, obj, opts...)
 	}
-	c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(objs...).WithInterceptorFuncs(funcs).Build()
+	c := newFakeClient(t).WithObjects(objs...).WithInterceptorFuncs(funcs).Build()
 	f.r = &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Clock: f.clock}
 	f.status = f.pdc.Status.DeepCopy()
 	return f

@@ -18,7 +18,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/agent"
@@ -88,7 +87,7 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(pods...).Build()
+			c := newFakeClient(t).WithObjects(pods...).Build()
 			r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), GateReader: tc.reader}
 			p := pdc()
 			p.Spec.KVTransfer.CompletionGate = tc.gate

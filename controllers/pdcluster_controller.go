@@ -12,6 +12,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -60,6 +61,7 @@ type PDClusterReconciler struct {
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=services;configmaps,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile brings one PDCluster's children to the rendered state and updates its status.
@@ -194,7 +196,8 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 }
 
 // deleteUnusedChildren removes the children render leaves out depending on the spec once the
-// spec no longer asks for them: the completion gate's ConfigMap, a pool's PodDisruptionBudget.
+// spec no longer asks for them: the completion gate's ConfigMap, a pool's PodDisruptionBudget,
+// the NetworkPolicies.
 func (r *PDClusterReconciler) deleteUnusedChildren(ctx context.Context, pdc *v1alpha1.PDCluster, pending *[]event) error {
 	if !render.GateEnabled(pdc.Spec.KVTransfer) {
 		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.GateObjectName(pdc.Name)}}
@@ -209,6 +212,14 @@ func (r *PDClusterReconciler) deleteUnusedChildren(ctx context.Context, pdc *v1a
 		pdb := &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}}
 		if err := r.deleteUnused(ctx, pdc, pdb, "PodDisruptionBudget", fmt.Sprintf("spec.%s.disruptionBudget is unset", role), pending); err != nil {
 			return err
+		}
+	}
+	if !render.NetworkPoliciesEnabled(pdc) {
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
+			np := &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}}
+			if err := r.deleteUnused(ctx, pdc, np, "NetworkPolicy", "spec.networkPolicy.enabled is false", pending); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -316,6 +327,7 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Owns(&corev1.Service{}).
 		Owns(&corev1.ConfigMap{}).
 		Owns(&policyv1.PodDisruptionBudget{}).
+		Owns(&networkingv1.NetworkPolicy{}).
 		// Engine pods belong to ReplicaSets, not to the PDCluster: map them by label.
 		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(podToPDCluster)).
 		WithOptions(controller.Options{MaxConcurrentReconciles: r.MaxConcurrentReconciles}).
@@ -342,6 +354,7 @@ func CacheOptions() cache.Options {
 			&appsv1.Deployment{}:            {Label: managed},
 			&corev1.Service{}:               {Label: managed},
 			&policyv1.PodDisruptionBudget{}: {Label: managed},
+			&networkingv1.NetworkPolicy{}:   {Label: managed},
 			&corev1.ConfigMap{}: {Label: managed, Transform: func(obj any) (any, error) {
 				if cm, ok := obj.(*corev1.ConfigMap); ok {
 					for k, v := range cm.Data {

@@ -10,6 +10,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -19,7 +20,6 @@ import (
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -45,7 +45,7 @@ func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 			return c.Get(ctx, key, obj, opts...)
 		},
 	}
-	c := fake.NewClientBuilder().WithScheme(testScheme(t)).
+	c := newFakeClient(t).
 		WithObjects(p, pod("d-0", v1alpha1.RoleDecode, time.Minute), pod("d-1", v1alpha1.RoleDecode, 0), pod("p-0", v1alpha1.RolePrefill, 0)).
 		WithStatusSubresource(&v1alpha1.PDCluster{}).WithInterceptorFuncs(funcs).Build()
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: events.NewFakeRecorder(100),
@@ -77,7 +77,8 @@ func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 
 // Turning the gate off removes its ConfigMap, but only one this PDCluster controls.
 // Children the spec no longer asks for (the gate's ConfigMap when the gate is off, a pool's
-// PodDisruptionBudget when its disruptionBudget is unset) are deleted, but only ones this
+// PodDisruptionBudget when its disruptionBudget is unset, the NetworkPolicies when
+// spec.networkPolicy.enabled is false) are deleted, but only ones this
 // PDCluster controls; the ones it still asks for stay.
 func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 	owner := []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
@@ -89,6 +90,12 @@ func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 			return &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.ObjectName("c", role)}}
 		}
 	}
+	netpol := func(role v1alpha1.Role) func() client.Object {
+		return func() client.Object {
+			return &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.ObjectName("c", role)}}
+		}
+	}
+	noPolicies := func(p *v1alpha1.PDCluster) { p.Spec.NetworkPolicy.Enabled = ptr.To(false) }
 	for _, tc := range []struct {
 		name  string
 		spec  func(*v1alpha1.PDCluster)
@@ -96,6 +103,10 @@ func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 		owned bool
 		gone  bool
 	}{
+		{"policies off, own router policy", noPolicies, netpol(v1alpha1.RoleRouter), true, true},
+		{"policies off, own prefill policy", noPolicies, netpol(v1alpha1.RolePrefill), true, true},
+		{"policies off, someone else's decode policy", noPolicies, netpol(v1alpha1.RoleDecode), false, false},
+		{"policies on keep theirs", func(*v1alpha1.PDCluster) {}, netpol(v1alpha1.RoleDecode), true, false},
 		{"gate off, own ConfigMap", func(p *v1alpha1.PDCluster) { p.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled }, gateCM, true, true},
 		{"gate off, someone else's ConfigMap", func(p *v1alpha1.PDCluster) { p.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled }, gateCM, false, false},
 		{"gate on keeps its ConfigMap", func(*v1alpha1.PDCluster) {}, gateCM, true, false},
@@ -113,7 +124,7 @@ func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 			if tc.owned {
 				child.SetOwnerReferences(owner)
 			}
-			c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(p, child).Build()
+			c := newFakeClient(t).WithObjects(p, child).Build()
 			r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
 			var pending []event
 			if err := r.deleteUnusedChildren(context.Background(), p, &pending); err != nil {

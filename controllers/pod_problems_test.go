@@ -15,7 +15,6 @@ import (
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -100,7 +99,7 @@ func TestUnschedulableDecodeIsTheReadyReason(t *testing.T) {
 			Status:     appsv1.DeploymentStatus{ObservedGeneration: 1, UpdatedReplicas: 1, ReadyReplicas: ready},
 		})
 	}
-	c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(p, unschedulable(pod("d-0", v1alpha1.RoleDecode, 0)), pod("p-0", v1alpha1.RolePrefill, 0)).
+	c := newFakeClient(t).WithObjects(p, unschedulable(pod("d-0", v1alpha1.RoleDecode, 0)), pod("p-0", v1alpha1.RolePrefill, 0)).
 		WithObjects(deps...).WithStatusSubresource(&v1alpha1.PDCluster{}).Build()
 	rec := events.NewFakeRecorder(100)
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: rec, Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start)}
@@ -126,8 +125,11 @@ func TestUnschedulableDecodeIsTheReadyReason(t *testing.T) {
 	}
 
 	// Through Reconcile: the event is recorded once.
-	_, _ = r.Reconcile(context.Background(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)})
-	_, _ = r.Reconcile(context.Background(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)})
+	for range 2 {
+		if _, err := r.Reconcile(context.Background(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)}); err != nil {
+			t.Fatalf("reconcile: %v", err)
+		}
+	}
 	n := 0
 	for len(rec.Events) > 0 {
 		if e := <-rec.Events; strings.Contains(e, "Unschedulable") {
@@ -152,7 +154,7 @@ func TestStaleCachedDeploymentIsNotReady(t *testing.T) {
 		dep.Status = appsv1.DeploymentStatus{ObservedGeneration: dep.Generation, Replicas: *dep.Spec.Replicas, UpdatedReplicas: *dep.Spec.Replicas, ReadyReplicas: *dep.Spec.Replicas}
 		objs = append(objs, dep)
 	}
-	c := fake.NewClientBuilder().WithScheme(testScheme(t)).WithObjects(objs...).Build()
+	c := newFakeClient(t).WithObjects(objs...).Build()
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: events.NewFakeRecorder(10), Options: render.DefaultOptions()}
 	applied := func() []render.Object {
 		objs, err := render.Render(p, render.DefaultOptions())

@@ -2,6 +2,7 @@ package v1alpha1
 
 import (
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -625,6 +626,43 @@ type PDClusterSpec struct {
 	// +kubebuilder:default={}
 	// +optional
 	Connector ConnectorSpec `json:"connector,omitempty"`
+
+	// networkPolicy isolates this PDCluster's pods: only its router reaches the engines' API,
+	// only its own pools reach each other's transfer ports, only the operator's namespace the
+	// connector sidecars. The router stays open to every client unless narrowed here.
+	// +kubebuilder:default={}
+	// +optional
+	NetworkPolicy NetworkPolicySpec `json:"networkPolicy,omitempty"`
+}
+
+// NetworkPolicySpec shapes the NetworkPolicies of a PDCluster (one per pool and one for the
+// router, named like their Deployments). They admit traffic; they take effect where the
+// cluster runs a NetworkPolicy implementation.
+type NetworkPolicySpec struct {
+	// enabled renders the NetworkPolicies; false deletes them and leaves the pods open to every
+	// pod of the cluster network.
+	// +kubebuilder:default=true
+	// +optional
+	Enabled *bool `json:"enabled,omitempty"`
+
+	// routerClients may reach the router's port. Empty: every pod and address (the router is
+	// the PDCluster's front door).
+	// +kubebuilder:validation:MaxItems=16
+	// +optional
+	RouterClients []networkingv1.NetworkPolicyPeer `json:"routerClients,omitempty"`
+
+	// engineClients may reach the engines' OpenAI port directly, besides this PDCluster's
+	// router (a benchmark harness, say). A client that sends kv_transfer_params there steers
+	// the engines' KV transfers, so keep this to trusted pods.
+	// +kubebuilder:validation:MaxItems=16
+	// +optional
+	EngineClients []networkingv1.NetworkPolicyPeer `json:"engineClients,omitempty"`
+
+	// monitoring may reach the metrics ports: the engines' and the router's HTTP ports and the
+	// connector sidecars' port (8190), e.g. a Prometheus namespace.
+	// +kubebuilder:validation:MaxItems=16
+	// +optional
+	Monitoring []networkingv1.NetworkPolicyPeer `json:"monitoring,omitempty"`
 }
 
 // PoolStatus is the observed state of one pool.

@@ -27,6 +27,12 @@ func main() {
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader so only one replica reconciles")
 	flag.StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router")
 	flag.StringVar(&opts.ConnectorImage, "connector-image", opts.ConnectorImage, "image of the connector sidecar, unless a PDCluster sets spec.connector.image")
+	// The operator's own namespace, from the downward API (POD_NAMESPACE) in the chart and
+	// config/manager: the PDClusters' NetworkPolicies admit the operator's /gate reads from it.
+	if ns := os.Getenv("POD_NAMESPACE"); ns != "" {
+		opts.OperatorNamespace = ns
+	}
+	flag.StringVar(&opts.OperatorNamespace, "operator-namespace", opts.OperatorNamespace, "namespace the operator runs in (default: $POD_NAMESPACE): PDClusters' NetworkPolicies admit the connector sidecars' port from it")
 	flag.IntVar(&concurrency, "max-concurrent-reconciles", 16, "PDClusters reconciled at once")
 	flag.BoolVar(&readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8190/gate) into status.<pool>.gate")
 	zapOpts := zap.Options{}

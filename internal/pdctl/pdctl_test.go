@@ -40,6 +40,7 @@ func TestRenderJSONIsAListOfEveryObject(t *testing.T) {
 		"Deployment/qwen3-32b-prefill", "Service/qwen3-32b-prefill",
 		"Deployment/qwen3-32b-decode", "Service/qwen3-32b-decode",
 		"ConfigMap/qwen3-32b-pdgate", "ConfigMap/qwen3-32b-router", "Deployment/qwen3-32b-router", "Service/qwen3-32b-router",
+		"NetworkPolicy/qwen3-32b-prefill", "NetworkPolicy/qwen3-32b-decode", "NetworkPolicy/qwen3-32b-router",
 	}
 	if list.APIVersion != "v1" || list.Kind != "List" {
 		t.Errorf("got %s %s, want v1 List", list.APIVersion, list.Kind)
@@ -55,8 +56,8 @@ func TestRenderYAMLFromStdin(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}
-	if n := strings.Count(out, "\n---\n"); n != 7 {
-		t.Errorf("%d document separators, want 7 (8 objects)", n)
+	if n := strings.Count(out, "\n---\n"); n != 10 {
+		t.Errorf("%d document separators, want 10 (11 objects)", n)
 	}
 	if !strings.Contains(out, `"kv_role":"kv_consumer"`) || !strings.Contains(out, `"kv_role":"kv_producer"`) {
 		t.Error("output lacks one of the kv roles")

@@ -109,11 +109,14 @@ type Options struct {
 	RouterImage string
 	// ConnectorImage runs cmd/connector, unless a PDCluster names its own.
 	ConnectorImage string
+	// OperatorNamespace is where the operator runs: its pods read the connector sidecars'
+	// /gate, which the NetworkPolicies admit from there only. Empty: from nowhere.
+	OperatorNamespace string
 }
 
 // DefaultOptions are used by pdctl and by the manager unless flags override them.
 func DefaultOptions() Options {
-	return Options{RouterImage: "ghcr.io/pdcluster/router:v0.1.0", ConnectorImage: "ghcr.io/pdcluster/connector:v0.1.0"}
+	return Options{RouterImage: "ghcr.io/pdcluster/router:v0.1.0", ConnectorImage: "ghcr.io/pdcluster/connector:v0.1.0", OperatorNamespace: "pdcluster-system"}
 }
 
 // ObjectName is the name of the child object of cluster for role.
@@ -165,6 +168,9 @@ func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
 		return nil, fmt.Errorf("render router: %w", err)
 	}
 	objs = append(objs, cm, router, RouterService(pdc))
+	for _, np := range NetworkPolicies(pdc, opts) {
+		objs = append(objs, np)
+	}
 	return objs, nil
 }
 

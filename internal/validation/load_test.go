@@ -66,6 +66,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 				RestartDecodeWithPrefill: ptr.To(true),
 			},
 		},
+		NetworkPolicy: v1alpha1.NetworkPolicySpec{Enabled: ptr.To(true)},
 	}
 	if diff := cmp.Diff(want, doc.PDCluster.Spec); diff != "" {
 		t.Errorf("defaulted spec (-want +got):\n%s", diff)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
@@ -57,6 +58,12 @@ func TestHelmChartInstalls(t *testing.T) {
 	c := dep.Spec.Template.Spec.Containers[0]
 	if d := cmp.Diff([]string{"--leader-elect", "--metrics-bind-address=:8080", "--health-probe-bind-address=:8081", "--max-concurrent-reconciles=16", "--router-image=example/router:v1"}, c.Args); d != "" {
 		t.Errorf("manager args (-want +got):\n%s", d)
+	}
+	// The manager takes its namespace from POD_NAMESPACE (cmd/manager): the PDClusters'
+	// NetworkPolicies admit the sidecars' /gate reads from it.
+	wantEnv := []corev1.EnvVar{{Name: "POD_NAMESPACE", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{APIVersion: "v1", FieldPath: "metadata.namespace"}}}}
+	if d := cmp.Diff(wantEnv, c.Env); d != "" {
+		t.Errorf("manager env (-want +got):\n%s", d)
 	}
 	var role rbacv1.ClusterRole
 	if err := f.c.Get(f.ctx, client.ObjectKey{Name: "ops-pdcluster-operator-manager"}, &role); err != nil {

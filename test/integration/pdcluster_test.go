@@ -17,6 +17,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -185,9 +186,18 @@ func TestCreateSteadyStateStatusAndEvents(t *testing.T) {
 	}
 	var cm corev1.ConfigMap
 	f.get(&cm, "demo-router")
-	// One Created event names every child (7 objects and the gate plugin's ConfigMap).
+	for _, name := range []string{"demo-prefill", "demo-decode", "demo-router"} {
+		var np networkingv1.NetworkPolicy
+		f.get(&np, name)
+		if ref := metav1.GetControllerOf(&np); ref == nil || ref.Name != "demo" {
+			t.Errorf("NetworkPolicy %s controller reference = %v, want PDCluster demo", name, ref)
+		}
+	}
+	// One Created event names every child (7 objects, the gate plugin's ConfigMap and the
+	// NetworkPolicies).
 	want := "Normal Created created Deployment demo-prefill, Service demo-prefill, Deployment demo-decode, Service demo-decode, " +
-		"ConfigMap demo-router, Deployment demo-router, Service demo-router, ConfigMap demo-pdgate"
+		"ConfigMap demo-router, Deployment demo-router, Service demo-router, ConfigMap demo-pdgate, " +
+		"NetworkPolicy demo-prefill, NetworkPolicy demo-decode, NetworkPolicy demo-router"
 	if got := f.events(); len(got) != 1 || !sameNames(got[0], want) {
 		t.Errorf("events = %q, want one event %q", got, want)
 	}

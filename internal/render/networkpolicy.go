@@ -1,0 +1,90 @@
+package render
+
+import (
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+// NetworkPoliciesEnabled reports whether spec.networkPolicy asks for the NetworkPolicies.
+func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
+	return ptr.Deref(pdc.Spec.NetworkPolicy.Enabled, true)
+}
+
+// NetworkPolicies isolate pdc's pods, one per pool and one for the router, each named like
+// its Deployment; nil when spec.networkPolicy.enabled is false. Ingress only: egress (DNS,
+// model downloads) stays the namespace's to restrict.
+//   - engines' OpenAI port: this PDCluster's router, and engineClients.
+//   - prefill's bootstrap port: the router (Mooncake asks it for the engine id) and decode.
+//   - every port of a pool from the other pool of this PDCluster: vLLM's transfer engines
+//     (Mooncake, NIXL over UCX) listen on ports they pick at run time, besides the declared
+//     bootstrap and side-channel ports.
+//   - the connector sidecars' port: the operator's namespace (it reads /gate) and monitoring.
+//   - the router's port: routerClients, or everyone when none is set.
+//
+// Kubelet probes come from the node, which a NetworkPolicy always admits.
+func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
+	if !NetworkPoliciesEnabled(pdc) {
+		return nil
+	}
+	np := pdc.Spec.NetworkPolicy
+	pods := func(role v1alpha1.Role) networkingv1.NetworkPolicyPeer {
+		return networkingv1.NetworkPolicyPeer{PodSelector: &metav1.LabelSelector{MatchLabels: Labels(pdc.Name, role)}}
+	}
+	var operator []networkingv1.NetworkPolicyPeer
+	if opts.OperatorNamespace != "" {
+		operator = []networkingv1.NetworkPolicyPeer{{NamespaceSelector: &metav1.LabelSelector{
+			MatchLabels: map[string]string{corev1.LabelMetadataName: opts.OperatorNamespace},
+		}}}
+	}
+	var out []*networkingv1.NetworkPolicy
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+		other := v1alpha1.RoleDecode
+		if role == v1alpha1.RoleDecode {
+			other = v1alpha1.RolePrefill
+		}
+		rules := []networkingv1.NetworkPolicyIngressRule{
+			{From: append([]networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, np.EngineClients...), Ports: tcp(v1alpha1.DefaultEnginePort)},
+			{From: []networkingv1.NetworkPolicyPeer{pods(other)}},
+		}
+		if role == v1alpha1.RolePrefill && orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) == v1alpha1.ConnectorMooncake {
+			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(v1alpha1.DefaultBootstrapPort)})
+		}
+		if len(operator) > 0 {
+			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(ConnectorPort)})
+		}
+		if len(np.Monitoring) > 0 {
+			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(v1alpha1.DefaultEnginePort, ConnectorPort)})
+		}
+		out = append(out, networkPolicy(pdc, role, rules))
+	}
+	routerRules := []networkingv1.NetworkPolicyIngressRule{{From: np.RouterClients, Ports: tcp(v1alpha1.DefaultEnginePort)}}
+	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
+		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(v1alpha1.DefaultEnginePort)})
+	}
+	return append(out, networkPolicy(pdc, v1alpha1.RoleRouter, routerRules))
+}
+
+func networkPolicy(pdc *v1alpha1.PDCluster, role v1alpha1.Role, ingress []networkingv1.NetworkPolicyIngressRule) *networkingv1.NetworkPolicy {
+	return &networkingv1.NetworkPolicy{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+		ObjectMeta: objectMeta(pdc, role),
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: Labels(pdc.Name, role)},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			Ingress:     ingress,
+		},
+	}
+}
+
+func tcp(ports ...int32) []networkingv1.NetworkPolicyPort {
+	out := make([]networkingv1.NetworkPolicyPort, len(ports))
+	for i, p := range ports {
+		out[i] = networkingv1.NetworkPolicyPort{Protocol: ptr.To(corev1.ProtocolTCP), Port: ptr.To(intstr.FromInt32(p))}
+	}
+	return out
+}

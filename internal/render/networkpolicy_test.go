@@ -1,0 +1,201 @@
+package render_test
+
+import (
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// peer is a pod that sends traffic: its labels and its namespace's.
+type peer struct {
+	name     string
+	labels   map[string]string
+	nsLabels map[string]string
+	sameNS   bool
+}
+
+// admits evaluates NetworkPolicy ingress as the API defines it: a pod selected by no policy
+// takes everything; a selected pod takes what some rule of some policy selecting it admits
+// (no from: every source; no ports: every port).
+func admits(t *testing.T, policies []*networkingv1.NetworkPolicy, to map[string]string, port int32, from peer) bool {
+	t.Helper()
+	match := func(sel *metav1.LabelSelector, l map[string]string) bool {
+		s, err := metav1.LabelSelectorAsSelector(sel)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.Matches(labels.Set(l))
+	}
+	selected := false
+	for _, np := range policies {
+		if !match(&np.Spec.PodSelector, to) {
+			continue
+		}
+		selected = true
+		for _, rule := range np.Spec.Ingress {
+			portOK := len(rule.Ports) == 0
+			for _, p := range rule.Ports {
+				if p.Port == nil || (p.Port.IntVal == port && ptr.Deref(p.Protocol, corev1.ProtocolTCP) == corev1.ProtocolTCP) {
+					portOK = true
+				}
+			}
+			fromOK := len(rule.From) == 0
+			for _, f := range rule.From {
+				switch {
+				case f.IPBlock != nil:
+				case f.NamespaceSelector == nil:
+					fromOK = fromOK || (from.sameNS && match(f.PodSelector, from.labels))
+				default:
+					fromOK = fromOK || (match(f.NamespaceSelector, from.nsLabels) && (f.PodSelector == nil || match(f.PodSelector, from.labels)))
+				}
+			}
+			if portOK && fromOK {
+				return true
+			}
+		}
+	}
+	return !selected
+}
+
+// Every port of every rendered pod is reached by who needs it and by no one else: a pod of the
+// same namespace outside the PDCluster, or of another namespace, reaches the router only.
+func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
+	opts := render.DefaultOptions()
+	for _, in := range testInputs(t) {
+		t.Run(filepath.Base(in), func(t *testing.T) {
+			pdc := load(t, in)
+			objs, err := render.Render(pdc, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var policies []*networkingv1.NetworkPolicy
+			var deps []*appsv1.Deployment
+			for _, o := range objs {
+				switch o := o.(type) {
+				case *networkingv1.NetworkPolicy:
+					policies = append(policies, o)
+				case *appsv1.Deployment:
+					deps = append(deps, o)
+				}
+			}
+			if len(policies) != 3 {
+				t.Fatalf("%d NetworkPolicies, want one per pool and the router's", len(policies))
+			}
+			ns := map[string]string{corev1.LabelMetadataName: pdc.Namespace}
+			of := func(role v1alpha1.Role) peer {
+				return peer{name: string(role), labels: render.Labels(pdc.Name, role), nsLabels: ns, sameNS: true}
+			}
+			operator := peer{name: "operator", labels: map[string]string{"control-plane": "controller-manager"}, nsLabels: map[string]string{corev1.LabelMetadataName: opts.OperatorNamespace}}
+			strangers := []peer{
+				{name: "a pod of the namespace", labels: map[string]string{"app": "other"}, nsLabels: ns, sameNS: true},
+				{name: "another PDCluster's router", labels: render.Labels("other", v1alpha1.RoleRouter), nsLabels: ns, sameNS: true},
+				{name: "a pod of another namespace", labels: render.Labels(pdc.Name, v1alpha1.RoleRouter), nsLabels: map[string]string{corev1.LabelMetadataName: "elsewhere"}},
+			}
+			other := map[v1alpha1.Role]v1alpha1.Role{v1alpha1.RolePrefill: v1alpha1.RoleDecode, v1alpha1.RoleDecode: v1alpha1.RolePrefill}
+			// who needs each port, by port name
+			needs := func(role v1alpha1.Role, port string) ([]peer, bool) {
+				switch {
+				case role == v1alpha1.RoleRouter && port == "http":
+					return append([]peer{of(v1alpha1.RolePrefill)}, strangers...), true // everyone
+				case port == "http":
+					return []peer{of(v1alpha1.RoleRouter), of(other[role])}, true
+				case port == "bootstrap":
+					return []peer{of(v1alpha1.RoleRouter), of(v1alpha1.RoleDecode)}, true
+				case port == "connector":
+					return []peer{operator}, true
+				case port == "kv-data" || len(port) > 5 && port[:5] == "nixl-":
+					return []peer{of(other[role])}, true
+				}
+				return nil, false
+			}
+			for _, dep := range deps {
+				role := v1alpha1.Role(dep.Labels[v1alpha1.LabelRole])
+				to := dep.Spec.Template.Labels
+				for _, c := range dep.Spec.Template.Spec.Containers {
+					for _, p := range c.Ports {
+						want, ok := needs(role, p.Name)
+						if !ok {
+							t.Errorf("%s port %s (%d): the test does not say who needs it", role, p.Name, p.ContainerPort)
+							continue
+						}
+						wanted := map[string]bool{}
+						for _, from := range want {
+							wanted[from.name] = true
+							if !admits(t, policies, to, p.ContainerPort, from) {
+								t.Errorf("%s port %s (%d) is closed to %s", role, p.Name, p.ContainerPort, from.name)
+							}
+						}
+						for _, from := range strangers {
+							if !wanted[from.name] && admits(t, policies, to, p.ContainerPort, from) {
+								t.Errorf("%s port %s (%d) is open to %s", role, p.Name, p.ContainerPort, from.name)
+							}
+						}
+					}
+				}
+			}
+		})
+	}
+}
+
+// spec.networkPolicy: disabled renders none; the client lists widen the rules they name.
+func TestNetworkPolicySettings(t *testing.T) {
+	pdc := load(t, filepath.Join("testdata", "minimal.yaml"))
+	prom := peer{name: "prometheus", labels: map[string]string{"app": "prometheus"}, nsLabels: map[string]string{corev1.LabelMetadataName: "monitoring"}}
+	promPeer := networkingv1.NetworkPolicyPeer{NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{corev1.LabelMetadataName: "monitoring"}}}
+	bench := peer{name: "bench", labels: map[string]string{"app": "bench"}, sameNS: true}
+	benchPeer := networkingv1.NetworkPolicyPeer{PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "bench"}}}
+	for _, tc := range []struct {
+		name string
+		np   v1alpha1.NetworkPolicySpec
+		// want: role/port/peer -> admitted
+		want map[string]bool
+	}{
+		{"disabled", v1alpha1.NetworkPolicySpec{Enabled: ptr.To(false)}, nil},
+		{"defaults", v1alpha1.NetworkPolicySpec{}, map[string]bool{
+			"prefill/8000/bench": false, "decode/8190/prometheus": false, "router/8000/bench": true, "router/8000/prometheus": true,
+		}},
+		{"engine clients and monitoring", v1alpha1.NetworkPolicySpec{EngineClients: []networkingv1.NetworkPolicyPeer{benchPeer}, Monitoring: []networkingv1.NetworkPolicyPeer{promPeer}}, map[string]bool{
+			"prefill/8000/bench": true, "decode/8000/bench": true, "prefill/8998/bench": false, "decode/8190/bench": false,
+			"decode/8190/prometheus": true, "prefill/8000/prometheus": true, "prefill/8998/prometheus": false,
+		}},
+		{"router narrowed", v1alpha1.NetworkPolicySpec{RouterClients: []networkingv1.NetworkPolicyPeer{benchPeer}, Monitoring: []networkingv1.NetworkPolicyPeer{promPeer}}, map[string]bool{
+			"router/8000/bench": true, "router/8000/prometheus": true,
+			"router/8000/stranger": false,
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := pdc.DeepCopy()
+			p.Spec.NetworkPolicy = tc.np
+			policies := render.NetworkPolicies(p, render.DefaultOptions())
+			if tc.want == nil {
+				if len(policies) != 0 {
+					t.Fatalf("%d NetworkPolicies rendered, want none", len(policies))
+				}
+				return
+			}
+			peers := map[string]peer{"bench": bench, "prometheus": prom, "stranger": {name: "stranger", labels: map[string]string{"app": "x"}, sameNS: true}}
+			for key, want := range tc.want {
+				parts := strings.Split(key, "/")
+				role, from := parts[0], parts[2]
+				port, err := strconv.Atoi(parts[1])
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := admits(t, policies, render.Labels(p.Name, v1alpha1.Role(role)), int32(port), peers[from]); got != want {
+					t.Errorf("%s: admitted %v, want %v", key, got, want)
+				}
+			}
+		})
+	}
+}
