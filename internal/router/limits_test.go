@@ -14,9 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/go-logr/logr"
-
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
@@ -122,27 +119,9 @@ func TestRequestIDHeaderIsBounded(t *testing.T) {
 	}
 }
 
-// routerWith is a Mooncake router over p and d with cfg's limits.
-func routerWith(t *testing.T, cfg Config, p, d http.Handler) *httptest.Server {
-	t.Helper()
-	reg := bootstrap.NewRegistry()
-	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://p:1"})
-	boot := httptest.NewServer(reg.Handler())
-	ps, ds := httptest.NewServer(p), httptest.NewServer(d)
-	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
-	cfg.Flow, cfg.Prefill, cfg.Decode = routerconfig.FlowMooncake, []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, []string{ds.URL}
-	r, err := New(cfg, logr.Discard(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(r.Handler(nil))
-	t.Cleanup(srv.Close)
-	return srv
-}
-
 func TestBodyLimit(t *testing.T) {
 	d := &fakeEngine{reply: `{}`}
-	srv := routerWith(t, Config{MaxBodyBytes: 1024}, &fakeEngine{}, d)
+	srv := routerWith(t, Config{Flow: routerconfig.FlowMooncake, MaxBodyBytes: 1024}, &fakeEngine{}, d)
 	prompt := func(n int) string { return fmt.Sprintf(`{"prompt":%q}`, strings.Repeat("a", n)) }
 	if code, got := send(t, srv.URL, prompt(1000)); code != http.StatusOK {
 		t.Fatalf("a body under the limit: %d %s", code, got)
@@ -163,7 +142,7 @@ func TestInFlightLimit(t *testing.T) {
 		<-release
 		_, _ = io.WriteString(w, `{}`)
 	})
-	srv := routerWith(t, Config{MaxInFlight: 1}, &fakeEngine{}, slow)
+	srv := routerWith(t, Config{Flow: routerconfig.FlowMooncake, MaxInFlight: 1}, &fakeEngine{}, slow)
 	first := make(chan int, 1)
 	go func() {
 		code, _ := send(t, srv.URL, `{"prompt":"x"}`)
@@ -205,7 +184,7 @@ func TestUpstreamRedirectsAreNotFollowed(t *testing.T) {
 	redirect := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		http.Redirect(w, r, trap.URL+"/steal", http.StatusTemporaryRedirect)
 	})
-	srv := routerWith(t, Config{}, &fakeEngine{}, redirect)
+	srv := routerWith(t, Config{Flow: routerconfig.FlowMooncake}, &fakeEngine{}, redirect)
 	code, got := send(t, srv.URL, `{"prompt":"x"}`)
 	if code != http.StatusBadGateway || !strings.Contains(got, "redirect") {
 		t.Errorf("decode redirected: got %d %s, want 502", code, got)
@@ -220,7 +199,7 @@ func TestUpstreamHeaderTimeout(t *testing.T) {
 	stop := make(chan struct{})
 	hang := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { <-stop })
 	defer close(stop) // before the engine's server closes: deferred calls run before cleanups
-	srv := routerWith(t, Config{UpstreamHeaderTimeout: 100 * time.Millisecond}, &fakeEngine{}, hang)
+	srv := routerWith(t, Config{Flow: routerconfig.FlowMooncake, UpstreamHeaderTimeout: 100 * time.Millisecond}, &fakeEngine{}, hang)
 	code, got := send(t, srv.URL, `{"prompt":"x"}`)
 	if code != http.StatusBadGateway || !strings.Contains(got, "timeout") {
 		t.Errorf("decode hung: got %d %s, want 502", code, got)

@@ -56,12 +56,20 @@ func (f *fakeEngine) last(t *testing.T) seen {
 
 func newRouter(t *testing.T, flow routerconfig.Flow, p, d *fakeEngine) *httptest.Server {
 	t.Helper()
+	return routerWith(t, Config{Flow: flow}, p, d)
+}
+
+// routerWith is a router over one prefill engine p (registered at a bootstrap registry) and one
+// decode engine d, with cfg's flow and limits.
+func routerWith(t *testing.T, cfg Config, p, d http.Handler) *httptest.Server {
+	t.Helper()
 	reg := bootstrap.NewRegistry()
 	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://p:1"})
 	boot := httptest.NewServer(reg.Handler())
 	ps, ds := httptest.NewServer(p), httptest.NewServer(d)
 	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
-	r, err := New(Config{Flow: flow, Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}, logr.Discard(), nil)
+	cfg.Prefill, cfg.Decode = []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, []string{ds.URL}
+	r, err := New(cfg, logr.Discard(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
