@@ -38,7 +38,7 @@ render: build ## Validate and print the objects of the sample PDCluster, as the 
 	bin/pdctl render -f config/samples/serving_v1alpha1_pdcluster.yaml
 
 .PHONY: sandbox
-sandbox: build ## P/D on loopback: router, engine simulators and connector agents (Ctrl-C stops it).
+sandbox: build ## P/D on loopback: router, engine simulators (KV transfer in-process) and connector sidecars (Ctrl-C stops it).
 	bin/sandbox --listen 127.0.0.1:8080 --block-size 64 --prefill 2 --decode 1
 
 ##@ Generate

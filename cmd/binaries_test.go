@@ -35,8 +35,8 @@ func TestShippedBinariesLinkOnlyWhatTheyShip(t *testing.T) {
 	}{
 		{"cmd/manager", []string{"test", "connector", "internal/router", "internal/pdctl"}},
 		{"cmd/pdctl", []string{"test", "connector", "internal/router", "controllers"}},
-		{"cmd/connector", []string{"test", "internal", "controllers"}},
-		{"cmd/router", []string{"test", "internal/render", "internal/validation", "controllers", "connector/agent"}},
+		{"cmd/connector", []string{"test", "internal", "controllers", "connector/bootstrap"}},
+		{"cmd/router", []string{"test", "internal/render", "internal/validation", "controllers", "connector/sidecar"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.binary, func(t *testing.T) {

@@ -7,11 +7,11 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
@@ -20,9 +20,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/agent"
-	"pdcluster.dev/pdcluster-operator/connector/kvfile"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/connector/sidecar"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
@@ -143,21 +142,16 @@ func TestHTTPGateReader(t *testing.T) {
 	}
 }
 
-// Both sides of the seam: a real connector agent takes the plugin's heartbeat on its local API,
-// and the operator's reader gets it from the agent's public port.
-func TestHTTPGateReaderReadsARealAgent(t *testing.T) {
-	kv, err := kvfile.Open(filepath.Join(t.TempDir(), "kv"), 4, 64)
+// Both sides of the seam: the real connector sidecar takes the plugin's heartbeat on its local
+// API, and the operator's reader gets it from the sidecar's public port.
+func TestHTTPGateReaderReadsTheSidecar(t *testing.T) {
+	sc, err := sidecar.New(sidecar.Config{Log: logr.Discard()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer kv.Close()
-	a, err := agent.New(agent.Config{Role: v1alpha1.KVConsumer, KV: kv, PullTimeout: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	local := httptest.NewServer(a.Handler(prometheus.NewRegistry()))
+	local := httptest.NewServer(sc.LocalHandler(prometheus.NewRegistry()))
 	defer local.Close()
-	public := httptest.NewServer(a.PublicHandler(prometheus.NewRegistry()))
+	public := httptest.NewServer(sc.PublicHandler(prometheus.NewRegistry()))
 	defer public.Close()
 
 	report, _ := json.Marshal(loaded(6, 8, 0).Report)

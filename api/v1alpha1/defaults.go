@@ -16,8 +16,6 @@ const (
 	// NIXL handshakes on it plus its data-parallel rank.
 	DefaultNixlSideChannelPort int32 = 5600
 
-	DefaultConnectorBufferBlocks  int32 = 8192
-	DefaultConnectorBlockBytes    int32 = 4096
 	DefaultHealthPeriodSeconds    int32 = 10
 	DefaultHealthFailureThreshold int32 = 3
 	DefaultInitialBackoffSeconds  int32 = 30

@@ -14,7 +14,7 @@ var (
 	GroupVersion = schema.GroupVersion{Group: "serving.pdcluster.dev", Version: "v1alpha1"}
 
 	// SchemeBuilder registers the types of this group with a scheme. apimachinery's, not
-	// controller-runtime's: the connector agent imports this package for its vocabulary.
+	// controller-runtime's: the connector sidecar and the simulators import this package for its vocabulary.
 	SchemeBuilder = runtime.NewSchemeBuilder(func(s *runtime.Scheme) error {
 		s.AddKnownTypes(GroupVersion, &PDCluster{}, &PDClusterList{})
 		metav1.AddToGroupVersion(s, GroupVersion)

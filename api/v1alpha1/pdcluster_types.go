@@ -367,7 +367,7 @@ type DisruptionBudget struct {
 // mount paths) are refused at admission. The formats of env and volume names are checked when
 // the operator renders the pods (status InvalidSpec names the field): a CEL rule on the names
 // of core/v1 types, which carry no length limit, is past the API server's cost budget.
-// +kubebuilder:validation:XValidation:rule="!has(self.env) || self.env.all(e, !(e.name in ['POD_IP', 'PDCLUSTER_CONNECTOR_URL', 'PDCLUSTER_KV_FILE', 'PYTHONPATH', 'VLLM_MOONCAKE_BOOTSTRAP_PORT', 'VLLM_NIXL_SIDE_CHANNEL_HOST', 'VLLM_NIXL_SIDE_CHANNEL_PORT', 'UCX_NET_DEVICES', 'HF_HOME', 'HF_TOKEN']))",message="env may not set POD_IP, PDCLUSTER_CONNECTOR_URL, PDCLUSTER_KV_FILE, PYTHONPATH, VLLM_MOONCAKE_BOOTSTRAP_PORT, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT, UCX_NET_DEVICES, HF_HOME or HF_TOKEN: the operator sets them from model, kvTransfer and the connector"
+// +kubebuilder:validation:XValidation:rule="!has(self.env) || self.env.all(e, !(e.name in ['POD_IP', 'PDCLUSTER_CONNECTOR_URL', 'PYTHONPATH', 'VLLM_MOONCAKE_BOOTSTRAP_PORT', 'VLLM_NIXL_SIDE_CHANNEL_HOST', 'VLLM_NIXL_SIDE_CHANNEL_PORT', 'UCX_NET_DEVICES', 'HF_HOME', 'HF_TOKEN']))",message="env may not set POD_IP, PDCLUSTER_CONNECTOR_URL, PYTHONPATH, VLLM_MOONCAKE_BOOTSTRAP_PORT, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT, UCX_NET_DEVICES, HF_HOME or HF_TOKEN: the operator sets them from model, kvTransfer and the connector"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumes) || self.volumes.all(v, !(v.name in ['dshm', 'connector-run', 'completion-gate', 'model', 'hf-cache']))",message="volumes may not be named dshm, connector-run, completion-gate, model or hf-cache: the operator's volumes have those names"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in ['/dev/shm', '/var/run/pdcluster', '/opt/pdgate/pdgate', '/models', '/var/cache/huggingface']))",message="volumeMounts may not use /dev/shm, /var/run/pdcluster, /opt/pdgate/pdgate, /models or /var/cache/huggingface: the operator mounts its volumes there"
 // +kubebuilder:validation:XValidation:rule="!has(self.labels) || self.labels.all(k, !k.startsWith('app.kubernetes.io/') && !k.startsWith('serving.pdcluster.dev/'))",message="labels under app.kubernetes.io/ and serving.pdcluster.dev/ are the operator's: they select the pods"
@@ -492,28 +492,15 @@ type RouterSpec struct {
 	Balance RouterBalance `json:"balance,omitempty"`
 }
 
-// ConnectorSpec configures the completion-gated connector agent the operator runs as a sidecar
-// beside every prefill and decode engine. The engine talks to it on localhost and shares the
-// KV staging buffer with it through a memory-backed volume.
+// ConnectorSpec configures the connector sidecar the operator runs beside every prefill and
+// decode engine. vLLM moves the KV itself (its Mooncake or NIXL transfer engine) and runs the
+// completion gate in-process; the sidecar hears the gate's heartbeat on a socket on the pod's
+// own volume, answers the readiness probe (unready while the gate is silent) and exports the
+// gate's counts. It moves no KV and holds no KV memory.
 type ConnectorSpec struct {
-	// image of the connector agent. Defaults to the operator's --connector-image.
+	// image of the connector sidecar. Defaults to the operator's --connector-image.
 	// +optional
 	Image string `json:"image,omitempty"`
-
-	// bufferBlocks is the number of KV blocks in the staging buffer the engine and the sidecar
-	// share; it must hold the engine's KV capacity.
-	// +kubebuilder:default=8192
-	// +kubebuilder:validation:Minimum=1
-	// +kubebuilder:validation:Maximum=1048576
-	// +optional
-	BufferBlocks *int32 `json:"bufferBlocks,omitempty"`
-
-	// blockBytes is the size of one KV block in the staging buffer.
-	// +kubebuilder:default=4096
-	// +kubebuilder:validation:Minimum=64
-	// +kubebuilder:validation:Maximum=67108864
-	// +optional
-	BlockBytes *int32 `json:"blockBytes,omitempty"`
 
 	// resources of the connector container.
 	// +optional

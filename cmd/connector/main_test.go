@@ -1,15 +1,20 @@
 package main
 
 import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/go-logr/logr/funcr"
 	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/agent"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/connector/sidecar"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -35,13 +40,13 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			}
 			// The gate is on by default, and the sidecar beside a gated engine requires it.
 			if !cfg.Gate.Required {
-				t.Errorf("%s sidecar args %v: the agent does not require the completion gate", role, c.Args)
+				t.Errorf("%s sidecar args %v: the sidecar does not require the completion gate", role, c.Args)
 			}
 			if cfg.Gate.StartupGrace != 1200*time.Second {
 				t.Errorf("%s sidecar args %v: gate start-up grace %s, want spec.connector.health.gateStartupGraceSeconds (1200s)", role, c.Args, cfg.Gate.StartupGrace)
 			}
-			if o.listen != render.ConnectorSocket || o.kvPath == "" || o.blocks <= 0 {
-				t.Errorf("%s sidecar: listen %q, kv file %q, %d blocks", role, o.listen, o.kvPath, o.blocks)
+			if o.listen != render.ConnectorSocket || o.publicListen != fmt.Sprintf(":%d", render.ConnectorPort) {
+				t.Errorf("%s sidecar: listen %q, public %q, want %q and :%d", role, o.listen, o.publicListen, render.ConnectorSocket, render.ConnectorPort)
 			}
 		}
 	}
@@ -55,14 +60,14 @@ func TestGateFlags(t *testing.T) {
 	cases := []struct {
 		name string
 		args []string
-		want agent.GateConfig
+		want sidecar.GateConfig
 	}{
-		{"defaults", nil, agent.GateConfig{Required: false, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second}},
-		{"required", []string{"--require-gate"}, agent.GateConfig{Required: true, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second}},
+		{"defaults", nil, sidecar.GateConfig{Required: false, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second}},
+		{"required", []string{"--require-gate"}, sidecar.GateConfig{Required: true, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second}},
 		{"all set", []string{"--require-gate=true", "--gate-startup-grace=3m", "--gate-heartbeat-timeout=45s"},
-			agent.GateConfig{Required: true, StartupGrace: 3 * time.Minute, HeartbeatTimeout: 45 * time.Second}},
+			sidecar.GateConfig{Required: true, StartupGrace: 3 * time.Minute, HeartbeatTimeout: 45 * time.Second}},
 		{"not required, timings set", []string{"--require-gate=false", "--gate-startup-grace=90s", "--gate-heartbeat-timeout=1m"},
-			agent.GateConfig{Required: false, StartupGrace: 90 * time.Second, HeartbeatTimeout: time.Minute}},
+			sidecar.GateConfig{Required: false, StartupGrace: 90 * time.Second, HeartbeatTimeout: time.Minute}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -77,14 +82,17 @@ func TestGateFlags(t *testing.T) {
 	}
 }
 
-// The agent logs through the logger main builds (it once had none, so it logged nothing after
-// its start line).
-func TestAgentLogsThroughMainsLogger(t *testing.T) {
+// The sidecar logs through the logger main builds: its refusals reach the container's log.
+func TestSidecarLogsThroughMainsLogger(t *testing.T) {
 	var lines []string
 	log := funcr.New(func(prefix, args string) { lines = append(lines, args) }, funcr.Options{})
-	cfg := withRun(agent.Config{}, options{role: "kv_consumer"}, nil, log)
-	cfg.Log.Info("refused a pull", "why", "test")
-	if len(lines) != 1 || !strings.Contains(lines[0], "refused a pull") {
-		t.Fatalf("agent log lines %q, want the agent's message", lines)
+	s, err := sidecar.New(sidecar.Config{Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := httptest.NewRecorder()
+	s.LocalHandler(prometheus.NewRegistry()).ServeHTTP(rec, httptest.NewRequest(http.MethodPost, localapi.PathGate, strings.NewReader("{")))
+	if len(lines) != 1 || !strings.Contains(lines[0], "refused a request") {
+		t.Fatalf("sidecar log lines %q, want its refusal", lines)
 	}
 }

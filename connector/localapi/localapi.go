@@ -1,6 +1,7 @@
-// Package localapi is the local API between an engine and its connector agent: JSON over HTTP,
-// on a Unix socket on the volume the two containers of a pod share. The agent serves it
-// (connector/agent), the engine's side calls it (connector/link, and the vLLM plugin).
+// Package localapi is the pod-local API of the connector sidecar: JSON over HTTP on a Unix
+// socket on the volume the engine and the sidecar share, so only the engine of the same pod
+// reaches it. The sidecar serves it (connector/sidecar); the engine's completion-gate plugin
+// (connector/vllm/pdgate) heartbeats to it.
 package localapi
 
 import (
@@ -11,93 +12,7 @@ import (
 	"os"
 	"strings"
 	"time"
-
-	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 )
-
-// Paths of the local API.
-const (
-	PathPulls  = "/v1/pulls"
-	PathExpect = "/v1/expect"
-	PathReady  = "/v1/ready"
-	PathAbort  = "/v1/abort"
-	PathEvents = "/v1/events"
-)
-
-// PathInfo is GET /v1/info: the agent's run, the KV file layout the engine opens beside it,
-// and, on a producer started with --engine-registers, the worker registration the engine puts
-// in its bootstrap server (as vLLM's prefill workers register their transfer engines there).
-const PathInfo = "/v1/info"
-
-// Info is the answer to GET /v1/info.
-type Info struct {
-	Epoch      string `json:"epoch"`
-	KVBlocks   int    `json:"kv_blocks"`
-	BlockBytes int    `json:"block_bytes"`
-	// Registration is set on a producer whose engine registers it; its engine id changes with
-	// every run of the agent.
-	Registration *bootstrap.Registration `json:"registration,omitempty"`
-}
-
-// EpochReply is the answer to every POST: the run of the agent that took it.
-type EpochReply struct {
-	Epoch string `json:"epoch"`
-}
-
-// Pull is POST /v1/pulls: the consumer engine's update_state_after_alloc or cleanup pull.
-type Pull struct {
-	Request          connector.RequestID  `json:"request_id"`
-	Transfer         connector.TransferID `json:"transfer_id"`
-	Blocks           connector.BlockIDs   `json:"local_block_ids"`
-	WaitingForRemote bool                 `json:"waiting_for_remote_kvs"`
-	RemoteEngine     string               `json:"remote_engine_id"`
-	RemoteBootstrap  string               `json:"remote_bootstrap_addr"`
-}
-
-// Meta is the pull as the connector core sees it.
-func (p Pull) Meta() connector.PullMeta {
-	return connector.PullMeta{Request: p.Request, Transfer: p.Transfer, LocalBlock: p.Blocks, WaitingForRemote: p.WaitingForRemote, RemoteEngine: p.RemoteEngine, RemoteBootstrap: p.RemoteBootstrap}
-}
-
-// Hold is POST /v1/expect, /v1/ready and /v1/abort on a producer.
-type Hold struct {
-	Transfer connector.TransferID `json:"transfer_id"`
-	Request  connector.RequestID  `json:"request_id,omitempty"`
-	Blocks   connector.BlockIDs   `json:"block_ids,omitempty"`
-}
-
-// Completion is a finished_recving report (with failed blocks or failed_recving on error).
-type Completion struct {
-	Request       connector.RequestID `json:"request_id"`
-	Error         string              `json:"error,omitempty"`
-	InvalidBlocks []connector.BlockID `json:"invalid_block_ids,omitempty"`
-	FailedRequest bool                `json:"failed_request,omitempty"`
-}
-
-// CompletionOf is the report of the core's completion c.
-func CompletionOf(c connector.Completion) *Completion {
-	out := &Completion{Request: c.Request, InvalidBlocks: c.InvalidBlocks, FailedRequest: c.FailedRequest}
-	if c.Err != nil {
-		out.Error = c.Err.Error()
-	}
-	return out
-}
-
-// Release is a finished_sending report: the producer engine may free the request's blocks.
-type Release struct {
-	Request  connector.RequestID  `json:"request_id"`
-	Transfer connector.TransferID `json:"transfer_id"`
-	Blocks   int                  `json:"blocks"`
-	Reason   string               `json:"reason"`
-}
-
-// Events is GET /v1/events: what happened since the last call, and the agent's epoch.
-type Events struct {
-	Epoch       string       `json:"epoch"`
-	Completions []Completion `json:"completions,omitempty"`
-	Releases    []Release    `json:"releases,omitempty"`
-}
 
 // unixScheme marks a local API endpoint on a Unix socket: unix:///var/run/pdcluster/agent.sock.
 // In a pod the socket lives on the volume the engine and the agent share, so only the engine

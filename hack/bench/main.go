@@ -29,8 +29,8 @@ type suite struct {
 }
 
 var suites = []suite{
-	{name: "core", pkg: "./connector", pattern: "^BenchmarkPulls$", benchtime: "1s", count: 5},
-	{name: "dataplane", pkg: "./connector/agent", pattern: "^BenchmarkDataPlane$", benchtime: "2s", count: 3},
+	{name: "core", pkg: "./test/sim/kvtransfer", pattern: "^BenchmarkPulls$", benchtime: "1s", count: 5},
+	{name: "dataplane", pkg: "./test/sim/kvtransfer/agent", pattern: "^BenchmarkDataPlane$", benchtime: "2s", count: 3},
 	{name: "pdctl", pkg: "./internal/pdctl", pattern: "^BenchmarkStart$", benchtime: "1x", count: 1},
 	{name: "router", pkg: "./test/sandbox", pattern: "^Benchmark(Router|Balance)$", benchtime: "1x", count: 1},
 	{name: "operator", pkg: "./test/integration", pattern: "^BenchmarkOperator$", benchtime: "1x", count: 1},

@@ -114,7 +114,7 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 					return []peer{of(v1alpha1.RoleRouter), of(v1alpha1.RoleDecode)}, true
 				case port == "connector":
 					return []peer{operator}, true
-				case port == "kv-data" || len(port) > 5 && port[:5] == "nixl-":
+				case len(port) > 5 && port[:5] == "nixl-":
 					return []peer{of(other[role])}, true
 				}
 				return nil, false

@@ -163,10 +163,8 @@ func boundPorts(t *testing.T, c corev1.Container) []int32 {
 			t.Fatalf("%s: unknown kv_connector %q", c.Name, kv.Connector)
 		}
 	case v1alpha1.ConnectorContainerName:
+		// The sidecar binds nothing else: vLLM's transfer engine moves the KV.
 		ports = append(ports, listenPort(t, argValue("--public-listen")))
-		if argValue("--role") == string(v1alpha1.KVProducer) {
-			ports = append(ports, listenPort(t, argValue("--data-listen")))
-		}
 		if l := argValue("--listen"); !strings.HasPrefix(l, "unix://") {
 			ports = append(ports, listenPort(t, l))
 		}

@@ -37,27 +37,23 @@ const (
 	// gateVolume is the completion-gate plugin, from its ConfigMap.
 	gateVolume = "completion-gate"
 
-	// connectorVolume holds the agent's local API socket and the KV staging buffer the engine
-	// and the agent both map.
+	// connectorVolume holds the sidecar's pod-local socket, which the engine's gate heartbeats
+	// to: on the pod's own volume, so only the engine of the same pod reaches it.
 	connectorVolume = "connector-run"
 	ConnectorDir    = "/var/run/pdcluster"
-	// ConnectorSocket is the agent's local API: a Unix socket on the shared volume, so only the
-	// engine of the same pod reaches it.
+	// ConnectorSocket is the sidecar's pod-local API (the gate's heartbeat).
 	ConnectorSocket = "unix://" + ConnectorDir + "/agent.sock"
-	// kvFile is the KV staging buffer on that volume.
-	kvFile = ConnectorDir + "/kv.blocks"
+	// connectorVolumeBytes bounds the volume: it holds one socket.
+	connectorVolumeBytes = 1 << 20
 	// ConnectorPort is the sidecar's public port: /healthz, /readyz, /metrics and /gate. It is
 	// not vLLM's bootstrap port (8998): the prefill engine binds that in the same network
 	// namespace.
 	ConnectorPort int32 = 8190
-	// ConnectorDataPort is the prefill agent's data plane, dialled by decode agents.
-	ConnectorDataPort int32 = 7200
 
 	// Port names, shared by container ports and the Services that target them.
 	portHTTP      = "http"
 	portBootstrap = "bootstrap"
 	portConnector = "connector"
-	portKVData    = "kv-data"
 	// portNixlPrefix + data-parallel rank names a NIXL side-channel port.
 	portNixlPrefix = "nixl-"
 
@@ -96,6 +92,12 @@ func engineCapabilities(kv v1alpha1.KVTransferSpec) []corev1.Capability {
 
 func readOnlyRoot(sc *corev1.SecurityContext) *corev1.SecurityContext {
 	sc.ReadOnlyRootFilesystem = ptr.To(true)
+	return sc
+}
+
+// nonRoot runs the container as nonRootUser, whatever user its image names.
+func nonRoot(sc *corev1.SecurityContext) *corev1.SecurityContext {
+	sc.RunAsNonRoot, sc.RunAsUser = ptr.To(true), ptr.To(int64(nonRootUser))
 	return sc
 }
 
@@ -369,7 +371,7 @@ func objectMeta(pdc *v1alpha1.PDCluster, role v1alpha1.Role) metav1.ObjectMeta {
 }
 
 // EngineDeployment is the prefill (kv_producer) or decode (kv_consumer) Deployment: the engine
-// and, beside it, the connector agent it hands KV transfers to.
+// and, beside it, the connector sidecar that watches its completion gate.
 func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) (*appsv1.Deployment, error) {
 	p := pool(pdc, role)
 	args, err := EngineArgs(pdc, role)
@@ -391,7 +393,6 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	env := []corev1.EnvVar{
 		podIPEnv(),
 		{Name: "PDCLUSTER_CONNECTOR_URL", Value: ConnectorSocket},
-		{Name: "PDCLUSTER_KV_FILE", Value: kvFile},
 	}
 	env = append(env, connectorEnv(pdc.Spec.KVTransfer, role)...)
 
@@ -414,7 +415,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	}
 
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
-	connector, bufferBytes := connectorContainer(pdc, opts, role)
+	connector := connectorContainer(pdc, opts, role)
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
 			Name:      v1alpha1.EngineContainerName,
@@ -439,7 +440,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 			// NCCL and the engine's worker processes share tensors through /dev/shm.
 			{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}},
 			{Name: connectorVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{
-				Medium: corev1.StorageMediumMemory, SizeLimit: resource.NewQuantity(bufferBytes, resource.BinarySI),
+				Medium: corev1.StorageMediumMemory, SizeLimit: resource.NewQuantity(connectorVolumeBytes, resource.BinarySI),
 			}}},
 		}, volumes...),
 		NodeSelector: nodeSelector(p.NodeSelector),
@@ -633,14 +634,10 @@ func enginePorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []corev1.Container
 	return ports
 }
 
-// connectorPorts are the ports the connector sidecar binds: its public HTTP port and, on
-// prefill, the data plane decode agents dial.
-func connectorPorts(role v1alpha1.Role) []corev1.ContainerPort {
-	ports := []corev1.ContainerPort{{Name: portConnector, ContainerPort: ConnectorPort, Protocol: corev1.ProtocolTCP}}
-	if role == v1alpha1.RolePrefill {
-		ports = append(ports, corev1.ContainerPort{Name: portKVData, ContainerPort: ConnectorDataPort, Protocol: corev1.ProtocolTCP})
-	}
-	return ports
+// connectorPorts are the ports the connector sidecar binds: its public HTTP port (the KV moves
+// through vLLM's own transfer engine, on ports it picks at run time).
+func connectorPorts() []corev1.ContainerPort {
+	return []corev1.ContainerPort{{Name: portConnector, ContainerPort: ConnectorPort, Protocol: corev1.ProtocolTCP}}
 }
 
 func nixlPortName(rank int32) string { return portNixlPrefix + strconv.Itoa(int(rank)) }
@@ -649,20 +646,15 @@ func podIPEnv() corev1.EnvVar {
 	return corev1.EnvVar{Name: "POD_IP", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{APIVersion: "v1", FieldPath: "status.podIP"}}}
 }
 
-// connectorContainer is the connector agent of role and the size of the staging buffer it
-// shares with the engine. Its readiness probe runs every health.periodSeconds and flips on the
-// first failure: the operator, not the kubelet, decides when unready has lasted too long.
-func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) (corev1.Container, int64) {
+// connectorContainer is the connector sidecar of role. Its readiness probe runs every
+// health.periodSeconds and flips on the first failure: the operator, not the kubelet, decides
+// when unready has lasted too long.
+func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) corev1.Container {
 	c := pdc.Spec.Connector
-	blocks := ptr.Deref(c.BufferBlocks, v1alpha1.DefaultConnectorBufferBlocks)
-	blockBytes := ptr.Deref(c.BlockBytes, v1alpha1.DefaultConnectorBlockBytes)
 	args := []string{
 		"--role=" + string(role.KVRole()),
 		"--listen=" + ConnectorSocket,
 		fmt.Sprintf("--public-listen=:%d", ConnectorPort),
-		"--kv-file=" + kvFile,
-		fmt.Sprintf("--kv-blocks=%d", blocks),
-		fmt.Sprintf("--block-bytes=%d", blockBytes),
 	}
 	if GateEnabled(pdc.Spec.KVTransfer) {
 		// Not ready until the engine's gate has loaded and while its heartbeat is missing.
@@ -670,11 +662,6 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		if g := c.Health.GateStartupGraceSeconds; g != nil {
 			args = append(args, fmt.Sprintf("--gate-startup-grace=%ds", *g))
 		}
-	}
-	if role == v1alpha1.RolePrefill {
-		// The engine owns the bootstrap server and registers this agent's data address in it,
-		// as vLLM's prefill workers register their transfer engines.
-		args = append(args, fmt.Sprintf("--data-listen=:%d", ConnectorDataPort), fmt.Sprintf("--advertise-data=$(POD_IP):%d", ConnectorDataPort), "--engine-registers")
 	}
 	resources := *c.Resources.DeepCopy()
 	if len(resources.Requests) == 0 && len(resources.Limits) == 0 {
@@ -686,17 +673,16 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		Name:           v1alpha1.ConnectorContainerName,
 		Image:          orDefault(c.Image, opts.ConnectorImage),
 		Args:           args,
-		Ports:          connectorPorts(role),
-		Env:            []corev1.EnvVar{podIPEnv()},
+		Ports:          connectorPorts(),
 		Resources:      resources,
 		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
 		LivenessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
 		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
-		// It writes only to its volume (the engine, which may run as root, shares its files).
-		SecurityContext:          readOnlyRoot(hardened()),
+		// It writes only its socket, on its volume (the engine, which may run as root, connects).
+		SecurityContext:          nonRoot(readOnlyRoot(hardened())),
 		Lifecycle:                drain(),
 		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
-	}, int64(blocks) * int64(blockBytes)
+	}
 }
 
 // probe sets every field, including the ones the API server would default, so the applied
@@ -755,7 +741,7 @@ func hashOf(v any) (string, error) {
 func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Service {
 	// Every port the pod's containers declare, under the same name: the pods are reached by
 	// their own addresses, so the Service publishes the set for discovery and DNS SRV records.
-	declared := append(enginePorts(pdc, role), connectorPorts(role)...)
+	declared := append(enginePorts(pdc, role), connectorPorts()...)
 	ports := make([]corev1.ServicePort, 0, len(declared))
 	for _, p := range declared {
 		ports = append(ports, corev1.ServicePort{Name: p.Name, Port: p.ContainerPort, TargetPort: intstr.FromString(p.Name), Protocol: p.Protocol})
@@ -840,19 +826,15 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
-			Name:           v1alpha1.RouterContainerName,
-			Image:          opts.RouterImage,
-			Args:           []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
-			Ports:          []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
-			Resources:      routerResources(pdc.Spec.Router),
-			ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString(portHTTP)}}, 5, 3),
-			LivenessProbe:  probe(health, 10, 3),
-			VolumeMounts:   []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
-			SecurityContext: func() *corev1.SecurityContext {
-				sc := readOnlyRoot(hardened())
-				sc.RunAsNonRoot, sc.RunAsUser = ptr.To(true), ptr.To(int64(nonRootUser))
-				return sc
-			}(),
+			Name:            v1alpha1.RouterContainerName,
+			Image:           opts.RouterImage,
+			Args:            []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
+			Ports:           []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
+			Resources:       routerResources(pdc.Spec.Router),
+			ReadinessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString(portHTTP)}}, 5, 3),
+			LivenessProbe:   probe(health, 10, 3),
+			VolumeMounts:    []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
+			SecurityContext: nonRoot(readOnlyRoot(hardened())),
 		}},
 		// The router reads its pools from DNS, never from the API server.
 		AutomountServiceAccountToken: ptr.To(false),

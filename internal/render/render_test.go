@@ -128,22 +128,21 @@ func mountPaths(c corev1.Container) map[string]string {
 	return m
 }
 
-// Every engine pod carries the connector agent: it shares the KV staging volume with the engine,
-// keeps its local API on a Unix socket on that volume, and is probed on /readyz and /healthz on its public port.
+// Every engine pod carries the connector sidecar: its pod-local socket (the gate's heartbeat) on
+// a small volume it shares with the engine, probed on /readyz and /healthz on its public port.
+// It renders nothing of the stand-in's transport: no data port, no KV file (vLLM moves the KV).
 func TestConnectorSidecar(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
-	pdc.Spec.Connector.BufferBlocks = ptr.To[int32](1024)
-	pdc.Spec.Connector.BlockBytes = ptr.To[int32](8192)
 	pdc.Spec.Connector.Health.PeriodSeconds = ptr.To[int32](7)
 	for _, tc := range []struct {
 		role     v1alpha1.Role
 		wantArgs []string
 		ports    []string
 	}{
-		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190", "--kv-file=/var/run/pdcluster/kv.blocks",
-			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate", "--gate-startup-grace=1200s", "--data-listen=:7200", "--advertise-data=$(POD_IP):7200", "--engine-registers"}, []string{"connector", "kv-data"}},
-		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190", "--kv-file=/var/run/pdcluster/kv.blocks",
-			"--kv-blocks=1024", "--block-bytes=8192", "--require-gate", "--gate-startup-grace=1200s"}, []string{"connector"}},
+		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190",
+			"--require-gate", "--gate-startup-grace=1200s"}, []string{"connector"}},
+		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190",
+			"--require-gate", "--gate-startup-grace=1200s"}, []string{"connector"}},
 	} {
 		t.Run(string(tc.role), func(t *testing.T) {
 			pod := enginePod(t, pdc, tc.role)
@@ -173,10 +172,13 @@ func TestConnectorSidecar(t *testing.T) {
 				env[e.Name] = e.Value
 			}
 			if got := "--listen=" + env["PDCLUSTER_CONNECTOR_URL"]; !contains(c.Args, got) {
-				t.Errorf("engine reaches the agent at %q, the agent listens with %v", env["PDCLUSTER_CONNECTOR_URL"], c.Args)
+				t.Errorf("engine reaches the sidecar at %q, the sidecar listens with %v", env["PDCLUSTER_CONNECTOR_URL"], c.Args)
 			}
-			if got := "--kv-file=" + env["PDCLUSTER_KV_FILE"]; !contains(c.Args, got) {
-				t.Errorf("engine maps %q, the agent %v", env["PDCLUSTER_KV_FILE"], c.Args)
+			if _, ok := env["PDCLUSTER_KV_FILE"]; ok {
+				t.Error("engine env sets PDCLUSTER_KV_FILE: a production pod has no KV file")
+			}
+			if len(c.Env) != 0 {
+				t.Errorf("sidecar env = %v, want none (it binds nothing on the pod IP)", c.Env)
 			}
 			if engine.Resources.Limits.Name(v1alpha1.GPUResourceName, "").IsZero() || !c.Resources.Limits.Name(v1alpha1.GPUResourceName, "").IsZero() {
 				t.Error("GPUs belong to the engine container only")
@@ -192,8 +194,8 @@ func TestConnectorSidecar(t *testing.T) {
 					size = v.EmptyDir.SizeLimit.String()
 				}
 			}
-			if size != "8Mi" {
-				t.Errorf("staging volume size = %q, want 8Mi (1024 blocks of 8KiB)", size)
+			if size != "1Mi" {
+				t.Errorf("connector-run volume size = %q, want 1Mi (it holds one socket)", size)
 			}
 		})
 	}

@@ -59,6 +59,21 @@ func TestPodSecurityStandards(t *testing.T) {
 				if d := cmp.Diff(want, forbidden(dep, api.LevelBaseline)); d != "" {
 					t.Errorf("%s pod under baseline (-want +got):\n%s", role, d)
 				}
+				// The operator's own container in the pod, alone, meets restricted: it runs as
+				// a non-root user whatever its image says.
+				alone := dep.DeepCopy()
+				alone.Spec.Template.Spec.Containers = nil
+				for _, c := range dep.Spec.Template.Spec.Containers {
+					if c.Name == v1alpha1.ConnectorContainerName {
+						alone.Spec.Template.Spec.Containers = append(alone.Spec.Template.Spec.Containers, c)
+					}
+				}
+				if len(alone.Spec.Template.Spec.Containers) != 1 {
+					t.Fatalf("%s pod has no %s container", role, v1alpha1.ConnectorContainerName)
+				}
+				if got := forbidden(alone, api.LevelRestricted); len(got) != 0 {
+					t.Errorf("%s pod's sidecar is not restricted: %q", role, got)
+				}
 				for _, c := range dep.Spec.Template.Spec.Containers {
 					sc := c.SecurityContext
 					if sc == nil || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation ||

@@ -58,7 +58,6 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		Decode:  defaultPool,
 		Router:  v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas), Balance: v1alpha1.RouterBalanceLeastInFlight},
 		Connector: v1alpha1.ConnectorSpec{
-			BufferBlocks: ptr.To(v1alpha1.DefaultConnectorBufferBlocks), BlockBytes: ptr.To(v1alpha1.DefaultConnectorBlockBytes),
 			Health: v1alpha1.ConnectorHealthPolicy{
 				PeriodSeconds: ptr.To(v1alpha1.DefaultHealthPeriodSeconds), FailureThreshold: ptr.To(v1alpha1.DefaultHealthFailureThreshold),
 				InitialBackoffSeconds: ptr.To(v1alpha1.DefaultInitialBackoffSeconds), MaxBackoffSeconds: ptr.To(v1alpha1.DefaultMaxBackoffSeconds),

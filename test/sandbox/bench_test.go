@@ -38,7 +38,7 @@ var benchPrompt = func() []int {
 }()
 
 // BenchmarkRouter sends 1-token completions through the router (the Mooncake P/D path: both
-// legs, the bootstrap lookup, the KV pull between the agents) and the same requests through a
+// legs, the bootstrap lookup, the KV pull between the engines' transfer engines) and the same requests through a
 // plain Go reverse proxy straight to the same decode engines (reference), at 1, 8 and 64
 // concurrent clients. Engines take no simulated step time, so what is measured is the path.
 func BenchmarkRouter(b *testing.B) {
@@ -49,24 +49,23 @@ func BenchmarkRouter(b *testing.B) {
 	}
 	proxy, proxyPID := startPlainProxy(b, decode)
 	routerPIDs := []int{box.state.RouterPID}
-	var allPIDs []int // the router, the agents and the engines: the whole P/D path
+	var allPIDs []int // the router, the sidecars and the engines: the whole P/D path
 	allPIDs = append(allPIDs, routerPIDs...)
 	for _, n := range append(slices.Clone(box.state.Prefill), box.state.Decode...) {
-		allPIDs = append(allPIDs, n.AgentPID, n.EnginePID)
+		allPIDs = append(allPIDs, n.SidecarPID, n.EnginePID)
 	}
 	for _, clients := range []int{1, 8, 64} {
 		b.Run(fmt.Sprintf("clients=%d/project", clients), func(b *testing.B) {
-			pids := func(nodes []sandbox.Node, agent bool) []int {
+			pids := func(nodes []sandbox.Node) []int {
 				var out []int
 				for _, n := range nodes {
-					out = append(out, map[bool]int{true: n.AgentPID, false: n.EnginePID}[agent])
+					out = append(out, n.EnginePID)
 				}
 				return out
 			}
 			// Where the path's CPU goes, process kind by process kind.
 			load(b, box.state.Router, clients, map[string][]int{"cpu-ms/req": routerPIDs, "path-cpu-ms/req": allPIDs,
-				"prefill-agent-cpu-ms/req": pids(box.state.Prefill, true), "prefill-engine-cpu-ms/req": pids(box.state.Prefill, false),
-				"decode-agent-cpu-ms/req": pids(box.state.Decode, true), "decode-engine-cpu-ms/req": pids(box.state.Decode, false)})
+				"prefill-engine-cpu-ms/req": pids(box.state.Prefill), "decode-engine-cpu-ms/req": pids(box.state.Decode)})
 		})
 		b.Run(fmt.Sprintf("clients=%d/reference", clients), func(b *testing.B) {
 			var decodePIDs []int

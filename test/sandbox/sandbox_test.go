@@ -1,5 +1,6 @@
 // Package sandbox_test runs the whole request path on loopback: the sandbox with the real
-// connector agents, engine simulators and router, built from this tree.
+// engine simulators (their KV transfer in-process), connector sidecars and router, built from
+// this tree.
 package sandbox_test
 
 import (
@@ -78,7 +79,7 @@ func start(t testing.TB, args ...string) *box {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		_ = cmd.Wait()
 		if t.Failed() {
-			for _, f := range []string{"decode-0-engine", "decode-0-agent", "prefill-0-engine", "prefill-0-agent"} {
+			for _, f := range []string{"decode-0-engine", "decode-0-sidecar", "prefill-0-engine", "prefill-0-sidecar"} {
 				b, _ := os.ReadFile(filepath.Join(dir, f+".log"))
 				t.Logf("%s.log (tail):\n%s", f, tail(string(b), 3000))
 			}
@@ -279,14 +280,14 @@ func (b *box) waitIdle(kvBlocks int, within time.Duration) {
 				busy = append(busy, fmt.Sprintf("%s: %d requests %v (connector %v), %d/%d blocks free", n.Engine, st.Scheduler.Requests, st.Scheduler.ByStatus, st.Connector, st.Scheduler.FreeBlocks, kvBlocks))
 			}
 		}
-		b.reload() // a restarted agent keeps its address
+		b.reload() // a restarted engine keeps its address
 		for _, n := range b.state.Prefill {
-			p, err := scrape(n.Agent, "pdcluster_connector_producer_blocks_pinned")
+			p, err := scrape(n.Engine, "pdcluster_connector_producer_blocks_pinned")
 			switch {
 			case err != nil:
 				busy = append(busy, err.Error()) // restarting
 			case p != 0:
-				busy = append(busy, fmt.Sprintf("%s pins %v blocks", n.Agent, p))
+				busy = append(busy, fmt.Sprintf("%s pins %v blocks", n.Engine, p))
 			}
 		}
 		if len(busy) == 0 {
@@ -323,10 +324,10 @@ func TestShortPromptWithLargeBlocks(t *testing.T) {
 			if code, body := get(t, d.Engine+"/health"); code != http.StatusOK {
 				t.Fatalf("decode engine unhealthy after the request: %d %s", code, body)
 			}
-			if n := metric(t, d.Agent, "pdcluster_connector_empty_pulls_total"); n != 1 {
+			if n := metric(t, d.Engine, "pdcluster_connector_empty_pulls_total"); n != 1 {
 				t.Errorf("empty pulls = %v, want 1", n)
 			}
-			if n := metric(t, d.Agent, "pdcluster_connector_completions_total"); n != 0 {
+			if n := metric(t, d.Engine, "pdcluster_connector_completions_total"); n != 0 {
 				t.Errorf("completions reported = %v, want 0 for a notify-only pull", n)
 			}
 			b.waitIdle(2048, 10*time.Second) // the producer was told and let go

@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 )
 
 type soakReq struct {
@@ -122,14 +124,14 @@ func TestSoak1319Requests(t *testing.T) {
 			t.Fatalf("decode engine %s died: %s", d.Engine, body)
 		}
 		st := b.engineState(d.Engine)
-		reported := metric(t, d.Agent, "pdcluster_connector_completions_total")
+		reported := metric(t, d.Engine, "pdcluster_connector_completions_total")
 		if float64(st.Scheduler.Completions) != reported {
-			t.Errorf("%s: scheduler accepted %d completions, agent reported %v: each must arrive exactly once", d.Engine, st.Scheduler.Completions, reported)
+			t.Errorf("%s: scheduler accepted %d completions, its transfer engine reported %v: each must arrive exactly once", d.Engine, st.Scheduler.Completions, reported)
 		}
-		empty += metric(t, d.Agent, "pdcluster_connector_empty_pulls_total")
+		empty += metric(t, d.Engine, "pdcluster_connector_empty_pulls_total")
 		verified += float64(st.Engine.BlocksVerified)
-		if n := metric(t, d.Agent, "pdcluster_connector_pulls_in_flight"); n != 0 {
-			t.Errorf("%s: %v pulls still in flight", d.Agent, n)
+		if n := metric(t, d.Engine, "pdcluster_connector_pulls_in_flight"); n != 0 {
+			t.Errorf("%s: %v pulls still in flight", d.Engine, n)
 		}
 	}
 	if empty == 0 || verified == 0 {
@@ -138,14 +140,25 @@ func TestSoak1319Requests(t *testing.T) {
 	t.Logf("%d ok, %d aborted, %v notify-only pulls, %v pulled blocks verified byte for byte", ok, aborted, empty, verified)
 }
 
-// SIGKILL of the prefill agent while blocks are on the wire: requests caught in flight fail by
-// the load-failure policy with a reason, nothing leaks on either side, and the restarted agent
-// (new engine id, re-registered) serves new requests.
-func TestAgentKilledMidTransfer(t *testing.T) {
-	for _, policy := range []string{"fail", "recompute"} {
-		t.Run(policy, func(t *testing.T) {
-			b := start(t, "--block-size", "16", "--send-delay", "10ms", "--kv-load-failure-policy", policy,
+// SIGKILL of an engine while blocks are on the wire (its transfer engine dies with it, as
+// vLLM's does): requests caught in flight fail by the load-failure policy with a reason or are
+// recomputed, nothing leaks on either side, and the restarted engine (a new engine id and data
+// address) serves new requests. A restarted decode engine never hears of the dead run's pulls
+// (a report of one would kill it on vLLM's assert), and a restarted prefill engine never
+// sends the dead run's KV into another request's blocks (decode verifies every block's bytes).
+func TestEngineKilledMidTransfer(t *testing.T) {
+	for _, tc := range []struct {
+		victim, policy string
+	}{{"prefill", "fail"}, {"prefill", "recompute"}, {"decode", "fail"}} {
+		t.Run(tc.victim+"/"+tc.policy, func(t *testing.T) {
+			b := start(t, "--block-size", "16", "--send-delay", "10ms", "--kv-load-failure-policy", tc.policy,
 				"--hold-timeout", "3s", "--pull-timeout", "5s")
+			node := func() sandbox.Node {
+				if tc.victim == "prefill" {
+					return b.state.Prefill[0]
+				}
+				return b.state.Decode[0]
+			}
 			const n = 12
 			results := make(chan result, n)
 			for i := 0; i < n; i++ {
@@ -156,7 +169,7 @@ func TestAgentKilledMidTransfer(t *testing.T) {
 				}()
 			}
 			time.Sleep(250 * time.Millisecond)
-			victim := b.state.Prefill[0].AgentPID
+			victim := node().EnginePID
 			if err := syscall.Kill(victim, syscall.SIGKILL); err != nil {
 				t.Fatal(err)
 			}
@@ -166,34 +179,40 @@ func TestAgentKilledMidTransfer(t *testing.T) {
 				switch {
 				case r.status == http.StatusOK && r.tokens == 8:
 					okN++
-				case policy == "fail" && r.status >= 500 && strings.Contains(r.body, "KV load from the prefill engine failed"):
+				case tc.victim == "prefill" && tc.policy == "fail" && r.status >= 500 && strings.Contains(r.body, "KV load from the prefill engine failed"):
 					failed++
+				case tc.victim == "decode" && r.status >= 500:
+					failed++ // the engine serving it died: the router says so
 				default:
-					t.Errorf("unexpected result with policy %s: %d %v %s", policy, r.status, r.err, tail(r.body, 300))
+					t.Errorf("unexpected result (%s killed, policy %s): %d %v %s", tc.victim, tc.policy, r.status, r.err, tail(r.body, 300))
 				}
 			}
-			if policy == "fail" && failed == 0 {
+			if tc.policy == "fail" && failed == 0 {
 				t.Errorf("no request was caught mid-transfer (%d ok): the kill came too late to test anything", okN)
 			}
-			if policy == "recompute" && okN != n {
+			if tc.victim == "prefill" && tc.policy == "recompute" && okN != n {
 				t.Errorf("recompute: %d of %d ok", okN, n)
 			}
-			b.waitIdle(2048, 15*time.Second)
 
-			// The agent comes back (the sandbox restarts it) and serves again.
+			// The engine comes back (the sandbox restarts it) and serves again.
 			deadline := time.Now().Add(20 * time.Second)
 			for {
 				b.reload()
-				if b.state.Prefill[0].AgentPID != victim {
-					if code, _ := get(t, b.state.Prefill[0].Agent+"/readyz"); code == http.StatusOK {
-						break
+				if node().EnginePID != victim {
+					if resp, err := http.Get(node().Engine + "/health"); err == nil { // refused while it restarts
+						resp.Body.Close()
+						if resp.StatusCode == http.StatusOK {
+							break
+						}
 					}
 				}
 				if time.Now().After(deadline) {
-					t.Fatal("prefill agent not restarted")
+					t.Fatalf("%s engine not restarted", tc.victim)
 				}
 				time.Sleep(100 * time.Millisecond)
 			}
+			b.waitIdle(2048, 15*time.Second)
+			restarts := node().EngineRestarts
 			for i := 0; i < 3; i++ {
 				r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(100, 777_000+i*1000), "max_tokens": 4, "ignore_eos": true})
 				if r.status != http.StatusOK || r.tokens != 4 {
@@ -204,6 +223,10 @@ func TestAgentKilledMidTransfer(t *testing.T) {
 				t.Errorf("no pulled block verified after the restart")
 			}
 			b.waitIdle(2048, 10*time.Second)
+			b.reload()
+			if got := node().EngineRestarts; got != restarts {
+				t.Errorf("the restarted %s engine died again (%d restarts, then %d): a report or KV of its dead run reached it", tc.victim, restarts, got)
+			}
 		})
 	}
 }

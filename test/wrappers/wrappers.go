@@ -14,8 +14,8 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 // PDClusterWrapper builds a PDCluster.
@@ -125,22 +125,22 @@ func (w *PodWrapper) WithoutConnector() *PodWrapper {
 }
 
 // PullWrapper builds the metadata of one pull.
-type PullWrapper struct{ connector.PullMeta }
+type PullWrapper struct{ kvtransfer.PullMeta }
 
 // MakePull is a pull of request id (transfer x-id) with no local blocks, not waiting for
 // remote KV: a notify-only pull until changed.
 func MakePull(id string) *PullWrapper {
-	return &PullWrapper{connector.PullMeta{Request: connector.RequestID(id), Transfer: connector.TransferID("x-" + id)}}
+	return &PullWrapper{kvtransfer.PullMeta{Request: kvtransfer.RequestID(id), Transfer: kvtransfer.TransferID("x-" + id)}}
 }
 
 // Obj returns the pull.
-func (w *PullWrapper) Obj() connector.PullMeta { return w.PullMeta }
+func (w *PullWrapper) Obj() kvtransfer.PullMeta { return w.PullMeta }
 
 // Waiting marks the request as waiting for remote KV.
 func (w *PullWrapper) Waiting() *PullWrapper { w.WaitingForRemote = true; return w }
 
 // Blocks sets the local destination blocks, one slice per KV-cache group.
-func (w *PullWrapper) Blocks(groups ...[]connector.BlockID) *PullWrapper {
+func (w *PullWrapper) Blocks(groups ...[]kvtransfer.BlockID) *PullWrapper {
 	w.LocalBlock = groups
 	return w
 }
@@ -149,24 +149,24 @@ func (w *PullWrapper) Blocks(groups ...[]connector.BlockID) *PullWrapper {
 // releases (finished sending). It is safe for concurrent use.
 type Sink struct {
 	mu          sync.Mutex
-	completions []connector.Completion
-	releases    []connector.Release
+	completions []kvtransfer.Completion
+	releases    []kvtransfer.Release
 	wake        chan struct{}
 }
 
 // NewSink returns an empty Sink.
 func NewSink() *Sink { return &Sink{wake: make(chan struct{}, 1)} }
 
-// FinishedReceiving implements connector.CompletionSink.
-func (s *Sink) FinishedReceiving(c connector.Completion) {
+// FinishedReceiving implements kvtransfer.CompletionSink.
+func (s *Sink) FinishedReceiving(c kvtransfer.Completion) {
 	s.mu.Lock()
 	s.completions = append(s.completions, c)
 	s.mu.Unlock()
 	s.signal()
 }
 
-// FinishedSending implements connector.ReleaseSink.
-func (s *Sink) FinishedSending(r connector.Release) {
+// FinishedSending implements kvtransfer.ReleaseSink.
+func (s *Sink) FinishedSending(r kvtransfer.Release) {
 	s.mu.Lock()
 	s.releases = append(s.releases, r)
 	s.mu.Unlock()
@@ -181,17 +181,17 @@ func (s *Sink) signal() {
 }
 
 // Completions returns a copy of the completions so far.
-func (s *Sink) Completions() []connector.Completion {
+func (s *Sink) Completions() []kvtransfer.Completion {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return append([]connector.Completion(nil), s.completions...)
+	return append([]kvtransfer.Completion(nil), s.completions...)
 }
 
 // Releases returns a copy of the releases so far.
-func (s *Sink) Releases() []connector.Release {
+func (s *Sink) Releases() []kvtransfer.Release {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return append([]connector.Release(nil), s.releases...)
+	return append([]kvtransfer.Release(nil), s.releases...)
 }
 
 // Wait fails t unless n reports (completions and releases) have arrived within 10 s.

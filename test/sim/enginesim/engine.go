@@ -1,6 +1,7 @@
 // Package enginesim is an OpenAI-compatible engine simulator with vLLM's request states and
 // KV-connector hooks (test/sim/vllmsched): a prefill engine (kv_producer) holds KV blocks for
-// its consumers, a decode engine (kv_consumer) pulls them through its connector agent and
+// its consumers, a decode engine (kv_consumer) pulls them through its transfer engine (an
+// in-process agent, test/sim/kvtransfer, as vLLM runs Mooncake's in-process) and
 // verifies the bytes. A completion for a request that is not waiting kills the engine, as it
 // kills vLLM.
 package enginesim
@@ -18,12 +19,12 @@ import (
 	"github.com/go-logr/logr"
 
 	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-	"pdcluster.dev/pdcluster-operator/connector/kvfile"
-	"pdcluster.dev/pdcluster-operator/connector/link"
-	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/link"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
 
@@ -41,7 +42,7 @@ type Config struct {
 	StepTime time.Duration
 	// KV is the KV-cache memory shared with the agent; required with a Role.
 	KV *kvfile.File
-	// Agent is the connector agent's local API (http://host:port or unix:///path); required
+	// Agent is the in-process transfer agent's local API (http://host:port); required
 	// with a Role.
 	Agent string
 	// BootstrapAddr is how consumers reach this producer's bootstrap registry, returned in
@@ -72,11 +73,11 @@ type Engine struct {
 	// reports are the worker's finished-receiving reports, held until the scheduler's next
 	// step (vLLM's worker hands them over in the model output of a step); gate filters them.
 	rmu     sync.Mutex
-	reports []connector.Completion
+	reports []kvtransfer.Completion
 	gate    *gate
 
 	mu     sync.Mutex
-	reqs   map[connector.RequestID]*request
+	reqs   map[kvtransfer.RequestID]*request
 	prefix map[uint64]struct{} // block hashes in the prefix cache
 	stats  Stats
 }
@@ -91,7 +92,7 @@ type Stats struct {
 }
 
 type request struct {
-	id       connector.RequestID
+	id       kvtransfer.RequestID
 	tokens   []int
 	hashes   []uint64
 	maxTok   int
@@ -101,11 +102,11 @@ type request struct {
 	done     chan struct{} // closed when finished; err and finish are set before
 	err      error
 	finish   string
-	pulled   connector.BlockIDs // blocks the connector pulled into (consumer)
+	pulled   kvtransfer.BlockIDs // blocks the connector pulled into (consumer)
 	pullErr  bool
 	computed bool
 	produced int
-	transfer connector.TransferID
+	transfer kvtransfer.TransferID
 	// remoteEngine and remoteBootstrap locate the producer of a consumer request.
 	remoteEngine, remoteBootstrap string
 }
@@ -116,18 +117,18 @@ func New(cfg Config) (*Engine, error) {
 		return nil, errors.New("enginesim: a P/D role needs a KV file and an agent address")
 	}
 	if cfg.KV != nil && cfg.KV.Blocks() < cfg.Capacity {
-		return nil, fmt.Errorf("enginesim: KV file has %d blocks, capacity is %d", cfg.KV.Blocks(), cfg.Capacity)
+		return nil, fmt.Errorf("enginesim: KV memory has %d blocks, capacity is %d", cfg.KV.Blocks(), cfg.Capacity)
 	}
 	if cfg.MaxModelLen <= 0 {
 		cfg.MaxModelLen = cfg.Capacity * cfg.BlockSize
 	}
-	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[connector.RequestID]*request{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
+	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[kvtransfer.RequestID]*request{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
 	e.boot.MaxAge = time.Second
 	if cfg.Gate {
 		e.gate = newGate(cfg.GateTTL, DefaultGateGrace, nil)
 	}
 	if cfg.Role != "" {
-		e.link = link.New(cfg.Agent, connector.CompletionFunc(e.finishedReceiving), connector.ReleaseFunc(e.finishedSending))
+		e.link = link.New(cfg.Agent, kvtransfer.CompletionFunc(e.finishedReceiving), kvtransfer.ReleaseFunc(e.finishedSending))
 		e.link.Log = cfg.Log
 	}
 	var err error
@@ -239,7 +240,7 @@ func (e *Engine) kick() {
 }
 
 // step runs one request for one step: prefill on its first, then one token.
-func (e *Engine) step(id connector.RequestID) {
+func (e *Engine) step(id kvtransfer.RequestID) {
 	e.mu.Lock()
 	r, ok := e.reqs[id]
 	e.mu.Unlock()
@@ -288,7 +289,7 @@ func (e *Engine) prefill(r *request) error {
 	}
 	buf := make([]byte, e.cfg.KV.BlockBytes())
 	want := make([]byte, e.cfg.KV.BlockBytes())
-	pulled := map[connector.BlockID]bool{}
+	pulled := map[kvtransfer.BlockID]bool{}
 	if !r.pullErr {
 		for _, b := range r.pulled.Flatten() {
 			pulled[b] = true
@@ -385,14 +386,14 @@ func (e *Engine) failAll(err error) {
 
 // The scheduler's connector hooks.
 
-func (e *Engine) onPull(meta connector.PullMeta) {
+func (e *Engine) onPull(meta kvtransfer.PullMeta) {
 	e.mu.Lock()
 	r := e.reqs[meta.Request]
 	if r != nil {
 		r.pulled = meta.LocalBlock.Clone()
 	}
 	e.mu.Unlock()
-	p := localapi.Pull{Request: meta.Request, Transfer: meta.Transfer, Blocks: meta.LocalBlock, WaitingForRemote: meta.WaitingForRemote}
+	p := agentapi.Pull{Request: meta.Request, Transfer: meta.Transfer, Blocks: meta.LocalBlock, WaitingForRemote: meta.WaitingForRemote}
 	if r != nil {
 		p.RemoteEngine, p.RemoteBootstrap = r.remoteEngine, r.remoteBootstrap
 	}
@@ -404,23 +405,23 @@ func (e *Engine) onPull(meta connector.PullMeta) {
 	go func() {
 		err := e.link.Pull(context.Background(), p)
 		if err != nil {
-			e.cfg.Log.Info("pull not taken by the connector agent", "request", p.Request, "err", err.Error())
+			e.cfg.Log.Info("pull not taken by the transfer engine", "request", p.Request, "err", err.Error())
 		}
 		if err == nil && e.cfg.WorkerReportsEmptyPulls && !meta.NotifiesScheduler() {
-			e.finishedReceiving(connector.Completion{Request: meta.Request})
+			e.finishedReceiving(kvtransfer.Completion{Request: meta.Request})
 		}
 	}()
 }
 
-func (e *Engine) onHold(transfer connector.TransferID, req connector.RequestID, blocks connector.BlockIDs) {
+func (e *Engine) onHold(transfer kvtransfer.TransferID, req kvtransfer.RequestID, blocks kvtransfer.BlockIDs) {
 	go func() {
 		if err := e.link.Ready(context.Background(), transfer, req, blocks); err != nil {
-			e.cfg.Log.Info("hold not taken by the connector agent; blocks freed", "request", req, "err", err.Error())
+			e.cfg.Log.Info("hold not taken by the transfer engine; blocks freed", "request", req, "err", err.Error())
 		}
 	}()
 }
 
-func (e *Engine) onDrop(transfer connector.TransferID, req connector.RequestID, aborted bool) {
+func (e *Engine) onDrop(transfer kvtransfer.TransferID, req kvtransfer.RequestID, aborted bool) {
 	go func() {
 		var err error
 		if aborted {
@@ -429,13 +430,13 @@ func (e *Engine) onDrop(transfer connector.TransferID, req connector.RequestID, 
 			err = e.link.Ready(context.Background(), transfer, req, nil) // consumers still hear back
 		}
 		if err != nil {
-			e.cfg.Log.Info("drop not delivered to the connector agent", "request", req, "err", err.Error())
+			e.cfg.Log.Info("drop not delivered to the transfer engine", "request", req, "err", err.Error())
 		}
 	}()
 }
 
 // finishedReceiving is the worker's report of a pull: held until the scheduler's next step.
-func (e *Engine) finishedReceiving(c connector.Completion) {
+func (e *Engine) finishedReceiving(c kvtransfer.Completion) {
 	e.rmu.Lock()
 	e.reports = append(e.reports, c)
 	e.rmu.Unlock()
@@ -473,13 +474,13 @@ func (e *Engine) deliverReports() bool {
 	return len(reports) > 0
 }
 
-func (e *Engine) finishedSending(rel connector.Release) {
+func (e *Engine) finishedSending(rel kvtransfer.Release) {
 	e.sched.FinishedSending(rel)
 	e.kick()
 }
 
-func (e *Engine) newID() connector.RequestID {
-	return connector.RequestID("cmpl-" + strconv.FormatUint(e.nextID.Add(1), 10))
+func (e *Engine) newID() kvtransfer.RequestID {
+	return kvtransfer.RequestID("cmpl-" + strconv.FormatUint(e.nextID.Add(1), 10))
 }
 
 func seedOf(tokens []int) uint64 {

@@ -3,8 +3,8 @@ package enginesim
 import (
 	"time"
 
-	"pdcluster.dev/pdcluster-operator/connector"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 // Defaults of pdgate's gate (connector/vllm/pdgate/gate.py: DEFAULT_TTL_SECONDS,
@@ -26,7 +26,7 @@ type gate struct {
 	now   func() time.Time
 
 	step    int
-	records map[connector.RequestID]*gateRecord
+	records map[kvtransfer.RequestID]*gateRecord
 	counts  vllmplugin.Counts
 }
 
@@ -45,11 +45,11 @@ func newGate(ttl time.Duration, grace int, now func() time.Time) *gate {
 	if now == nil {
 		now = time.Now
 	}
-	return &gate{ttl: ttl, grace: grace, now: now, records: map[connector.RequestID]*gateRecord{}}
+	return &gate{ttl: ttl, grace: grace, now: now, records: map[kvtransfer.RequestID]*gateRecord{}}
 }
 
 // observe is build_connector_meta's half: a pull the scheduler built.
-func (g *gate) observe(p connector.PullMeta) {
+func (g *gate) observe(p kvtransfer.PullMeta) {
 	delete(g.records, p.Request) // the newest pull of a request decides
 	if !p.LocalBlock.HasLocal() {
 		g.records[p.Request] = &gateRecord{deadline: g.now().Add(g.ttl)}
@@ -73,7 +73,7 @@ func (g *gate) tick() {
 }
 
 // pass is update_connector_output's half: whether the scheduler may hear of c.
-func (g *gate) pass(c connector.Completion) bool {
+func (g *gate) pass(c kvtransfer.Completion) bool {
 	if _, empty := g.records[c.Request]; empty {
 		delete(g.records, c.Request)
 		g.counts.Gated++

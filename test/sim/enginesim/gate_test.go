@@ -6,15 +6,15 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"pdcluster.dev/pdcluster-operator/connector"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 // The stand-in's gate follows pdgate's rule (connector/vllm/tests/test_gate.py has the same
 // cases against the plugin itself).
 func TestGateRule(t *testing.T) {
-	empty := connector.PullMeta{Request: "e", Transfer: "x-e"}
-	full := connector.PullMeta{Request: "f", Transfer: "x-f", WaitingForRemote: true, LocalBlock: connector.BlockIDs{{3}}}
+	empty := kvtransfer.PullMeta{Request: "e", Transfer: "x-e"}
+	full := kvtransfer.PullMeta{Request: "f", Transfer: "x-f", WaitingForRemote: true, LocalBlock: kvtransfer.BlockIDs{{3}}}
 	cases := []struct {
 		name     string
 		run      func(g *gate, clock *time.Time) []bool // the pass verdicts of the reports
@@ -27,7 +27,7 @@ func TestGateRule(t *testing.T) {
 				g.observe(empty)
 				g.observe(full)
 				g.tick()
-				return []bool{g.pass(connector.Completion{Request: "e"}), g.pass(connector.Completion{Request: "f"})}
+				return []bool{g.pass(kvtransfer.Completion{Request: "e"}), g.pass(kvtransfer.Completion{Request: "f"})}
 			},
 			wantPass: []bool{false, true},
 			want:     vllmplugin.Counts{Gated: 1, Passed: 1},
@@ -39,7 +39,7 @@ func TestGateRule(t *testing.T) {
 				*clock = clock.Add(time.Hour)
 				g.tick() // the next request's step
 				g.tick()
-				return []bool{g.pass(connector.Completion{Request: "e"})}
+				return []bool{g.pass(kvtransfer.Completion{Request: "e"})}
 			},
 			wantPass: []bool{false},
 			want:     vllmplugin.Counts{Gated: 1},
@@ -52,7 +52,7 @@ func TestGateRule(t *testing.T) {
 				for range 1 + 3 {
 					g.tick()
 				}
-				return []bool{g.pass(connector.Completion{Request: "e"})}
+				return []bool{g.pass(kvtransfer.Completion{Request: "e"})}
 			},
 			wantPass: []bool{true},
 			want:     vllmplugin.Counts{Passed: 1, Expired: 1},

@@ -11,18 +11,18 @@ import (
 	"time"
 
 	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 // KVTransferParams is the kv_transfer_params field of a request body, Mooncake and NIXL keys.
 type KVTransferParams struct {
-	DoRemoteDecode      bool                 `json:"do_remote_decode,omitempty"`
-	DoRemotePrefill     bool                 `json:"do_remote_prefill,omitempty"`
-	TransferID          connector.TransferID `json:"transfer_id,omitempty"`
-	RemoteEngineID      string               `json:"remote_engine_id,omitempty"`
-	RemoteBootstrapAddr string               `json:"remote_bootstrap_addr,omitempty"`
-	RemoteBlockIDs      []connector.BlockID  `json:"remote_block_ids,omitempty"`
-	RemoteRequestID     string               `json:"remote_request_id,omitempty"`
+	DoRemoteDecode      bool                  `json:"do_remote_decode,omitempty"`
+	DoRemotePrefill     bool                  `json:"do_remote_prefill,omitempty"`
+	TransferID          kvtransfer.TransferID `json:"transfer_id,omitempty"`
+	RemoteEngineID      string                `json:"remote_engine_id,omitempty"`
+	RemoteBootstrapAddr string                `json:"remote_bootstrap_addr,omitempty"`
+	RemoteBlockIDs      []kvtransfer.BlockID  `json:"remote_block_ids,omitempty"`
+	RemoteRequestID     string                `json:"remote_request_id,omitempty"`
 }
 
 // CompletionRequest is the subset of the OpenAI completions and chat bodies the engine uses.
@@ -201,7 +201,7 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 		ignoreEO: body.IgnoreEOS, seed: seedOf(tokens), out: make(chan int, maxTok), done: make(chan struct{}),
 	}
 	if id := hr.Header.Get("X-Request-Id"); id != "" {
-		r.id = connector.RequestID(id + "-" + string(r.id)) // unique even if a client reuses ids
+		r.id = kvtransfer.RequestID(id + "-" + string(r.id)) // unique even if a client reuses ids
 	}
 	if p := body.KVTransferParams; p != nil {
 		switch {
@@ -212,10 +212,10 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 		case p.DoRemoteDecode:
 			r.transfer = p.TransferID
 			if r.transfer == "" { // the sequential (NIXL-style) flow: this engine names the transfer
-				r.transfer = connector.TransferID("xfer-" + string(r.id))
+				r.transfer = kvtransfer.TransferID("xfer-" + string(r.id))
 			}
 			if err := e.link.Expect(hr.Context(), r.transfer, r.id); err != nil {
-				return nil, http.StatusServiceUnavailable, fmt.Errorf("connector agent unavailable: %w", err)
+				return nil, http.StatusServiceUnavailable, fmt.Errorf("transfer engine unavailable: %w", err)
 			}
 		case p.DoRemotePrefill:
 			if p.TransferID == "" || p.RemoteEngineID == "" || p.RemoteBootstrapAddr == "" {

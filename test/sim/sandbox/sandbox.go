@@ -1,5 +1,6 @@
 // Package sandbox runs a whole P/D deployment as processes on loopback: per prefill and decode
-// engine a connector agent and an engine simulator, and a router in front. Processes that exit
+// engine an engine simulator (its KV transfer engine in-process, as vLLM's) and the connector
+// sidecar beside it, and a router in front. Processes that exit
 // are restarted with backoff, as a kubelet restarts containers.
 package sandbox
 
@@ -44,27 +45,30 @@ type Config struct {
 	SendDelay   time.Duration
 	HoldTimeout time.Duration
 	PullTimeout time.Duration
-	// UngatedCompletions starts the decode agents with the seed bug, to demonstrate it.
+	// UngatedCompletions starts the decode engines' transfer engines with the seed bug, to
+	// demonstrate it.
 	UngatedCompletions bool
 	// BinDir holds the connector, enginesim and router binaries.
 	BinDir string
-	// WorkDir receives the KV files, the logs and sandbox.json (the State).
+	// WorkDir receives the sidecars' sockets, the logs and sandbox.json (the State).
 	WorkDir string
 	Log     logr.Logger
 }
 
-// Node is one engine with its agent, laid out as in a pod: the agent's local API on a Unix
-// socket only its engine uses, its health, metrics and bootstrap registry on a TCP port.
+// Node is one engine with its sidecar, laid out as in a pod: the sidecar's pod-local socket
+// (the gate's heartbeat) and its health, metrics and gate state on a TCP port; the engine's
+// OpenAI API and /metrics (its transfer engine's counters) on another, and on prefill its
+// bootstrap registry on a third.
 type Node struct {
 	Engine string `json:"engine"`
-	// Agent serves /healthz, /readyz, /metrics and, on prefill, the bootstrap registry.
-	Agent string `json:"agent"`
-	// AgentAPI is the local API the engine talks to (unix:///...).
-	AgentAPI  string `json:"agentAPI"`
-	Bootstrap string `json:"bootstrap,omitempty"`
-	EnginePID int    `json:"enginePID"`
-	AgentPID  int    `json:"agentPID"`
-	Restarts  int    `json:"agentRestarts"`
+	// Sidecar serves /healthz, /readyz, /metrics and /gate.
+	Sidecar string `json:"sidecar"`
+	// SidecarSocket is the pod-local API (unix:///...).
+	SidecarSocket  string `json:"sidecarSocket"`
+	Bootstrap      string `json:"bootstrap,omitempty"`
+	EnginePID      int    `json:"enginePID"`
+	SidecarPID     int    `json:"sidecarPID"`
+	EngineRestarts int    `json:"engineRestarts"`
 }
 
 // State is written to WorkDir/sandbox.json whenever a process starts.
@@ -109,9 +113,6 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		procs []proc
 	)
 	st.Prefill, st.Decode = make([]Node, cfg.Prefill), make([]Node, cfg.Decode)
-	common := func(name string) []string {
-		return []string{"--kv-file", filepath.Join(cfg.WorkDir, name+".kv"), "--kv-blocks", strconv.Itoa(cfg.KVBlocks), "--block-bytes", strconv.Itoa(cfg.BlockBytes)}
-	}
 	addNode := func(role string, i int, n *Node) error {
 		p, err := freePorts(3)
 		if err != nil {
@@ -119,32 +120,34 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		}
 		name := fmt.Sprintf("%s-%d", role, i)
 		kvRole := map[string]string{"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-		n.Agent = fmt.Sprintf("http://127.0.0.1:%d", p[0])
+		n.Sidecar = fmt.Sprintf("http://127.0.0.1:%d", p[0])
 		n.Engine = fmt.Sprintf("http://127.0.0.1:%d", p[1])
 		sock := filepath.Join(cfg.WorkDir, name+".sock")
 		if len(sock) > 100 { // sun_path holds 108 bytes
 			return fmt.Errorf("socket path %s is too long for a Unix socket: use a shorter --work-dir", sock)
 		}
-		n.AgentAPI = "unix://" + sock
-		agentArgs := append([]string{"--role", kvRole, "--listen", n.AgentAPI, "--public-listen", fmt.Sprintf("127.0.0.1:%d", p[0]),
-			"--pull-timeout", cfg.PullTimeout.String(), "--hold-timeout", cfg.HoldTimeout.String(), "--ready-timeout", cfg.HoldTimeout.String(),
-			"--tombstone-ttl", (2 * cfg.HoldTimeout).String()}, common(name)...)
+		n.SidecarSocket = "unix://" + sock
+		sidecarArgs := []string{"--role", kvRole, "--listen", n.SidecarSocket, "--public-listen", fmt.Sprintf("127.0.0.1:%d", p[0])}
 		step := cfg.StepTime
 		if i == 0 && cfg.SlowStepTime > 0 {
 			step = cfg.SlowStepTime
 		}
-		engineArgs := append([]string{"--kv-role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[1]), "--agent", n.AgentAPI,
-			"--block-size", strconv.Itoa(cfg.BlockSize), "--step-time", step.String(), "--kv-load-failure-policy", cfg.Policy}, common(name)...)
+		engineArgs := []string{"--kv-role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[1]),
+			"--block-size", strconv.Itoa(cfg.BlockSize), "--step-time", step.String(), "--kv-load-failure-policy", cfg.Policy,
+			"--kv-blocks", strconv.Itoa(cfg.KVBlocks), "--block-bytes", strconv.Itoa(cfg.BlockBytes)}
 		if role == "prefill" {
-			n.Bootstrap = n.Agent
-			agentArgs = append(agentArgs, "--data-listen", fmt.Sprintf("127.0.0.1:%d", p[2]), "--send-delay", cfg.SendDelay.String())
-			engineArgs = append(engineArgs, "--bootstrap-addr", n.Bootstrap)
-		} else if cfg.UngatedCompletions {
-			agentArgs = append(agentArgs, "--unsafe-ungated-completions")
+			n.Bootstrap = fmt.Sprintf("http://127.0.0.1:%d", p[2])
+			engineArgs = append(engineArgs, "--bootstrap-listen", fmt.Sprintf("127.0.0.1:%d", p[2]), "--send-delay", cfg.SendDelay.String(),
+				"--hold-timeout", cfg.HoldTimeout.String(), "--ready-timeout", cfg.HoldTimeout.String(), "--tombstone-ttl", (2 * cfg.HoldTimeout).String())
+		} else {
+			engineArgs = append(engineArgs, "--pull-timeout", cfg.PullTimeout.String())
+			if cfg.UngatedCompletions {
+				engineArgs = append(engineArgs, "--unsafe-ungated-completions")
+			}
 		}
 		procs = append(procs,
-			proc{name: name + "-agent", bin: "connector", args: agentArgs, pid: &n.AgentPID, rest: &n.Restarts},
-			proc{name: name + "-engine", bin: "enginesim", args: engineArgs, pid: &n.EnginePID})
+			proc{name: name + "-sidecar", bin: "connector", args: sidecarArgs, pid: &n.SidecarPID},
+			proc{name: name + "-engine", bin: "enginesim", args: engineArgs, pid: &n.EnginePID, rest: &n.EngineRestarts})
 		return nil
 	}
 	for i := range st.Prefill {
@@ -266,7 +269,7 @@ func supervise(ctx context.Context, cfg Config, p proc, mu *sync.Mutex, changed 
 func waitHealthy(ctx context.Context, st State) error {
 	var urls []string
 	for _, n := range append(append([]Node(nil), st.Prefill...), st.Decode...) {
-		urls = append(urls, n.Agent+"/readyz", n.Engine+"/health")
+		urls = append(urls, n.Sidecar+"/readyz", n.Engine+"/health")
 	}
 	urls = append(urls, st.Router+"/health")
 	deadline := time.Now().Add(60 * time.Second)

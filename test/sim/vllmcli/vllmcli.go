@@ -28,7 +28,10 @@ type Serve struct {
 	ExpertParallel   bool
 	PrefixCaching    bool
 	MaxModelLen      int
-	KVTransfer       *KVTransferConfig
+	// NumGPUBlocksOverride is vLLM's --num-gpu-blocks-override: the KV-cache capacity in
+	// blocks instead of what GPU memory allows (0: unset).
+	NumGPUBlocksOverride int
+	KVTransfer           *KVTransferConfig
 }
 
 // KVTransferConfig is the subset of vLLM's KVTransferConfig the simulator reads.
@@ -68,6 +71,7 @@ var flags = map[string]kind{
 	"--enable-chunked-prefill": optional, "--disable-log-requests": boolean, "--disable-log-stats": boolean,
 	"--uvicorn-log-level": value, "--api-server-count": value, "--distributed-executor-backend": value,
 	"--generation-config": value, "--chat-template": value, "--max-logprobs": value,
+	"--num-gpu-blocks-override": value,
 }
 
 // short are vLLM's short aliases.
@@ -142,7 +146,8 @@ func Parse(args []string) (*Serve, error) {
 		flag string
 		dst  *int
 	}{{"--port", &s.Port}, {"--block-size", &s.BlockSize}, {"--tensor-parallel-size", &s.TensorParallel},
-		{"--data-parallel-size", &s.DataParallel}, {"--pipeline-parallel-size", &s.PipelineParallel}, {"--max-model-len", &s.MaxModelLen}}
+		{"--data-parallel-size", &s.DataParallel}, {"--pipeline-parallel-size", &s.PipelineParallel}, {"--max-model-len", &s.MaxModelLen},
+		{"--num-gpu-blocks-override", &s.NumGPUBlocksOverride}}
 	for _, f := range ints {
 		v, ok := vals[f.flag]
 		if !ok {

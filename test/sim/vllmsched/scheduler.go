@@ -12,7 +12,7 @@ import (
 	"fmt"
 	"sync"
 
-	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 // Status is a request's state, named as in vLLM's RequestStatus.
@@ -59,23 +59,23 @@ type Config struct {
 	Policy   Policy
 	// OnPull receives the pull the connector must run (consumer): built by
 	// update_state_after_alloc and by request_finished of a request never scheduled.
-	OnPull func(connector.PullMeta)
+	OnPull func(kvtransfer.PullMeta)
 	// OnHold receives the blocks a finished prefill request keeps for its consumers (producer);
 	// OnDrop says a prefill request ended without holding blocks: aborted, or finished with no
 	// whole block to send.
-	OnHold func(connector.TransferID, connector.RequestID, connector.BlockIDs)
-	OnDrop func(id connector.TransferID, req connector.RequestID, aborted bool)
+	OnHold func(kvtransfer.TransferID, kvtransfer.RequestID, kvtransfer.BlockIDs)
+	OnDrop func(id kvtransfer.TransferID, req kvtransfer.RequestID, aborted bool)
 }
 
 // Request is one request's scheduler state.
 type Request struct {
-	ID       connector.RequestID
-	Transfer connector.TransferID
+	ID       kvtransfer.RequestID
+	Transfer kvtransfer.TransferID
 	Prompt   int // prompt tokens
 	// LocalHit is the number of prompt tokens found in the local prefix cache.
 	LocalHit    int
 	Status      Status
-	Blocks      []connector.BlockID
+	Blocks      []kvtransfer.BlockID
 	NumComputed int
 	// Remote is do_remote_prefill (consumer) or do_remote_decode (producer).
 	Remote bool
@@ -90,8 +90,8 @@ type Request struct {
 type Scheduler struct {
 	cfg      Config
 	mu       sync.Mutex
-	free     []connector.BlockID
-	requests map[connector.RequestID]*Request
+	free     []kvtransfer.BlockID
+	requests map[kvtransfer.RequestID]*Request
 	dead     error
 	// Completions counts connector completions accepted, for tests.
 	completions int
@@ -106,9 +106,9 @@ func New(cfg Config) (*Scheduler, error) {
 	if cfg.Policy == "" {
 		cfg.Policy = PolicyFail
 	}
-	s := &Scheduler{cfg: cfg, requests: map[connector.RequestID]*Request{}}
+	s := &Scheduler{cfg: cfg, requests: map[kvtransfer.RequestID]*Request{}}
 	for i := cfg.Capacity - 1; i >= 0; i-- {
-		s.free = append(s.free, connector.BlockID(i))
+		s.free = append(s.free, kvtransfer.BlockID(i))
 	}
 	return s, nil
 }
@@ -128,7 +128,7 @@ func (s *Scheduler) crashLocked(format string, args ...any) error {
 }
 
 // Add queues a request in WAITING. transfer is empty for a request without P/D.
-func (s *Scheduler) Add(id connector.RequestID, transfer connector.TransferID, prompt, localHit int) error {
+func (s *Scheduler) Add(id kvtransfer.RequestID, transfer kvtransfer.TransferID, prompt, localHit int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.dead != nil {
@@ -147,7 +147,7 @@ func (s *Scheduler) Add(id connector.RequestID, transfer connector.TransferID, p
 // AddAborted is a consumer request submitted with abort_immediately (vLLM's
 // notify_kv_transfer_request_rejected): it is never scheduled, and request_finished turns it
 // into a cleanup pull with no local block that only tells the producer to release.
-func (s *Scheduler) AddAborted(id connector.RequestID, transfer connector.TransferID) error {
+func (s *Scheduler) AddAborted(id kvtransfer.RequestID, transfer kvtransfer.TransferID) error {
 	s.mu.Lock()
 	if s.dead != nil {
 		defer s.mu.Unlock()
@@ -159,7 +159,7 @@ func (s *Scheduler) AddAborted(id connector.RequestID, transfer connector.Transf
 	}
 	s.mu.Unlock()
 	if s.cfg.Role == v1alpha1.KVConsumer && transfer != "" {
-		s.emitPulls([]connector.PullMeta{{Request: id, Transfer: transfer}})
+		s.emitPulls([]kvtransfer.PullMeta{{Request: id, Transfer: transfer}})
 	}
 	return nil
 }
@@ -174,11 +174,11 @@ func (s *Scheduler) blocksFor(tokens int) int {
 	return (tokens + s.cfg.BlockSize - 1) / s.cfg.BlockSize
 }
 
-func (s *Scheduler) allocLocked(n int) ([]connector.BlockID, bool) {
+func (s *Scheduler) allocLocked(n int) ([]kvtransfer.BlockID, bool) {
 	if n > len(s.free) {
 		return nil, false
 	}
-	out := append([]connector.BlockID(nil), s.free[len(s.free)-n:]...)
+	out := append([]kvtransfer.BlockID(nil), s.free[len(s.free)-n:]...)
 	s.free = s.free[:len(s.free)-n]
 	return out, true
 }
@@ -191,10 +191,10 @@ func (s *Scheduler) freeLocked(r *Request) {
 // Schedule runs one scheduler step: waiting requests get blocks and either start running or
 // start waiting for remote KV; requests whose pull completed resume. It returns the ids that
 // run in this step.
-func (s *Scheduler) Schedule() []connector.RequestID {
+func (s *Scheduler) Schedule() []kvtransfer.RequestID {
 	s.mu.Lock()
-	var pulls []connector.PullMeta
-	var running []connector.RequestID
+	var pulls []kvtransfer.PullMeta
+	var running []kvtransfer.RequestID
 	for _, r := range s.requests {
 		switch r.Status {
 		case WaitingForRemoteKVs:
@@ -243,21 +243,21 @@ func (s *Scheduler) Schedule() []connector.RequestID {
 // updateStateAfterAllocLocked is get_num_new_matched_tokens plus update_state_after_alloc.
 // Only whole remote blocks beyond the local hit are pulled; with none, the request runs now and
 // the pull only tells the producer to release (the empty pull of the seed bug).
-func (s *Scheduler) updateStateAfterAllocLocked(r *Request) connector.PullMeta {
+func (s *Scheduler) updateStateAfterAllocLocked(r *Request) kvtransfer.PullMeta {
 	r.Remote = false // "only 1 KV transfer per request"
 	ext := s.transferableTokens(r.Prompt) - r.NumComputed
-	meta := connector.PullMeta{Request: r.ID, Transfer: r.Transfer}
+	meta := kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer}
 	if ext <= 0 {
 		return meta
 	}
 	first := r.NumComputed / s.cfg.BlockSize
-	meta.LocalBlock = connector.BlockIDs{append([]connector.BlockID(nil), r.Blocks[first:first+ext/s.cfg.BlockSize]...)}
+	meta.LocalBlock = kvtransfer.BlockIDs{append([]kvtransfer.BlockID(nil), r.Blocks[first:first+ext/s.cfg.BlockSize]...)}
 	meta.WaitingForRemote = true
 	r.Status = WaitingForRemoteKVs
 	return meta
 }
 
-func (s *Scheduler) emitPulls(pulls []connector.PullMeta) {
+func (s *Scheduler) emitPulls(pulls []kvtransfer.PullMeta) {
 	if s.cfg.OnPull == nil {
 		return
 	}
@@ -266,8 +266,8 @@ func (s *Scheduler) emitPulls(pulls []connector.PullMeta) {
 	}
 }
 
-// FinishedReceiving implements connector.CompletionSink with vLLM's assertions.
-func (s *Scheduler) FinishedReceiving(c connector.Completion) {
+// FinishedReceiving implements kvtransfer.CompletionSink with vLLM's assertions.
+func (s *Scheduler) FinishedReceiving(c kvtransfer.Completion) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.dead != nil {
@@ -295,7 +295,7 @@ func (s *Scheduler) FinishedReceiving(c connector.Completion) {
 
 // Finish ends a running request (stop or length cap). A producer request keeps its blocks for
 // the consumers (delay_free_blocks) when it has whole blocks to send.
-func (s *Scheduler) Finish(id connector.RequestID, status Status) error {
+func (s *Scheduler) Finish(id kvtransfer.RequestID, status Status) error {
 	s.mu.Lock()
 	r, ok := s.requests[id]
 	if s.dead != nil || !ok || r.Status != Running || !status.Finished() {
@@ -314,12 +314,12 @@ func (s *Scheduler) Finish(id connector.RequestID, status Status) error {
 
 // requestFinishedLocked is the producer's request_finished: it returns the blocks to hold, or
 // nil when the request's blocks are freed now.
-func (s *Scheduler) requestFinishedLocked(r *Request) connector.BlockIDs {
+func (s *Scheduler) requestFinishedLocked(r *Request) kvtransfer.BlockIDs {
 	if s.cfg.Role == v1alpha1.KVProducer && r.Transfer != "" && r.Status == FinishedLengthCapped {
 		n := s.transferableTokens(r.Prompt) / s.cfg.BlockSize
 		if n > 0 {
 			r.delayFree = true
-			return connector.BlockIDs{append([]connector.BlockID(nil), r.Blocks[:n]...)}
+			return kvtransfer.BlockIDs{append([]kvtransfer.BlockID(nil), r.Blocks[:n]...)}
 		}
 	}
 	s.freeLocked(r)
@@ -327,7 +327,7 @@ func (s *Scheduler) requestFinishedLocked(r *Request) connector.BlockIDs {
 	return nil
 }
 
-func (s *Scheduler) emitHold(r *Request, hold connector.BlockIDs) {
+func (s *Scheduler) emitHold(r *Request, hold kvtransfer.BlockIDs) {
 	if s.cfg.Role != v1alpha1.KVProducer || r.Transfer == "" {
 		return
 	}
@@ -341,7 +341,7 @@ func (s *Scheduler) emitHold(r *Request, hold connector.BlockIDs) {
 // Abort is a client abort. A consumer request not yet scheduled is freed at once and its pull
 // becomes an empty cleanup pull; one waiting for remote KV keeps its blocks until the
 // connector reports.
-func (s *Scheduler) Abort(id connector.RequestID) error {
+func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 	s.mu.Lock()
 	if s.dead != nil {
 		defer s.mu.Unlock()
@@ -352,7 +352,7 @@ func (s *Scheduler) Abort(id connector.RequestID) error {
 		s.mu.Unlock()
 		return nil // already gone: aborts race with completion
 	}
-	var pull *connector.PullMeta
+	var pull *kvtransfer.PullMeta
 	wasWaiting := r.Status == WaitingForRemoteKVs
 	r.Status = FinishedAborted
 	switch {
@@ -361,7 +361,7 @@ func (s *Scheduler) Abort(id connector.RequestID) error {
 		r.delayFree = true
 	case s.cfg.Role == v1alpha1.KVConsumer && r.Remote:
 		// request_finished with do_remote_prefill still set: notify-only cleanup pull.
-		pull = &connector.PullMeta{Request: r.ID, Transfer: r.Transfer}
+		pull = &kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer}
 		s.freeLocked(r)
 		delete(s.requests, r.ID)
 	default:
@@ -370,7 +370,7 @@ func (s *Scheduler) Abort(id connector.RequestID) error {
 	}
 	s.mu.Unlock()
 	if pull != nil {
-		s.emitPulls([]connector.PullMeta{*pull})
+		s.emitPulls([]kvtransfer.PullMeta{*pull})
 	}
 	if s.cfg.Role == v1alpha1.KVProducer && r.Transfer != "" && !wasWaiting && s.cfg.OnDrop != nil {
 		s.cfg.OnDrop(r.Transfer, r.ID, true)
@@ -378,8 +378,8 @@ func (s *Scheduler) Abort(id connector.RequestID) error {
 	return nil
 }
 
-// FinishedSending implements connector.ReleaseSink: the producer frees a held request.
-func (s *Scheduler) FinishedSending(rel connector.Release) {
+// FinishedSending implements kvtransfer.ReleaseSink: the producer frees a held request.
+func (s *Scheduler) FinishedSending(rel kvtransfer.Release) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.dead != nil {
@@ -423,7 +423,7 @@ func (s *Scheduler) Stats() Stats {
 }
 
 // Lookup returns a copy of a request's state.
-func (s *Scheduler) Lookup(id connector.RequestID) (Request, bool) {
+func (s *Scheduler) Lookup(id kvtransfer.RequestID) (Request, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r, ok := s.requests[id]
@@ -431,6 +431,6 @@ func (s *Scheduler) Lookup(id connector.RequestID) (Request, bool) {
 		return Request{}, false
 	}
 	cp := *r
-	cp.Blocks = append([]connector.BlockID(nil), r.Blocks...)
+	cp.Blocks = append([]kvtransfer.BlockID(nil), r.Blocks...)
 	return cp, true
 }

@@ -8,15 +8,15 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 // consumer is a decode scheduler with 64-token blocks and 16 blocks that records its pulls.
-func consumer(t *testing.T, policy Policy) (*Scheduler, *[]connector.PullMeta) {
+func consumer(t *testing.T, policy Policy) (*Scheduler, *[]kvtransfer.PullMeta) {
 	t.Helper()
-	var pulls []connector.PullMeta
+	var pulls []kvtransfer.PullMeta
 	s, err := New(Config{Role: v1alpha1.KVConsumer, BlockSize: 64, Capacity: 16, Policy: policy,
-		OnPull: func(p connector.PullMeta) { pulls = append(pulls, p) }})
+		OnPull: func(p kvtransfer.PullMeta) { pulls = append(pulls, p) }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -93,7 +93,7 @@ func TestCompletionAssertions(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			s, _ := consumer(t, PolicyFail)
 			tc.setup(s)
-			s.FinishedReceiving(connector.Completion{Request: "r"})
+			s.FinishedReceiving(kvtransfer.Completion{Request: "r"})
 			err := s.Dead()
 			if tc.wantErr == "" {
 				if err != nil {
@@ -133,7 +133,7 @@ func TestWaitingRequestResumesByThePolicy(t *testing.T) {
 			s, _ := consumer(t, tc.policy)
 			_ = s.Add("r", "x", 200, 0)
 			s.Schedule()
-			s.FinishedReceiving(connector.Completion{Request: "r", Err: tc.pullErr})
+			s.FinishedReceiving(kvtransfer.Completion{Request: "r", Err: tc.pullErr})
 			s.Schedule()
 			r, ok := s.Lookup("r")
 			if tc.wantGone {
@@ -166,7 +166,7 @@ func TestAbortBeforeScheduleEmitsCleanupPull(t *testing.T) {
 	if err := s.Abort("r"); err != nil {
 		t.Fatal(err)
 	}
-	want := []connector.PullMeta{{Request: "r", Transfer: "x"}}
+	want := []kvtransfer.PullMeta{{Request: "r", Transfer: "x"}}
 	if d := cmp.Diff(want, *pulls); d != "" {
 		t.Errorf("pulls (-want +got):\n%s", d)
 	}
@@ -179,16 +179,16 @@ func TestAbortBeforeScheduleEmitsCleanupPull(t *testing.T) {
 // frees them on FinishedSending; a release of a request it does not hold kills it.
 func TestProducerHoldsAndReleases(t *testing.T) {
 	type hold struct {
-		transfer connector.TransferID
+		transfer kvtransfer.TransferID
 		blocks   int
 	}
 	var holds []hold
-	var drops []connector.TransferID
+	var drops []kvtransfer.TransferID
 	s, err := New(Config{Role: v1alpha1.KVProducer, BlockSize: 64, Capacity: 16,
-		OnHold: func(x connector.TransferID, _ connector.RequestID, b connector.BlockIDs) {
+		OnHold: func(x kvtransfer.TransferID, _ kvtransfer.RequestID, b kvtransfer.BlockIDs) {
 			holds = append(holds, hold{x, b.Count()})
 		},
-		OnDrop: func(x connector.TransferID, _ connector.RequestID, _ bool) { drops = append(drops, x) }})
+		OnDrop: func(x kvtransfer.TransferID, _ kvtransfer.RequestID, _ bool) { drops = append(drops, x) }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -204,14 +204,14 @@ func TestProducerHoldsAndReleases(t *testing.T) {
 	if d := cmp.Diff([]hold{{"x1", 3}}, holds, cmp.AllowUnexported(hold{})); d != "" {
 		t.Errorf("holds (-want +got):\n%s", d)
 	}
-	if d := cmp.Diff([]connector.TransferID{"x2"}, drops); d != "" {
+	if d := cmp.Diff([]kvtransfer.TransferID{"x2"}, drops); d != "" {
 		t.Errorf("drops (-want +got):\n%s", d)
 	}
-	s.FinishedSending(connector.Release{Request: "big"})
+	s.FinishedSending(kvtransfer.Release{Request: "big"})
 	if st := s.Stats(); st.FreeBlocks != 16 || s.Dead() != nil {
 		t.Fatalf("stats %+v dead %v, want every block free", st, s.Dead())
 	}
-	s.FinishedSending(connector.Release{Request: "big"})
+	s.FinishedSending(kvtransfer.Release{Request: "big"})
 	if err := s.Dead(); err == nil || !strings.Contains(err.Error(), "holds no blocks") {
 		t.Errorf("second release: Dead() = %v, want the assertion", err)
 	}

@@ -1,56 +1,75 @@
 // Command enginesim is an OpenAI-compatible engine simulator with vLLM's P/D request states
-// (see test/sim/enginesim).
+// (see test/sim/enginesim), for the sandbox. Its KV transfer engine runs in this process
+// (test/sim/kvtransfer), as vLLM's does: a prefill engine serves its own bootstrap registry
+// (--bootstrap-listen) and registers its data plane there; the transfer engine's counters are on
+// /metrics.
 package main
 
 import (
 	"context"
 	"errors"
 	"flag"
+	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"os/signal"
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/kvfile"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agent"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
 
+type options struct {
+	listen, role, policy, bootstrapListen, dataListen string
+	blockBytes                                        int
+	transfer                                          agent.Config
+}
+
 func main() {
 	var cfg enginesim.Config
-	var listen, role, kvPath, policy string
-	var blockBytes int
-	flag.StringVar(&listen, "listen", "127.0.0.1:8000", "HTTP address of the OpenAI API")
+	var o options
+	flag.StringVar(&o.listen, "listen", "127.0.0.1:8000", "HTTP address of the OpenAI API (and /metrics)")
 	flag.StringVar(&cfg.Model, "model", "sim/model", "served model name")
-	flag.StringVar(&role, "kv-role", "", "kv_producer, kv_consumer, or empty for an engine without P/D")
+	flag.StringVar(&o.role, "kv-role", "", "kv_producer, kv_consumer, or empty for an engine without P/D")
 	flag.IntVar(&cfg.BlockSize, "block-size", 16, "tokens per KV block")
 	flag.IntVar(&cfg.Capacity, "kv-blocks", 4096, "KV-cache capacity in blocks")
-	flag.IntVar(&blockBytes, "block-bytes", 4096, "bytes of simulated KV per block")
-	// In a PDCluster pod the operator sets both in the engine's environment.
-	flag.StringVar(&kvPath, "kv-file", os.Getenv("PDCLUSTER_KV_FILE"), "KV-cache file shared with the connector agent (required with --kv-role; default $PDCLUSTER_KV_FILE)")
-	flag.StringVar(&cfg.Agent, "agent", envOr("PDCLUSTER_CONNECTOR_URL", "http://127.0.0.1:7100"), "connector agent's local API (default $PDCLUSTER_CONNECTOR_URL)")
-	flag.StringVar(&cfg.BootstrapAddr, "bootstrap-addr", "", "this producer's bootstrap registry as consumers reach it")
+	flag.IntVar(&o.blockBytes, "block-bytes", 4096, "bytes of simulated KV per block")
+	flag.StringVar(&o.bootstrapListen, "bootstrap-listen", "", "producer: address of its bootstrap registry (vLLM's Mooncake bootstrap server)")
+	flag.StringVar(&o.dataListen, "data-listen", "127.0.0.1:0", "producer: address of its transfer engine's data plane (port 0: the kernel picks)")
+	flag.DurationVar(&o.transfer.HoldTimeout, "hold-timeout", agent.DefaultHoldTimeout, "producer: free held blocks no consumer came for after this long")
+	flag.DurationVar(&o.transfer.ReadyTimeout, "ready-timeout", agent.DefaultReadyTimeout, "producer: how long a pull may wait for prefill to finish")
+	flag.DurationVar(&o.transfer.TombstoneTTL, "tombstone-ttl", agent.DefaultTombstoneTTL, "producer: remember released transfers this long")
+	flag.DurationVar(&o.transfer.PullTimeout, "pull-timeout", agent.DefaultPullTimeout, "consumer: fail a pull after this long")
+	flag.DurationVar(&o.transfer.SendDelay, "send-delay", 0, "producer: delay before each block sent (a slow link)")
+	flag.BoolVar(&o.transfer.UngatedCompletions, "unsafe-ungated-completions", false, "consumer: reproduce the seed bug, report notify-only pulls as finished receiving (kills the engine)")
 	flag.IntVar(&cfg.MaxModelLen, "max-model-len", 0, "maximum prompt plus output tokens (default: the KV capacity)")
 	flag.BoolVar(&cfg.PrefixCaching, "enable-prefix-caching", true, "reuse KV of prompt prefixes seen before")
-	flag.StringVar(&policy, "kv-load-failure-policy", "fail", "fail or recompute, on a failed KV load")
+	flag.StringVar(&o.policy, "kv-load-failure-policy", "fail", "fail or recompute, on a failed KV load")
 	flag.DurationVar(&cfg.StepTime, "step-time", 2*time.Millisecond, "simulated time of one decode step")
 	zo := zap.Options{}
 	zo.BindFlags(flag.CommandLine)
 	flag.Parse()
-	log := zap.New(zap.UseFlagOptions(&zo)).WithValues("kvRole", role)
+	log := zap.New(zap.UseFlagOptions(&zo)).WithValues("kvRole", o.role)
 	cfg.Log = log
-	cfg.Role, cfg.Policy = v1alpha1.KVRole(role), vllmsched.Policy(policy)
-	if err := run(cfg, listen, kvPath, blockBytes); err != nil {
+	cfg.Role, cfg.Policy = v1alpha1.KVRole(o.role), vllmsched.Policy(o.policy)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, cfg, o); err != nil {
 		log.Error(err, "engine failed")
 		os.Exit(1)
 	}
 }
 
-func run(cfg enginesim.Config, listen, kvPath string, blockBytes int) error {
+func run(ctx context.Context, cfg enginesim.Config, o options) error {
 	switch cfg.Role {
 	case "", v1alpha1.KVProducer, v1alpha1.KVConsumer:
 	default:
@@ -59,41 +78,51 @@ func run(cfg enginesim.Config, listen, kvPath string, blockBytes int) error {
 	if cfg.Policy != vllmsched.PolicyFail && cfg.Policy != vllmsched.PolicyRecompute {
 		return errors.New("--kv-load-failure-policy must be fail or recompute")
 	}
+	metrics := prometheus.NewRegistry()
 	if cfg.Role != "" {
-		if kvPath == "" {
-			return errors.New("--kv-file is required with --kv-role")
-		}
-		kv, err := kvfile.Open(kvPath, cfg.Capacity, blockBytes)
+		o.transfer.Role, o.transfer.Log = cfg.Role, cfg.Log.WithName("transfer")
+		transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{Agent: o.transfer, Blocks: cfg.Capacity, BlockBytes: o.blockBytes, DataListen: o.dataListen}, metrics)
 		if err != nil {
 			return err
 		}
-		defer kv.Close()
-		cfg.KV = kv
+		defer transfer.Close()
+		cfg.Agent, cfg.KV = transfer.URL, transfer.KV
+		if cfg.Role == v1alpha1.KVProducer {
+			if o.bootstrapListen == "" {
+				return errors.New("--bootstrap-listen is required with --kv-role=kv_producer")
+			}
+			registry := bootstrap.NewRegistry()
+			if err := registry.Replace(transfer.Registration()); err != nil {
+				return err
+			}
+			l, err := net.Listen("tcp", o.bootstrapListen)
+			if err != nil {
+				return fmt.Errorf("bootstrap registry: %w", err)
+			}
+			boot := &http.Server{Handler: registry.Handler(), ReadHeaderTimeout: 10 * time.Second}
+			go func() { _ = boot.Serve(l) }()
+			defer boot.Close()
+			cfg.BootstrapAddr = "http://" + l.Addr().String()
+		}
 	}
 	e, err := enginesim.New(cfg)
 	if err != nil {
 		return err
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	go e.Run(ctx)
-	srv := &http.Server{Addr: listen, Handler: e.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	mux := http.NewServeMux()
+	mux.Handle("/", e.Handler())
+	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
+	srv := &http.Server{Addr: o.listen, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
 		c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = srv.Shutdown(c)
 	}()
-	cfg.Log.Info("engine serving", "listen", listen, "blockSize", cfg.BlockSize, "kvBlocks", cfg.Capacity)
+	cfg.Log.Info("engine serving", "listen", o.listen, "blockSize", cfg.BlockSize, "kvBlocks", cfg.Capacity, "bootstrap", cfg.BootstrapAddr)
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
 	return nil
-}
-
-func envOr(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
 }

@@ -1,7 +1,7 @@
 // Command sandbox runs a complete P/D deployment on this machine, as processes on loopback: for
-// each prefill and decode engine a connector agent and an engine simulator, and a router on
-// --listen. It serves until interrupted. Processes that exit are restarted with backoff; logs,
-// KV files and sandbox.json (the addresses and PIDs) are in --work-dir. It never ships: the
+// each prefill and decode engine an engine simulator (its KV transfer engine in-process) with
+// the connector sidecar beside it, and a router on --listen. It serves until interrupted.
+// Processes that exit are restarted with backoff; logs, sidecar sockets and sandbox.json (the addresses and PIDs) are in --work-dir. It never ships: the
 // engines it runs are simulators.
 //
 //	sandbox --listen 127.0.0.1:8080 --block-size 64 --prefill 2 --decode 1
@@ -49,7 +49,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&cfg.SendDelay, "send-delay", 0, "delay per KV block sent (a slow link)")
 	fs.DurationVar(&cfg.HoldTimeout, "hold-timeout", 30*time.Second, "producer hold and ready timeout")
 	fs.DurationVar(&cfg.PullTimeout, "pull-timeout", 40*time.Second, "consumer pull timeout")
-	fs.BoolVar(&cfg.UngatedCompletions, "unsafe-ungated-completions", false, "run decode agents with the seed bug (to watch the engine die)")
+	fs.BoolVar(&cfg.UngatedCompletions, "unsafe-ungated-completions", false, "run the decode engines' transfer engines with the seed bug (to watch the engine die)")
 	fs.StringVar(&cfg.BinDir, "bin-dir", "", "directory of the connector, enginesim and router binaries (default: beside this one)")
 	fs.StringVar(&cfg.WorkDir, "work-dir", "", "directory for logs, KV files and sandbox.json (default: a new temporary directory)")
 	if err := fs.Parse(args); err != nil {

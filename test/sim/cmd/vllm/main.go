@@ -19,8 +19,12 @@
 //     an engine whose gate never reports, for the sidecar's readiness and the operator's
 //     report of it).
 //
-// The KV moves through the connector sidecar (PDCLUSTER_CONNECTOR_URL), whose data address the
-// prefill engine registers in its bootstrap server, as vLLM's workers register theirs.
+// The KV moves through the stand-in's own transfer engine, in this process as vLLM's worker runs
+// Mooncake's (test/sim/kvtransfer): its data plane binds a port the kernel picks on the
+// address vLLM's get_ip() finds (VLLM_HOST_IP, else the one that routes out), a prefill engine
+// registers it in its bootstrap server as vLLM's workers register theirs, and its KV memory and
+// transfer state die with the process. Its metrics are on the API port's /metrics, as vLLM's
+// are. The connector sidecar beside the engine (PDCLUSTER_CONNECTOR_URL) hears only the gate.
 package main
 
 import (
@@ -34,19 +38,20 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-	"pdcluster.dev/pdcluster-operator/connector/kvfile"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agent"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
@@ -99,8 +104,8 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 		return l, nil
 	}
 	var registry *bootstrap.Registry
-	var registered atomic.Bool
-	registered.Store(true)
+	metrics := prometheus.NewRegistry()
+	sidecarURL := envOr(getenv, "PDCLUSTER_CONNECTOR_URL", "unix:///var/run/pdcluster/agent.sock")
 	if kv := s.KVTransfer; kv != nil {
 		var err error
 		if conn, err = vllmcli.LoadConnector(kv, getenv("PYTHONPATH")); err != nil {
@@ -119,26 +124,27 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 		if kv.LoadFailurePolicy != "" {
 			cfg.Policy = vllmsched.Policy(kv.LoadFailurePolicy)
 		}
-		cfg.Agent = envOr(getenv, "PDCLUSTER_CONNECTOR_URL", "unix:///var/run/pdcluster/agent.sock")
-		info, err := agentInfo(ctx, cfg.Agent, log)
+		blocks := s.NumGPUBlocksOverride
+		if blocks == 0 {
+			blocks = defaultKVBlocks
+		}
+		host := hostIP(getenv)
+		transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{
+			Agent:  agent.Config{Role: cfg.Role, Log: log.WithName("transfer")},
+			Blocks: blocks, BlockBytes: blockBytes, DataListen: net.JoinHostPort(host, "0"),
+		}, metrics)
 		if err != nil {
 			return err
 		}
-		path := getenv("PDCLUSTER_KV_FILE")
-		if path == "" {
-			return errors.New("PDCLUSTER_KV_FILE is not set: the KV file shared with the connector sidecar")
-		}
-		kvf, err := kvfile.Open(path, info.KVBlocks, info.BlockBytes)
-		if err != nil {
-			return err
-		}
-		defer kvf.Close()
-		cfg.KV, cfg.Capacity = kvf, info.KVBlocks
+		defer transfer.Close()
+		cfg.Agent, cfg.KV, cfg.Capacity = transfer.URL, transfer.KV, blocks
 
 		producer := cfg.Role == v1alpha1.KVProducer
 		if producer {
 			registry = bootstrap.NewRegistry()
-			registered.Store(false)
+			if err := registry.Replace(transfer.Registration()); err != nil {
+				return fmt.Errorf("register the transfer engine: %w", err)
+			}
 		}
 		switch conn.Flow {
 		case vllmcli.FlowMooncake:
@@ -171,9 +177,6 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 			// What prefill hands decode in kv_transfer_params (remote_host, remote_port).
 			cfg.BootstrapAddr = "http://" + net.JoinHostPort(host, strconv.Itoa(base))
 		}
-		if producer {
-			go registerAgent(ctx, cfg.Agent, registry, &registered, log)
-		}
 	}
 	if cfg.Capacity == 0 {
 		cfg.Capacity = 4096
@@ -187,19 +190,13 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 		return err
 	}
 	if conn.File != "" && conn.Class != "" && getenv(silentGateEnv) != "1" {
-		go heartbeat(ctx, cfg.Agent, conn, string(cfg.Role), e)
+		go heartbeat(ctx, sidecarURL, conn, string(cfg.Role), e)
 	}
 	go e.Run(ctx)
 	h := e.Handler()
 	mux := http.NewServeMux()
 	mux.Handle("/", h)
-	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
-		if !registered.Load() { // vLLM's server is not up before its workers registered
-			http.Error(w, "waiting for the connector's registration", http.StatusServiceUnavailable)
-			return
-		}
-		h.ServeHTTP(w, r)
-	})
+	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
 	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role)
 	serveHTTP(ctx, api, mux)
 	return nil
@@ -216,43 +213,30 @@ func serveHTTP(ctx context.Context, l net.Listener, h http.Handler) {
 	_ = srv.Serve(l)
 }
 
-// agentInfo waits for the connector sidecar's local API: the two containers start together.
-func agentInfo(ctx context.Context, agent string, log logr.Logger) (localapi.Info, error) {
-	c := newSidecar(agent)
-	for {
-		info, err := c.info(ctx)
-		if err == nil {
-			return info, nil
-		}
-		log.Info("waiting for the connector sidecar", "url", agent, "err", err.Error())
-		select {
-		case <-ctx.Done():
-			return localapi.Info{}, ctx.Err()
-		case <-time.After(time.Second):
-		}
-	}
-}
+// defaultKVBlocks is the stand-in's KV capacity without --num-gpu-blocks-override, and
+// blockBytes the bytes it moves per block.
+const (
+	defaultKVBlocks = 1024
+	blockBytes      = 4096
+)
 
-// registerAgent keeps the sidecar's data address in this engine's bootstrap server, under the
-// engine id of the sidecar's current run (a restarted sidecar has a new one).
-func registerAgent(ctx context.Context, agent string, registry *bootstrap.Registry, registered *atomic.Bool, log logr.Logger) {
-	c := newSidecar(agent)
-	var last bootstrap.Registration
-	for ctx.Err() == nil {
-		if info, err := c.info(ctx); err == nil && info.Registration != nil && *info.Registration != last {
-			if err := registry.Replace(*info.Registration); err != nil {
-				log.Error(err, "register the connector sidecar")
-			} else {
-				last = *info.Registration
-				registered.Store(true)
-				log.Info("registered the connector sidecar", "engineID", last.EngineID, "addr", last.Addr)
-			}
-		}
-		select {
-		case <-ctx.Done():
-		case <-time.After(time.Second):
-		}
+// hostIP is the address vLLM's get_ip() finds for this host, which its transfer engine
+// advertises: VLLM_HOST_IP, else the local address of a UDP socket "connected" toward a public
+// address (no packet is sent), else loopback.
+func hostIP(getenv func(string) string) string {
+	if ip := getenv("VLLM_HOST_IP"); ip != "" {
+		return ip
 	}
+	for _, target := range []string{"8.8.8.8:80", "[2001:4860:4860::8888]:80"} {
+		c, err := net.Dial("udp", target)
+		if err != nil {
+			continue
+		}
+		addr := c.LocalAddr().(*net.UDPAddr).IP.String()
+		c.Close()
+		return addr
+	}
+	return "127.0.0.1"
 }
 
 // heartbeat reports the loaded gate to the sidecar every 5 s, as pdgate's Reporter does, with
@@ -270,7 +254,7 @@ func heartbeat(ctx context.Context, agent string, conn vllmcli.Connector, role s
 	}
 }
 
-// sidecar is the connector sidecar's local API, for what the engine's Link does not carry.
+// sidecar is the connector sidecar's pod-local API: the gate's heartbeat.
 type sidecar struct {
 	base string
 	hc   *http.Client
@@ -279,23 +263,6 @@ type sidecar struct {
 func newSidecar(endpoint string) sidecar {
 	base, hc := localapi.Client(endpoint, 2*time.Second)
 	return sidecar{base, hc}
-}
-
-func (s sidecar) info(ctx context.Context) (localapi.Info, error) {
-	var info localapi.Info
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.base+localapi.PathInfo, nil)
-	if err != nil {
-		return info, err
-	}
-	resp, err := s.hc.Do(req)
-	if err != nil {
-		return info, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return info, fmt.Errorf("GET %s: %s", localapi.PathInfo, resp.Status)
-	}
-	return info, json.NewDecoder(resp.Body).Decode(&info)
 }
 
 func (s sidecar) gate(ctx context.Context, rep vllmplugin.Report) error {

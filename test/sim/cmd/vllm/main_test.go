@@ -4,60 +4,26 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/go-logr/logr"
-	"github.com/prometheus/client_golang/prometheus"
 
-	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/agent"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-	"pdcluster.dev/pdcluster-operator/connector/kvfile"
-	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
 )
 
-// sidecarFor runs a real connector agent for role on a Unix socket in dir, as the pod's sidecar,
-// and returns the environment the engine container gets.
-func sidecarFor(t *testing.T, role v1alpha1.KVRole, dir string) (map[string]string, *agent.Agent) {
+// podEnv is the environment the engine container gets, but on loopback: the transfer engine
+// advertises VLLM_HOST_IP, and no sidecar listens at PDCLUSTER_CONNECTOR_URL (the engine moves
+// its KV without one; only the gate's heartbeat goes there).
+func podEnv(t *testing.T) map[string]string {
 	t.Helper()
-	kv, err := kvfile.Open(filepath.Join(dir, "kv.blocks"), 256, 512)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { kv.Close() })
-	cfg := agent.Config{Role: role, KV: kv, EngineRegisters: role == v1alpha1.KVProducer,
-		HoldTimeout: time.Minute, ReadyTimeout: time.Minute, TombstoneTTL: time.Minute, PullTimeout: time.Minute}
-	var data net.Listener
-	if role == v1alpha1.KVProducer {
-		if data, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
-			t.Fatal(err)
-		}
-		cfg.DataAddr = data.Addr().String()
-	}
-	a, err := agent.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := "unix://" + filepath.Join(dir, "agent.sock")
-	l, err := localapi.Listen(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewUnstartedServer(a.Handler(prometheus.NewRegistry()))
-	srv.Listener = l
-	srv.Start()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = a.Serve(ctx, data) }()
-	t.Cleanup(func() { cancel(); srv.Close(); <-done })
-	return map[string]string{"PDCLUSTER_CONNECTOR_URL": sock, "PDCLUSTER_KV_FILE": filepath.Join(dir, "kv.blocks")}, a
+	return map[string]string{"VLLM_HOST_IP": "127.0.0.1", "PDCLUSTER_CONNECTOR_URL": "unix://" + filepath.Join(t.TempDir(), "agent.sock")}
 }
 
 func freePort(t *testing.T) int {
@@ -106,15 +72,45 @@ func waitHealthy(t *testing.T, url string, errc chan error) {
 
 const mooncakeProducer = `--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}`
 
-// As vLLM's prefill engine: the bootstrap server on VLLM_MOONCAKE_BOOTSTRAP_PORT, holding the
-// sidecar's data address under the sidecar's engine id; healthy only once that is registered.
-func TestMooncakePrefillServesBootstrapAndRegistersItsSidecar(t *testing.T) {
-	env, sidecar := sidecarFor(t, v1alpha1.KVProducer, t.TempDir())
-	api, boot := freePort(t), freePort(t)
-	env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(boot)
-	_, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), mooncakeProducer}, env)
-	waitHealthy(t, fmt.Sprintf("http://127.0.0.1:%d", api), errc)
-	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/query", boot))
+// As vLLM's prefill engine: the bootstrap server on VLLM_MOONCAKE_BOOTSTRAP_PORT, holding its
+// own transfer engine's address (a port the kernel picked, on VLLM_HOST_IP) under a fresh engine
+// id per run. A restarted engine is a new engine to decode: a new id and a new data address,
+// so nothing of the earlier run's transfers can reach it.
+func TestMooncakePrefillRegistersItsTransferEngine(t *testing.T) {
+	env := podEnv(t)
+	var runs []bootstrap.Engine
+	for range 2 {
+		api, boot := freePort(t), freePort(t)
+		env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(boot)
+		stop, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), mooncakeProducer}, env)
+		waitHealthy(t, fmt.Sprintf("http://127.0.0.1:%d", api), errc)
+		got := query(t, fmt.Sprintf("http://127.0.0.1:%d/query", boot))["0"]
+		addr, ok := strings.CutPrefix(got.WorkerAddr["0"]["0"], "tcp://")
+		if got.EngineID == "" || !ok || !strings.HasPrefix(addr, "127.0.0.1:") {
+			t.Fatalf("bootstrap /query = %+v, want an engine id and the transfer engine's tcp:// address on VLLM_HOST_IP", got)
+		}
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatalf("the registered transfer engine %s does not answer: %v", addr, err)
+		}
+		c.Close()
+		runs = append(runs, got)
+		stop()
+		err = <-errc
+		errc <- err // for serve's cleanup
+		if c, err := net.Dial("tcp", addr); err == nil {
+			c.Close()
+			t.Fatalf("the transfer engine %s still answers after its engine stopped", addr)
+		}
+	}
+	if runs[0].EngineID == runs[1].EngineID {
+		t.Errorf("two runs registered the same engine id %s", runs[0].EngineID)
+	}
+}
+
+func query(t *testing.T, url string) bootstrap.Topology {
+	t.Helper()
+	resp, err := http.Get(url)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -123,14 +119,42 @@ func TestMooncakePrefillServesBootstrapAndRegistersItsSidecar(t *testing.T) {
 	if err := json.NewDecoder(resp.Body).Decode(&topo); err != nil {
 		t.Fatal(err)
 	}
-	if got := topo["0"]; got.EngineID != sidecar.EngineID() || !strings.HasPrefix(got.WorkerAddr["0"]["0"], "tcp://127.0.0.1:") {
-		t.Errorf("bootstrap /query = %+v, want the sidecar's engine id %s and data address", topo, sidecar.EngineID())
+	return topo
+}
+
+// The transfer engine's counts are on the API port's /metrics, as vLLM's metrics are; the KV
+// capacity is --num-gpu-blocks-override.
+func TestTransferMetricsOnTheAPIPort(t *testing.T) {
+	api := freePort(t)
+	_, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), "--num-gpu-blocks-override=64",
+		`--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}`}, podEnv(t))
+	url := fmt.Sprintf("http://127.0.0.1:%d", api)
+	waitHealthy(t, url, errc)
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "pdcluster_connector_pulls_total") {
+		t.Errorf("GET /metrics = %s, want the transfer engine's counters:\n%s", resp.Status, body)
+	}
+	// 64 blocks of 16 tokens hold 1024 tokens: a longer prompt cannot fit.
+	long := strings.Repeat("word ", 64*16+8)
+	r, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","max_tokens":1,"prompt":"`+long+`"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, _ := io.ReadAll(r.Body)
+	r.Body.Close()
+	if r.StatusCode != http.StatusBadRequest {
+		t.Errorf("a prompt past the 64-block capacity answered %s %s, want 400", r.Status, msg)
 	}
 }
 
 // The seam the issue found: a sidecar on the bootstrap port makes the engine fail to start.
 func TestBootstrapPortTakenFailsTheStart(t *testing.T) {
-	env, _ := sidecarFor(t, v1alpha1.KVProducer, t.TempDir())
+	env := podEnv(t)
 	taken, err := net.Listen("tcp", "0.0.0.0:0")
 	if err != nil {
 		t.Fatal(err)
@@ -152,7 +176,7 @@ func TestBootstrapPortTakenFailsTheStart(t *testing.T) {
 // NIXL: one side-channel listener per data-parallel rank on VLLM_NIXL_SIDE_CHANNEL_HOST, and
 // that host is what prefill hands decode; unset, it is localhost, as in vLLM.
 func TestNixlSideChannelPerRankOnTheAnnouncedHost(t *testing.T) {
-	env, _ := sidecarFor(t, v1alpha1.KVProducer, t.TempDir())
+	env := podEnv(t)
 	base := freePort(t)
 	if l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", base+1)); err != nil {
 		t.Skipf("port %d is in use: %v", base+1, err)
@@ -193,7 +217,7 @@ func TestNixlSideChannelPerRankOnTheAnnouncedHost(t *testing.T) {
 }
 
 func TestGatedConnectorNotOnPythonPathFailsTheStart(t *testing.T) {
-	env, _ := sidecarFor(t, v1alpha1.KVConsumer, t.TempDir())
+	env := podEnv(t)
 	s, err := vllmcli.Parse([]string{"serve", "m", fmt.Sprintf("--port=%d", freePort(t)),
 		`--kv-transfer-config={"kv_connector":"GatedMooncakeConnector","kv_connector_module_path":"pdgate.mooncake","kv_role":"kv_consumer"}`})
 	if err != nil {

@@ -14,15 +14,15 @@ import (
 	"syscall"
 	"time"
 
-	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 )
 
 // startPull begins meta's pull: it resolves the producer workers through the bootstrap
 // registry and starts one task per worker. A pull whose producers cannot be found still
 // begins, with no task, so it ends at once as failed and is reported like any failure.
-func (a *Agent) startPull(ctx context.Context, meta connector.PullMeta) error {
+func (a *Agent) startPull(ctx context.Context, meta kvtransfer.PullMeta) error {
 	workers, err := a.resolve(ctx, meta)
 	if err != nil {
 		a.cfg.Log.Info("pull has no producer", "request", meta.Request, "transfer", meta.Transfer, "err", err.Error())
@@ -43,7 +43,7 @@ func (a *Agent) startPull(ctx context.Context, meta connector.PullMeta) error {
 // resolve maps meta's remote engine to its workers' data addresses, by producer rank
 // (tp rank × pp size + pp rank). A cached topology without the engine is refreshed once: the
 // producer may have restarted under a new id.
-func (a *Agent) resolve(ctx context.Context, meta connector.PullMeta) (map[connector.ProducerRank]string, error) {
+func (a *Agent) resolve(ctx context.Context, meta kvtransfer.PullMeta) (map[kvtransfer.ProducerRank]string, error) {
 	if meta.RemoteBootstrap == "" || meta.RemoteEngine == "" {
 		return nil, errors.New("pull lacks remote_bootstrap_addr or remote_engine_id")
 	}
@@ -66,7 +66,7 @@ func (a *Agent) resolve(ctx context.Context, meta connector.PullMeta) (map[conne
 	for _, pps := range eng.WorkerAddr {
 		ppSize = max(ppSize, len(pps))
 	}
-	out := map[connector.ProducerRank]string{}
+	out := map[kvtransfer.ProducerRank]string{}
 	for tpS, pps := range eng.WorkerAddr {
 		for ppS, addr := range pps {
 			tp, err1 := strconv.Atoi(tpS)
@@ -74,34 +74,34 @@ func (a *Agent) resolve(ctx context.Context, meta connector.PullMeta) (map[conne
 			if err1 != nil || err2 != nil {
 				return nil, fmt.Errorf("bad worker rank %s/%s in bootstrap answer", tpS, ppS)
 			}
-			out[connector.ProducerRank(tp*ppSize+pp)] = strings.TrimPrefix(addr, "tcp://")
+			out[kvtransfer.ProducerRank(tp*ppSize+pp)] = strings.TrimPrefix(addr, "tcp://")
 		}
 	}
 	return out, nil
 }
 
 // runTask pulls from one producer worker and ends the task exactly once.
-func (a *Agent) runTask(meta connector.PullMeta, rank connector.ProducerRank, addr string, deadline time.Time) {
+func (a *Agent) runTask(meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time) {
 	err := a.pullFrom(meta, rank, addr, deadline)
 	// In the concurrent flow the pull can reach the producer before the prefill request does:
 	// the producer keeps no placeholder for a transfer it never heard of (bounded state), so
 	// the consumer asks again for a short grace period.
 	grace := time.Now().Add(a.cfg.UnknownTransferGrace)
-	for backoff := 5 * time.Millisecond; errors.Is(err, connector.ErrUnknownTransfer) && time.Now().Add(backoff).Before(grace) && time.Now().Add(backoff).Before(deadline); backoff = min(backoff*2, 250*time.Millisecond) {
+	for backoff := 5 * time.Millisecond; errors.Is(err, kvtransfer.ErrUnknownTransfer) && time.Now().Add(backoff).Before(grace) && time.Now().Add(backoff).Before(deadline); backoff = min(backoff*2, 250*time.Millisecond) {
 		time.Sleep(backoff)
 		err = a.pullFrom(meta, rank, addr, deadline)
 	}
-	if err != nil && (errors.Is(err, ErrEngineMismatch) || errors.Is(err, connector.ErrPeerGone)) {
+	if err != nil && (errors.Is(err, ErrEngineMismatch) || errors.Is(err, kvtransfer.ErrPeerGone)) {
 		a.boot.Invalidate(meta.RemoteBootstrap) // the producer restarted or moved
 	}
 	a.puller.TaskDone(meta.Request, meta.Transfer, rank, err)
 	if a.cfg.UngatedCompletions && err == nil && !meta.NotifiesScheduler() && a.puller.PendingTasks(meta.Request) == 0 {
 		// The seed bug, on purpose: a drained notify-only pull reported as finished receiving.
-		a.events.push(&localapi.Completion{Request: meta.Request}, nil)
+		a.events.push(&agentapi.Completion{Request: meta.Request}, nil)
 	}
 }
 
-func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, addr string, deadline time.Time) error {
+func (a *Agent) pullFrom(meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time) error {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	pf := pullFrame{
@@ -113,7 +113,7 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 	var clean bool
 	for {
 		if err != nil {
-			return fmt.Errorf("%w: dial %s: %v", connector.ErrPeerGone, addr, err)
+			return fmt.Errorf("%w: dial %s: %v", kvtransfer.ErrPeerGone, addr, err)
 		}
 		clean, err = a.pullOn(c, meta, rank, addr, deadline, pf)
 		if err == nil || !c.reused || !errors.Is(err, errStaleConn) {
@@ -131,7 +131,7 @@ func (a *Agent) pullFrom(meta connector.PullMeta, rank connector.ProducerRank, a
 		_ = c.Close()
 	}
 	if errors.Is(err, errStaleConn) {
-		err = fmt.Errorf("%w: %s closed the connection: %v", connector.ErrPeerGone, addr, err)
+		err = fmt.Errorf("%w: %s closed the connection: %v", kvtransfer.ErrPeerGone, addr, err)
 	}
 	return err
 }
@@ -141,23 +141,23 @@ var errStaleConn = errors.New("connection closed before any answer")
 
 // pullOn runs one pull on c. clean is true when it ended with the producer's result frame
 // read, so c can carry another pull.
-func (a *Agent) pullOn(c *peerConn, meta connector.PullMeta, rank connector.ProducerRank, addr string, deadline time.Time, pf pullFrame) (clean bool, err error) {
+func (a *Agent) pullOn(c *peerConn, meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time, pf pullFrame) (clean bool, err error) {
 	_ = c.SetDeadline(deadline)
 	r, w := c.r, c.w
 	if err := writeJSONFrame(w, frameKindPull, pf); err != nil {
 		return false, fmt.Errorf("%w: send pull: %v", errStaleConn, err)
 	}
 	answered := false
-	want := map[connector.BlockID]bool{}
+	want := map[kvtransfer.BlockID]bool{}
 	for _, id := range meta.LocalBlock.Flatten() {
 		want[id] = true
 	}
 	written := 0
 	peerErr := func(err error) error {
 		if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
-			return fmt.Errorf("%w: waiting for producer %s", connector.ErrTimeout, addr)
+			return fmt.Errorf("%w: waiting for producer %s", kvtransfer.ErrTimeout, addr)
 		}
-		return fmt.Errorf("%w: %s: %v", connector.ErrPeerGone, addr, err)
+		return fmt.Errorf("%w: %s: %v", kvtransfer.ErrPeerGone, addr, err)
 	}
 	for {
 		kind, n, err := readFrameHeader(r)

@@ -9,8 +9,8 @@ import (
 	"io"
 	"net"
 
-	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/connector/kvfile"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
 )
 
 // The peer protocol between a consumer agent and a producer agent, one TCP connection per
@@ -39,13 +39,13 @@ const maxFrame = 64 << 20
 // pullFrame is Mooncake's MooncakeXferMetadata reduced to one request: which transfer, which
 // consumer rank out of how many, and the destination blocks per KV group.
 type pullFrame struct {
-	Transfer  connector.TransferID   `json:"transfer_id"`
-	Request   connector.RequestID    `json:"request_id"`
-	Engine    string                 `json:"remote_engine_id"`
-	Consumer  connector.ConsumerRank `json:"consumer_rank"`
-	Consumers int                    `json:"consumers"`
-	Blocks    connector.BlockIDs     `json:"blocks"`
-	BlockSize int                    `json:"block_bytes"`
+	Transfer  kvtransfer.TransferID   `json:"transfer_id"`
+	Request   kvtransfer.RequestID    `json:"request_id"`
+	Engine    string                  `json:"remote_engine_id"`
+	Consumer  kvtransfer.ConsumerRank `json:"consumer_rank"`
+	Consumers int                     `json:"consumers"`
+	Blocks    kvtransfer.BlockIDs     `json:"blocks"`
+	BlockSize int                     `json:"block_bytes"`
 	// ChecksumTrailer: the consumer reads frameKindBlockTrailer frames.
 	ChecksumTrailer bool `json:"checksum_trailer,omitempty"`
 }
@@ -66,13 +66,13 @@ const (
 )
 
 var errCodes = map[string]error{
-	"unknown_transfer": connector.ErrUnknownTransfer,
-	"released":         connector.ErrReleased,
-	"aborted":          connector.ErrAborted,
-	"duplicate_pull":   connector.ErrDuplicatePull,
-	"block_mismatch":   connector.ErrBlockMismatch,
-	"group_mismatch":   connector.ErrGroupMismatch,
-	"timeout":          connector.ErrTimeout,
+	"unknown_transfer": kvtransfer.ErrUnknownTransfer,
+	"released":         kvtransfer.ErrReleased,
+	"aborted":          kvtransfer.ErrAborted,
+	"duplicate_pull":   kvtransfer.ErrDuplicatePull,
+	"block_mismatch":   kvtransfer.ErrBlockMismatch,
+	"group_mismatch":   kvtransfer.ErrGroupMismatch,
+	"timeout":          kvtransfer.ErrTimeout,
 	"engine_mismatch":  ErrEngineMismatch,
 }
 
@@ -131,7 +131,7 @@ func writeJSONFrame(w *bufio.Writer, kind byte, v any) error {
 // sending cost more than the copy), and a block the engine changed while it was sent fails the
 // consumer's check, as it should; a header frame, for consumers of the previous version, needs
 // the sum first.
-func writeBlockFrame(w *bufio.Writer, conn io.Writer, group int, dst connector.BlockID, data []byte, trailer bool) error {
+func writeBlockFrame(w *bufio.Writer, conn io.Writer, group int, dst kvtransfer.BlockID, data []byte, trailer bool) error {
 	var hdr [5 + blockHeader]byte
 	head := hdr[:]
 	hdr[0] = frameKindBlock
@@ -223,7 +223,7 @@ func readFrame(r *bufio.Reader, buf []byte) (byte, []byte, error) {
 // checksum when trailer is set.
 type blockFrame struct {
 	group   int
-	dst     connector.BlockID
+	dst     kvtransfer.BlockID
 	sum     uint32
 	size    int
 	trailer bool
@@ -245,7 +245,7 @@ func readBlockHeader(r *bufio.Reader, kind byte, n uint32) (blockFrame, error) {
 	}
 	f := blockFrame{
 		group:   int(binary.BigEndian.Uint32(p[:])),
-		dst:     connector.BlockID(binary.BigEndian.Uint64(p[4:])),
+		dst:     kvtransfer.BlockID(binary.BigEndian.Uint64(p[4:])),
 		size:    int(n) - head - tail,
 		trailer: tail > 0,
 	}

@@ -10,8 +10,8 @@ import (
 	"testing"
 	"time"
 
-	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
@@ -19,16 +19,16 @@ import (
 func TestLinkFailsWhatARestartedAgentLost(t *testing.T) {
 	var mu sync.Mutex
 	epoch := "run-1"
-	var pending []localapi.Completion
+	var pending []agentapi.Completion
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		mu.Lock()
 		defer mu.Unlock()
 		switch r.URL.Path {
-		case localapi.PathEvents:
-			_ = json.NewEncoder(w).Encode(localapi.Events{Epoch: epoch, Completions: pending})
+		case agentapi.PathEvents:
+			_ = json.NewEncoder(w).Encode(agentapi.Events{Epoch: epoch, Completions: pending})
 			pending = nil
 		default:
-			_ = json.NewEncoder(w).Encode(localapi.EpochReply{Epoch: epoch})
+			_ = json.NewEncoder(w).Encode(agentapi.EpochReply{Epoch: epoch})
 		}
 	}))
 	defer srv.Close()
@@ -38,9 +38,9 @@ func TestLinkFailsWhatARestartedAgentLost(t *testing.T) {
 	defer cancel()
 	go l.Run(ctx)
 
-	_ = l.Pull(ctx, localapi.Pull{Request: "a", Transfer: "x", Blocks: connector.BlockIDs{{1}}, WaitingForRemote: true})
-	_ = l.Pull(ctx, localapi.Pull{Request: "quiet", Transfer: "y", WaitingForRemote: true}) // notify-only: never tracked
-	_ = l.Ready(ctx, "h", "p", connector.BlockIDs{{4, 5}})
+	_ = l.Pull(ctx, agentapi.Pull{Request: "a", Transfer: "x", Blocks: kvtransfer.BlockIDs{{1}}, WaitingForRemote: true})
+	_ = l.Pull(ctx, agentapi.Pull{Request: "quiet", Transfer: "y", WaitingForRemote: true}) // notify-only: never tracked
+	_ = l.Ready(ctx, "h", "p", kvtransfer.BlockIDs{{4, 5}})
 	mu.Lock()
 	epoch = "run-2" // the agent restarted
 	mu.Unlock()
@@ -48,7 +48,7 @@ func TestLinkFailsWhatARestartedAgentLost(t *testing.T) {
 	rel.Wait(t, 1, "lost hold released")
 	// The dead run's report, if it ever came, must not be delivered a second time.
 	mu.Lock()
-	pending = []localapi.Completion{{Request: "a"}}
+	pending = []agentapi.Completion{{Request: "a"}}
 	mu.Unlock()
 	time.Sleep(1500 * time.Millisecond)
 	if c := comp.Completions(); len(c) != 1 || !errors.Is(c[0].Err, ErrAgentLost) || c[0].Request != "a" {

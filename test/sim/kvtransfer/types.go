@@ -1,9 +1,9 @@
-// Package connector is the completion-gated KV connector core: the decode-side pull state
+// Package kvtransfer is the stand-in transfer engine's gating core: the decode-side pull state
 // machine (Puller) and the producer-side tracker (Producer). Both are transport-free and
 // driven by explicit events and an injected clock, so every invariant is testable; the agent
 // wires them to a network.
 //
-// The invariants (see docs/design/connector.md):
+// The invariants (see docs/design/stand-in-transfer.md):
 //  1. The scheduler hears a completion for a pull iff the request was waiting for remote KV
 //     and the pull has at least one local destination block, and only once every task drained.
 //  2. The producer is notified exactly once per (transfer, decode rank, producer rank) and
@@ -11,7 +11,7 @@
 //  3. A failed pull reports failed blocks only when it has local blocks, and only after no
 //     producer can still write into them.
 //  4. Every pull ends within a bounded time; unknown or late transfers are answered at once.
-package connector
+package kvtransfer
 
 import (
 	"errors"

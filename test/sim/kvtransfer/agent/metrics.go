@@ -3,7 +3,7 @@ package agent
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 type metrics struct {
@@ -55,7 +55,7 @@ func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
 			Name: "pdcluster_connector_transfer_bytes_received_total", Help: "KV bytes received from producers and written.",
 		}),
 	}
-	cs := []prometheus.Collector{a.gate, m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.earlyPulls, m.peerConns, m.releases, m.bytesSent, m.bytesReceived}
+	cs := []prometheus.Collector{m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.earlyPulls, m.peerConns, m.releases, m.bytesSent, m.bytesReceived}
 	if a.puller != nil {
 		cs = append(cs,
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
@@ -85,13 +85,13 @@ func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
 	// Pre-create the labelled series so a scrape shows zeros rather than nothing.
 	m.completions.WithLabelValues("ok")
 	m.completions.WithLabelValues("failed")
-	for _, r := range []connector.ReleaseReason{connector.ReleaseServed, connector.ReleaseExpired, connector.ReleaseAborted} {
+	for _, r := range []kvtransfer.ReleaseReason{kvtransfer.ReleaseServed, kvtransfer.ReleaseExpired, kvtransfer.ReleaseAborted} {
 		m.releases.WithLabelValues(string(r))
 	}
 	return m, nil
 }
 
-func (m *metrics) completed(c connector.Completion) {
+func (m *metrics) completed(c kvtransfer.Completion) {
 	if c.Err != nil {
 		m.completions.WithLabelValues("failed").Inc()
 		return
@@ -99,9 +99,9 @@ func (m *metrics) completed(c connector.Completion) {
 	m.completions.WithLabelValues("ok").Inc()
 }
 
-func (m *metrics) released(r connector.Release) { m.releases.WithLabelValues(string(r.Reason)).Inc() }
+func (m *metrics) released(r kvtransfer.Release) { m.releases.WithLabelValues(string(r.Reason)).Inc() }
 
-func (m *metrics) pullsStarted(meta connector.PullMeta) {
+func (m *metrics) pullsStarted(meta kvtransfer.PullMeta) {
 	m.pulls.Inc()
 	if !meta.LocalBlock.HasLocal() {
 		m.emptyPulls.Inc()

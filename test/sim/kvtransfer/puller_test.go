@@ -1,4 +1,4 @@
-package connector_test
+package kvtransfer_test
 
 import (
 	"errors"
@@ -11,20 +11,20 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
-type recorder struct{ got []connector.Completion }
+type recorder struct{ got []kvtransfer.Completion }
 
-func (r *recorder) FinishedReceiving(c connector.Completion) { r.got = append(r.got, c) }
+func (r *recorder) FinishedReceiving(c kvtransfer.Completion) { r.got = append(r.got, c) }
 
-func newPuller(t *testing.T) (*connector.Puller, *recorder, *clocktesting.FakeClock) {
+func newPuller(t *testing.T) (*kvtransfer.Puller, *recorder, *clocktesting.FakeClock) {
 	t.Helper()
 	rec := &recorder{}
 	clk := clocktesting.NewFakeClock(time.Unix(0, 0))
-	p, err := connector.NewPuller(connector.PullerConfig{Sink: rec, Clock: clk, Timeout: time.Minute})
+	p, err := kvtransfer.NewPuller(kvtransfer.PullerConfig{Sink: rec, Clock: clk, Timeout: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -34,47 +34,47 @@ func newPuller(t *testing.T) (*connector.Puller, *recorder, *clocktesting.FakeCl
 var errBoom = errors.New("boom")
 
 type taskResult struct {
-	rank connector.ProducerRank
+	rank kvtransfer.ProducerRank
 	err  error
 }
 
 func TestPullerReportsOnlyDrainedPullsWithLocalBlocks(t *testing.T) {
-	ranks := []connector.ProducerRank{0, 1}
+	ranks := []kvtransfer.ProducerRank{0, 1}
 	cases := []struct {
 		name    string
-		meta    connector.PullMeta
+		meta    kvtransfer.PullMeta
 		results []taskResult
-		want    []connector.Completion
+		want    []kvtransfer.Completion
 	}{
 		{name: "empty pull nil", meta: wrappers.MakePull("a").Waiting().Obj(), results: []taskResult{{0, nil}, {1, nil}}},
-		{name: "empty pull [[]]", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
-		{name: "empty pull [[],[]]", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{}, []connector.BlockID{}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
-		{name: "empty pull that fails", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{}).Obj(), results: []taskResult{{0, errBoom}, {1, nil}}},
-		{name: "cleanup pull of a request not waiting", meta: wrappers.MakePull("a").Blocks([]connector.BlockID{4}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull [[]]", meta: wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull [[],[]]", meta: wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{}, []kvtransfer.BlockID{}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
+		{name: "empty pull that fails", meta: wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{}).Obj(), results: []taskResult{{0, errBoom}, {1, nil}}},
+		{name: "cleanup pull of a request not waiting", meta: wrappers.MakePull("a").Blocks([]kvtransfer.BlockID{4}).Obj(), results: []taskResult{{0, nil}, {1, nil}}},
 		{
-			name: "pull with blocks, all ok", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{4, 5}).Obj(),
+			name: "pull with blocks, all ok", meta: wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{4, 5}).Obj(),
 			results: []taskResult{{1, nil}, {0, nil}},
-			want:    []connector.Completion{{Request: "a"}},
+			want:    []kvtransfer.Completion{{Request: "a"}},
 		},
 		{
-			name: "blocks in the second group only", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{}, []connector.BlockID{9}).Obj(),
+			name: "blocks in the second group only", meta: wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{}, []kvtransfer.BlockID{9}).Obj(),
 			results: []taskResult{{0, nil}, {1, nil}},
-			want:    []connector.Completion{{Request: "a"}},
+			want:    []kvtransfer.Completion{{Request: "a"}},
 		},
 		{
-			name: "one group failing reports invalid blocks", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{4, 5}).Obj(),
+			name: "one group failing reports invalid blocks", meta: wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{4, 5}).Obj(),
 			results: []taskResult{{0, errBoom}, {1, nil}},
-			want:    []connector.Completion{{Request: "a", Err: errBoom, InvalidBlocks: []connector.BlockID{4, 5}}},
+			want:    []kvtransfer.Completion{{Request: "a", Err: errBoom, InvalidBlocks: []kvtransfer.BlockID{4, 5}}},
 		},
 		{
-			name: "several groups failing report the request", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{4}, []connector.BlockID{4}).Obj(),
+			name: "several groups failing report the request", meta: wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{4}, []kvtransfer.BlockID{4}).Obj(),
 			results: []taskResult{{0, nil}, {1, errBoom}},
-			want:    []connector.Completion{{Request: "a", Err: errBoom, FailedRequest: true}},
+			want:    []kvtransfer.Completion{{Request: "a", Err: errBoom, FailedRequest: true}},
 		},
 		{
-			name: "duplicate and foreign results change nothing", meta: wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{1}).Obj(),
+			name: "duplicate and foreign results change nothing", meta: wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{1}).Obj(),
 			results: []taskResult{{0, nil}, {0, errBoom}, {7, errBoom}, {1, nil}},
-			want:    []connector.Completion{{Request: "a"}},
+			want:    []kvtransfer.Completion{{Request: "a"}},
 		},
 	}
 	for _, tc := range cases {
@@ -102,8 +102,8 @@ func TestPullerReportsOnlyDrainedPullsWithLocalBlocks(t *testing.T) {
 // Invariant 3: a failing task does not release the blocks while another producer may write.
 func TestPullerFailureWaitsForOtherWriters(t *testing.T) {
 	p, rec, _ := newPuller(t)
-	meta := wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{1, 2}).Obj()
-	if err := p.Begin(meta, []connector.ProducerRank{0, 1, 2}); err != nil {
+	meta := wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{1, 2}).Obj()
+	if err := p.Begin(meta, []kvtransfer.ProducerRank{0, 1, 2}); err != nil {
 		t.Fatal(err)
 	}
 	p.TaskDone("a", meta.Transfer, 0, errBoom)
@@ -121,7 +121,7 @@ func TestPullerFailureWaitsForOtherWriters(t *testing.T) {
 	if len(rec.got) != 1 || !errors.Is(rec.got[0].Err, errBoom) {
 		t.Fatalf("completions = %v, want one failure", rec.got)
 	}
-	var te *connector.TaskError
+	var te *kvtransfer.TaskError
 	if !errors.As(rec.got[0].Err, &te) || te.Producer != 0 {
 		t.Errorf("error %v does not name producer rank 0", rec.got[0].Err)
 	}
@@ -133,8 +133,8 @@ func TestPullerFailureWaitsForOtherWriters(t *testing.T) {
 // Invariant 4: a pull whose producer never answers ends at its deadline.
 func TestPullerTimeoutReportsFailure(t *testing.T) {
 	p, rec, clk := newPuller(t)
-	meta := wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{3}).Obj()
-	if err := p.Begin(meta, []connector.ProducerRank{0, 1}); err != nil {
+	meta := wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{3}).Obj()
+	if err := p.Begin(meta, []kvtransfer.ProducerRank{0, 1}); err != nil {
 		t.Fatal(err)
 	}
 	p.TaskDone("a", meta.Transfer, 0, nil)
@@ -146,7 +146,7 @@ func TestPullerTimeoutReportsFailure(t *testing.T) {
 	if n := p.Expire(); n != 1 {
 		t.Fatalf("expired %d tasks, want 1", n)
 	}
-	want := []connector.Completion{{Request: "a", Err: connector.ErrTimeout, InvalidBlocks: []connector.BlockID{3}}}
+	want := []kvtransfer.Completion{{Request: "a", Err: kvtransfer.ErrTimeout, InvalidBlocks: []kvtransfer.BlockID{3}}}
 	if diff := cmp.Diff(want, rec.got, cmpopts.EquateErrors()); diff != "" {
 		t.Errorf("completions (-want +got):\n%s", diff)
 	}
@@ -160,24 +160,24 @@ func TestPullerTimeoutReportsFailure(t *testing.T) {
 
 func TestPullerWithoutProducersFailsAtOnce(t *testing.T) {
 	p, rec, _ := newPuller(t)
-	if err := p.Begin(wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{3}).Obj(), nil); err != nil {
+	if err := p.Begin(wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{3}).Obj(), nil); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.Begin(wrappers.MakePull("b").Blocks().Obj(), nil); err != nil {
 		t.Fatal(err)
 	}
-	if len(rec.got) != 1 || !errors.Is(rec.got[0].Err, connector.ErrNoProducers) {
+	if len(rec.got) != 1 || !errors.Is(rec.got[0].Err, kvtransfer.ErrNoProducers) {
 		t.Fatalf("completions = %v, want one ErrNoProducers for a", rec.got)
 	}
 }
 
 func TestPullerRefusesSecondPullOfARequest(t *testing.T) {
 	p, _, _ := newPuller(t)
-	meta := wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{3}).Obj()
-	if err := p.Begin(meta, []connector.ProducerRank{0}); err != nil {
+	meta := wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{3}).Obj()
+	if err := p.Begin(meta, []kvtransfer.ProducerRank{0}); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Begin(meta, []connector.ProducerRank{0}); !errors.Is(err, connector.ErrDuplicateRequest) {
+	if err := p.Begin(meta, []kvtransfer.ProducerRank{0}); !errors.Is(err, kvtransfer.ErrDuplicateRequest) {
 		t.Errorf("err = %v, want ErrDuplicateRequest", err)
 	}
 }
@@ -185,17 +185,17 @@ func TestPullerRefusesSecondPullOfARequest(t *testing.T) {
 func TestPullerFailTasksOfALostProducer(t *testing.T) {
 	p, rec, _ := newPuller(t)
 	for _, id := range []string{"a", "b"} {
-		if err := p.Begin(wrappers.MakePull(id).Waiting().Blocks([]connector.BlockID{1}).Obj(), []connector.ProducerRank{0, 1}); err != nil {
+		if err := p.Begin(wrappers.MakePull(id).Waiting().Blocks([]kvtransfer.BlockID{1}).Obj(), []kvtransfer.ProducerRank{0, 1}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	p.TaskDone("a", "x-a", 0, nil)
 	p.TaskDone("b", "x-b", 1, nil)
-	n := p.FailTasks(func(_ connector.PullMeta, r connector.ProducerRank) bool { return r == 1 }, connector.ErrPeerGone)
+	n := p.FailTasks(func(_ kvtransfer.PullMeta, r kvtransfer.ProducerRank) bool { return r == 1 }, kvtransfer.ErrPeerGone)
 	if n != 1 {
 		t.Fatalf("failed %d tasks, want 1 (a's rank 1)", n)
 	}
-	if len(rec.got) != 1 || rec.got[0].Request != "a" || !errors.Is(rec.got[0].Err, connector.ErrPeerGone) {
+	if len(rec.got) != 1 || rec.got[0].Request != "a" || !errors.Is(rec.got[0].Err, kvtransfer.ErrPeerGone) {
 		t.Errorf("completions = %v, want a failed with ErrPeerGone", rec.got)
 	}
 }
@@ -204,10 +204,10 @@ func TestPullerFailTasksOfALostProducer(t *testing.T) {
 // no whole block to pull, so the request runs at once and its pull only notifies the producer.
 // Reporting it kills the engine; the Puller does not report it.
 func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
-	var pulls []connector.PullMeta
+	var pulls []kvtransfer.PullMeta
 	newDecode := func() *vllmsched.Scheduler {
 		s, err := vllmsched.New(vllmsched.Config{Role: v1alpha1.KVConsumer, BlockSize: 64, Capacity: 16,
-			OnPull: func(m connector.PullMeta) { pulls = append(pulls, m) }})
+			OnPull: func(m kvtransfer.PullMeta) { pulls = append(pulls, m) }})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -224,18 +224,18 @@ func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 	if len(pulls) != 1 || pulls[0].LocalBlock.HasLocal() || pulls[0].WaitingForRemote {
 		t.Fatalf("pulls = %+v, want one empty notify-only pull", pulls)
 	}
-	naive.FinishedReceiving(connector.Completion{Request: "req-13"}) // what an ungated connector does
+	naive.FinishedReceiving(kvtransfer.Completion{Request: "req-13"}) // what an ungated connector does
 	if err := naive.Dead(); !errors.Is(err, vllmsched.ErrEngineDead) {
 		t.Fatalf("ungated completion: engine error = %v, want it dead", err)
 	}
 
 	pulls = nil
 	gated := newDecode()
-	p, err := connector.NewPuller(connector.PullerConfig{Sink: gated, Timeout: time.Minute})
+	p, err := kvtransfer.NewPuller(kvtransfer.PullerConfig{Sink: gated, Timeout: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Begin(pulls[0], []connector.ProducerRank{0}); err != nil {
+	if err := p.Begin(pulls[0], []kvtransfer.ProducerRank{0}); err != nil {
 		t.Fatal(err)
 	}
 	p.TaskDone("req-13", "xfer-13", 0, nil)
@@ -254,8 +254,8 @@ func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 // can slip in between the check and the write.
 func TestPullerWriteIfAccepted(t *testing.T) {
 	p, rec, clk := newPuller(t)
-	meta := wrappers.MakePull("a").Waiting().Blocks([]connector.BlockID{1}).Obj()
-	if err := p.Begin(meta, []connector.ProducerRank{0}); err != nil {
+	meta := wrappers.MakePull("a").Waiting().Blocks([]kvtransfer.BlockID{1}).Obj()
+	if err := p.Begin(meta, []kvtransfer.ProducerRank{0}); err != nil {
 		t.Fatal(err)
 	}
 	wrote := 0
@@ -287,8 +287,8 @@ func TestPullerWriteIfAccepted(t *testing.T) {
 // is being written reports the pull only after that write ends, and no write starts after.
 func TestFailedTaskWaitsForTheWriteInProgress(t *testing.T) {
 	var mu sync.Mutex
-	var got []connector.Completion
-	p, err := connector.NewPuller(connector.PullerConfig{Timeout: time.Minute, Sink: connector.CompletionFunc(func(c connector.Completion) {
+	var got []kvtransfer.Completion
+	p, err := kvtransfer.NewPuller(kvtransfer.PullerConfig{Timeout: time.Minute, Sink: kvtransfer.CompletionFunc(func(c kvtransfer.Completion) {
 		mu.Lock()
 		got = append(got, c)
 		mu.Unlock()
@@ -296,8 +296,8 @@ func TestFailedTaskWaitsForTheWriteInProgress(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	meta := connector.PullMeta{Request: "r", Transfer: "x", LocalBlock: connector.BlockIDs{{1}}, WaitingForRemote: true}
-	if err := p.Begin(meta, []connector.ProducerRank{0}); err != nil {
+	meta := kvtransfer.PullMeta{Request: "r", Transfer: "x", LocalBlock: kvtransfer.BlockIDs{{1}}, WaitingForRemote: true}
+	if err := p.Begin(meta, []kvtransfer.ProducerRank{0}); err != nil {
 		t.Fatal(err)
 	}
 	writing, release := make(chan struct{}), make(chan struct{})
@@ -313,7 +313,7 @@ func TestFailedTaskWaitsForTheWriteInProgress(t *testing.T) {
 	<-writing
 	failed := make(chan int, 1)
 	go func() {
-		failed <- p.FailTasks(func(connector.PullMeta, connector.ProducerRank) bool { return true }, connector.ErrPeerGone)
+		failed <- p.FailTasks(func(kvtransfer.PullMeta, kvtransfer.ProducerRank) bool { return true }, kvtransfer.ErrPeerGone)
 	}()
 	time.Sleep(50 * time.Millisecond) // FailTasks is now waiting for the write
 	mu.Lock()

@@ -15,8 +15,9 @@ import (
 
 	"github.com/go-logr/logr"
 
-	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 )
 
 // ErrAgentLost fails the pulls and releases the holds an agent took with it when it restarted
@@ -24,7 +25,7 @@ import (
 var ErrAgentLost = errors.New("connector agent lost")
 
 // releaseAgentLost is the reason of a hold the Link released because its agent was lost.
-const releaseAgentLost connector.ReleaseReason = "agent-lost"
+const releaseAgentLost kvtransfer.ReleaseReason = "agent-lost"
 
 // Link is the engine's side of the local API, vLLM's connector worker: it forwards pulls and
 // holds to the agent and delivers the agent's reports to the scheduler. It also keeps the
@@ -34,41 +35,41 @@ const releaseAgentLost connector.ReleaseReason = "agent-lost"
 type Link struct {
 	base        string
 	hc          *http.Client
-	completions connector.CompletionSink
-	releases    connector.ReleaseSink
+	completions kvtransfer.CompletionSink
+	releases    kvtransfer.ReleaseSink
 	// LostAfter is how long the agent may stay unreachable before its state counts as lost.
 	LostAfter time.Duration
 	Log       logr.Logger
 
 	mu    sync.Mutex
 	epoch string // the agent run the Link last heard from
-	pulls map[connector.RequestID]trackedPull
-	held  map[connector.TransferID]trackedHold
+	pulls map[kvtransfer.RequestID]trackedPull
+	held  map[kvtransfer.TransferID]trackedHold
 	// lost are pulls the Link failed while their agent may still be alive (unreachable, or a
 	// POST whose answer was lost): a late report for them is dropped.
-	lost map[connector.RequestID]struct{}
+	lost map[kvtransfer.RequestID]struct{}
 }
 
 type trackedPull struct {
 	epoch  string
-	blocks connector.BlockIDs
+	blocks kvtransfer.BlockIDs
 }
 
 type trackedHold struct {
 	epoch   string
-	request connector.RequestID
+	request kvtransfer.RequestID
 	blocks  int
 }
 
 // New returns a Link to the agent's local API at endpoint (http://host:port or
 // unix:///path). completions is required for a consumer engine, releases for a producer engine.
-func New(endpoint string, completions connector.CompletionSink, releases connector.ReleaseSink) *Link {
+func New(endpoint string, completions kvtransfer.CompletionSink, releases kvtransfer.ReleaseSink) *Link {
 	base, hc := localapi.Client(endpoint, 10*time.Second)
 	return &Link{
 		base: base, hc: hc, completions: completions, releases: releases,
 		LostAfter: 5 * time.Second, Log: logr.Discard(),
-		pulls: map[connector.RequestID]trackedPull{}, held: map[connector.TransferID]trackedHold{},
-		lost: map[connector.RequestID]struct{}{},
+		pulls: map[kvtransfer.RequestID]trackedPull{}, held: map[kvtransfer.TransferID]trackedHold{},
+		lost: map[kvtransfer.RequestID]struct{}{},
 	}
 }
 
@@ -91,21 +92,21 @@ func (l *Link) post(ctx context.Context, path string, body any) (string, error) 
 	if resp.StatusCode/100 != 2 {
 		return "", fmt.Errorf("agent %s: %s: %s", path, resp.Status, bytes.TrimSpace(data))
 	}
-	var er localapi.EpochReply
+	var er agentapi.EpochReply
 	_ = json.Unmarshal(data, &er)
 	return er.Epoch, nil
 }
 
 // Pull hands a pull to the agent. A pull the agent did not take is failed at once when it
 // notifies the scheduler, so the request never waits for a report that cannot come.
-func (l *Link) Pull(ctx context.Context, p localapi.Pull) error {
+func (l *Link) Pull(ctx context.Context, p agentapi.Pull) error {
 	notify := p.Meta().NotifiesScheduler()
 	if notify {
 		l.mu.Lock()
 		l.pulls[p.Request] = trackedPull{epoch: "?", blocks: p.Blocks.Clone()}
 		l.mu.Unlock()
 	}
-	epoch, err := l.post(ctx, localapi.PathPulls, p)
+	epoch, err := l.post(ctx, agentapi.PathPulls, p)
 	if !notify {
 		return err
 	}
@@ -123,25 +124,25 @@ func (l *Link) Pull(ctx context.Context, p localapi.Pull) error {
 }
 
 // Expect announces a prefill request that will hold blocks for consumers.
-func (l *Link) Expect(ctx context.Context, transfer connector.TransferID, req connector.RequestID) error {
-	_, err := l.post(ctx, localapi.PathExpect, localapi.Hold{Transfer: transfer, Request: req})
+func (l *Link) Expect(ctx context.Context, transfer kvtransfer.TransferID, req kvtransfer.RequestID) error {
+	_, err := l.post(ctx, agentapi.PathExpect, agentapi.Hold{Transfer: transfer, Request: req})
 	return err
 }
 
 // Ready hands held blocks to the agent. Blocks the agent did not take are released at once.
-func (l *Link) Ready(ctx context.Context, transfer connector.TransferID, req connector.RequestID, blocks connector.BlockIDs) error {
+func (l *Link) Ready(ctx context.Context, transfer kvtransfer.TransferID, req kvtransfer.RequestID, blocks kvtransfer.BlockIDs) error {
 	holds := blocks.HasLocal()
 	if holds {
 		l.mu.Lock()
 		l.held[transfer] = trackedHold{epoch: "?", request: req, blocks: blocks.Count()}
 		l.mu.Unlock()
 	}
-	epoch, err := l.post(ctx, localapi.PathReady, localapi.Hold{Transfer: transfer, Request: req, Blocks: blocks})
+	epoch, err := l.post(ctx, agentapi.PathReady, agentapi.Hold{Transfer: transfer, Request: req, Blocks: blocks})
 	if !holds {
 		return err
 	}
 	if err != nil {
-		l.releaseHold(transfer, connector.ReleaseAborted)
+		l.releaseHold(transfer, kvtransfer.ReleaseAborted)
 		return err
 	}
 	l.mu.Lock()
@@ -154,12 +155,12 @@ func (l *Link) Ready(ctx context.Context, transfer connector.TransferID, req con
 }
 
 // Abort tells the agent a prefill request will not be ready.
-func (l *Link) Abort(ctx context.Context, transfer connector.TransferID) error {
-	_, err := l.post(ctx, localapi.PathAbort, localapi.Hold{Transfer: transfer})
+func (l *Link) Abort(ctx context.Context, transfer kvtransfer.TransferID) error {
+	_, err := l.post(ctx, agentapi.PathAbort, agentapi.Hold{Transfer: transfer})
 	return err
 }
 
-func (l *Link) failPull(req connector.RequestID, cause error) {
+func (l *Link) failPull(req kvtransfer.RequestID, cause error) {
 	l.mu.Lock()
 	t, ok := l.pulls[req]
 	delete(l.pulls, req)
@@ -172,8 +173,8 @@ func (l *Link) failPull(req connector.RequestID, cause error) {
 	}
 }
 
-func lostCompletion(req connector.RequestID, blocks connector.BlockIDs, cause error) connector.Completion {
-	c := connector.Completion{Request: req, Err: fmt.Errorf("%w: %v", ErrAgentLost, cause)}
+func lostCompletion(req kvtransfer.RequestID, blocks kvtransfer.BlockIDs, cause error) kvtransfer.Completion {
+	c := kvtransfer.Completion{Request: req, Err: fmt.Errorf("%w: %v", ErrAgentLost, cause)}
 	if len(blocks) > 1 {
 		c.FailedRequest = true
 	} else {
@@ -182,13 +183,13 @@ func lostCompletion(req connector.RequestID, blocks connector.BlockIDs, cause er
 	return c
 }
 
-func (l *Link) releaseHold(transfer connector.TransferID, reason connector.ReleaseReason) {
+func (l *Link) releaseHold(transfer kvtransfer.TransferID, reason kvtransfer.ReleaseReason) {
 	l.mu.Lock()
 	h, ok := l.held[transfer]
 	delete(l.held, transfer)
 	l.mu.Unlock()
 	if ok {
-		l.releases.FinishedSending(connector.Release{Request: h.request, Transfer: transfer, Blocks: h.blocks, Reason: reason})
+		l.releases.FinishedSending(kvtransfer.Release{Request: h.request, Transfer: transfer, Blocks: h.blocks, Reason: reason})
 	}
 }
 
@@ -212,26 +213,26 @@ func (l *Link) Run(ctx context.Context) {
 	}
 }
 
-func (l *Link) poll(ctx context.Context) (localapi.Events, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, l.base+localapi.PathEvents+"?wait_ms=1000", nil)
+func (l *Link) poll(ctx context.Context) (agentapi.Events, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, l.base+agentapi.PathEvents+"?wait_ms=1000", nil)
 	if err != nil {
-		return localapi.Events{}, err
+		return agentapi.Events{}, err
 	}
 	resp, err := l.hc.Do(req)
 	if err != nil {
-		return localapi.Events{}, err
+		return agentapi.Events{}, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return localapi.Events{}, fmt.Errorf("agent events: %s", resp.Status)
+		return agentapi.Events{}, fmt.Errorf("agent events: %s", resp.Status)
 	}
-	var ev localapi.Events
+	var ev agentapi.Events
 	return ev, json.NewDecoder(resp.Body).Decode(&ev)
 }
 
 // deliver passes reports on, once each: a report for a request the Link does not track (it
 // was already failed because the agent was lost) is dropped.
-func (l *Link) deliver(ev localapi.Events) {
+func (l *Link) deliver(ev agentapi.Events) {
 	l.mu.Lock()
 	// Any other run than the one last heard from (or none heard from yet: the first answer can
 	// come from a restarted agent) leaves the state of the runs before it orphaned.
@@ -258,17 +259,17 @@ func (l *Link) deliver(ev localapi.Events) {
 			// A report for a pull that never notifies the scheduler: only an ungated agent
 			// sends one. It is passed on, not hidden: the scheduler's assertion is the
 			// evidence of that bug.
-			l.completions.FinishedReceiving(connector.Completion{Request: c.Request})
+			l.completions.FinishedReceiving(kvtransfer.Completion{Request: c.Request})
 			continue
 		}
 		var err error
 		if c.Error != "" {
 			err = errors.New(c.Error)
 		}
-		l.completions.FinishedReceiving(connector.Completion{Request: c.Request, Err: err, InvalidBlocks: c.InvalidBlocks, FailedRequest: c.FailedRequest})
+		l.completions.FinishedReceiving(kvtransfer.Completion{Request: c.Request, Err: err, InvalidBlocks: c.InvalidBlocks, FailedRequest: c.FailedRequest})
 	}
 	for _, r := range ev.Releases {
-		l.releaseHold(r.Transfer, connector.ReleaseReason(r.Reason))
+		l.releaseHold(r.Transfer, kvtransfer.ReleaseReason(r.Reason))
 	}
 }
 
@@ -276,7 +277,7 @@ func (l *Link) deliver(ev localapi.Events) {
 // keep: the agent that had them is gone.
 func (l *Link) forget(keep string, cause error) {
 	l.mu.Lock()
-	var pulls []connector.Completion
+	var pulls []kvtransfer.Completion
 	for req, t := range l.pulls {
 		if keep == "" || (t.epoch != keep && t.epoch != "?") {
 			pulls = append(pulls, lostCompletion(req, t.blocks, cause))
@@ -284,7 +285,7 @@ func (l *Link) forget(keep string, cause error) {
 			l.lost[req] = struct{}{} // whatever claims to report it later is not believed
 		}
 	}
-	var holds []connector.TransferID
+	var holds []kvtransfer.TransferID
 	for id, h := range l.held {
 		if keep == "" || (h.epoch != keep && h.epoch != "?") {
 			holds = append(holds, id)

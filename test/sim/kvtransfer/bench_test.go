@@ -1,4 +1,4 @@
-package connector_test
+package kvtransfer_test
 
 import (
 	"fmt"
@@ -8,7 +8,7 @@ import (
 
 	clocktesting "k8s.io/utils/clock/testing"
 
-	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 // BenchmarkPulls measures pulls processed per second through both state machines: the decode
@@ -23,32 +23,32 @@ func BenchmarkPulls(b *testing.B) {
 		b.Run(fmt.Sprintf("ranks=%d", ranks), func(b *testing.B) {
 			var completions int
 			clk := clocktesting.NewFakeClock(time.Unix(0, 0))
-			puller, err := connector.NewPuller(connector.PullerConfig{
-				Sink: connector.CompletionFunc(func(connector.Completion) { completions++ }), Timeout: time.Minute, Clock: clk,
+			puller, err := kvtransfer.NewPuller(kvtransfer.PullerConfig{
+				Sink: kvtransfer.CompletionFunc(func(kvtransfer.Completion) { completions++ }), Timeout: time.Minute, Clock: clk,
 			})
 			if err != nil {
 				b.Fatal(err)
 			}
-			producers := make([]*connector.Producer, ranks)
-			rankIDs := make([]connector.ProducerRank, ranks)
+			producers := make([]*kvtransfer.Producer, ranks)
+			rankIDs := make([]kvtransfer.ProducerRank, ranks)
 			for r := range producers {
-				rankIDs[r] = connector.ProducerRank(r)
-				producers[r], err = connector.NewProducer(connector.ProducerConfig{
-					Sink: connector.ReleaseFunc(func(connector.Release) {}), Rank: connector.ProducerRank(r),
+				rankIDs[r] = kvtransfer.ProducerRank(r)
+				producers[r], err = kvtransfer.NewProducer(kvtransfer.ProducerConfig{
+					Sink: kvtransfer.ReleaseFunc(func(kvtransfer.Release) {}), Rank: kvtransfer.ProducerRank(r),
 					HoldTimeout: time.Minute, ReadyTimeout: time.Minute, TombstoneTTL: 10 * time.Minute, Clock: clk,
 				})
 				if err != nil {
 					b.Fatal(err)
 				}
 			}
-			held := connector.BlockIDs{{1, 2, 3, 4, 5, 6, 7, 8}}
-			local := connector.BlockIDs{{11, 12, 13, 14}}
+			held := kvtransfer.BlockIDs{{1, 2, 3, 4, 5, 6, 7, 8}}
+			local := kvtransfer.BlockIDs{{11, 12, 13, 14}}
 			ids := transferIDs(b.N)
 			b.ReportAllocs()
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
-				tid, req := ids[i], connector.RequestID(ids[i])
-				meta := connector.PullMeta{Request: req, Transfer: tid, LocalBlock: local, WaitingForRemote: true}
+				tid, req := ids[i], kvtransfer.RequestID(ids[i])
+				meta := kvtransfer.PullMeta{Request: req, Transfer: tid, LocalBlock: local, WaitingForRemote: true}
 				if i%4 == 0 {
 					meta.LocalBlock = nil
 				}
@@ -59,9 +59,9 @@ func BenchmarkPulls(b *testing.B) {
 					b.Fatal(err)
 				}
 				for r, p := range producers {
-					d := p.Pull(connector.PullRequest{Transfer: tid, Consumers: 1, Blocks: meta.LocalBlock})
+					d := p.Pull(kvtransfer.PullRequest{Transfer: tid, Consumers: 1, Blocks: meta.LocalBlock})
 					p.SendDone(tid, 0, 1, d.Err)
-					puller.TaskDone(req, tid, connector.ProducerRank(r), d.Err)
+					puller.TaskDone(req, tid, kvtransfer.ProducerRank(r), d.Err)
 				}
 				clk.Step(10 * time.Millisecond)
 				if i%1000 == 999 {
@@ -85,7 +85,7 @@ func BenchmarkPulls(b *testing.B) {
 // so the core's figure can be read as a multiple of it.
 func benchmarkPullFloor(b *testing.B) {
 	var mu [2]sync.Mutex
-	maps := [2]map[connector.TransferID]int{{}, {}}
+	maps := [2]map[kvtransfer.TransferID]int{{}, {}}
 	ids := transferIDs(b.N)
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -105,10 +105,10 @@ func benchmarkPullFloor(b *testing.B) {
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "pulls/s")
 }
 
-func transferIDs(n int) []connector.TransferID {
-	ids := make([]connector.TransferID, n)
+func transferIDs(n int) []kvtransfer.TransferID {
+	ids := make([]kvtransfer.TransferID, n)
 	for i := range ids {
-		ids[i] = connector.TransferID(fmt.Sprintf("x-%d", i))
+		ids[i] = kvtransfer.TransferID(fmt.Sprintf("x-%d", i))
 	}
 	return ids
 }

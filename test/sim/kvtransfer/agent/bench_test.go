@@ -8,8 +8,8 @@ import (
 	"os"
 	"testing"
 
-	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 )
 
 // Data plane benchmark shape: 1 MiB blocks, pulls of 16 blocks, 4 pulls in flight, so an
@@ -54,15 +54,15 @@ func benchmarkAgentDataPlane(b *testing.B) {
 	b.ResetTimer()
 	for i := range b.N {
 		for s := range benchStreams {
-			ids := make([]connector.BlockID, benchBlocks)
+			ids := make([]kvtransfer.BlockID, benchBlocks)
 			for j := range ids {
-				ids[j] = connector.BlockID(s*benchBlocks + j)
+				ids[j] = kvtransfer.BlockID(s*benchBlocks + j)
 			}
-			tid, req := connector.TransferID(fmt.Sprintf("x-%d-%d", i, s)), connector.RequestID(fmt.Sprintf("d-%d-%d", i, s))
-			if err := p.prodLink.Ready(ctx, tid, connector.RequestID("p"+string(req)), connector.BlockIDs{ids}); err != nil {
+			tid, req := kvtransfer.TransferID(fmt.Sprintf("x-%d-%d", i, s)), kvtransfer.RequestID(fmt.Sprintf("d-%d-%d", i, s))
+			if err := p.prodLink.Ready(ctx, tid, kvtransfer.RequestID("p"+string(req)), kvtransfer.BlockIDs{ids}); err != nil {
 				b.Fatal(err)
 			}
-			if err := p.consLink.Pull(ctx, localapi.Pull{Request: req, Transfer: tid, Blocks: connector.BlockIDs{ids},
+			if err := p.consLink.Pull(ctx, agentapi.Pull{Request: req, Transfer: tid, Blocks: kvtransfer.BlockIDs{ids},
 				WaitingForRemote: true, RemoteEngine: p.prod.EngineID(), RemoteBootstrap: p.prodURL}); err != nil {
 				b.Fatal(err)
 			}

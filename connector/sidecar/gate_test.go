@@ -1,7 +1,6 @@
-package agent
+package sidecar
 
 import (
-	"context"
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
@@ -11,12 +10,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	clocktesting "k8s.io/utils/clock/testing"
 
-	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 )
@@ -25,8 +25,9 @@ var gateT0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
 
 func postGate(t *testing.T, g *gateWatch, body string) int {
 	t.Helper()
+	s := &Sidecar{gate: g, refusals: refusalLog{every: time.Second, log: logr.Discard(), clock: g.cfg.Clock}}
 	rec := httptest.NewRecorder()
-	g.handle(rec, httptest.NewRequest(http.MethodPost, localapi.PathGate, strings.NewReader(body)))
+	s.LocalHandler(prometheus.NewRegistry()).ServeHTTP(rec, httptest.NewRequest(http.MethodPost, localapi.PathGate, strings.NewReader(body)))
 	return rec.Code
 }
 
@@ -68,7 +69,7 @@ func ptr(d time.Duration) *time.Duration { return &d }
 
 func TestGateRejectsBadReports(t *testing.T) {
 	g := newGateWatch(GateConfig{})
-	for _, body := range []string{`{`, `{"counts":{}}`} {
+	for _, body := range []string{`{`, `{"counts":{}}`, `{"connector":"` + strings.Repeat("x", maxReportBytes) + `"}`} {
 		if code := postGate(t, g, body); code != http.StatusBadRequest {
 			t.Errorf("POST %s = %d, want 400", body, code)
 		}
@@ -118,7 +119,7 @@ pdcluster_connector_gate_heartbeats_dropped_total 5
 
 // The seam from the other side: the plugin's own Reporter (Python) posts to the agent's local
 // API on a Unix socket, as in a pod.
-func TestPluginHeartbeatReachesTheAgent(t *testing.T) {
+func TestPluginHeartbeatReachesTheSidecar(t *testing.T) {
 	python, err := exec.LookPath("python3")
 	if err != nil {
 		t.Skip("python3 not installed")
@@ -128,10 +129,12 @@ func TestPluginHeartbeatReachesTheAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := newGateWatch(GateConfig{Required: true})
-	mux := http.NewServeMux()
-	mux.HandleFunc("POST "+localapi.PathGate, g.handle)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	s, err := New(Config{Gate: GateConfig{Required: true}, Log: logr.Discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := s.gate
+	srv := &http.Server{Handler: s.LocalHandler(prometheus.NewRegistry()), ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = srv.Serve(l) }()
 	defer srv.Close()
 	script := `
@@ -162,7 +165,8 @@ func TestGateState(t *testing.T) {
 	postGate(t, g, `{"connector":"GatedMooncakeConnector","counts":{"gated":3,"passed":7}}`)
 	clk.SetTime(gateT0.Add(10 * time.Second))
 	rec := httptest.NewRecorder()
-	g.serveState(rec, httptest.NewRequest(http.MethodGet, vllmplugin.StatePath, nil))
+	s := &Sidecar{gate: g}
+	s.PublicHandler(prometheus.NewRegistry()).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, vllmplugin.StatePath, nil))
 	var st vllmplugin.State
 	if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
 		t.Fatal(err)
@@ -212,9 +216,12 @@ func TestReadyzFollowsTheGate(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			clk := clocktesting.NewFakePassiveClock(gateT0)
-			a := servingAgent(t, Config{Role: v1alpha1.KVConsumer, KV: openKV(t, "c.kv"), PullTimeout: time.Minute,
+			a, err := New(Config{Log: logr.Discard(),
 				Gate: GateConfig{Required: tc.required, StartupGrace: 2 * time.Minute, HeartbeatTimeout: 45 * time.Second, Clock: clk}})
-			local, public := a.Handler(prometheus.NewRegistry()), a.PublicHandler(prometheus.NewRegistry())
+			if err != nil {
+				t.Fatal(err)
+			}
+			local, public := a.LocalHandler(prometheus.NewRegistry()), a.PublicHandler(prometheus.NewRegistry())
 			for _, s := range tc.steps {
 				clk.SetTime(gateT0.Add(s.at))
 				if s.heartbeat {
@@ -234,27 +241,99 @@ func TestReadyzFollowsTheGate(t *testing.T) {
 	}
 }
 
-// servingAgent builds a consumer agent from cfg and serves it until the test ends, returning
-// once it is up (ready but for the gate).
-func servingAgent(t *testing.T, cfg Config) *Agent {
-	t.Helper()
-	a, err := New(cfg)
+// The public port takes no input: a heartbeat posted there (from another pod) is refused, and
+// so is any path the sidecar does not serve, while the local socket takes the heartbeat.
+func TestPublicHandlerTakesNoHeartbeat(t *testing.T) {
+	s, err := New(Config{Log: logr.Discard()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = a.Serve(ctx, nil) }()
-	t.Cleanup(func() { cancel(); <-done })
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
-		a.mu.Lock()
-		up := a.ready
-		a.mu.Unlock()
-		if up {
-			return a
+	const heartbeat = `{"connector":"GatedMooncakeConnector","counts":{"gated":1}}`
+	cases := []struct {
+		name    string
+		handler http.Handler
+		method  string
+		path    string
+		want    int
+	}{
+		{"heartbeat on the local socket", s.LocalHandler(prometheus.NewRegistry()), http.MethodPost, localapi.PathGate, http.StatusNoContent},
+		{"heartbeat on the public port", s.PublicHandler(prometheus.NewRegistry()), http.MethodPost, localapi.PathGate, http.StatusNotFound},
+		{"the old KV API", s.LocalHandler(prometheus.NewRegistry()), http.MethodPost, "/v1/pulls", http.StatusNotFound},
+		{"the old bootstrap registry", s.PublicHandler(prometheus.NewRegistry()), http.MethodPost, "/register", http.StatusNotFound},
+		{"readiness", s.PublicHandler(prometheus.NewRegistry()), http.MethodGet, "/readyz", http.StatusOK},
+		{"gate state", s.PublicHandler(prometheus.NewRegistry()), http.MethodGet, vllmplugin.StatePath, http.StatusOK},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := httptest.NewRecorder()
+			tc.handler.ServeHTTP(rec, httptest.NewRequest(tc.method, tc.path, strings.NewReader(heartbeat)))
+			if rec.Code != tc.want {
+				t.Errorf("%s %s = %d %s, want %d", tc.method, tc.path, rec.Code, rec.Body, tc.want)
+			}
+		})
+	}
+}
+
+// Refusals are logged with their reason, at most once per period, and the line after a quiet
+// period says how many were held back.
+func TestRefusalsAreLoggedRateLimited(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(gateT0)
+	var lines []string
+	log := funcr.New(func(_, args string) { lines = append(lines, args) }, funcr.Options{})
+	s, err := New(Config{Log: log, RefusalLogEvery: 10 * time.Second, Gate: GateConfig{Clock: clk}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := s.LocalHandler(prometheus.NewRegistry())
+	post := func(body string) {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, localapi.PathGate, strings.NewReader(body)))
+		if rec.Code != http.StatusBadRequest {
+			t.Fatalf("POST %s = %d, want 400", body, rec.Code)
 		}
-		if time.Now().After(deadline) {
-			t.Fatal("consumer agent not up after 5s")
+	}
+	for range 5 {
+		post(`{`)
+	}
+	clk.SetTime(gateT0.Add(11 * time.Second))
+	post(`{"counts":{}}`)
+	if len(lines) != 2 {
+		t.Fatalf("logged %d lines, want 2 (the first refusal, then one after the period):\n%s", len(lines), strings.Join(lines, "\n"))
+	}
+	for i, want := range []string{`"refusedSinceLastLine"=0`, `"refusedSinceLastLine"=4`} {
+		if !strings.Contains(lines[i], want) || !strings.Contains(lines[i], `"reason"="bad gate report`) {
+			t.Errorf("line %d = %s, want the reason and %s", i, lines[i], want)
+		}
+	}
+	if !strings.Contains(lines[1], "connector is required") {
+		t.Errorf("line 1 = %s, want the second refusal's reason", lines[1])
+	}
+}
+
+// The sidecar logs when the gate starts reporting and when it comes back after going silent.
+func TestGateTransitionsAreLogged(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(gateT0)
+	var lines []string
+	log := funcr.New(func(_, args string) { lines = append(lines, args) }, funcr.Options{})
+	s, err := New(Config{Log: log, Gate: GateConfig{Clock: clk, HeartbeatTimeout: 30 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	beat := func(at time.Duration, pid int) {
+		clk.SetTime(gateT0.Add(at))
+		s.gate.record(vllmplugin.Report{Connector: "GatedMooncakeConnector", PID: pid})
+	}
+	beat(0, 7)
+	beat(5*time.Second, 7)  // steady: not logged
+	beat(10*time.Second, 7) // steady: not logged
+	beat(time.Minute, 7)    // after silence
+	beat(time.Minute+1, 8)  // a new engine process
+	if len(lines) != 3 {
+		t.Fatalf("logged %d lines, want 3:\n%s", len(lines), strings.Join(lines, "\n"))
+	}
+	for i, want := range []string{`"afterSilence"=false "newProcess"=false`, `"afterSilence"=true`, `"newProcess"=true`} {
+		if !strings.Contains(lines[i], want) {
+			t.Errorf("line %d = %s, want %s", i, lines[i], want)
 		}
 	}
 }

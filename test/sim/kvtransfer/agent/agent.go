@@ -19,10 +19,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-	"pdcluster.dev/pdcluster-operator/connector/kvfile"
-	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
 )
 
 // Config configures an Agent.
@@ -47,7 +47,7 @@ type Config struct {
 	DPRank, TPRank, PPRank int
 	// ConsumerRank and Consumers are this consumer's rank and how many consumer ranks pull
 	// each transfer from each producer worker (the TP fan-in).
-	ConsumerRank connector.ConsumerRank
+	ConsumerRank kvtransfer.ConsumerRank
 	Consumers    int
 	// HoldTimeout, ReadyTimeout and TombstoneTTL configure the Producer; PullTimeout the Puller.
 	HoldTimeout, ReadyTimeout, TombstoneTTL, PullTimeout time.Duration
@@ -62,9 +62,7 @@ type Config struct {
 	// UngatedCompletions reproduces the seed bug: drained notify-only pulls are reported to the
 	// scheduler as finished receiving. Only for demonstrating the failure.
 	UngatedCompletions bool
-	// Gate is how the agent watches its engine's completion gate.
-	Gate GateConfig
-	Log  logr.Logger
+	Log                logr.Logger
 	// Metrics is where the agent registers its collectors; nil means a private registry.
 	Metrics prometheus.Registerer
 }
@@ -73,27 +71,26 @@ type Config struct {
 type Agent struct {
 	cfg      Config
 	epoch    string
-	puller   *connector.Puller
-	producer *connector.Producer
+	puller   *kvtransfer.Puller
+	producer *kvtransfer.Producer
 	registry *bootstrap.Registry // non-nil when this agent serves the bootstrap registry
 	boot     *bootstrap.Client
 	events   *eventQueue
-	gate     *gateWatch
 	metrics  *metrics
 	dialer   net.Dialer
 	conns    peerConns
 
 	mu      sync.Mutex
-	waiters map[waiterKey]chan connector.Decision
+	waiters map[waiterKey]chan kvtransfer.Decision
 	// early are pulls that came before their prefill request (the concurrent flow): they wait
 	// for its Expect or Ready, by transfer, instead of being sent away to ask again.
-	early map[connector.TransferID]chan struct{}
+	early map[kvtransfer.TransferID]chan struct{}
 	ready bool
 }
 
 type waiterKey struct {
-	transfer connector.TransferID
-	consumer connector.ConsumerRank
+	transfer kvtransfer.TransferID
+	consumer kvtransfer.ConsumerRank
 }
 
 // New validates cfg and builds an agent; Serve starts it.
@@ -113,7 +110,7 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.ExpireEvery <= 0 {
 		cfg.ExpireEvery = 100 * time.Millisecond
 	}
-	a := &Agent{cfg: cfg, epoch: randomID(), events: newEventQueue(), gate: newGateWatch(cfg.Gate), boot: bootstrap.NewClient(), waiters: map[waiterKey]chan connector.Decision{}, early: map[connector.TransferID]chan struct{}{}}
+	a := &Agent{cfg: cfg, epoch: randomID(), events: newEventQueue(), boot: bootstrap.NewClient(), waiters: map[waiterKey]chan kvtransfer.Decision{}, early: map[kvtransfer.TransferID]chan struct{}{}}
 	a.dialer.Timeout = 5 * time.Second
 	var err error
 	switch cfg.Role {
@@ -130,12 +127,12 @@ func New(cfg Config) (*Agent, error) {
 		case cfg.Bootstrap == "" && !cfg.EngineRegisters:
 			a.registry = bootstrap.NewRegistry()
 		}
-		a.producer, err = connector.NewProducer(connector.ProducerConfig{
-			Sink: connector.ReleaseFunc(a.onRelease), Rank: connector.ProducerRank(cfg.TPRank),
+		a.producer, err = kvtransfer.NewProducer(kvtransfer.ProducerConfig{
+			Sink: kvtransfer.ReleaseFunc(a.onRelease), Rank: kvtransfer.ProducerRank(cfg.TPRank),
 			HoldTimeout: cfg.HoldTimeout, ReadyTimeout: cfg.ReadyTimeout, TombstoneTTL: cfg.TombstoneTTL,
 		})
 	case v1alpha1.KVConsumer:
-		a.puller, err = connector.NewPuller(connector.PullerConfig{Sink: connector.CompletionFunc(a.onCompletion), Timeout: cfg.PullTimeout})
+		a.puller, err = kvtransfer.NewPuller(kvtransfer.PullerConfig{Sink: kvtransfer.CompletionFunc(a.onCompletion), Timeout: cfg.PullTimeout})
 	}
 	if err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
@@ -212,8 +209,8 @@ func (a *Agent) registration() bootstrap.Registration {
 }
 
 // Info is what GET /v1/info answers.
-func (a *Agent) Info() localapi.Info {
-	info := localapi.Info{Epoch: a.epoch, KVBlocks: a.cfg.KV.Blocks(), BlockBytes: a.cfg.KV.BlockBytes()}
+func (a *Agent) Info() agentapi.Info {
+	info := agentapi.Info{Epoch: a.epoch, KVBlocks: a.cfg.KV.Blocks(), BlockBytes: a.cfg.KV.BlockBytes()}
 	if a.producer != nil && a.cfg.EngineRegisters {
 		reg := a.registration()
 		info.Registration = &reg
@@ -242,19 +239,19 @@ func (a *Agent) expire() {
 }
 
 // onCompletion is the Puller's sink: completions queue for the engine.
-func (a *Agent) onCompletion(c connector.Completion) {
+func (a *Agent) onCompletion(c kvtransfer.Completion) {
 	a.metrics.completed(c)
-	a.events.push(localapi.CompletionOf(c), nil)
+	a.events.push(agentapi.CompletionOf(c), nil)
 }
 
 // onRelease is the Producer's sink.
-func (a *Agent) onRelease(r connector.Release) {
+func (a *Agent) onRelease(r kvtransfer.Release) {
 	a.metrics.released(r)
-	a.events.push(nil, &localapi.Release{Request: r.Request, Transfer: r.Transfer, Blocks: r.Blocks, Reason: string(r.Reason)})
+	a.events.push(nil, &agentapi.Release{Request: r.Request, Transfer: r.Transfer, Blocks: r.Blocks, Reason: string(r.Reason)})
 }
 
 // dispatch hands decisions for parked pulls to the connections waiting for them.
-func (a *Agent) dispatch(ds []connector.Decision) {
+func (a *Agent) dispatch(ds []kvtransfer.Decision) {
 	for _, d := range ds {
 		k := waiterKey{d.Pull.Transfer, d.Pull.Consumer}
 		a.mu.Lock()
@@ -267,7 +264,7 @@ func (a *Agent) dispatch(ds []connector.Decision) {
 		}
 		// Nobody waits (cannot happen while every parked pull has a connection), but a send
 		// decision must still end, or the transfer's blocks stay pinned.
-		if d.Action == connector.ActionSend {
+		if d.Action == kvtransfer.ActionSend {
 			a.producer.SendDone(d.Pull.Transfer, d.Pull.Consumer, d.Pull.Consumers, errors.New("no connection for parked pull"))
 		}
 	}

@@ -1,21 +1,21 @@
-package agent
+package sidecar
 
 import (
 	"fmt"
-	"net/http"
 	"sync"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/utils/clock"
 
 	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
-// GateConfig is how the agent watches the completion gate in its engine (the pdgate plugin).
+// GateConfig is how the sidecar watches the completion gate in its engine (the pdgate plugin).
 type GateConfig struct {
-	// Required makes the agent unready when the gate has not reported within StartupGrace of
-	// the agent's start, or its last heartbeat is older than HeartbeatTimeout: an engine that
+	// Required makes the sidecar unready when the gate has not reported within StartupGrace of
+	// the sidecar's start, or its last heartbeat is older than HeartbeatTimeout: an engine that
 	// runs ungated is restarted by the operator's connector-health loop.
 	Required bool
 	// StartupGrace covers model loading, before vLLM builds its connector.
@@ -30,6 +30,7 @@ type GateConfig struct {
 type gateWatch struct {
 	cfg     GateConfig
 	started time.Time
+	log     logr.Logger
 	mu      sync.Mutex
 	last    *vllmplugin.Report
 	lastAt  time.Time
@@ -50,8 +51,17 @@ func newGateWatch(cfg GateConfig) *gateWatch {
 
 func (g *gateWatch) record(r vllmplugin.Report) {
 	g.mu.Lock()
-	defer g.mu.Unlock()
-	g.last, g.lastAt = &r, g.cfg.Clock.Now()
+	now := g.cfg.Clock.Now()
+	// Logged when the gate starts reporting, and again when it comes back after going stale
+	// (or reports from a new process): each is a change of what readiness says.
+	first := g.last == nil
+	back := !first && now.Sub(g.lastAt) > g.cfg.HeartbeatTimeout
+	restarted := !first && g.last.PID != r.PID
+	g.last, g.lastAt = &r, now
+	g.mu.Unlock()
+	if first || back || restarted {
+		g.log.Info("completion gate reporting", "connector", r.Connector, "vllmVersion", r.VLLMVersion, "role", r.Role, "pid", r.PID, "afterSilence", back, "newProcess", restarted)
+	}
 }
 
 func (g *gateWatch) snapshot() (*vllmplugin.Report, time.Duration) {
@@ -64,7 +74,7 @@ func (g *gateWatch) snapshot() (*vllmplugin.Report, time.Duration) {
 	return &cp, g.cfg.Clock.Since(g.lastAt)
 }
 
-// unready says why the agent must not be ready for the gate's sake, or "".
+// unready says why the sidecar must not be ready for the gate's sake, or "".
 func (g *gateWatch) unready() string {
 	if !g.cfg.Required {
 		return ""
@@ -79,19 +89,6 @@ func (g *gateWatch) unready() string {
 	return ""
 }
 
-func (g *gateWatch) handle(w http.ResponseWriter, r *http.Request) {
-	var rep vllmplugin.Report
-	if !decode(w, r, &rep) {
-		return
-	}
-	if rep.Connector == "" {
-		http.Error(w, "connector is required", http.StatusBadRequest)
-		return
-	}
-	g.record(rep)
-	w.WriteHeader(http.StatusNoContent)
-}
-
 // state is GET /gate.
 func (g *gateWatch) state() vllmplugin.State {
 	last, age := g.snapshot()
@@ -100,8 +97,6 @@ func (g *gateWatch) state() vllmplugin.State {
 	}
 	return vllmplugin.State{Loaded: age <= g.cfg.HeartbeatTimeout, Report: last, AgeSeconds: age.Seconds()}
 }
-
-func (g *gateWatch) serveState(w http.ResponseWriter, _ *http.Request) { writeJSON(w, g.state()) }
 
 var (
 	gateCompletionsDesc = prometheus.NewDesc("pdcluster_connector_gate_completions_total",

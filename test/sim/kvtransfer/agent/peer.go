@@ -9,7 +9,7 @@ import (
 	"net"
 	"time"
 
-	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
 // acceptPeers serves consumer connections until the listener closes.
@@ -68,13 +68,13 @@ func (a *Agent) servePull(ctx context.Context, conn net.Conn, w *bufio.Writer, p
 	if pf.Blocks.HasLocal() && pf.BlockSize != a.cfg.KV.BlockBytes() {
 		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: fmt.Sprintf("block size mismatch: producer %d bytes, consumer %d", a.cfg.KV.BlockBytes(), pf.BlockSize)}) == nil
 	}
-	req := connector.PullRequest{Transfer: pf.Transfer, Consumer: pf.Consumer, Consumers: max(pf.Consumers, 1), Blocks: pf.Blocks}
+	req := kvtransfer.PullRequest{Transfer: pf.Transfer, Consumer: pf.Consumer, Consumers: max(pf.Consumers, 1), Blocks: pf.Blocks}
 	a.metrics.pullsServed.Inc()
 	d, ok := a.decide(ctx, req)
 	if !ok {
 		return false // the agent is stopping; the Producer's state goes with it
 	}
-	if d.Action == connector.ActionReject && errors.Is(d.Err, connector.ErrUnknownTransfer) {
+	if d.Action == kvtransfer.ActionReject && errors.Is(d.Err, kvtransfer.ErrUnknownTransfer) {
 		// Early: the decode engine's pull came before the prefill request reached this engine
 		// (the concurrent flow). Wait for it here rather than send the consumer away to ask
 		// again after a back-off.
@@ -87,9 +87,9 @@ func (a *Agent) servePull(ctx context.Context, conn net.Conn, w *bufio.Writer, p
 
 // decide asks the Producer about req, parking it until the prefill finishes if it must wait.
 // It returns false when the agent stops first.
-func (a *Agent) decide(ctx context.Context, req connector.PullRequest) (connector.Decision, bool) {
+func (a *Agent) decide(ctx context.Context, req kvtransfer.PullRequest) (kvtransfer.Decision, bool) {
 	k := waiterKey{req.Transfer, req.Consumer}
-	ch := make(chan connector.Decision, 1)
+	ch := make(chan kvtransfer.Decision, 1)
 	// Park before deciding, so a Ready racing with this pull finds the channel.
 	a.mu.Lock()
 	_, busy := a.waiters[k]
@@ -98,10 +98,10 @@ func (a *Agent) decide(ctx context.Context, req connector.PullRequest) (connecto
 	}
 	a.mu.Unlock()
 	if busy {
-		return connector.Decision{Pull: req, Action: connector.ActionReject, Err: connector.ErrDuplicatePull}, true
+		return kvtransfer.Decision{Pull: req, Action: kvtransfer.ActionReject, Err: kvtransfer.ErrDuplicatePull}, true
 	}
 	d := a.producer.Pull(req)
-	if d.Action != connector.ActionWait {
+	if d.Action != kvtransfer.ActionWait {
 		a.mu.Lock()
 		delete(a.waiters, k)
 		a.mu.Unlock()
@@ -124,7 +124,7 @@ const (
 
 // decideEarly waits for the Expect or Ready of an early pull's transfer, then decides again.
 // unknown is the first decision, returned if nothing comes.
-func (a *Agent) decideEarly(ctx context.Context, req connector.PullRequest, unknown connector.Decision) (connector.Decision, bool) {
+func (a *Agent) decideEarly(ctx context.Context, req kvtransfer.PullRequest, unknown kvtransfer.Decision) (kvtransfer.Decision, bool) {
 	a.mu.Lock()
 	ch, ok := a.early[req.Transfer]
 	if !ok && len(a.early) < maxEarlyPulls {
@@ -139,7 +139,7 @@ func (a *Agent) decideEarly(ctx context.Context, req connector.PullRequest, unkn
 	// Registered first, then asked again: an Expect between the first decision and the
 	// registration is seen now; one after it closes ch.
 	d, alive := a.decide(ctx, req)
-	if !alive || d.Action != connector.ActionReject || !errors.Is(d.Err, connector.ErrUnknownTransfer) {
+	if !alive || d.Action != kvtransfer.ActionReject || !errors.Is(d.Err, kvtransfer.ErrUnknownTransfer) {
 		return d, alive
 	}
 	a.metrics.earlyPulls.Inc()
@@ -161,7 +161,7 @@ func (a *Agent) decideEarly(ctx context.Context, req connector.PullRequest, unkn
 }
 
 // wakeEarly lets the early pulls of transfer decide again: its request reached the engine.
-func (a *Agent) wakeEarly(transfer connector.TransferID) {
+func (a *Agent) wakeEarly(transfer kvtransfer.TransferID) {
 	a.mu.Lock()
 	ch, ok := a.early[transfer]
 	delete(a.early, transfer)
@@ -172,11 +172,11 @@ func (a *Agent) wakeEarly(transfer connector.TransferID) {
 }
 
 // execute carries out a send or reject decision on the consumer's connection.
-func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d connector.Decision, trailer bool) error {
+func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d kvtransfer.Decision, trailer bool) error {
 	switch d.Action {
-	case connector.ActionReject:
+	case kvtransfer.ActionReject:
 		return writeJSONFrame(w, frameKindResult, resultFrame{Code: codeOf(d.Err), Error: d.Err.Error()})
-	case connector.ActionSend:
+	case kvtransfer.ActionSend:
 		err := a.send(conn, w, d.Copies, trailer)
 		if err == nil {
 			err = writeJSONFrame(w, frameKindResult, resultFrame{OK: true})
@@ -193,7 +193,7 @@ func (a *Agent) execute(conn net.Conn, w *bufio.Writer, d connector.Decision, tr
 }
 
 // send writes each block straight from the KV mapping (no staging copy).
-func (a *Agent) send(conn net.Conn, w *bufio.Writer, copies []connector.BlockCopy, trailer bool) error {
+func (a *Agent) send(conn net.Conn, w *bufio.Writer, copies []kvtransfer.BlockCopy, trailer bool) error {
 	_ = conn.SetWriteDeadline(time.Now().Add(a.cfg.PullTimeoutOr(time.Minute)))
 	for _, c := range copies {
 		data, err := a.cfg.KV.Block(int64(c.Src))

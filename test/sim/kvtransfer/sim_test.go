@@ -1,4 +1,4 @@
-package connector_test
+package kvtransfer_test
 
 import (
 	"errors"
@@ -10,7 +10,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
 
@@ -23,15 +23,15 @@ type sim struct {
 	clock     *clocktesting.FakeClock
 	decode    *vllmsched.Scheduler
 	prefill   *vllmsched.Scheduler
-	puller    *connector.Puller
-	producers []*connector.Producer
+	puller    *kvtransfer.Puller
+	producers []*kvtransfer.Producer
 	msgs      []msg
 
 	seq         int
-	metas       map[connector.RequestID]connector.PullMeta // every pull begun
-	completions map[connector.RequestID]int
-	releases    map[connector.RequestID]int // per producer rank, aggregated
-	answered    map[string]int              // (transfer, consumer, producer) -> answers that count as served
+	metas       map[kvtransfer.RequestID]kvtransfer.PullMeta // every pull begun
+	completions map[kvtransfer.RequestID]int
+	releases    map[kvtransfer.RequestID]int // per producer rank, aggregated
+	answered    map[string]int               // (transfer, consumer, producer) -> answers that count as served
 	violations  []string
 }
 
@@ -45,10 +45,10 @@ const (
 
 type msg struct {
 	kind msgKind
-	rank connector.ProducerRank
-	pull connector.PullRequest
-	req  connector.RequestID // the decode request of a pull
-	dec  connector.Decision
+	rank kvtransfer.ProducerRank
+	pull kvtransfer.PullRequest
+	req  kvtransfer.RequestID // the decode request of a pull
+	dec  kvtransfer.Decision
 	err  error
 }
 
@@ -63,9 +63,9 @@ func newSim(t testing.TB, seed uint64, ranks int, policy vllmsched.Policy) *sim 
 	s := &sim{
 		t: t, rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
 		clock:       clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)),
-		metas:       map[connector.RequestID]connector.PullMeta{},
-		completions: map[connector.RequestID]int{},
-		releases:    map[connector.RequestID]int{},
+		metas:       map[kvtransfer.RequestID]kvtransfer.PullMeta{},
+		completions: map[kvtransfer.RequestID]int{},
+		releases:    map[kvtransfer.RequestID]int{},
 		answered:    map[string]int{},
 	}
 	var err error
@@ -81,14 +81,14 @@ func newSim(t testing.TB, seed uint64, ranks int, policy vllmsched.Policy) *sim 
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.puller, err = connector.NewPuller(connector.PullerConfig{Sink: connector.CompletionFunc(s.complete), Clock: s.clock, Timeout: pullTimeout})
+	s.puller, err = kvtransfer.NewPuller(kvtransfer.PullerConfig{Sink: kvtransfer.CompletionFunc(s.complete), Clock: s.clock, Timeout: pullTimeout})
 	if err != nil {
 		t.Fatal(err)
 	}
 	for r := 0; r < ranks; r++ {
-		rank := connector.ProducerRank(r)
-		p, err := connector.NewProducer(connector.ProducerConfig{
-			Sink: connector.ReleaseFunc(func(rel connector.Release) { s.release(rank, rel) }), Clock: s.clock, Rank: rank,
+		rank := kvtransfer.ProducerRank(r)
+		p, err := kvtransfer.NewProducer(kvtransfer.ProducerConfig{
+			Sink: kvtransfer.ReleaseFunc(func(rel kvtransfer.Release) { s.release(rank, rel) }), Clock: s.clock, Rank: rank,
 			HoldTimeout: holdTimeout, ReadyTimeout: readyTimeout, TombstoneTTL: time.Minute,
 		})
 		if err != nil {
@@ -103,16 +103,16 @@ func (s *sim) violate(format string, args ...any) {
 	s.violations = append(s.violations, fmt.Sprintf(format, args...))
 }
 
-func (s *sim) ranks() []connector.ProducerRank {
-	out := make([]connector.ProducerRank, len(s.producers))
+func (s *sim) ranks() []kvtransfer.ProducerRank {
+	out := make([]kvtransfer.ProducerRank, len(s.producers))
 	for i := range out {
-		out[i] = connector.ProducerRank(i)
+		out[i] = kvtransfer.ProducerRank(i)
 	}
 	return out
 }
 
 // beginPull is the decode connector's start_load_kv: one task per producer rank.
-func (s *sim) beginPull(meta connector.PullMeta) {
+func (s *sim) beginPull(meta kvtransfer.PullMeta) {
 	if _, dup := s.metas[meta.Request]; dup {
 		s.violate("second pull for %s", meta.Request)
 	}
@@ -122,12 +122,12 @@ func (s *sim) beginPull(meta connector.PullMeta) {
 	}
 	for _, r := range s.ranks() {
 		s.msgs = append(s.msgs, msg{kind: msgPull, rank: r, req: meta.Request,
-			pull: connector.PullRequest{Transfer: meta.Transfer, Consumer: 0, Consumers: 1, Blocks: meta.LocalBlock}})
+			pull: kvtransfer.PullRequest{Transfer: meta.Transfer, Consumer: 0, Consumers: 1, Blocks: meta.LocalBlock}})
 	}
 }
 
 // complete checks invariants 1 and 3 at the moment the scheduler hears of a pull.
-func (s *sim) complete(c connector.Completion) {
+func (s *sim) complete(c kvtransfer.Completion) {
 	s.completions[c.Request]++
 	meta := s.metas[c.Request]
 	if !meta.NotifiesScheduler() {
@@ -147,25 +147,25 @@ func (s *sim) complete(c connector.Completion) {
 	s.decode.FinishedReceiving(c)
 }
 
-func (s *sim) hold(id connector.TransferID, req connector.RequestID, blocks connector.BlockIDs) {
+func (s *sim) hold(id kvtransfer.TransferID, req kvtransfer.RequestID, blocks kvtransfer.BlockIDs) {
 	for i, p := range s.producers {
-		s.decided(connector.ProducerRank(i), p.Ready(id, req, blocks))
+		s.decided(kvtransfer.ProducerRank(i), p.Ready(id, req, blocks))
 	}
 }
 
-func (s *sim) drop(id connector.TransferID, req connector.RequestID, aborted bool) {
+func (s *sim) drop(id kvtransfer.TransferID, req kvtransfer.RequestID, aborted bool) {
 	for i, p := range s.producers {
 		if aborted {
-			s.decided(connector.ProducerRank(i), p.Abort(id))
+			s.decided(kvtransfer.ProducerRank(i), p.Abort(id))
 		} else {
-			s.decided(connector.ProducerRank(i), p.Ready(id, req, nil))
+			s.decided(kvtransfer.ProducerRank(i), p.Ready(id, req, nil))
 		}
 	}
 }
 
 // release aggregates per-rank releases like vLLM's KVOutputAggregator: the scheduler frees
 // once every rank has let go.
-func (s *sim) release(rank connector.ProducerRank, rel connector.Release) {
+func (s *sim) release(rank kvtransfer.ProducerRank, rel kvtransfer.Release) {
 	s.releases[rel.Request]++
 	switch n := s.releases[rel.Request]; {
 	case n > len(s.producers):
@@ -175,24 +175,24 @@ func (s *sim) release(rank connector.ProducerRank, rel connector.Release) {
 	}
 }
 
-func (s *sim) decided(rank connector.ProducerRank, ds []connector.Decision) {
+func (s *sim) decided(rank kvtransfer.ProducerRank, ds []kvtransfer.Decision) {
 	for _, d := range ds {
 		s.decision(rank, d)
 	}
 }
 
-func (s *sim) requestOf(id connector.TransferID) connector.RequestID {
-	return connector.RequestID("d-" + string(id))
+func (s *sim) requestOf(id kvtransfer.TransferID) kvtransfer.RequestID {
+	return kvtransfer.RequestID("d-" + string(id))
 }
 
-func (s *sim) decision(rank connector.ProducerRank, d connector.Decision) {
+func (s *sim) decision(rank kvtransfer.ProducerRank, d kvtransfer.Decision) {
 	key := fmt.Sprintf("%s/%d/%d", d.Pull.Transfer, d.Pull.Consumer, rank)
 	switch d.Action {
-	case connector.ActionWait:
-	case connector.ActionSend:
+	case kvtransfer.ActionWait:
+	case kvtransfer.ActionSend:
 		s.msgs = append(s.msgs, msg{kind: msgSend, rank: rank, pull: d.Pull, dec: d, req: s.requestOf(d.Pull.Transfer)})
-	case connector.ActionReject:
-		if errors.Is(d.Err, connector.ErrBlockMismatch) || errors.Is(d.Err, connector.ErrGroupMismatch) {
+	case kvtransfer.ActionReject:
+		if errors.Is(d.Err, kvtransfer.ErrBlockMismatch) || errors.Is(d.Err, kvtransfer.ErrGroupMismatch) {
 			s.answered[key]++
 		}
 		s.msgs = append(s.msgs, msg{kind: msgAnswer, rank: rank, pull: d.Pull, err: d.Err, req: s.requestOf(d.Pull.Transfer)})
@@ -213,11 +213,11 @@ func (s *sim) deliver(i int, lose bool) {
 		// The data plane writes only while the consumer's task accepts writes.
 		var err error
 		if lose {
-			err = connector.ErrPeerGone
+			err = kvtransfer.ErrPeerGone
 		}
 		for range m.dec.Copies {
 			if !lose && !s.puller.AcceptWrite(m.req, m.pull.Transfer, m.rank) {
-				err = connector.ErrTimeout // the consumer gave up: the write is refused
+				err = kvtransfer.ErrTimeout // the consumer gave up: the write is refused
 				break
 			}
 		}
@@ -229,7 +229,7 @@ func (s *sim) deliver(i int, lose bool) {
 			s.msgs = append(s.msgs, msg{kind: msgAnswer, rank: m.rank, pull: m.pull, err: err, req: m.req})
 		}
 	case msgAnswer:
-		if errors.Is(m.err, connector.ErrUnknownTransfer) && s.rng.IntN(2) == 0 {
+		if errors.Is(m.err, kvtransfer.ErrUnknownTransfer) && s.rng.IntN(2) == 0 {
 			// The pull raced ahead of the prefill request: retry, as the agent does.
 			s.msgs = append(s.msgs, msg{kind: msgPull, rank: m.rank, req: m.req, pull: m.pull})
 			return
@@ -245,10 +245,10 @@ func (s *sim) deliver(i int, lose bool) {
 
 func (s *sim) newRequest() {
 	s.seq++
-	tid := connector.TransferID(fmt.Sprintf("xfer-%d", s.seq))
+	tid := kvtransfer.TransferID(fmt.Sprintf("xfer-%d", s.seq))
 	prompt := []int{13, 64, 65, 100, 128, 200, 640, 1000}[s.rng.IntN(8)]
 	hit := []int{0, 0, 0, 64, prompt, prompt / 2}[s.rng.IntN(6)]
-	preq := connector.RequestID("p-" + string(tid))
+	preq := kvtransfer.RequestID("p-" + string(tid))
 	for _, p := range s.producers {
 		p.Expect(tid, preq)
 	}
@@ -260,7 +260,7 @@ func (s *sim) newRequest() {
 	}
 }
 
-func (s *sim) randomRunning(sched *vllmsched.Scheduler) (connector.RequestID, bool) {
+func (s *sim) randomRunning(sched *vllmsched.Scheduler) (kvtransfer.RequestID, bool) {
 	ids := sched.Schedule()
 	if len(ids) == 0 {
 		return "", false
@@ -282,9 +282,9 @@ func (s *sim) step() {
 			s.decode.Finish(id, vllmsched.FinishedStopped)
 		}
 	case k < 39:
-		s.decode.Abort(connector.RequestID(fmt.Sprintf("d-xfer-%d", 1+s.rng.IntN(s.seq+1))))
+		s.decode.Abort(kvtransfer.RequestID(fmt.Sprintf("d-xfer-%d", 1+s.rng.IntN(s.seq+1))))
 	case k < 41:
-		s.prefill.Abort(connector.RequestID(fmt.Sprintf("p-xfer-%d", 1+s.rng.IntN(s.seq+1))))
+		s.prefill.Abort(kvtransfer.RequestID(fmt.Sprintf("p-xfer-%d", 1+s.rng.IntN(s.seq+1))))
 	case k < 43:
 		s.clock.Step(time.Duration(s.rng.IntN(120)) * time.Second)
 		s.expire()
@@ -292,9 +292,9 @@ func (s *sim) step() {
 		// A pull for a transfer nobody knows, or one long gone: answered at once, no state.
 		p := s.producers[s.rng.IntN(len(s.producers))]
 		before := p.Stats()
-		d := p.Pull(connector.PullRequest{Transfer: "xfer-stale", Consumer: 3, Consumers: 1})
+		d := p.Pull(kvtransfer.PullRequest{Transfer: "xfer-stale", Consumer: 3, Consumers: 1})
 		after := p.Stats()
-		if d.Action != connector.ActionReject || after.Transfers != before.Transfers {
+		if d.Action != kvtransfer.ActionReject || after.Transfers != before.Transfers {
 			s.violate("unknown transfer: action %v, transfers %d -> %d", d.Action, before.Transfers, after.Transfers)
 		}
 	default:
@@ -308,7 +308,7 @@ func (s *sim) step() {
 func (s *sim) expire() {
 	s.puller.Expire()
 	for i, p := range s.producers {
-		s.decided(connector.ProducerRank(i), p.Expire())
+		s.decided(kvtransfer.ProducerRank(i), p.Expire())
 	}
 }
 

@@ -13,22 +13,21 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"pdcluster.dev/pdcluster-operator/connector"
-	"pdcluster.dev/pdcluster-operator/connector/localapi"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 )
 
 // eventQueue holds reports until the engine drains them.
 type eventQueue struct {
 	mu          sync.Mutex
-	completions []localapi.Completion
-	releases    []localapi.Release
+	completions []agentapi.Completion
+	releases    []agentapi.Release
 	signal      chan struct{} // closed and replaced on every push
 }
 
 func newEventQueue() *eventQueue { return &eventQueue{signal: make(chan struct{})} }
 
-func (q *eventQueue) push(c *localapi.Completion, r *localapi.Release) {
+func (q *eventQueue) push(c *agentapi.Completion, r *agentapi.Release) {
 	q.mu.Lock()
 	if c != nil {
 		q.completions = append(q.completions, *c)
@@ -42,7 +41,7 @@ func (q *eventQueue) push(c *localapi.Completion, r *localapi.Release) {
 }
 
 // drain returns the queued reports, waiting up to wait for one.
-func (q *eventQueue) drain(ctx context.Context, wait time.Duration) ([]localapi.Completion, []localapi.Release) {
+func (q *eventQueue) drain(ctx context.Context, wait time.Duration) ([]agentapi.Completion, []agentapi.Release) {
 	deadline := time.NewTimer(wait)
 	defer deadline.Stop()
 	for {
@@ -70,8 +69,8 @@ func (q *eventQueue) drain(ctx context.Context, wait time.Duration) ([]localapi.
 func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
 	a.handlePublic(mux, gatherer)
-	mux.HandleFunc("POST "+localapi.PathPulls, func(w http.ResponseWriter, r *http.Request) {
-		var p localapi.Pull
+	mux.HandleFunc("POST "+agentapi.PathPulls, func(w http.ResponseWriter, r *http.Request) {
+		var p agentapi.Pull
 		if !decode(w, r, &p) {
 			return
 		}
@@ -85,7 +84,7 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 		}
 		if err := a.startPull(r.Context(), p.Meta()); err != nil {
 			status := http.StatusInternalServerError
-			if errors.Is(err, connector.ErrDuplicateRequest) {
+			if errors.Is(err, kvtransfer.ErrDuplicateRequest) {
 				status = http.StatusConflict
 			}
 			http.Error(w, err.Error(), status)
@@ -93,11 +92,11 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusAccepted)
-		_ = json.NewEncoder(w).Encode(localapi.EpochReply{Epoch: a.epoch})
+		_ = json.NewEncoder(w).Encode(agentapi.EpochReply{Epoch: a.epoch})
 	})
-	producerOp := func(op func(localapi.Hold) []connector.Decision) http.HandlerFunc {
+	producerOp := func(op func(agentapi.Hold) []kvtransfer.Decision) http.HandlerFunc {
 		return func(w http.ResponseWriter, r *http.Request) {
-			var h localapi.Hold
+			var h agentapi.Hold
 			if !decode(w, r, &h) {
 				return
 			}
@@ -110,28 +109,27 @@ func (a *Agent) Handler(gatherer prometheus.Gatherer) http.Handler {
 				return
 			}
 			a.dispatch(op(h))
-			writeJSON(w, localapi.EpochReply{Epoch: a.epoch})
+			writeJSON(w, agentapi.EpochReply{Epoch: a.epoch})
 		}
 	}
-	mux.HandleFunc("POST "+localapi.PathExpect, producerOp(func(h localapi.Hold) []connector.Decision {
+	mux.HandleFunc("POST "+agentapi.PathExpect, producerOp(func(h agentapi.Hold) []kvtransfer.Decision {
 		a.producer.Expect(h.Transfer, h.Request)
 		a.wakeEarly(h.Transfer)
 		return nil
 	}))
-	mux.HandleFunc("POST "+localapi.PathReady, producerOp(func(h localapi.Hold) []connector.Decision {
+	mux.HandleFunc("POST "+agentapi.PathReady, producerOp(func(h agentapi.Hold) []kvtransfer.Decision {
 		d := a.producer.Ready(h.Transfer, h.Request, h.Blocks)
 		a.wakeEarly(h.Transfer)
 		return d
 	}))
-	mux.HandleFunc("POST "+localapi.PathAbort, producerOp(func(h localapi.Hold) []connector.Decision {
+	mux.HandleFunc("POST "+agentapi.PathAbort, producerOp(func(h agentapi.Hold) []kvtransfer.Decision {
 		return a.producer.Abort(h.Transfer)
 	}))
-	mux.HandleFunc("POST "+localapi.PathGate, a.gate.handle)
-	mux.HandleFunc("GET "+localapi.PathInfo, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, a.Info()) })
-	mux.HandleFunc("GET "+localapi.PathEvents, func(w http.ResponseWriter, r *http.Request) {
+	mux.HandleFunc("GET "+agentapi.PathInfo, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, a.Info()) })
+	mux.HandleFunc("GET "+agentapi.PathEvents, func(w http.ResponseWriter, r *http.Request) {
 		wait, _ := strconv.Atoi(r.URL.Query().Get("wait_ms"))
 		c, rel := a.events.drain(r.Context(), time.Duration(min(max(wait, 0), 30_000))*time.Millisecond)
-		writeJSON(w, localapi.Events{Epoch: a.epoch, Completions: c, Releases: rel})
+		writeJSON(w, agentapi.Events{Epoch: a.epoch, Completions: c, Releases: rel})
 	})
 	return mux
 }
@@ -151,7 +149,6 @@ func (a *Agent) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer) {
 		mux.Handle("POST /register", b)
 		mux.Handle("GET /query", b)
 	}
-	mux.HandleFunc("GET "+vllmplugin.StatePath, a.gate.serveState)
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		a.mu.Lock()
@@ -159,10 +156,6 @@ func (a *Agent) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer) {
 		a.mu.Unlock()
 		if !ready {
 			http.Error(w, "starting: data plane or bootstrap registration not up yet", http.StatusServiceUnavailable)
-			return
-		}
-		if why := a.gate.unready(); why != "" {
-			http.Error(w, why, http.StatusServiceUnavailable)
 			return
 		}
 		_, _ = io.WriteString(w, "ok\n")

@@ -23,11 +23,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-	"pdcluster.dev/pdcluster-operator/connector/kvfile"
-	"pdcluster.dev/pdcluster-operator/connector/link"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/link"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
@@ -156,9 +157,9 @@ func fill(t *testing.T, kv *kvfile.File, id int64, b byte) []byte {
 	return data
 }
 
-func (p *pair) pull(t *testing.T, req, transfer string, blocks connector.BlockIDs, waiting bool) {
+func (p *pair) pull(t *testing.T, req, transfer string, blocks kvtransfer.BlockIDs, waiting bool) {
 	t.Helper()
-	err := p.consLink.Pull(context.Background(), localapi.Pull{Request: connector.RequestID(req), Transfer: connector.TransferID(transfer),
+	err := p.consLink.Pull(context.Background(), agentapi.Pull{Request: kvtransfer.RequestID(req), Transfer: kvtransfer.TransferID(transfer),
 		Blocks: blocks, WaitingForRemote: waiting, RemoteEngine: p.prod.EngineID(), RemoteBootstrap: p.prodURL})
 	if err != nil {
 		t.Fatal(err)
@@ -182,8 +183,8 @@ func testPullMovesBytesAndCompletesOnce(t *testing.T, p *pair) {
 	if err := p.prodLink.Expect(ctx, "x1", "p-1"); err != nil {
 		t.Fatal(err)
 	}
-	p.pull(t, "d-1", "x1", connector.BlockIDs{{10, 11}}, true) // parks until prefill is ready
-	if err := p.prodLink.Ready(ctx, "x1", "p-1", connector.BlockIDs{{3, 4}}); err != nil {
+	p.pull(t, "d-1", "x1", kvtransfer.BlockIDs{{10, 11}}, true) // parks until prefill is ready
+	if err := p.prodLink.Ready(ctx, "x1", "p-1", kvtransfer.BlockIDs{{3, 4}}); err != nil {
 		t.Fatal(err)
 	}
 	p.completions.Wait(t, 1, "completion")
@@ -195,9 +196,9 @@ func testPullMovesBytesAndCompletesOnce(t *testing.T, p *pair) {
 	if d := cmp.Diff([]reported{{"d-1", false}, {sentinelRequest, true}}, reportedOf(p.completions.Completions())); d != "" {
 		t.Errorf("completions (-want +got):\n%s", d)
 	}
-	wantReleases := []connector.Release{
-		{Request: "p-1", Transfer: "x1", Blocks: 2, Reason: connector.ReleaseServed},
-		{Request: sentinelRequest, Transfer: sentinelTransfer, Blocks: 1, Reason: connector.ReleaseAborted},
+	wantReleases := []kvtransfer.Release{
+		{Request: "p-1", Transfer: "x1", Blocks: 2, Reason: kvtransfer.ReleaseServed},
+		{Request: sentinelRequest, Transfer: sentinelTransfer, Blocks: 1, Reason: kvtransfer.ReleaseAborted},
 	}
 	if d := cmp.Diff(wantReleases, p.releases.Releases()); d != "" {
 		t.Errorf("releases (-want +got):\n%s", d)
@@ -230,7 +231,7 @@ const (
 // not have (it fails at once, with a completion), after the before completions already seen.
 func (p *pair) drainConsumer(t *testing.T, before int) {
 	t.Helper()
-	err := p.consLink.Pull(context.Background(), localapi.Pull{Request: sentinelRequest, Transfer: sentinelTransfer, Blocks: connector.BlockIDs{{63}},
+	err := p.consLink.Pull(context.Background(), agentapi.Pull{Request: sentinelRequest, Transfer: sentinelTransfer, Blocks: kvtransfer.BlockIDs{{63}},
 		WaitingForRemote: true, RemoteEngine: "engine-sentinel", RemoteBootstrap: p.prodURL})
 	if err != nil {
 		t.Fatal(err)
@@ -243,7 +244,7 @@ func (p *pair) drainConsumer(t *testing.T, before int) {
 func (p *pair) drainProducer(t *testing.T, before int) {
 	t.Helper()
 	ctx := context.Background()
-	if err := p.prodLink.Ready(ctx, sentinelTransfer, sentinelRequest, connector.BlockIDs{{63}}); err != nil {
+	if err := p.prodLink.Ready(ctx, sentinelTransfer, sentinelRequest, kvtransfer.BlockIDs{{63}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.prodLink.Abort(ctx, sentinelTransfer); err != nil {
@@ -254,11 +255,11 @@ func (p *pair) drainProducer(t *testing.T, before int) {
 
 // reported is what a test compares of a completion: whose, and whether it failed.
 type reported struct {
-	Request connector.RequestID
+	Request kvtransfer.RequestID
 	Failed  bool
 }
 
-func reportedOf(cs []connector.Completion) []reported {
+func reportedOf(cs []kvtransfer.Completion) []reported {
 	out := make([]reported, 0, len(cs))
 	for _, c := range cs {
 		out = append(out, reported{c.Request, c.Err != nil})
@@ -281,8 +282,8 @@ func counts(v *prometheus.CounterVec, labels ...string) map[string]float64 {
 func TestEmptyPullReleasesProducerAndReportsNothing(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
-		blocks connector.BlockIDs
-	}{{"no groups", nil}, {"one empty group", connector.BlockIDs{{}}}, {"two empty groups", connector.BlockIDs{{}, {}}}} {
+		blocks kvtransfer.BlockIDs
+	}{{"no groups", nil}, {"one empty group", kvtransfer.BlockIDs{{}}}, {"two empty groups", kvtransfer.BlockIDs{{}, {}}}} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t, func(c *Config) {
 				c.HoldTimeout, c.ReadyTimeout, c.PullTimeout = 10*time.Minute, 10*time.Minute, 11*time.Minute
@@ -291,12 +292,12 @@ func TestEmptyPullReleasesProducerAndReportsNothing(t *testing.T) {
 			if err := p.prodLink.Expect(ctx, "x", "p"); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.prodLink.Ready(ctx, "x", "p", connector.BlockIDs{{1, 2}}); err != nil {
+			if err := p.prodLink.Ready(ctx, "x", "p", kvtransfer.BlockIDs{{1, 2}}); err != nil {
 				t.Fatal(err)
 			}
 			p.pull(t, "d", "x", tc.blocks, true)
 			p.releases.Wait(t, 1, "the release the empty pull owes the producer")
-			want := []connector.Release{{Request: "p", Transfer: "x", Blocks: 2, Reason: connector.ReleaseServed}}
+			want := []kvtransfer.Release{{Request: "p", Transfer: "x", Blocks: 2, Reason: kvtransfer.ReleaseServed}}
 			if d := cmp.Diff(want, p.releases.Releases()); d != "" {
 				t.Errorf("releases (-want +got):\n%s", d)
 			}
@@ -327,9 +328,9 @@ func TestUnknownEngineFailsByThePolicyRules(t *testing.T) {
 	p := newPair(t, nil)
 	for _, tc := range []struct {
 		req    string
-		blocks connector.BlockIDs
-	}{{"empty", nil}, {"full", connector.BlockIDs{{7, 8}}}} {
-		err := p.consLink.Pull(context.Background(), localapi.Pull{Request: connector.RequestID(tc.req), Transfer: "x", Blocks: tc.blocks,
+		blocks kvtransfer.BlockIDs
+	}{{"empty", nil}, {"full", kvtransfer.BlockIDs{{7, 8}}}} {
+		err := p.consLink.Pull(context.Background(), agentapi.Pull{Request: kvtransfer.RequestID(tc.req), Transfer: "x", Blocks: tc.blocks,
 			WaitingForRemote: true, RemoteEngine: "engine-gone", RemoteBootstrap: p.prodURL})
 		if err != nil {
 			t.Fatal(err)
@@ -349,11 +350,11 @@ func TestUnknownEngineFailsByThePolicyRules(t *testing.T) {
 func TestEarlyPullWaitsForItsRequest(t *testing.T) {
 	p := newPair(t, nil)
 	fill(t, p.prodKV, 5, 'z')
-	p.pull(t, "d", "early", connector.BlockIDs{{9}}, true)
+	p.pull(t, "d", "early", kvtransfer.BlockIDs{{9}}, true)
 	time.Sleep(50 * time.Millisecond)
 	ctx := context.Background()
 	_ = p.prodLink.Expect(ctx, "early", "p")
-	_ = p.prodLink.Ready(ctx, "early", "p", connector.BlockIDs{{5}})
+	_ = p.prodLink.Ready(ctx, "early", "p", kvtransfer.BlockIDs{{5}})
 	p.completions.Wait(t, 1, "completion")
 	if c := p.completions.Completions()[0]; c.Err != nil {
 		t.Fatalf("early pull failed: %v", c.Err)
@@ -429,8 +430,8 @@ func TestPublicHandlerServesHealthAndRegistryButNotTheLocalAPI(t *testing.T) {
 		{http.MethodGet, "/healthz", http.StatusOK},
 		{http.MethodGet, "/metrics", http.StatusOK},
 		{http.MethodGet, "/query", http.StatusOK},
-		{http.MethodGet, "/gate", http.StatusOK},
-		{http.MethodPost, "/v1/gate", http.StatusNotFound}, // only the engine of the pod reports
+		{http.MethodGet, "/gate", http.StatusNotFound},     // the gate is the sidecar's (connector/sidecar)
+		{http.MethodPost, "/v1/gate", http.StatusNotFound}, // and so is its heartbeat
 		{http.MethodPost, "/v1/pulls", http.StatusNotFound},
 		{http.MethodPost, "/v1/ready", http.StatusNotFound},
 		{http.MethodGet, "/v1/events", http.StatusNotFound},
@@ -479,17 +480,17 @@ func TestEngineRegistersTheProducer(t *testing.T) {
 
 	api := httptest.NewServer(p.prod.Handler(prometheus.NewRegistry()))
 	defer api.Close()
-	resp, err := http.Get(api.URL + localapi.PathInfo)
+	resp, err := http.Get(api.URL + agentapi.PathInfo)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var info localapi.Info
+	var info agentapi.Info
 	err = json.NewDecoder(resp.Body).Decode(&info)
 	resp.Body.Close()
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := localapi.Info{Epoch: p.prod.Epoch(), KVBlocks: 64, BlockBytes: blockBytes, Registration: &bootstrap.Registration{
+	want := agentapi.Info{Epoch: p.prod.Epoch(), KVBlocks: 64, BlockBytes: blockBytes, Registration: &bootstrap.Registration{
 		EngineID: p.prod.EngineID(), Addr: "tcp://" + p.prod.cfg.DataAddr,
 	}}
 	if d := cmp.Diff(want, info); d != "" {
@@ -521,13 +522,13 @@ func TestProducerSendsHeaderChecksumsToConsumersThatDoNotAskForTrailers(t *testi
 		p := newPair(t, nil)
 		ctx := context.Background()
 		src := fill(t, p.prodKV, 2, 'z')
-		_ = p.prodLink.Ready(ctx, "x", "p", connector.BlockIDs{{2}})
+		_ = p.prodLink.Ready(ctx, "x", "p", kvtransfer.BlockIDs{{2}})
 		conn, err := net.Dial("tcp", p.prod.cfg.DataAddr)
 		if err != nil {
 			t.Fatal(err)
 		}
 		w, r := bufio.NewWriter(conn), bufio.NewReader(conn)
-		pf := pullFrame{Transfer: "x", Request: "d", Engine: p.prod.EngineID(), Consumers: 1, Blocks: connector.BlockIDs{{9}},
+		pf := pullFrame{Transfer: "x", Request: "d", Engine: p.prod.EngineID(), Consumers: 1, Blocks: kvtransfer.BlockIDs{{9}},
 			BlockSize: blockBytes, ChecksumTrailer: trailer}
 		if err := writeJSONFrame(w, frameKindPull, pf); err != nil {
 			t.Fatal(err)
@@ -576,8 +577,8 @@ func pullInTurn(t *testing.T, p *pair, n int) {
 	for i := range n {
 		tid := fmt.Sprintf("x%d", i)
 		src := fill(t, p.prodKV, int64(i), 'a'+byte(i))
-		_ = p.prodLink.Ready(ctx, connector.TransferID(tid), connector.RequestID("p"+tid), connector.BlockIDs{{connector.BlockID(i)}})
-		p.pull(t, "d"+tid, tid, connector.BlockIDs{{connector.BlockID(10 + i)}}, true)
+		_ = p.prodLink.Ready(ctx, kvtransfer.TransferID(tid), kvtransfer.RequestID("p"+tid), kvtransfer.BlockIDs{{kvtransfer.BlockID(i)}})
+		p.pull(t, "d"+tid, tid, kvtransfer.BlockIDs{{kvtransfer.BlockID(10 + i)}}, true)
 		p.completions.Wait(t, i+1, "completion")
 		if c := p.completions.Completions()[i]; c.Err != nil {
 			t.Fatalf("pull %d failed: %v", i, c.Err)

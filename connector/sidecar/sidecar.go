@@ -1,0 +1,145 @@
+// Package sidecar is the connector sidecar run beside each vLLM engine. vLLM moves the KV itself
+// (Mooncake, NIXL) and runs the completion gate in-process (connector/vllm/pdgate); the sidecar
+// hears the gate's heartbeat on the pod-local socket, answers the kubelet's probes (unready while
+// a required gate is silent), serves the gate's state to the operator, and exports its counts.
+package sidecar
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+)
+
+// Config configures a Sidecar.
+type Config struct {
+	// Gate is how the sidecar watches its engine's completion gate.
+	Gate GateConfig
+	Log  logr.Logger
+	// Metrics is where the sidecar registers its collectors; nil means a private registry.
+	Metrics prometheus.Registerer
+	// RefusalLogEvery bounds how often refused requests are logged (one line, with the count
+	// since the last): a misbehaving client cannot flood the log. Zero is 10 s.
+	RefusalLogEvery time.Duration
+}
+
+// Sidecar watches one engine's completion gate.
+type Sidecar struct {
+	gate     *gateWatch
+	log      logr.Logger
+	refusals refusalLog
+}
+
+// New builds a sidecar from cfg.
+func New(cfg Config) (*Sidecar, error) {
+	s := &Sidecar{gate: newGateWatch(cfg.Gate), log: cfg.Log}
+	s.gate.log = cfg.Log
+	s.refusals = refusalLog{every: cfg.RefusalLogEvery, log: cfg.Log, clock: s.gate.cfg.Clock}
+	if s.refusals.every <= 0 {
+		s.refusals.every = 10 * time.Second
+	}
+	reg := cfg.Metrics
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	if err := reg.Register(s.gate); err != nil {
+		return nil, fmt.Errorf("sidecar: metrics: %w", err)
+	}
+	return s, nil
+}
+
+// LocalHandler serves the pod-local API (the gate's heartbeat, POST /v1/gate) and everything
+// PublicHandler serves. A pod binds it to the socket on the volume only its engine mounts.
+func (s *Sidecar) LocalHandler(gatherer prometheus.Gatherer) http.Handler {
+	mux := http.NewServeMux()
+	s.handlePublic(mux, gatherer)
+	mux.HandleFunc("POST "+localapi.PathGate, s.handleGate)
+	return mux
+}
+
+// PublicHandler serves what the kubelet, the operator and monitoring reach on the pod's
+// address: /healthz, /readyz, /metrics and the gate's state (GET /gate). It takes no input.
+func (s *Sidecar) PublicHandler(gatherer prometheus.Gatherer) http.Handler {
+	mux := http.NewServeMux()
+	s.handlePublic(mux, gatherer)
+	return mux
+}
+
+func (s *Sidecar) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer) {
+	mux.HandleFunc("GET "+vllmplugin.StatePath, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, s.gate.state()) })
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if why := s.gate.unready(); why != "" {
+			http.Error(w, why, http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = io.WriteString(w, "ok\n")
+	})
+	mux.Handle("GET /metrics", promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{}))
+	// Anything else is refused (404 or 405) and logged, so a probe or client that asks for
+	// what the sidecar no longer serves is seen.
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		s.refuse(w, r, http.StatusNotFound, "no such endpoint on the connector sidecar")
+	})
+}
+
+// maxReportBytes bounds a heartbeat: a report is a few hundred bytes.
+const maxReportBytes = 64 << 10
+
+func (s *Sidecar) handleGate(w http.ResponseWriter, r *http.Request) {
+	var rep vllmplugin.Report
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxReportBytes)).Decode(&rep); err != nil {
+		s.refuse(w, r, http.StatusBadRequest, "bad gate report: "+err.Error())
+		return
+	}
+	if rep.Connector == "" {
+		s.refuse(w, r, http.StatusBadRequest, "bad gate report: connector is required")
+		return
+	}
+	s.gate.record(rep)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Sidecar) refuse(w http.ResponseWriter, r *http.Request, code int, why string) {
+	s.refusals.note(r.Method+" "+r.URL.Path, code, why)
+	http.Error(w, why, code)
+}
+
+// refusalLog logs refused requests at most once per period, with how many it held back.
+type refusalLog struct {
+	every time.Duration
+	log   logr.Logger
+	clock interface{ Now() time.Time }
+
+	mu      sync.Mutex
+	last    time.Time
+	skipped int
+}
+
+func (l *refusalLog) note(what string, code int, why string) {
+	l.mu.Lock()
+	now := l.clock.Now()
+	if !l.last.IsZero() && now.Sub(l.last) < l.every {
+		l.skipped++
+		l.mu.Unlock()
+		return
+	}
+	skipped := l.skipped
+	l.last, l.skipped = now, 0
+	l.mu.Unlock()
+	l.log.Info("refused a request", "request", what, "status", code, "reason", why, "refusedSinceLastLine", skipped)
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(v)
+}
