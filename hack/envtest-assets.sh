@@ -22,7 +22,8 @@ build_module() { # dir stampname pkg...
 	have="$(cat "${bin}/.${name}.stamp" 2>/dev/null || true)"
 	local missing=0
 	for p in "$@"; do
-		local b; b="$(basename "${p}")"; [[ "${b}" == . ]] && b="${name}"
+		# A main package at the module root, or in its cmd directory, is named after the module.
+		local b; b="$(basename "${p}")"; [[ "${b}" == . || "${b}" == cmd ]] && b="${name}"
 		[[ -x "${bin}/${b}" ]] || missing=1
 	done
 	if [[ "${want}" == "${have}" && "${missing}" == 0 ]]; then
@@ -31,6 +32,7 @@ build_module() { # dir stampname pkg...
 	fi
 	log "${name}: building $* (kube-apiserver takes ~8 min cold on 2 cores)"
 	(cd "${root}/hack/${dir}" && GOBIN="${bin}" CGO_ENABLED=0 go install -trimpath -ldflags='-s -w' ${BUILD_TAGS:+-tags "${BUILD_TAGS}"} "$@")
+	if [[ -x "${bin}/cmd" ]]; then mv "${bin}/cmd" "${bin}/${name}"; fi
 	echo "${want}" > "${bin}/.${name}.stamp"
 }
 
@@ -52,6 +54,9 @@ BUILD_TAGS=no_btrfs,no_devmapper,no_zfs build_module node node \
 	github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
 	github.com/coredns/coredns \
 	github.com/distribution/distribution/v3/cmd/registry
+
+# The real node's NetworkPolicy implementation (hack/netpol/install.yaml).
+build_module netpol kube-network-policies sigs.k8s.io/kube-network-policies/cmd
 
 install_tool() { # binary module@version
 	local name="$1" mod="$2"

@@ -2,6 +2,7 @@
 # A real node for the local cluster: pods on it run for real, from the project's images.
 #   hack/local-node.sh up KUBECONFIG   # registry, containerd, kubelet, kube-proxy, CoreDNS
 #   hack/local-node.sh images          # builds the binaries and pushes the images to the registry
+#   hack/local-node.sh netpol KUBECONFIG  # the NetworkPolicy implementation (after images)
 #   hack/local-node.sh down
 #
 # kubelet and kube-proxy come from the same k8s.io/kubernetes module as the control plane,
@@ -77,6 +78,7 @@ down() {
 	pkill -f "containerd-shim-runc-v2 .*${dir}/containerd.sock" 2>/dev/null || true
 	stop containerd
 	stop registry
+	netpol_rules_down
 	# Mounts the kubelet and containerd made (volumes, rootfs, network namespaces), deepest first.
 	awk -v d="${dir}/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do umount -l "${m}" 2>/dev/null || true; done
 	for ns in $(ip netns list 2>/dev/null | awk '/^cni-/ {print $1}'); do ip netns delete "${ns}" 2>/dev/null || true; done
@@ -222,7 +224,41 @@ images() {
 		connector="bin/connector,${plugin[*]}" \
 		router=bin/router \
 		vllm-sim=bin/vllm@root \
-		pause=bin/pause:/pause) >&2
+		pause=bin/pause:/pause \
+		netprobe=bin/netprobe \
+		kube-network-policies="${bin}/kube-network-policies:/kube-network-policies@root") >&2
+}
+
+# knp_chain holds the rules that hand new pod connections to kube-network-policies' NFQUEUE.
+knp_chain=PDC-NETPOL knp_queue=100
+
+netpol_rules_down() {
+	iptables -t mangle -D POSTROUTING -j "${knp_chain}" 2>/dev/null || true
+	iptables -t mangle -D INPUT -s "${pod_cidr}" -m conntrack --ctstate NEW -j NFQUEUE --queue-num "${knp_queue}" --queue-bypass 2>/dev/null || true
+	iptables -t mangle -F "${knp_chain}" 2>/dev/null || true
+	iptables -t mangle -X "${knp_chain}" 2>/dev/null || true
+}
+
+# netpol runs kube-network-policies on the node and feeds it the first packet of every new
+# connection to or from a pod, which it accepts or drops by the NetworkPolicies it watches (its
+# own nftables rules need the kernel's nft queue expression, which this kernel lacks, so these
+# iptables rules do the same job). Connections the node's root processes open (the kubelet's
+# probes, the tests) are not judged; --queue-bypass lets everything through while nothing
+# listens on the queue, so a policy is enforced only while kube-network-policies runs.
+netpol() {
+	local kc=(--kubeconfig "$1")
+	netpol_rules_down
+	iptables -t mangle -N "${knp_chain}"
+	iptables -t mangle -A "${knp_chain}" -m owner --uid-owner 0 -j RETURN
+	iptables -t mangle -A "${knp_chain}" -m conntrack ! --ctstate NEW -j RETURN
+	iptables -t mangle -A "${knp_chain}" -s "${pod_cidr}" -j NFQUEUE --queue-num "${knp_queue}" --queue-bypass
+	iptables -t mangle -A "${knp_chain}" -d "${pod_cidr}" -j NFQUEUE --queue-num "${knp_queue}" --queue-bypass
+	iptables -t mangle -A POSTROUTING -j "${knp_chain}"
+	iptables -t mangle -A INPUT -s "${pod_cidr}" -m conntrack --ctstate NEW -j NFQUEUE --queue-num "${knp_queue}" --queue-bypass
+	sed "s|image: IMAGE|image: ${registry}/pdcluster/kube-network-policies:$(app_version)|" "${root}/hack/netpol/install.yaml" |
+		kubectl "${kc[@]}" apply -f - >&2
+	kubectl "${kc[@]}" -n kube-system rollout status daemonset/kube-network-policies --timeout 120s >&2
+	log "netpol: kube-network-policies enforces NetworkPolicies on ${node} (queue ${knp_queue})"
 }
 
 up() {
@@ -259,6 +295,7 @@ up() {
 case "${1:-}" in
 up) up "${2:?usage: $0 up KUBECONFIG}" ;;
 images) images ;;
+netpol) netpol "${2:?usage: $0 netpol KUBECONFIG}" ;;
 down) down ;;
-*) echo "usage: $0 up KUBECONFIG | images | down" >&2; exit 2 ;;
+*) echo "usage: $0 up KUBECONFIG | images | netpol KUBECONFIG | down" >&2; exit 2 ;;
 esac

@@ -75,6 +75,7 @@ up() {
 	if [[ "${real_node}" == 1 ]]; then
 		# The operator runs as the chart's pod on the real node, from the image built here.
 		"${root}/hack/local-node.sh" images
+		"${root}/hack/local-node.sh" netpol "${kubeconfig}"
 		helm_install --set "image.repository=${registry}/pdcluster/pdcluster-operator" \
 			--set "routerImage=${registry}/pdcluster/router:${version}" \
 			--set "connectorImage=${registry}/pdcluster/connector:${version}"

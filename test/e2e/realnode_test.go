@@ -404,6 +404,10 @@ func TestRealNode(t *testing.T) {
 		r.serves(t)
 	})
 
+	t.Run("the node enforces the NetworkPolicies: strangers reach no engine port, the router, decode and the operator still do", func(t *testing.T) {
+		r.enforcesNetworkPolicy(t)
+	})
+
 	t.Run("the operator reads each engine's completion gate", func(t *testing.T) {
 		r.eventually("status.prefill.gate and status.decode.gate report the pods", func() error {
 			p := r.pdc()
