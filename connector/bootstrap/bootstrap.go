@@ -11,7 +11,9 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"sync"
 	"time"
@@ -51,12 +53,52 @@ func (t Topology) Find(engineID string) (string, Engine, bool) {
 
 // Registry is the in-memory registry. It is safe for concurrent use.
 type Registry struct {
+	// Limits of what POST /register takes, set before the registry serves.
+	Limits RegistryLimits
+
 	mu   sync.Mutex
 	topo Topology
 }
 
+// RegistryLimits narrow what a registration over HTTP may claim, beyond vLLM's rules: its
+// bootstrap server takes any rank and address from anyone who reaches it, so a stranger could
+// add a rank of its own to a real engine, and decode would pull from it.
+type RegistryLimits struct {
+	// TP and PP, when set, are the engine's tensor- and pipeline-parallel sizes: a rank past
+	// them is refused.
+	TP, PP int
+	// SameHost refuses an address whose host is not the one the registration came from: a
+	// worker registers its own transfer engine.
+	SameHost bool
+}
+
 // NewRegistry returns an empty registry.
 func NewRegistry() *Registry { return &Registry{topo: Topology{}} }
+
+// admit applies the limits to reg, registered over HTTP from remote (host:port).
+func (l RegistryLimits) admit(reg Registration, remote string) error {
+	if l.TP > 0 && reg.TPRank >= l.TP {
+		return fmt.Errorf("tp_rank=%d: this engine has %d tensor-parallel ranks", reg.TPRank, l.TP)
+	}
+	if l.PP > 0 && reg.PPRank >= l.PP {
+		return fmt.Errorf("pp_rank=%d: this engine has %d pipeline-parallel ranks", reg.PPRank, l.PP)
+	}
+	if !l.SameHost {
+		return nil
+	}
+	from, _, err := net.SplitHostPort(remote)
+	if err != nil {
+		return fmt.Errorf("registration from %q: %w", remote, err)
+	}
+	u, err := url.Parse(reg.Addr)
+	if err != nil || u.Hostname() == "" {
+		return fmt.Errorf("addr %q: want tcp://host:port", reg.Addr)
+	}
+	if a, b := net.ParseIP(u.Hostname()), net.ParseIP(from); a == nil || b == nil || !a.Equal(b) {
+		return fmt.Errorf("addr %s is not on %s, where the registration came from: a worker registers its own transfer engine", reg.Addr, from)
+	}
+	return nil
+}
 
 // Register adds a worker with vLLM's rules: re-registering the same address is a no-op; a new
 // address for a registered (dp, tp, pp), or another engine id for a dp rank, is refused.
@@ -123,6 +165,10 @@ func (r *Registry) Handler() http.Handler {
 		var reg Registration
 		if err := json.NewDecoder(io.LimitReader(req.Body, 1<<20)).Decode(&reg); err != nil {
 			http.Error(w, "bad registration: "+err.Error(), http.StatusBadRequest)
+			return
+		}
+		if err := r.Limits.admit(reg, req.RemoteAddr); err != nil {
+			http.Error(w, err.Error(), http.StatusForbidden)
 			return
 		}
 		if err := r.Register(reg); err != nil {

@@ -239,3 +239,40 @@ func TestQueryBoundsTheAnswer(t *testing.T) {
 		t.Errorf("the redirect was followed %d times", n)
 	}
 }
+
+// With limits, POST /register takes only this engine's ranks, each at an address on the host
+// the registration came from (the test's client is 127.0.0.1); vLLM's rules still apply after.
+func TestRegistryLimits(t *testing.T) {
+	cases := []struct {
+		name   string
+		limits RegistryLimits
+		body   string
+		want   int
+	}{
+		{"no limits: anything, as vLLM", RegistryLimits{}, `{"engine_id":"e","tp_rank":7,"pp_rank":3,"addr":"tcp://10.9.9.9:1"}`, http.StatusOK},
+		{"own rank, own host", RegistryLimits{TP: 2, PP: 1, SameHost: true}, `{"engine_id":"e","tp_rank":1,"addr":"tcp://127.0.0.1:7"}`, http.StatusOK},
+		{"tp rank past the engine's", RegistryLimits{TP: 2, PP: 1}, `{"engine_id":"e","tp_rank":2,"addr":"tcp://127.0.0.1:7"}`, http.StatusForbidden},
+		{"pp rank past the engine's", RegistryLimits{TP: 2, PP: 1}, `{"engine_id":"e","pp_rank":1,"addr":"tcp://127.0.0.1:7"}`, http.StatusForbidden},
+		{"another host's address", RegistryLimits{SameHost: true}, `{"engine_id":"e","addr":"tcp://10.9.9.9:7"}`, http.StatusForbidden},
+		{"a name, not an address", RegistryLimits{SameHost: true}, `{"engine_id":"e","addr":"tcp://localhost:7"}`, http.StatusForbidden},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := NewRegistry()
+			reg.Limits = tc.limits
+			srv := httptest.NewServer(reg.Handler())
+			defer srv.Close()
+			resp, err := http.Post(srv.URL+"/register", "application/json", strings.NewReader(tc.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != tc.want {
+				t.Errorf("POST /register %s = %s, want %d", tc.body, resp.Status, tc.want)
+			}
+			if n := len(reg.Snapshot()); (tc.want == http.StatusOK) != (n == 1) {
+				t.Errorf("registry holds %d engines after %s", n, resp.Status)
+			}
+		})
+	}
+}

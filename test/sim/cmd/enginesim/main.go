@@ -92,6 +92,7 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 				return errors.New("--bootstrap-listen is required with --kv-role=kv_producer")
 			}
 			registry := bootstrap.NewRegistry()
+			registry.Limits = bootstrap.RegistryLimits{TP: 1, PP: 1, SameHost: true} // one worker, on this host
 			if err := registry.Replace(transfer.Registration()); err != nil {
 				return err
 			}

@@ -79,6 +79,7 @@ type Agent struct {
 	metrics  *metrics
 	dialer   net.Dialer
 	conns    peerConns
+	peers    peerCounts // open data connections per consumer address (producer)
 
 	mu      sync.Mutex
 	waiters map[waiterKey]chan kvtransfer.Decision

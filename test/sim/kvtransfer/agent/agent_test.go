@@ -545,7 +545,7 @@ func TestProducerSendsHeaderChecksumsToConsumersThatDoNotAskForTrailers(t *testi
 		if readErr, err := readBlockData(r, f, got); readErr != nil || err != nil || f.dst != 9 || !bytes.Equal(got, src) {
 			t.Fatalf("trailer %v: block %d, errors %v %v, bytes equal %v", trailer, f.dst, readErr, err, bytes.Equal(got, src))
 		}
-		if kind, payload, err := readFrame(r, nil); err != nil || kind != frameKindResult || !strings.Contains(string(payload), `"ok":true`) {
+		if kind, payload, err := readFrame(r, nil, maxFrame); err != nil || kind != frameKindResult || !strings.Contains(string(payload), `"ok":true`) {
 			t.Fatalf("trailer %v: result %q %s (err %v)", trailer, kind, payload, err)
 		}
 		conn.Close()
@@ -627,7 +627,7 @@ func onePullPerConnection(t *testing.T, upstream string) string {
 				go func() { _, _ = io.Copy(u, c) }()
 				r := bufio.NewReader(u)
 				for {
-					kind, payload, err := readFrame(r, nil)
+					kind, payload, err := readFrame(r, nil, maxFrame)
 					if err != nil {
 						return
 					}

@@ -7,15 +7,16 @@ import (
 )
 
 type metrics struct {
-	completions   *prometheus.CounterVec
-	emptyPulls    prometheus.Counter
-	pulls         prometheus.Counter
-	pullsServed   prometheus.Counter
-	earlyPulls    prometheus.Counter
-	peerConns     prometheus.Counter
-	releases      *prometheus.CounterVec
-	bytesSent     prometheus.Counter
-	bytesReceived prometheus.Counter
+	completions      *prometheus.CounterVec
+	emptyPulls       prometheus.Counter
+	pulls            prometheus.Counter
+	pullsServed      prometheus.Counter
+	earlyPulls       prometheus.Counter
+	peerConns        prometheus.Counter
+	peerConnsRefused prometheus.Counter
+	releases         *prometheus.CounterVec
+	bytesSent        prometheus.Counter
+	bytesReceived    prometheus.Counter
 }
 
 func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
@@ -44,6 +45,10 @@ func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
 			Name: "pdcluster_connector_peer_connections_total",
 			Help: "Data connections accepted by this producer agent (consumers keep them for several pulls).",
 		}),
+		peerConnsRefused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "pdcluster_connector_peer_connections_refused_total",
+			Help: "Data connections this producer agent refused: the peer held too many open.",
+		}),
 		releases: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdcluster_connector_releases_total",
 			Help: "Held prefill requests released to the producer scheduler, by reason (served, expired, aborted).",
@@ -55,7 +60,7 @@ func newMetrics(a *Agent, reg prometheus.Registerer) (*metrics, error) {
 			Name: "pdcluster_connector_transfer_bytes_received_total", Help: "KV bytes received from producers and written.",
 		}),
 	}
-	cs := []prometheus.Collector{m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.earlyPulls, m.peerConns, m.releases, m.bytesSent, m.bytesReceived}
+	cs := []prometheus.Collector{m.completions, m.emptyPulls, m.pulls, m.pullsServed, m.earlyPulls, m.peerConns, m.peerConnsRefused, m.releases, m.bytesSent, m.bytesReceived}
 	if a.puller != nil {
 		cs = append(cs,
 			prometheus.NewCounterFunc(prometheus.CounterOpts{

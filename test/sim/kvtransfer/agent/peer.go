@@ -7,10 +7,16 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync"
 	"time"
 
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
+
+// maxConnsPerPeer bounds the data connections one remote address holds open at once: a
+// consumer keeps a few per producer worker and opens more only for pulls in flight, so a peer
+// past it is refused rather than allowed to take every descriptor.
+const maxConnsPerPeer = 256
 
 // acceptPeers serves consumer connections until the listener closes.
 func (a *Agent) acceptPeers(ctx context.Context, l net.Listener) {
@@ -22,8 +28,45 @@ func (a *Agent) acceptPeers(ctx context.Context, l net.Listener) {
 			}
 			return
 		}
+		host, _, _ := net.SplitHostPort(conn.RemoteAddr().String())
+		if !a.peers.take(host) {
+			a.metrics.peerConnsRefused.Inc()
+			a.cfg.Log.V(1).Info("refused a data connection: too many from one peer", "remote", host, "max", maxConnsPerPeer)
+			_ = conn.Close()
+			continue
+		}
 		a.metrics.peerConns.Inc()
-		go a.servePeer(ctx, conn)
+		go func() {
+			defer a.peers.release(host)
+			a.servePeer(ctx, conn)
+		}()
+	}
+}
+
+// peerCounts counts open data connections per remote address.
+type peerCounts struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (p *peerCounts) take(host string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.n == nil {
+		p.n = map[string]int{}
+	}
+	if p.n[host] >= maxConnsPerPeer {
+		return false
+	}
+	p.n[host]++
+	return true
+}
+
+func (p *peerCounts) release(host string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.n[host]--; p.n[host] <= 0 {
+		delete(p.n, host)
 	}
 }
 
@@ -40,7 +83,7 @@ func (a *Agent) servePeer(ctx context.Context, conn net.Conn) {
 			idle = 30 * time.Second
 		}
 		_ = conn.SetReadDeadline(time.Now().Add(idle))
-		kind, payload, err := readFrame(r, nil)
+		kind, payload, err := readFrame(r, nil, maxPullFrame)
 		if err != nil || kind != frameKindPull {
 			if !first && err != nil {
 				return // the consumer closed a kept connection, or left it idle
@@ -67,6 +110,12 @@ func (a *Agent) servePull(ctx context.Context, conn net.Conn, w *bufio.Writer, p
 	}
 	if pf.Blocks.HasLocal() && pf.BlockSize != a.cfg.KV.BlockBytes() {
 		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: fmt.Sprintf("block size mismatch: producer %d bytes, consumer %d", a.cfg.KV.BlockBytes(), pf.BlockSize)}) == nil
+	}
+	// The fan-in is the decode pool's tensor parallelism, which this producer was told
+	// (Config.Consumers): a pull that claims more consumer ranks would pin the transfer's
+	// blocks until they all came, and one with a rank past them pulls another rank's share.
+	if fanIn := max(pf.Consumers, 1); fanIn > a.cfg.Consumers || pf.Consumer < 0 || int(pf.Consumer) >= fanIn {
+		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: fmt.Sprintf("consumer rank %d of %d: this producer serves %d consumer ranks", pf.Consumer, pf.Consumers, a.cfg.Consumers)}) == nil
 	}
 	req := kvtransfer.PullRequest{Transfer: pf.Transfer, Consumer: pf.Consumer, Consumers: max(pf.Consumers, 1), Blocks: pf.Blocks}
 	a.metrics.pullsServed.Inc()

@@ -205,7 +205,7 @@ func (a *Agent) pullOn(c *peerConn, meta kvtransfer.PullMeta, rank kvtransfer.Pr
 			written++
 			a.metrics.bytesReceived.Add(float64(len(block)))
 		case frameKindResult:
-			payload, err := readPayload(r, n, nil)
+			payload, err := readPayload(r, n, nil, maxResultFrame)
 			if err != nil {
 				return false, peerErr(err)
 			}

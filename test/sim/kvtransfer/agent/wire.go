@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
@@ -33,8 +34,15 @@ const (
 // cache between the checksum and the copy.
 const chunkBytes = 128 << 10
 
-// maxFrame bounds a frame so a corrupt length cannot make a peer allocate without limit.
-const maxFrame = 64 << 20
+// maxFrame bounds a frame so a corrupt length cannot make a peer allocate without limit. A
+// block frame's bytes go straight into the destination block (its size must be the block's);
+// the JSON frames have bounds of their own, and their buffers grow as bytes arrive, so a
+// header that claims a large frame costs nothing until the bytes come.
+const (
+	maxFrame       = 64 << 20
+	maxPullFrame   = 4 << 20  // thousands of block ids per KV group
+	maxResultFrame = 64 << 10 // an error message
+)
 
 // pullFrame is Mooncake's MooncakeXferMetadata reduced to one request: which transfer, which
 // consumer rank out of how many, and the destination blocks per KV group.
@@ -197,25 +205,37 @@ func readFrameHeader(r *bufio.Reader) (byte, uint32, error) {
 	return hdr[0], n, nil
 }
 
-// readPayload reads a frame's payload of n bytes into buf (grown as needed).
-func readPayload(r *bufio.Reader, n uint32, buf []byte) ([]byte, error) {
-	if cap(buf) < int(n) {
-		buf = make([]byte, n)
+// readPayload reads a frame's payload of n bytes (at most limit) into buf, grown as the bytes
+// arrive rather than by what the header claims.
+func readPayload(r *bufio.Reader, n uint32, buf []byte, limit int) ([]byte, error) {
+	if int(n) > limit {
+		return nil, fmt.Errorf("frame of %d bytes exceeds %d", n, limit)
 	}
-	buf = buf[:n]
-	if _, err := io.ReadFull(r, buf); err != nil {
-		return nil, err
+	buf = buf[:0]
+	for len(buf) < int(n) {
+		if len(buf) == cap(buf) {
+			buf = slices.Grow(buf, min(int(n)-len(buf), max(cap(buf), 4<<10)))
+		}
+		m, err := r.Read(buf[len(buf):min(int(n), cap(buf))])
+		buf = buf[:len(buf)+m]
+		if err != nil && len(buf) < int(n) {
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, err
+		}
 	}
 	return buf, nil
 }
 
-// readFrame reads one frame into buf (grown as needed) and returns its kind and payload.
-func readFrame(r *bufio.Reader, buf []byte) (byte, []byte, error) {
+// readFrame reads one frame of at most limit bytes into buf (grown as its bytes arrive) and
+// returns its kind and payload.
+func readFrame(r *bufio.Reader, buf []byte, limit int) (byte, []byte, error) {
 	kind, n, err := readFrameHeader(r)
 	if err != nil {
 		return 0, nil, err
 	}
-	p, err := readPayload(r, n, buf)
+	p, err := readPayload(r, n, buf, limit)
 	return kind, p, err
 }
 
