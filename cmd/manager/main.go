@@ -17,27 +17,43 @@ import (
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
-func main() {
-	var metricsAddr, probeAddr string
-	var leaderElect, readGate bool
-	var concurrency int
-	opts := render.DefaultOptions()
-	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus /metrics endpoint (0 disables it)")
-	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of /healthz and /readyz")
-	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader so only one replica reconciles")
-	flag.StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router")
-	flag.StringVar(&opts.ConnectorImage, "connector-image", opts.ConnectorImage, "image of the connector sidecar, unless a PDCluster sets spec.connector.image")
+// settings are the manager's command line and environment.
+type settings struct {
+	metricsAddr, probeAddr string
+	leaderElect, readGate  bool
+	concurrency            int
+	opts                   render.Options
+	zap                    zap.Options
+}
+
+// parseFlags is separate from main so a test can check what the chart and config/manager give
+// the binary (POD_NAMESPACE from the downward API) reaches the render options.
+func parseFlags(args []string, getenv func(string) string) (settings, error) {
+	s := settings{opts: render.DefaultOptions()}
+	fs := flag.NewFlagSet("manager", flag.ContinueOnError)
+	fs.StringVar(&s.metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus /metrics endpoint (0 disables it)")
+	fs.StringVar(&s.probeAddr, "health-probe-bind-address", ":8081", "address of /healthz and /readyz")
+	fs.BoolVar(&s.leaderElect, "leader-elect", false, "elect a leader so only one replica reconciles")
+	fs.StringVar(&s.opts.RouterImage, "router-image", s.opts.RouterImage, "image of the P/D router")
+	fs.StringVar(&s.opts.ConnectorImage, "connector-image", s.opts.ConnectorImage, "image of the connector sidecar, unless a PDCluster sets spec.connector.image")
 	// The operator's own namespace, from the downward API (POD_NAMESPACE) in the chart and
 	// config/manager: the PDClusters' NetworkPolicies admit the operator's /gate reads from it.
-	if ns := os.Getenv("POD_NAMESPACE"); ns != "" {
-		opts.OperatorNamespace = ns
+	if ns := getenv("POD_NAMESPACE"); ns != "" {
+		s.opts.OperatorNamespace = ns
 	}
-	flag.StringVar(&opts.OperatorNamespace, "operator-namespace", opts.OperatorNamespace, "namespace the operator runs in (default: $POD_NAMESPACE): PDClusters' NetworkPolicies admit the connector sidecars' port from it")
-	flag.IntVar(&concurrency, "max-concurrent-reconciles", 16, "PDClusters reconciled at once")
-	flag.BoolVar(&readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8190/gate) into status.<pool>.gate")
-	zapOpts := zap.Options{}
-	zapOpts.BindFlags(flag.CommandLine)
-	flag.Parse()
+	fs.StringVar(&s.opts.OperatorNamespace, "operator-namespace", s.opts.OperatorNamespace, "namespace the operator runs in (default: $POD_NAMESPACE): PDClusters' NetworkPolicies admit the connector sidecars' port from it")
+	fs.IntVar(&s.concurrency, "max-concurrent-reconciles", 16, "PDClusters reconciled at once")
+	fs.BoolVar(&s.readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8190/gate) into status.<pool>.gate")
+	s.zap.BindFlags(fs)
+	return s, fs.Parse(args)
+}
+
+func main() {
+	s, err := parseFlags(os.Args[1:], os.Getenv)
+	if err != nil {
+		os.Exit(2) // the FlagSet printed why
+	}
+	metricsAddr, probeAddr, leaderElect, readGate, concurrency, opts, zapOpts := s.metricsAddr, s.probeAddr, s.leaderElect, s.readGate, s.concurrency, s.opts, s.zap
 	ctrl.SetLogger(zap.New(zap.UseFlagOptions(&zapOpts)))
 	setupLog := ctrl.Log.WithName("setup")
 

@@ -1,0 +1,71 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	"sigs.k8s.io/yaml"
+
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// Both sides of the operator-namespace seam: config/manager hands the manager its namespace
+// through the downward API as POD_NAMESPACE, and the binary reads that variable into the
+// render options (the NetworkPolicies admit the sidecars' port from it). The fallback is the
+// default install's namespace, so an end-to-end test in that namespace could not tell.
+func TestManagerReadsItsNamespaceFromTheManifest(t *testing.T) {
+	b, err := os.ReadFile("../../config/manager/manager.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dep appsv1.Deployment
+	for doc := range bytes.SplitSeq(b, []byte("\n---\n")) {
+		var meta struct{ Kind string }
+		if err := yaml.Unmarshal(doc, &meta); err != nil {
+			t.Fatal(err)
+		}
+		if meta.Kind == "Deployment" {
+			if err := yaml.UnmarshalStrict(doc, &dep); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if len(dep.Spec.Template.Spec.Containers) == 0 {
+		t.Fatal("no manager Deployment in config/manager/manager.yaml")
+	}
+	const installedIn = "serving-operators" // not the default
+	env := map[string]string{}
+	for _, c := range dep.Spec.Template.Spec.Containers {
+		for _, e := range c.Env {
+			if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "metadata.namespace" {
+				env[e.Name] = installedIn // what the kubelet resolves it to
+			}
+		}
+	}
+	cases := []struct {
+		name string
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{"the manifest's environment", nil, env, installedIn},
+		{"no environment: the default install's namespace", nil, nil, render.DefaultOptions().OperatorNamespace},
+		{"the flag wins", []string{"--operator-namespace=other"}, env, "other"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := parseFlags(tc.args, func(k string) string { return tc.env[k] })
+			if err != nil {
+				t.Fatal(err)
+			}
+			if s.opts.OperatorNamespace != tc.want {
+				t.Errorf("operator namespace %q, want %q (manifest env %v)", s.opts.OperatorNamespace, tc.want, env)
+			}
+		})
+	}
+	if _, err := parseFlags([]string{"--no-such-flag"}, os.Getenv); err == nil {
+		t.Error("an unknown flag was accepted")
+	}
+}
