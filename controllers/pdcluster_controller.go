@@ -57,6 +57,9 @@ type PDClusterReconciler struct {
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
+// The manager's /metrics asks the API server who a scraper is and whether it may read it.
+// +kubebuilder:rbac:groups=authentication.k8s.io,resources=tokenreviews,verbs=create
+// +kubebuilder:rbac:groups=authorization.k8s.io,resources=subjectaccessreviews,verbs=create
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=services;configmaps,verbs=get;list;watch;create;update;patch;delete

@@ -38,8 +38,15 @@ if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 	# The operator runs as a pod there: its metrics are on the pod's address.
 	manager_ip="$("${bin}/kubectl" --kubeconfig "${PDCLUSTER_CLUSTER_DIR}/kubeconfig" get pods -n pdcluster-system \
 		-l app.kubernetes.io/instance=pdcluster-operator,app.kubernetes.io/component=manager -o jsonpath='{.items[0].status.podIP}')"
+	# The chart's manager serves /metrics to authorized scrapers only: one bound to its
+	# metrics-reader ClusterRole, as a Prometheus would be.
+	k=("${bin}/kubectl" --kubeconfig "${PDCLUSTER_CLUSTER_DIR}/kubeconfig")
+	"${k[@]}" create serviceaccount metrics-scraper -n pdcluster-system >&2
+	"${k[@]}" create clusterrolebinding metrics-scraper --clusterrole pdcluster-operator-metrics-reader \
+		--serviceaccount pdcluster-system:metrics-scraper >&2
 	real=(PDCLUSTER_E2E_REAL_NODE="${PDCLUSTER_NODE_NAME:-pdc-node-0}" PDCLUSTER_E2E_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
-		PDCLUSTER_MANAGER_METRICS="${manager_ip}:8080")
+		PDCLUSTER_MANAGER_METRICS="${manager_ip}:8080"
+		PDCLUSTER_MANAGER_METRICS_TOKEN="$("${k[@]}" create token metrics-scraper -n pdcluster-system --duration 2h)")
 fi
 env "${real[@]}" PDCLUSTER_E2E_KUBECONFIG="${PDCLUSTER_CLUSTER_DIR}/kubeconfig" PDCLUSTER_E2E_BIN="${bin}" \
 	go test ./test/e2e/ -count=1 -v -timeout 20m

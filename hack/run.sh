@@ -59,7 +59,7 @@ contexts:
 current-context: operator
 KC
 	KUBECONFIG="${dir}/operator.kubeconfig" "${root}/bin/manager" \
-		--metrics-bind-address "${manager_metrics}" --health-probe-bind-address "${manager_probes}" \
+		--metrics-bind-address "${manager_metrics}" --metrics-secure=false --health-probe-bind-address "${manager_probes}" \
 		--read-gate-status=false >"${dir}/manager.log" 2>&1 &
 	echo $! >"${dir}/manager.pid"
 	for _ in $(seq 1 60); do curl -fsS "http://${manager_probes}/readyz" >/dev/null 2>&1 && break; sleep 0.5; done

@@ -10,6 +10,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -20,6 +21,7 @@ import (
 // settings are the manager's command line and environment.
 type settings struct {
 	metricsAddr, probeAddr string
+	metricsSecure          bool
 	leaderElect, readGate  bool
 	concurrency            int
 	opts                   render.Options
@@ -32,6 +34,7 @@ func parseFlags(args []string, getenv func(string) string) (settings, error) {
 	s := settings{opts: render.DefaultOptions()}
 	fs := flag.NewFlagSet("manager", flag.ContinueOnError)
 	fs.StringVar(&s.metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus /metrics endpoint (0 disables it)")
+	fs.BoolVar(&s.metricsSecure, "metrics-secure", true, "serve /metrics over HTTPS (a self-signed certificate) to clients the API server authenticates and authorizes for GET /metrics (TokenReview, SubjectAccessReview); false: plain HTTP to anyone who reaches it")
 	fs.StringVar(&s.probeAddr, "health-probe-bind-address", ":8081", "address of /healthz and /readyz")
 	fs.BoolVar(&s.leaderElect, "leader-elect", false, "elect a leader so only one replica reconciles")
 	fs.StringVar(&s.opts.RouterImage, "router-image", s.opts.RouterImage, "image of the P/D router")
@@ -70,7 +73,7 @@ func main() {
 	mgr, err := ctrl.NewManager(ctrl.GetConfigOrDie(), ctrl.Options{
 		Scheme:                 scheme,
 		Cache:                  controllers.CacheOptions(),
-		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
+		Metrics:                metricsOptions(metricsAddr, s.metricsSecure),
 		HealthProbeBindAddress: probeAddr,
 		LeaderElection:         leaderElect,
 		LeaderElectionID:       "pdcluster-operator.serving.pdcluster.dev",
@@ -108,4 +111,15 @@ func main() {
 		setupLog.Error(err, "run manager")
 		os.Exit(1)
 	}
+}
+
+// metricsOptions serves /metrics on addr; secure puts it behind HTTPS and the API server's
+// authentication and authorization (a scraper needs a token allowed GET on /metrics, e.g.
+// bound to the chart's metrics-reader ClusterRole).
+func metricsOptions(addr string, secure bool) metricsserver.Options {
+	o := metricsserver.Options{BindAddress: addr}
+	if secure {
+		o.SecureServing, o.FilterProvider = true, filters.WithAuthenticationAndAuthorization
+	}
+	return o
 }

@@ -69,3 +69,20 @@ func TestManagerReadsItsNamespaceFromTheManifest(t *testing.T) {
 		t.Error("an unknown flag was accepted")
 	}
 }
+
+// /metrics is behind authentication and authorization unless --metrics-secure=false.
+func TestMetricsAreSecureByDefault(t *testing.T) {
+	for _, tc := range []struct {
+		args   []string
+		secure bool
+	}{{nil, true}, {[]string{"--metrics-secure=false"}, false}} {
+		s, err := parseFlags(tc.args, func(string) string { return "" })
+		if err != nil {
+			t.Fatal(err)
+		}
+		o := metricsOptions(s.metricsAddr, s.metricsSecure)
+		if o.SecureServing != tc.secure || (o.FilterProvider != nil) != tc.secure {
+			t.Errorf("%v: secure serving %v, filter %v; want both %v", tc.args, o.SecureServing, o.FilterProvider != nil, tc.secure)
+		}
+	}
+}

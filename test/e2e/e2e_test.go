@@ -7,6 +7,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net/http"
@@ -50,8 +51,9 @@ type env struct {
 	kubeconfig string
 	kubectl    string
 	// metricsAddr is the manager's /metrics address: its pod's on the real node, else the
-	// process hack/run.sh runs.
-	metricsAddr string
+	// process hack/run.sh runs. metricsToken, when set, is a scraper's token: the chart's
+	// manager serves /metrics over HTTPS to authorized clients only.
+	metricsAddr, metricsToken string
 }
 
 // The client logs nothing the tests read; without a logger controller-runtime prints a stack.
@@ -82,7 +84,8 @@ func setup(t *testing.T) *env {
 		t.Fatal("PDCLUSTER_MANAGER_METRICS is unset: hack/e2e.sh sets it to the manager's metrics address")
 	}
 	return &env{t: t, ctx: context.Background(), c: c, kubeconfig: kubeconfig,
-		kubectl: filepath.Join(os.Getenv("PDCLUSTER_E2E_BIN"), "kubectl"), metricsAddr: metricsAddr}
+		kubectl: filepath.Join(os.Getenv("PDCLUSTER_E2E_BIN"), "kubectl"), metricsAddr: metricsAddr,
+		metricsToken: os.Getenv("PDCLUSTER_MANAGER_METRICS_TOKEN")}
 }
 
 // eventually polls cond until it returns nil, failing with its last error after timeout.
@@ -320,7 +323,7 @@ func TestLocalCluster(t *testing.T) {
 			}
 			return nil
 		})
-		metrics := e.get("http://" + e.metricsAddr + "/metrics")
+		metrics := e.managerMetrics()
 		for pool, want := range map[string]int{"prefill": 1, "decode": 3} {
 			line := fmt.Sprintf(`pdcluster_connector_restarts_total{name=%q,namespace=%q,pool=%q} %d`, sampleName, sampleNS, pool, want)
 			if !strings.Contains(metrics, line) {
@@ -369,4 +372,45 @@ func TestLocalCluster(t *testing.T) {
 		e.run("apply", "--server-side", "-k", "config/default")
 		e.run("diff", "--server-side", "-k", "config/default") // exits 1 on any difference
 	})
+}
+
+// managerMetrics scrapes the manager's /metrics: over HTTPS with the scraper's token when the
+// manager serves them securely (the chart's default), after checking that a client without
+// a token, with a bad one, or with one the API server does not allow /metrics, is turned away.
+func (e *env) managerMetrics() string {
+	e.t.Helper()
+	if e.metricsToken == "" {
+		return e.get("http://" + e.metricsAddr + "/metrics")
+	}
+	// The manager's certificate is self-signed.
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}} //nolint:gosec // self-signed, a test
+	scrape := func(token string) (int, string) {
+		req, _ := http.NewRequestWithContext(e.ctx, http.MethodGet, "https://"+e.metricsAddr+"/metrics", nil)
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		resp, err := hc.Do(req)
+		if err != nil {
+			e.t.Fatalf("scrape the manager: %v", err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if code, _ := scrape(""); code != http.StatusUnauthorized {
+		e.t.Errorf("GET /metrics without a token = %d, want 401", code)
+	}
+	// The API server rejects a malformed token in its TokenReview's status, which
+	// controller-runtime's filter answers 500 ("Authentication failed"): refused either way.
+	if code, body := scrape("not-a-token"); code < 400 || strings.Contains(body, "pdcluster_") {
+		e.t.Errorf("GET /metrics with a bad token = %d, want it refused", code)
+	}
+	if code, _ := scrape(strings.TrimSpace(e.run("create", "token", "default", "-n", sampleNS))); code != http.StatusForbidden {
+		e.t.Errorf("GET /metrics as a ServiceAccount not bound to metrics-reader = %d, want 403", code)
+	}
+	code, body := scrape(e.metricsToken)
+	if code != http.StatusOK {
+		e.t.Fatalf("GET /metrics as the scraper = %d: %s", code, body)
+	}
+	return body
 }
