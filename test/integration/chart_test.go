@@ -56,7 +56,7 @@ func TestHelmChartInstalls(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := dep.Spec.Template.Spec.Containers[0]
-	if d := cmp.Diff([]string{"--leader-elect", "--metrics-bind-address=:8080", "--health-probe-bind-address=:8081", "--max-concurrent-reconciles=16", "--router-image=example/router:v1"}, c.Args); d != "" {
+	if d := cmp.Diff([]string{"--leader-elect", "--metrics-bind-address=:8080", "--metrics-secure=true", "--health-probe-bind-address=:8081", "--max-concurrent-reconciles=16", "--router-image=example/router:v1"}, c.Args); d != "" {
 		t.Errorf("manager args (-want +got):\n%s", d)
 	}
 	// The manager takes its namespace from POD_NAMESPACE (cmd/manager): the PDClusters'
