@@ -130,19 +130,6 @@ func (r *Registry) Register(reg Registration) error {
 	return nil
 }
 
-// Replace registers reg in place of whatever its dp rank held under another engine id: for the
-// engine that owns the registry when the worker it registers restarted under a new id (vLLM
-// restarts the whole engine, registry included; the simulator restarts only the worker's
-// transfer agent). Over HTTP, re-registration stays refused, as in vLLM.
-func (r *Registry) Replace(reg Registration) error {
-	r.mu.Lock()
-	if e, ok := r.topo[strconv.Itoa(reg.DPRank)]; ok && e.EngineID != reg.EngineID {
-		delete(r.topo, strconv.Itoa(reg.DPRank))
-	}
-	r.mu.Unlock()
-	return r.Register(reg)
-}
-
 // Snapshot returns a deep copy of the topology.
 func (r *Registry) Snapshot() Topology {
 	r.mu.Lock()

@@ -47,28 +47,6 @@ func TestRegisterFollowsVLLMRules(t *testing.T) {
 
 // The registry's owner re-registers a worker that restarted under a new engine id; over HTTP
 // the same registration stays refused, as in vLLM.
-func TestReplaceTakesANewEngineIDForItsDPRank(t *testing.T) {
-	r := NewRegistry()
-	for _, reg := range []Registration{{EngineID: "e1", Addr: "tcp://a:1"}, {EngineID: "e1", TPRank: 1, Addr: "tcp://a:2"}, {EngineID: "x", DPRank: 1, Addr: "tcp://x:1"}} {
-		if err := r.Register(reg); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := r.Register(Registration{EngineID: "e2", Addr: "tcp://b:1"}); err == nil {
-		t.Fatal("Register took another engine id for dp rank 0")
-	}
-	if err := r.Replace(Registration{EngineID: "e2", Addr: "tcp://b:1"}); err != nil {
-		t.Fatal(err)
-	}
-	want := Topology{
-		"0": {EngineID: "e2", WorkerAddr: map[string]map[string]string{"0": {"0": "tcp://b:1"}}},
-		"1": {EngineID: "x", WorkerAddr: map[string]map[string]string{"0": {"0": "tcp://x:1"}}},
-	}
-	if d := cmp.Diff(want, r.Snapshot()); d != "" {
-		t.Errorf("topology (-want +got):\n%s", d)
-	}
-}
-
 func TestHandlerSpeaksTheMooncakeJSON(t *testing.T) {
 	srv := httptest.NewServer(NewRegistry().Handler())
 	defer srv.Close()

@@ -93,7 +93,7 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 			}
 			registry := bootstrap.NewRegistry()
 			registry.Limits = bootstrap.RegistryLimits{TP: 1, PP: 1, SameHost: true} // one worker, on this host
-			if err := registry.Replace(transfer.Registration()); err != nil {
+			if err := registry.Register(transfer.Registration()); err != nil {
 				return err
 			}
 			l, err := net.Listen("tcp", o.bootstrapListen)

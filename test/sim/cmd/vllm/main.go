@@ -144,7 +144,7 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 			registry = bootstrap.NewRegistry()
 			// Only this engine's own ranks, each at its own address (vLLM takes anything).
 			registry.Limits = bootstrap.RegistryLimits{TP: max(s.TensorParallel, 1), PP: max(s.PipelineParallel, 1), SameHost: true}
-			if err := registry.Replace(transfer.Registration()); err != nil {
+			if err := registry.Register(transfer.Registration()); err != nil {
 				return fmt.Errorf("register the transfer engine: %w", err)
 			}
 		}

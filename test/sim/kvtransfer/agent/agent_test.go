@@ -498,7 +498,7 @@ func TestEngineRegistersTheProducer(t *testing.T) {
 	}
 
 	engineRegistry := bootstrap.NewRegistry()
-	if err := engineRegistry.Replace(*info.Registration); err != nil {
+	if err := engineRegistry.Register(*info.Registration); err != nil {
 		t.Fatal(err)
 	}
 	boot := httptest.NewServer(engineRegistry.Handler())
