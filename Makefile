@@ -57,9 +57,12 @@ manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC into config/.
 	@if [ -d controllers ]; then $(CONTROLLER_GEN) rbac:roleName=manager-role paths=./controllers/... output:rbac:artifacts:config=config/rbac; fi
 	cp config/crd/bases/*.yaml charts/pdcluster-operator/crds/
 	$(GO) run ./hack/crdschema config/crd/bases/*.yaml
-	{ echo "# Generated from config/rbac/role.yaml by make manifests: do not edit."; \
-	  sed -e 's/^  name: manager-role$$/  name: {{ include "pdcluster-operator.fullname" . }}-manager\n  labels:\n    {{- include "pdcluster-operator.labels" . | nindent 4 }}/' config/rbac/role.yaml; \
-	} > charts/pdcluster-operator/templates/clusterrole.yaml
+	{ echo '{{/* Generated from config/rbac/role.yaml by make manifests: do not edit. */}}'; \
+	  echo '{{/* The manager'"'"'s rules, granted cluster-wide or in each of .Values.watchNamespaces (manager-rbac.yaml). */}}'; \
+	  echo '{{- define "pdcluster-operator.managerRules" -}}'; \
+	  sed -n '/^rules:$$/,$$p' config/rbac/role.yaml; \
+	  echo '{{- end }}'; \
+	} > charts/pdcluster-operator/templates/_manager_rules.tpl
 
 .PHONY: golden
 golden: ## Rewrite the render golden files from the current code.

@@ -57,9 +57,6 @@ type PDClusterReconciler struct {
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
-// The manager's /metrics asks the API server who a scraper is and whether it may read it.
-// +kubebuilder:rbac:groups=authentication.k8s.io,resources=tokenreviews,verbs=create
-// +kubebuilder:rbac:groups=authorization.k8s.io,resources=subjectaccessreviews,verbs=create
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=services;configmaps,verbs=get;list;watch;create;update;patch;delete
@@ -347,11 +344,23 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 // completion gate's plugin files, the same in every PDCluster's ConfigMap, were half the
 // operator's memory per PDCluster), with the standard library's unique, which also lets a
 // value go once no ConfigMap holds it.
-func CacheOptions() cache.Options {
+//
+// watchNamespaces, when given, confine every watch to them (the chart's namespace-scoped
+// install, whose Roles grant nothing elsewhere: a cluster-wide watch would be refused and the
+// cache would never sync).
+func CacheOptions(watchNamespaces ...string) cache.Options {
 	strip := cache.TransformStripManagedFields()
 	managed := labels.SelectorFromSet(labels.Set{v1alpha1.LabelManagedBy: v1alpha1.OperatorName})
+	var namespaces map[string]cache.Config
+	for _, ns := range watchNamespaces {
+		if namespaces == nil {
+			namespaces = map[string]cache.Config{}
+		}
+		namespaces[ns] = cache.Config{}
+	}
 	return cache.Options{
-		DefaultTransform: strip,
+		DefaultNamespaces: namespaces,
+		DefaultTransform:  strip,
 		ByObject: map[client.Object]cache.ByObject{
 			&corev1.Pod{}:                   {Label: managed},
 			&appsv1.Deployment{}:            {Label: managed},

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"os/signal"
@@ -26,6 +27,7 @@ import (
 // options are the command-line settings besides the sidecar's own Config.
 type options struct {
 	role, listen, publicListen string
+	bindAddress                string
 	zap                        zap.Options
 }
 
@@ -38,6 +40,7 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 	fs.StringVar(&o.role, "role", "", "kv_producer (prefill) or kv_consumer (decode): labels the logs")
 	fs.StringVar(&o.listen, "listen", "unix:///var/run/pdcluster/agent.sock", "pod-local API the engine's completion gate heartbeats to (and /healthz, /readyz, /metrics, /gate): unix:///path/to/socket or host:port")
 	fs.StringVar(&o.publicListen, "public-listen", "", "HTTP address the kubelet, the operator and monitoring reach: /healthz, /readyz, /metrics, /gate (no input is taken there); empty: none")
+	fs.StringVar(&o.bindAddress, "bind-address", "", "IP the public port binds (the operator renders the pod's IP, so no other interface of the pod, such as an RDMA network no NetworkPolicy covers, reaches it); empty: the host of --public-listen")
 	fs.BoolVar(&cfg.Gate.Required, "require-gate", false, "be unready unless the engine's completion gate (the pdgate vLLM plugin) heartbeats on the local API")
 	fs.DurationVar(&cfg.Gate.StartupGrace, "gate-startup-grace", 15*time.Minute, "with --require-gate: how long after start the gate may stay silent (model loading)")
 	fs.DurationVar(&cfg.Gate.HeartbeatTimeout, "gate-heartbeat-timeout", 30*time.Second, "with --require-gate: how stale the gate's last heartbeat may be")
@@ -47,6 +50,14 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 	}
 	if fs.NArg() > 0 {
 		return cfg, o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if o.bindAddress != "" && o.publicListen != "" {
+		ip := net.ParseIP(o.bindAddress)
+		_, port, err := net.SplitHostPort(o.publicListen)
+		if ip == nil || err != nil {
+			return cfg, o, fmt.Errorf("--bind-address %q with --public-listen %q: want an IP and host:port", o.bindAddress, o.publicListen)
+		}
+		o.publicListen = net.JoinHostPort(ip.String(), port)
 	}
 	return cfg, o, nil
 }

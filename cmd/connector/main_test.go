@@ -1,9 +1,10 @@
 package main
 
 import (
-	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -34,9 +35,23 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			if c.Name != v1alpha1.ConnectorContainerName {
 				continue
 			}
-			cfg, o, err := parseFlags(c.Args)
+			// The kubelet expands $(POD_IP) from the container's downward-API env.
+			podIP := map[v1alpha1.Role]string{v1alpha1.RolePrefill: "10.244.0.7", v1alpha1.RoleDecode: "fd00:10:244::7"}[role]
+			var args []string
+			for _, a := range c.Args {
+				for _, e := range c.Env {
+					if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP" {
+						a = strings.ReplaceAll(a, "$("+e.Name+")", podIP)
+					}
+				}
+				if strings.Contains(a, "$(") {
+					t.Fatalf("%s sidecar argument %q names a variable the container does not define", role, a)
+				}
+				args = append(args, a)
+			}
+			cfg, o, err := parseFlags(args)
 			if err != nil {
-				t.Fatalf("%s sidecar args %v: %v", role, c.Args, err)
+				t.Fatalf("%s sidecar args %v: %v", role, args, err)
 			}
 			// The gate is on by default, and the sidecar beside a gated engine requires it.
 			if !cfg.Gate.Required {
@@ -45,8 +60,10 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			if cfg.Gate.StartupGrace != 1200*time.Second {
 				t.Errorf("%s sidecar args %v: gate start-up grace %s, want spec.connector.health.gateStartupGraceSeconds (1200s)", role, c.Args, cfg.Gate.StartupGrace)
 			}
-			if o.listen != render.ConnectorSocket || o.publicListen != fmt.Sprintf(":%d", render.ConnectorPort) {
-				t.Errorf("%s sidecar: listen %q, public %q, want %q and :%d", role, o.listen, o.publicListen, render.ConnectorSocket, render.ConnectorPort)
+			// The public port on the pod's IP only (IPv6 included).
+			wantPublic := net.JoinHostPort(podIP, strconv.Itoa(int(render.ConnectorPort)))
+			if o.listen != render.ConnectorSocket || o.publicListen != wantPublic {
+				t.Errorf("%s sidecar: listen %q, public %q, want %q and %s", role, o.listen, o.publicListen, render.ConnectorSocket, wantPublic)
 			}
 		}
 	}
@@ -94,5 +111,28 @@ func TestSidecarLogsThroughMainsLogger(t *testing.T) {
 	s.LocalHandler(prometheus.NewRegistry()).ServeHTTP(rec, httptest.NewRequest(http.MethodPost, localapi.PathGate, strings.NewReader("{")))
 	if len(lines) != 1 || !strings.Contains(lines[0], "refused a request") {
 		t.Fatalf("sidecar log lines %q, want its refusal", lines)
+	}
+}
+
+// --bind-address replaces the host of --public-listen; anything but an IP is refused.
+func TestBindAddress(t *testing.T) {
+	for _, tc := range []struct {
+		args    []string
+		want    string
+		wantErr bool
+	}{
+		{args: []string{"--public-listen=:8190"}, want: ":8190"},
+		{args: []string{"--public-listen=:8190", "--bind-address=10.0.0.3"}, want: "10.0.0.3:8190"},
+		{args: []string{"--public-listen=0.0.0.0:8190", "--bind-address=fd00::3"}, want: "[fd00::3]:8190"},
+		{args: []string{"--public-listen=:8190", "--bind-address=$(POD_IP)"}, wantErr: true}, // not expanded
+		{args: []string{"--public-listen=8190", "--bind-address=10.0.0.3"}, wantErr: true},
+	} {
+		_, o, err := parseFlags(tc.args)
+		if (err != nil) != tc.wantErr {
+			t.Fatalf("%v: error %v, want error %v", tc.args, err, tc.wantErr)
+		}
+		if err == nil && o.publicListen != tc.want {
+			t.Errorf("%v: public listen %q, want %q", tc.args, o.publicListen, tc.want)
+		}
 	}
 }

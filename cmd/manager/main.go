@@ -3,9 +3,12 @@ package main
 
 import (
 	"flag"
+	"fmt"
 	"os"
+	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/validation"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
@@ -24,6 +27,7 @@ type settings struct {
 	metricsSecure          bool
 	leaderElect, readGate  bool
 	concurrency            int
+	watchNamespaces        []string
 	opts                   render.Options
 	zap                    zap.Options
 }
@@ -45,6 +49,18 @@ func parseFlags(args []string, getenv func(string) string) (settings, error) {
 		s.opts.OperatorNamespace = ns
 	}
 	fs.StringVar(&s.opts.OperatorNamespace, "operator-namespace", s.opts.OperatorNamespace, "namespace the operator runs in (default: $POD_NAMESPACE): PDClusters' NetworkPolicies admit the connector sidecars' port from it")
+	fs.Func("watch-namespaces", "comma-separated namespaces whose PDClusters the operator reconciles (default: every namespace); with it the operator needs Roles in those namespaces only (the chart's watchNamespaces)", func(v string) error {
+		s.watchNamespaces = nil
+		for ns := range strings.SplitSeq(v, ",") {
+			if ns = strings.TrimSpace(ns); ns != "" {
+				if errs := validation.IsDNS1123Label(ns); len(errs) > 0 {
+					return fmt.Errorf("namespace %q: %s", ns, strings.Join(errs, "; "))
+				}
+				s.watchNamespaces = append(s.watchNamespaces, ns)
+			}
+		}
+		return nil
+	})
 	fs.IntVar(&s.concurrency, "max-concurrent-reconciles", 16, "PDClusters reconciled at once")
 	fs.BoolVar(&s.readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8190/gate) into status.<pool>.gate")
 	s.zap.BindFlags(fs)
@@ -72,7 +88,7 @@ func main() {
 
 	mgr, err := ctrl.NewManager(ctrl.GetConfigOrDie(), ctrl.Options{
 		Scheme:                 scheme,
-		Cache:                  controllers.CacheOptions(),
+		Cache:                  controllers.CacheOptions(s.watchNamespaces...),
 		Metrics:                metricsOptions(metricsAddr, s.metricsSecure),
 		HealthProbeBindAddress: probeAddr,
 		LeaderElection:         leaderElect,
@@ -106,7 +122,7 @@ func main() {
 		setupLog.Error(err, "add ready check")
 		os.Exit(1)
 	}
-	setupLog.Info("starting manager")
+	setupLog.Info("starting manager", "watchNamespaces", s.watchNamespaces)
 	if err := mgr.Start(ctrl.SetupSignalHandler()); err != nil {
 		setupLog.Error(err, "run manager")
 		os.Exit(1)

@@ -2,12 +2,18 @@ package main
 
 import (
 	"bytes"
+	"maps"
 	"os"
+	"slices"
 	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 
 	appsv1 "k8s.io/api/apps/v1"
 	"sigs.k8s.io/yaml"
 
+	"pdcluster.dev/pdcluster-operator/controllers"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -83,6 +89,35 @@ func TestMetricsAreSecureByDefault(t *testing.T) {
 		o := metricsOptions(s.metricsAddr, s.metricsSecure)
 		if o.SecureServing != tc.secure || (o.FilterProvider != nil) != tc.secure {
 			t.Errorf("%v: secure serving %v, filter %v; want both %v", tc.args, o.SecureServing, o.FilterProvider != nil, tc.secure)
+		}
+	}
+}
+
+// --watch-namespaces confines the cache to the namespaces the chart's Roles cover.
+func TestWatchNamespaces(t *testing.T) {
+	for _, tc := range []struct {
+		args    []string
+		want    []string
+		wantErr bool
+	}{
+		{args: nil, want: nil},
+		{args: []string{"--watch-namespaces=team-a"}, want: []string{"team-a"}},
+		{args: []string{"--watch-namespaces=team-a, team-b,"}, want: []string{"team-a", "team-b"}},
+		{args: []string{"--watch-namespaces=Team_A"}, wantErr: true},
+	} {
+		s, err := parseFlags(tc.args, func(string) string { return "" })
+		if (err != nil) != tc.wantErr {
+			t.Fatalf("%v: error %v, want error %v", tc.args, err, tc.wantErr)
+		}
+		if tc.wantErr {
+			continue
+		}
+		if d := cmp.Diff(tc.want, s.watchNamespaces); d != "" {
+			t.Errorf("%v (-want +got):\n%s", tc.args, d)
+		}
+		got := slices.Sorted(maps.Keys(controllers.CacheOptions(s.watchNamespaces...).DefaultNamespaces))
+		if d := cmp.Diff(tc.want, got, cmpopts.EquateEmpty()); d != "" {
+			t.Errorf("%v: cache namespaces (-want +got):\n%s", tc.args, d)
 		}
 	}
 }

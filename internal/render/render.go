@@ -655,6 +655,9 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		"--role=" + string(role.KVRole()),
 		"--listen=" + ConnectorSocket,
 		fmt.Sprintf("--public-listen=:%d", ConnectorPort),
+		// The pod's IP only: the kubelet and the operator come that way, and a second network
+		// of the pod (RDMA), which no NetworkPolicy covers, does not reach the port.
+		"--bind-address=$(POD_IP)",
 	}
 	if GateEnabled(pdc.Spec.KVTransfer) {
 		// Not ready until the engine's gate has loaded and while its heartbeat is missing.
@@ -673,6 +676,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		Name:           v1alpha1.ConnectorContainerName,
 		Image:          orDefault(c.Image, opts.ConnectorImage),
 		Args:           args,
+		Env:            []corev1.EnvVar{podIPEnv()},
 		Ports:          connectorPorts(),
 		Resources:      resources,
 		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),

@@ -1,11 +1,6 @@
-# Generated from config/rbac/role.yaml by make manifests: do not edit.
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRole
-metadata:
-  name: {{ include "pdcluster-operator.fullname" . }}-manager
-  labels:
-    {{- include "pdcluster-operator.labels" . | nindent 4 }}
+{{/* Generated from config/rbac/role.yaml by make manifests: do not edit. */}}
+{{/* The manager's rules, granted cluster-wide or in each of .Values.watchNamespaces (manager-rbac.yaml). */}}
+{{- define "pdcluster-operator.managerRules" -}}
 rules:
 - apiGroups:
   - ""
@@ -41,18 +36,6 @@ rules:
   - patch
   - update
   - watch
-- apiGroups:
-  - authentication.k8s.io
-  resources:
-  - tokenreviews
-  verbs:
-  - create
-- apiGroups:
-  - authorization.k8s.io
-  resources:
-  - subjectaccessreviews
-  verbs:
-  - create
 - apiGroups:
   - events.k8s.io
   resources:
@@ -100,3 +83,4 @@ rules:
   - get
   - patch
   - update
+{{- end }}
