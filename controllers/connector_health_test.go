@@ -108,13 +108,18 @@ func newHealthFixture(t *testing.T, funcs interceptor.Funcs, pods ...*corev1.Pod
 	return f
 }
 
-// run reconciles connector health once and carries the status over, as a status write would.
+// run observes, decides and acts on connector health once, and carries the computed status
+// over, as a status write would.
 func (f *healthFixture) run(t *testing.T) (time.Duration, []event, error) {
 	t.Helper()
-	var pending []event
-	after, err := f.r.reconcileConnectorHealth(context.Background(), f.pdc, f.status, &pending)
-	f.pdc.Status = *f.status.DeepCopy()
-	return after, pending, err
+	ctx := context.Background()
+	in := statusInputs{pdc: f.pdc, now: f.clock.Now()}
+	in.obs = f.r.observe(ctx, f.pdc)
+	in.health = f.r.decideConnectorHealth(ctx, f.pdc, in.obs, in.now)
+	status, events := computeStatus(in)
+	f.status = &status
+	f.pdc.Status = *status.DeepCopy()
+	return in.health.requeueAfter(), events, in.health.err
 }
 
 func (f *healthFixture) condition(t *testing.T) metav1.Condition {

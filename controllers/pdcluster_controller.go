@@ -32,6 +32,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -78,30 +79,27 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		forgetStatus(req.Namespace, req.Name)
 		return ctrl.Result{}, nil // children go with the owner references
 	}
-	status := pdc.Status.DeepCopy()
-	var pending []event
-
-	applied, applyErr := r.reconcileChildren(ctx, &pdc, status, &pending)
+	// Apply, observe once, act on connector health, then compute the whole status from what
+	// was learned and write it once; events go out after the write.
+	in := statusInputs{pdc: &pdc, now: r.now()}
+	applied, events, err := r.reconcileChildren(ctx, &pdc)
+	in.applied, in.childrenErr = applied, err
+	reconcileErr := err // every step's error: apply, observe, restarts
 	var requeueAfter time.Duration
-	if applyErr == nil {
-		// A failed restart is reported in status like a failed apply, then retried.
-		requeueAfter, applyErr = r.reconcileConnectorHealth(ctx, &pdc, status, &pending)
-		// A pool status that cannot be read must not keep a restart round that already
-		// deleted pods out of status: backoff and budget count on that record.
-		if err := r.reconcilePoolStatus(ctx, &pdc, status, applied); err != nil {
-			applyErr = errors.Join(applyErr, err)
+	if err == nil {
+		in.obs = r.observe(ctx, &pdc)
+		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now)
+		reconcileErr = errors.Join(in.obs.err(), in.health.err)
+		requeueAfter = in.health.requeueAfter()
+		if in.obs.gatesRead {
+			requeueAfter = sooner(requeueAfter, gateRefresh)
 		}
-		gateAfter, silent, err := r.reconcileGateStatus(ctx, &pdc, status)
-		applyErr = errors.Join(applyErr, err)
-		requeueAfter = sooner(requeueAfter, gateAfter)
-		reconcileGateCondition(&pdc, status, silent, &pending)
 	}
-	pending = append(pending, poolProblemEvents(pdc.Status.Conditions, status)...)
-	pending = append(pending, readinessEvents(pdc.Status.Conditions, status)...)
-	status.ObservedGeneration = pdc.Generation
+	status, statusEvents := computeStatus(in)
+	events = append(events, statusEvents...)
 
-	if !equality.Semantic.DeepEqual(&pdc.Status, status) {
-		pdc.Status = *status
+	if !equality.Semantic.DeepEqual(&pdc.Status, &status) {
+		pdc.Status = status
 		// Update, not a patch: status carries the restart record, which a write computed from
 		// a stale copy must not overwrite. A conflict only means the cache was behind; the
 		// watch event of the newer write reconciles again.
@@ -113,15 +111,15 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		}
 	}
 	recordStatus(&pdc)
-	for _, e := range pending {
+	for _, e := range events {
 		r.Recorder.Eventf(&pdc, nil, e.kind, e.reason, e.action, "%s", e.note)
 	}
-	if applyErr != nil {
-		logger.Error(applyErr, "reconcile children")
-		if isPermanent(applyErr) {
+	if reconcileErr != nil {
+		logger.Error(reconcileErr, "reconcile")
+		if isPermanent(reconcileErr) {
 			return ctrl.Result{}, nil // a spec error: wait for the user to change it
 		}
-		return ctrl.Result{}, applyErr
+		return ctrl.Result{}, reconcileErr
 	}
 	return ctrl.Result{RequeueAfter: requeueAfter}, nil
 }
@@ -138,8 +136,6 @@ func sooner(a, b time.Duration) time.Duration {
 // case no watch event of that newer write arrives.
 const conflictRetry = time.Second
 
-type event struct{ kind, reason, action, note string }
-
 type permanentError struct{ error }
 
 func (e permanentError) Unwrap() error { return e.error }
@@ -151,38 +147,37 @@ func isPermanent(err error) bool {
 
 // reconcileChildren renders the desired objects and applies the ones that differ from the
 // cluster. Nothing is written when everything already matches. It returns what it applied (as
-// rendered, not as the server answered), for the pool-status step.
-func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, pending *[]event) ([]render.Object, error) {
+// rendered, not as the server answered), for the pool status, and the events of what it did.
+func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster) ([]render.Object, []event, error) {
 	objs, err := render.Render(pdc, r.Options)
 	if err != nil {
-		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonInvalidSpec, err.Error())
-		*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonInvalidSpec, "Render", err.Error()})
-		return nil, permanentError{fmt.Errorf("render: %w", err)}
+		return nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
 	}
 	// One event per action for all the children it touched: the events library merges events
 	// of one reason and action into a series that keeps only the first note, so one event per
 	// child named a single child (and cost a write each).
 	var created, updated []string
-	defer func() {
+	var events []event
+	summarize := func() {
 		for _, e := range []struct {
 			reason, action string
 			names          []string
 		}{{"Created", "Create", created}, {"Updated", "Update", updated}} {
 			if len(e.names) > 0 {
-				*pending = append(*pending, event{corev1.EventTypeNormal, e.reason, e.action, strings.ToLower(e.reason) + " " + strings.Join(e.names, ", ")})
+				events = append(events, event{corev1.EventTypeNormal, e.reason, e.action, strings.ToLower(e.reason) + " " + strings.Join(e.names, ", ")})
 			}
 		}
-	}()
+	}
 	for _, obj := range objs {
 		if err := controllerutil.SetControllerReference(pdc, obj, r.Scheme); err != nil {
-			return nil, fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
+			summarize()
+			return nil, events, fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
 		}
 		action, err := r.reconcileObject(ctx, obj)
 		if err != nil {
+			summarize()
 			msg := fmt.Sprintf("apply %T %s: %v", obj, obj.GetName(), err)
-			setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonApplyFailed, msg)
-			*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonApplyFailed, "Apply", msg})
-			return nil, fmt.Errorf("apply %s: %w", obj.GetName(), err)
+			return nil, events, &readyError{v1alpha1.ReasonApplyFailed, "Apply", msg, fmt.Errorf("apply %s: %w", obj.GetName(), err)}
 		}
 		name := obj.GetObjectKind().GroupVersionKind().Kind + " " + obj.GetName()
 		switch action {
@@ -192,17 +187,27 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 			updated = append(updated, name)
 		}
 	}
-	return objs, r.deleteUnusedChildren(ctx, pdc, pending)
+	summarize()
+	deleted, err := r.deleteUnusedChildren(ctx, pdc)
+	return objs, append(events, deleted...), err
 }
 
 // deleteUnusedChildren removes the children render leaves out depending on the spec once the
 // spec no longer asks for them: the completion gate's ConfigMap, a pool's PodDisruptionBudget,
-// the NetworkPolicies.
-func (r *PDClusterReconciler) deleteUnusedChildren(ctx context.Context, pdc *v1alpha1.PDCluster, pending *[]event) error {
+// the NetworkPolicies. It returns an event for each.
+func (r *PDClusterReconciler) deleteUnusedChildren(ctx context.Context, pdc *v1alpha1.PDCluster) ([]event, error) {
+	var events []event
+	del := func(obj client.Object, kind, why string) error {
+		e, err := r.deleteUnused(ctx, pdc, obj, kind, why)
+		if e != nil {
+			events = append(events, *e)
+		}
+		return err
+	}
 	if !render.GateEnabled(pdc.Spec.KVTransfer) {
 		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.GateObjectName(pdc.Name)}}
-		if err := r.deleteUnused(ctx, pdc, cm, "ConfigMap", "the completion gate is disabled", pending); err != nil {
-			return err
+		if err := del(cm, "ConfigMap", "the completion gate is disabled"); err != nil {
+			return events, err
 		}
 	}
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
@@ -210,39 +215,39 @@ func (r *PDClusterReconciler) deleteUnusedChildren(ctx context.Context, pdc *v1a
 			continue
 		}
 		pdb := &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}}
-		if err := r.deleteUnused(ctx, pdc, pdb, "PodDisruptionBudget", fmt.Sprintf("spec.%s.disruptionBudget is unset", role), pending); err != nil {
-			return err
+		if err := del(pdb, "PodDisruptionBudget", fmt.Sprintf("spec.%s.disruptionBudget is unset", role)); err != nil {
+			return events, err
 		}
 	}
 	if !render.NetworkPoliciesEnabled(pdc) {
 		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
 			np := &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}}
-			if err := r.deleteUnused(ctx, pdc, np, "NetworkPolicy", "spec.networkPolicy.enabled is false", pending); err != nil {
-				return err
+			if err := del(np, "NetworkPolicy", "spec.networkPolicy.enabled is false"); err != nil {
+				return events, err
 			}
 		}
 	}
-	return nil
+	return events, nil
 }
 
-// deleteUnused deletes obj (named, of kind) if it exists and this PDCluster controls it.
-func (r *PDClusterReconciler) deleteUnused(ctx context.Context, pdc *v1alpha1.PDCluster, obj client.Object, kind, why string, pending *[]event) error {
+// deleteUnused deletes obj (named, of kind) if it exists and this PDCluster controls it, and
+// returns the event saying so.
+func (r *PDClusterReconciler) deleteUnused(ctx context.Context, pdc *v1alpha1.PDCluster, obj client.Object, kind, why string) (*event, error) {
 	err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj)
 	if apierrors.IsNotFound(err) {
-		return nil
+		return nil, nil
 	}
 	if err != nil {
-		return fmt.Errorf("get %s %s: %w", kind, obj.GetName(), err)
+		return nil, fmt.Errorf("get %s %s: %w", kind, obj.GetName(), err)
 	}
 	if !metav1.IsControlledBy(obj, pdc) {
-		return nil
+		return nil, nil
 	}
 	uid := obj.GetUID()
 	if err := r.Delete(ctx, obj, client.Preconditions{UID: &uid}); client.IgnoreNotFound(err) != nil {
-		return fmt.Errorf("delete the unused %s %s: %w", kind, obj.GetName(), err)
+		return nil, fmt.Errorf("delete the unused %s %s: %w", kind, obj.GetName(), err)
 	}
-	*pending = append(*pending, event{corev1.EventTypeNormal, "Deleted", "Delete", fmt.Sprintf("deleted %s %s: %s", kind, obj.GetName(), why)})
-	return nil
+	return &event{corev1.EventTypeNormal, "Deleted", "Delete", fmt.Sprintf("deleted %s %s: %s", kind, obj.GetName(), why)}, nil
 }
 
 type applyAction int
@@ -333,6 +338,15 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		WithOptions(controller.Options{MaxConcurrentReconciles: r.MaxConcurrentReconciles}).
 		Named("pdcluster").
 		Complete(r)
+}
+
+// podToPDCluster maps an engine pod to the PDCluster named in its labels.
+func podToPDCluster(_ context.Context, obj client.Object) []reconcile.Request {
+	name := obj.GetLabels()[v1alpha1.LabelCluster]
+	if name == "" || obj.GetLabels()[v1alpha1.LabelManagedBy] != v1alpha1.OperatorName {
+		return nil
+	}
+	return []reconcile.Request{{NamespacedName: client.ObjectKey{Namespace: obj.GetNamespace(), Name: name}}}
 }
 
 // CacheOptions shape the manager's cache. Pods, Deployments, Services, ConfigMaps and

@@ -26,8 +26,9 @@ import (
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
-// A restart round that deleted pods is saved in status even when the pool-status step after
-// it fails: backoff and budget count on that record, so losing it would restart again at once.
+// A restart round that deleted pods is saved in status even when another part of the
+// reconcile fails (here the Deployments cannot be read, so the pool status is unknown): backoff
+// and budget count on that record, so losing it would restart again at once.
 func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 	p := pdc()
 	p.Status.Connector.UnhealthyPods = []v1alpha1.UnhealthyPod{{Name: "d-0", Since: metav1.NewTime(start.Add(-time.Minute))}}
@@ -37,12 +38,12 @@ func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 			deleted = true
 			return c.Delete(ctx, obj, opts...)
 		},
-		// Deployments read after the round (the pool-status step) fail.
-		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
-			if _, ok := obj.(*appsv1.Deployment); ok && deleted {
+		// The Deployments cannot be observed (the pool status is unknown); the pods can.
+		List: func(ctx context.Context, c client.WithWatch, list client.ObjectList, opts ...client.ListOption) error {
+			if _, ok := list.(*appsv1.DeploymentList); ok {
 				return errors.New("apiserver unavailable")
 			}
-			return c.Get(ctx, key, obj, opts...)
+			return c.List(ctx, list, opts...)
 		},
 	}
 	c := newFakeClient(t).
@@ -126,11 +127,11 @@ func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 			}
 			c := newFakeClient(t).WithObjects(p, child).Build()
 			r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
-			var pending []event
-			if err := r.deleteUnusedChildren(context.Background(), p, &pending); err != nil {
+			pending, err := r.deleteUnusedChildren(context.Background(), p)
+			if err != nil {
 				t.Fatal(err)
 			}
-			err := c.Get(context.Background(), client.ObjectKeyFromObject(child), tc.child())
+			err = c.Get(context.Background(), client.ObjectKeyFromObject(child), tc.child())
 			if gone := apierrors.IsNotFound(err); gone != tc.gone {
 				t.Errorf("deleted = %v (err %v), want %v", gone, err, tc.gone)
 			}

@@ -1,75 +1,181 @@
 package controllers
 
-// The PDCluster's status is computed here: pool counts and conditions, Ready, and the events of
-// its transitions. Connector health adds its condition and record in connector_health.go; the
-// reconciler writes the result once per reconcile.
+// The PDCluster's status is computed here, in one pure function, from what a reconcile applied
+// and observed and what connector health did: every status field has one writer below, and
+// the events of its transitions come out with it. The reconciler writes the result once.
 
 import (
-	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/controllers/connectorhealth"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
-// reconcilePoolStatus copies each Deployment's replica counts and sets the per-component
-// conditions and Ready. applied is what this reconcile applied (nil: nothing to compare with).
-func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, applied []render.Object) error {
+// statusInputs are what one reconcile learned.
+type statusInputs struct {
+	// pdc is the PDCluster as read: its spec, generation and the status it had.
+	pdc *v1alpha1.PDCluster
+	now time.Time
+	// childrenErr is the render or apply error, if any; a *readyError is reported in Ready.
+	// With it nothing was observed.
+	childrenErr error
+	// applied are the children this reconcile applied, as rendered.
+	applied []render.Object
+	obs     observed
+	health  healthOutcome
+}
+
+// readyError is a render or apply failure as the Ready condition and a Warning event report it.
+type readyError struct {
+	reason, action, message string
+	err                     error
+}
+
+func (e *readyError) Error() string { return e.err.Error() }
+func (e *readyError) Unwrap() error { return e.err }
+
+// event is one to emit after the status write.
+type event struct{ kind, reason, action, note string }
+
+// computeStatus returns the PDCluster's new status and the events of its transitions.
+func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
+	status := *in.pdc.Status.DeepCopy()
+	var events []event
+	if in.childrenErr != nil {
+		var re *readyError
+		if errors.As(in.childrenErr, &re) {
+			setCondition(&status, in.pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, re.reason, re.message)
+			events = append(events, event{corev1.EventTypeWarning, re.reason, re.action, re.message})
+		}
+	} else {
+		events = append(events, connectorStatus(&status, in)...)
+		poolStatuses(&status, in)
+		events = append(events, gateCondition(in.pdc, &status, gateSummary(in.obs.gates, in.health.restarted).silent)...)
+	}
+	events = append(events, poolProblemEvents(in.pdc.Status.Conditions, &status)...)
+	events = append(events, readinessEvents(in.pdc.Status.Conditions, &status)...)
+	status.ObservedGeneration = in.pdc.Generation
+	return status, events
+}
+
+// connectorStatus writes status.connector and the ConnectorHealthy condition from the health
+// decision and the restarts made on it.
+func connectorStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
+	h := in.health
+	if !h.decided {
+		return nil // the pods are unknown: keep what was known
+	}
+	pdc, d, policy := in.pdc, h.decision, h.policy
+	status.Connector = *d.Status.DeepCopy()
+	if h.deferred {
+		return nil
+	}
+	connectorhealth.RecordRound(&status.Connector, in.now, len(h.restarted))
+	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionConnectorHealthy)
+	msg := connectorhealth.Describe(policy, d)
+	switch {
+	case h.err != nil:
+		msg = fmt.Sprintf("restart pods with an unready connector: %v", h.err)
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, v1alpha1.ReasonRestartFailed, msg)
+		return []event{{corev1.EventTypeWarning, v1alpha1.ReasonRestartFailed, "RestartPod", msg}}
+	case len(d.Unhealthy) == 0:
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionTrue, v1alpha1.ReasonConnectorsReady, msg)
+		if before != nil && before.Status != metav1.ConditionTrue {
+			return []event{{corev1.EventTypeNormal, v1alpha1.ReasonConnectorsReady, "Observe", msg}}
+		}
+	case len(h.restarted) > 0:
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, v1alpha1.ReasonConnectorRestarted, msg)
+		return []event{{corev1.EventTypeWarning, v1alpha1.ReasonConnectorRestarted, "RestartPod",
+			fmt.Sprintf("%s (round %d; %d of %d rounds in %s spent)", msg, status.Connector.ConsecutiveRounds, len(status.Connector.RecentRounds), policy.Budget, policy.Window)}}
+	case d.Blocked != "":
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, d.Blocked, msg)
+		if d.Blocked == v1alpha1.ReasonRestartBudgetExhausted && (before == nil || before.Reason != d.Blocked) {
+			return []event{{corev1.EventTypeWarning, d.Blocked, "RestartPod", msg}}
+		}
+	default:
+		setCondition(status, pdc, v1alpha1.ConditionConnectorHealthy, metav1.ConditionFalse, v1alpha1.ReasonConnectorNotReady, msg)
+		if before == nil || before.Status == metav1.ConditionTrue {
+			return []event{{corev1.EventTypeWarning, v1alpha1.ReasonConnectorNotReady, "Observe", msg}}
+		}
+	}
+	return nil
+}
+
+// poolStatuses writes status.prefill, status.decode and status.router (replica counts, the
+// restarts counted so far, the gate counts), the pool conditions and Ready.
+func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs) {
+	pdc := in.pdc
+	gates := gateSummary(in.obs.gates, in.health.restarted)
+	restarted := map[v1alpha1.Role]int32{}
+	gone := map[string]bool{}
+	for _, p := range in.health.restarted {
+		restarted[p.Role]++
+		gone[p.Name] = true
+	}
 	components := []struct {
 		role      v1alpha1.Role
 		condition string
 		out       *v1alpha1.PoolStatus
+		gate      *v1alpha1.PoolGateStatus
 	}{
-		{v1alpha1.RolePrefill, v1alpha1.ConditionPrefillReady, &status.Prefill},
-		{v1alpha1.RoleDecode, v1alpha1.ConditionDecodeReady, &status.Decode},
-		{v1alpha1.RoleRouter, v1alpha1.ConditionRouterReady, &status.Router},
+		{v1alpha1.RolePrefill, v1alpha1.ConditionPrefillReady, &status.Prefill, gates.prefill},
+		{v1alpha1.RoleDecode, v1alpha1.ConditionDecodeReady, &status.Decode, gates.decode},
+		{v1alpha1.RoleRouter, v1alpha1.ConditionRouterReady, &status.Router, nil},
 	}
-	var notReady []string
-	var problem struct{ reason, msg string } // the first pool's pod problem, for Ready
 	// A cached Deployment that differs from what this reconcile applied is the cache not having
 	// caught up with the write yet, and its counts describe the previous spec (a pool just
 	// scaled from 2 to 3 would read "2/2", ready).
 	desired := map[string]client.Object{}
-	for _, o := range applied {
+	for _, o := range in.applied {
 		if _, ok := o.(*appsv1.Deployment); ok {
 			desired[o.GetName()] = o
 		}
 	}
+	var notReady []string
+	var problem struct{ reason, msg string } // the first pool's pod problem, for Ready
 	for _, c := range components {
-		var dep appsv1.Deployment
-		err := r.Get(ctx, client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, c.role)}, &dep)
-		if apierrors.IsNotFound(err) {
-			*c.out = v1alpha1.PoolStatus{ConnectorRestarts: c.out.ConnectorRestarts}
+		ps := *c.out // kept as it was while the Deployments are unknown
+		ps.ConnectorRestarts = c.out.ConnectorRestarts + restarted[c.role]
+		ps.Gate = c.gate
+		if in.obs.depsErr != nil {
+			*c.out = ps
+			continue
+		}
+		dep := in.obs.deployments[c.role]
+		if dep == nil {
+			*c.out = v1alpha1.PoolStatus{ConnectorRestarts: ps.ConnectorRestarts, Gate: ps.Gate}
 			setCondition(status, pdc, c.condition, metav1.ConditionFalse, v1alpha1.ReasonDeploymentAbsent, fmt.Sprintf("Deployment %s not found", render.ObjectName(pdc.Name, c.role)))
 			notReady = append(notReady, string(c.role))
 			continue
 		}
-		if err != nil {
-			return fmt.Errorf("get %s deployment: %w", c.role, err)
-		}
-		ps, condStatus, reason, msg := poolStatus(&dep)
-		if want, ok := desired[dep.Name]; ok && !upToDate(want, &dep) {
+		counts, condStatus, reason, msg := poolStatus(dep)
+		if want, ok := desired[dep.Name]; ok && !upToDate(want, dep) {
 			condStatus, reason, msg = metav1.ConditionFalse, v1alpha1.ReasonRollingOut, "applying the new spec"
 		}
-		ps.ConnectorRestarts = c.out.ConnectorRestarts
-		*c.out = ps
+		counts.ConnectorRestarts, counts.Gate = ps.ConnectorRestarts, ps.Gate
+		*c.out = counts
 		if condStatus != metav1.ConditionTrue {
-			// Replica counts say that pods are missing; the pods say why.
-			var pods corev1.PodList
-			if err := r.List(ctx, &pods, client.InNamespace(pdc.Namespace), client.MatchingLabels(render.Labels(pdc.Name, c.role))); err != nil {
-				return fmt.Errorf("list %s pods: %w", c.role, err)
+			// Replica counts say that pods are missing; the pods say why (not the ones just
+			// restarted: they are on their way out).
+			var pods []corev1.Pod
+			for _, p := range podsOf(in.obs.pods, c.role) {
+				if !gone[p.Name] {
+					pods = append(pods, p)
+				}
 			}
-			if why, detail := podProblem(pods.Items); why != "" {
+			if why, detail := podProblem(pods); why != "" {
 				reason, msg = why, detail
 				if problem.reason == "" {
 					problem.reason, problem.msg = why, fmt.Sprintf("%s: %s", c.role, detail)
@@ -80,6 +186,8 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 		setCondition(status, pdc, c.condition, condStatus, reason, msg)
 	}
 	switch {
+	case in.obs.depsErr != nil:
+		// Unknown: Ready keeps what it said.
 	case len(notReady) == 0:
 		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAllReady, "prefill, decode and router are ready")
 	case problem.reason != "":
@@ -87,7 +195,56 @@ func (r *PDClusterReconciler) reconcilePoolStatus(ctx context.Context, pdc *v1al
 	default:
 		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonNotReady, fmt.Sprintf("not ready: %v", notReady))
 	}
-	return nil
+}
+
+// gateCounts are the gate's counts per pool and the pods whose connector is unready while
+// their gate is silent (the gate is why).
+type gateCounts struct {
+	prefill, decode *v1alpha1.PoolGateStatus
+	silent          []string
+}
+
+// gateSummary sums the gate counts each pool's engines answered, leaving out the pods just
+// restarted.
+func gateSummary(reads []gateRead, restarted []connectorhealth.Pod) gateCounts {
+	var g gateCounts
+	for _, rd := range reads {
+		if slices.ContainsFunc(restarted, func(p connectorhealth.Pod) bool { return p.Name == rd.pod.Name }) {
+			continue
+		}
+		out := &g.prefill
+		if rd.role == v1alpha1.RoleDecode {
+			out = &g.decode
+		}
+		if *out == nil {
+			*out = &v1alpha1.PoolGateStatus{}
+		}
+		s := *out
+		if !rd.st.Loaded || rd.st.Report == nil {
+			s.SilentPods++
+			if !connectorReady(rd.pod) {
+				g.silent = append(g.silent, rd.pod.Name)
+			}
+			continue
+		}
+		c := rd.st.Report.Counts
+		s.ReportingPods++
+		s.GatedCompletions += c.Gated
+		s.PassedCompletions += c.Passed
+		s.FailedPulls += c.Failed
+	}
+	slices.Sort(g.silent)
+	return g
+}
+
+// connectorReady is the kubelet's readiness of the pod's connector container.
+func connectorReady(pod *corev1.Pod) bool {
+	for _, cs := range pod.Status.ContainerStatuses {
+		if cs.Name == v1alpha1.ConnectorContainerName {
+			return cs.Ready
+		}
+	}
+	return false
 }
 
 // poolProblemEvents are Warning events for pool conditions that turned to a pod problem
@@ -154,10 +311,10 @@ func readinessEvents(before []metav1.Condition, after *v1alpha1.PDClusterStatus)
 	return nil
 }
 
-// reconcileGateCondition reports whether the engines run the completion-gated connector; a
-// user who turns it off is told, once, what that risks, and pods whose connector is unready
-// because their gate is silent are named.
-func reconcileGateCondition(pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, silent []string, pending *[]event) {
+// gateCondition writes CompletionGated: whether the engines run the completion-gated
+// connector; a user who turns it off is told, once, what that risks, and pods whose connector
+// is unready because their gate is silent are named.
+func gateCondition(pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, silent []string) []event {
 	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionCompletionGated)
 	if render.GateEnabled(pdc.Spec.KVTransfer) && len(silent) > 0 {
 		msg := fmt.Sprintf("the completion gate of %s has not reported, so its connector is unready and the pod is restarted: "+
@@ -165,24 +322,25 @@ func reconcileGateCondition(pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterS
 			strings.Join(silent, ", "))
 		setCondition(status, pdc, v1alpha1.ConditionCompletionGated, metav1.ConditionFalse, v1alpha1.ReasonGateSilent, msg)
 		if before == nil || before.Reason != v1alpha1.ReasonGateSilent {
-			*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonGateSilent, "Observe", msg})
+			return []event{{corev1.EventTypeWarning, v1alpha1.ReasonGateSilent, "Observe", msg}}
 		}
-		return
+		return nil
 	}
 	if render.GateEnabled(pdc.Spec.KVTransfer) {
 		setCondition(status, pdc, v1alpha1.ConditionCompletionGated, metav1.ConditionTrue, v1alpha1.ReasonGateEnabled,
 			"engines load the pdgate plugin: pulls with no local KV block are never reported to vLLM's scheduler as finished")
 		switch {
 		case before != nil && before.Reason == v1alpha1.ReasonGateDisabled:
-			*pending = append(*pending, event{corev1.EventTypeNormal, v1alpha1.ReasonGateEnabled, "Render", "completion gate enabled; engines roll to load it"})
+			return []event{{corev1.EventTypeNormal, v1alpha1.ReasonGateEnabled, "Render", "completion gate enabled; engines roll to load it"}}
 		case before != nil && before.Reason == v1alpha1.ReasonGateSilent:
-			*pending = append(*pending, event{corev1.EventTypeNormal, v1alpha1.ReasonGateEnabled, "Observe", "every engine's completion gate reports again"})
+			return []event{{corev1.EventTypeNormal, v1alpha1.ReasonGateEnabled, "Observe", "every engine's completion gate reports again"}}
 		}
-		return
+		return nil
 	}
 	msg := "kvTransfer.completionGate is Disabled: engines run vLLM's stock connector, which reports pulls with no local KV block (early aborts, rejected requests, full prefix hits) as finished and can kill the decode engine"
 	setCondition(status, pdc, v1alpha1.ConditionCompletionGated, metav1.ConditionFalse, v1alpha1.ReasonGateDisabled, msg)
 	if before == nil || before.Status != metav1.ConditionFalse {
-		*pending = append(*pending, event{corev1.EventTypeWarning, v1alpha1.ReasonGateDisabled, "Render", msg})
+		return []event{{corev1.EventTypeWarning, v1alpha1.ReasonGateDisabled, "Render", msg}}
 	}
+	return nil
 }

@@ -1,0 +1,98 @@
+package controllers
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/go-logr/logr"
+	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
+
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/connector/sidecar"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+)
+
+// fakeGates answers ReadGate from a table by pod name; a missing pod is an error.
+type fakeGates map[string]vllmplugin.State
+
+func (f fakeGates) ReadGate(_ context.Context, pod *corev1.Pod) (vllmplugin.State, error) {
+	st, ok := f[pod.Name]
+	if !ok {
+		return vllmplugin.State{}, errors.New("connection refused")
+	}
+	return st, nil
+}
+
+func loaded(gated, passed, failed int64) vllmplugin.State {
+	return vllmplugin.State{Loaded: true, Report: &vllmplugin.Report{Connector: "GatedMooncakeConnector",
+		Counts: vllmplugin.Counts{Gated: gated, Passed: passed, Failed: failed}}}
+}
+
+// The reader's side of GET /gate, against a server that answers as the sidecar does.
+func TestHTTPGateReader(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != vllmplugin.StatePath {
+			http.NotFound(w, r)
+			return
+		}
+		_ = json.NewEncoder(w).Encode(loaded(2, 3, 0))
+	}))
+	defer srv.Close()
+	host := strings.TrimPrefix(srv.URL, "http://")
+	h := NewHTTPGateReader()
+	h.Addr = func(*corev1.Pod) string { return host }
+	st, err := h.ReadGate(context.Background(), &corev1.Pod{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := cmp.Diff(loaded(2, 3, 0), st); d != "" {
+		t.Errorf("state (-want +got):\n%s", d)
+	}
+	if _, err := NewHTTPGateReader().ReadGate(context.Background(), &corev1.Pod{}); err == nil || !strings.Contains(err.Error(), "no IP") {
+		t.Errorf("pod without IP: err = %v", err)
+	}
+	h.Addr = func(*corev1.Pod) string { return host + "/nope" } // a sidecar without /gate
+	if _, err := h.ReadGate(context.Background(), &corev1.Pod{}); err == nil {
+		t.Error("a 404 was read as a state")
+	}
+}
+
+// Both sides of the seam: the real connector sidecar takes the plugin's heartbeat on its local
+// API, and the operator's reader gets it from the sidecar's public port.
+func TestHTTPGateReaderReadsTheSidecar(t *testing.T) {
+	sc, err := sidecar.New(sidecar.Config{Log: logr.Discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	local := httptest.NewServer(sc.LocalHandler(prometheus.NewRegistry()))
+	defer local.Close()
+	public := httptest.NewServer(sc.PublicHandler(prometheus.NewRegistry()))
+	defer public.Close()
+
+	report, _ := json.Marshal(loaded(6, 8, 0).Report)
+	resp, err := http.Post(local.URL+localapi.PathGate, "application/json", bytes.NewReader(report))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNoContent {
+		t.Fatalf("heartbeat: %s", resp.Status)
+	}
+	h := NewHTTPGateReader()
+	h.Addr = func(*corev1.Pod) string { return strings.TrimPrefix(public.URL, "http://") }
+	st, err := h.ReadGate(context.Background(), &corev1.Pod{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.Loaded || st.Report == nil || st.Report.Counts.Gated != 6 || st.Report.Counts.Passed != 8 {
+		t.Errorf("state %+v, want the heartbeat's counts, loaded", st)
+	}
+}

@@ -1,0 +1,120 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/log"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// observed is what one reconcile reads of a PDCluster's children, once: every later step
+// (connector health, restarts, status) works from it.
+type observed struct {
+	// pods are the PDCluster's pods, every role; podsErr says why they are unknown.
+	pods    []corev1.Pod
+	podsErr error
+	// deployments are the pools' Deployments by role (a missing one is absent); depsErr says
+	// why they are unknown.
+	deployments map[v1alpha1.Role]*appsv1.Deployment
+	depsErr     error
+	// gates are the completion gate states the engine pods' sidecars answered; gatesRead says
+	// whether they were asked at all (a reader is set, the gate is enabled, the pods are known).
+	gates     []gateRead
+	gatesRead bool
+}
+
+// gateRead is one engine pod's answer to GET /gate.
+type gateRead struct {
+	role v1alpha1.Role
+	pod  *corev1.Pod
+	st   vllmplugin.State
+}
+
+func (o observed) err() error { return errors.Join(o.podsErr, o.depsErr) }
+
+// gateReads bounds the sidecars read at once.
+const gateReads = 16
+
+// observe lists the PDCluster's pods and Deployments (from the cache) and reads the gate
+// counts of its running engine pods. A part that cannot be read is left unknown, with its
+// error; the others are still observed.
+func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDCluster) observed {
+	var o observed
+	inCluster := []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
+	var pods corev1.PodList
+	if err := r.List(ctx, &pods, inCluster...); err != nil {
+		o.podsErr = fmt.Errorf("list pods: %w", err)
+	} else {
+		o.pods = pods.Items
+	}
+	var deps appsv1.DeploymentList
+	if err := r.List(ctx, &deps, inCluster...); err != nil {
+		o.depsErr = fmt.Errorf("list deployments: %w", err)
+	} else {
+		o.deployments = map[v1alpha1.Role]*appsv1.Deployment{}
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
+			for i := range deps.Items {
+				if deps.Items[i].Name == render.ObjectName(pdc.Name, role) {
+					o.deployments[role] = &deps.Items[i]
+				}
+			}
+		}
+	}
+	if r.GateReader != nil && render.GateEnabled(pdc.Spec.KVTransfer) && o.podsErr == nil {
+		o.gates, o.gatesRead = r.readGates(ctx, o.pods), true
+	}
+	return o
+}
+
+// readGates asks the sidecars of the running engine pods for their gate's state, a few at a
+// time. Sidecars that do not answer are left out.
+func (r *PDClusterReconciler) readGates(ctx context.Context, pods []corev1.Pod) []gateRead {
+	var (
+		mu    sync.Mutex
+		reads []gateRead
+		wg    sync.WaitGroup
+		slots = make(chan struct{}, gateReads)
+	)
+	for i := range pods {
+		pod := &pods[i]
+		role := v1alpha1.Role(pod.Labels[v1alpha1.LabelRole])
+		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || pod.Status.Phase != corev1.PodRunning || pod.DeletionTimestamp != nil {
+			continue
+		}
+		wg.Add(1)
+		slots <- struct{}{}
+		go func() {
+			defer func() { <-slots; wg.Done() }()
+			st, err := r.GateReader.ReadGate(ctx, pod)
+			if err != nil {
+				log.FromContext(ctx).V(1).Info("gate counts not read", "pod", pod.Name, "error", err.Error())
+				return
+			}
+			mu.Lock()
+			reads = append(reads, gateRead{role, pod, st})
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return reads
+}
+
+// podsOf are the pods of one role.
+func podsOf(pods []corev1.Pod, role v1alpha1.Role) []corev1.Pod {
+	var out []corev1.Pod
+	for _, p := range pods {
+		if p.Labels[v1alpha1.LabelRole] == string(role) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
