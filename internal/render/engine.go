@@ -1,0 +1,234 @@
+// The engine pools: vLLM's command line and the prefill and decode Deployments.
+
+package render
+
+import (
+	"strconv"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+)
+
+// drain is the preStop hook of the engine pods' containers (the engine and its connector alike:
+// a connector that left first would fail the engine's last transfers).
+func drain() *corev1.Lifecycle {
+	return &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: drainSeconds}}}
+}
+
+// GPUsPerReplica is tensor*data*pipeline of a pool.
+func GPUsPerReplica(p v1alpha1.Parallelism) int64 {
+	return int64(ptr.Deref(p.Tensor, v1alpha1.DefaultParallelism)) *
+		int64(ptr.Deref(p.Data, v1alpha1.DefaultParallelism)) *
+		int64(ptr.Deref(p.Pipeline, v1alpha1.DefaultParallelism))
+}
+
+// EngineArgs is the full `vllm serve` argument list for role.
+func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
+	spec := pdc.Spec
+	p := pool(pdc, role)
+	kvcfg, err := KVTransferConfig(spec.KVTransfer, role)
+	if err != nil {
+		return nil, err
+	}
+	served := spec.Model.ServedModelName
+	if served == "" {
+		served = spec.Model.Path
+	}
+	args := []string{
+		"serve", ModelArg(spec.Model),
+		"--served-model-name", served,
+		"--host", "0.0.0.0",
+		"--port", strconv.Itoa(int(v1alpha1.DefaultEnginePort)),
+		"--block-size", strconv.Itoa(int(ptr.Deref(spec.Engine.BlockSize, v1alpha1.DefaultBlockSize))),
+		"--tensor-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Tensor, v1alpha1.DefaultParallelism))),
+		"--data-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Data, v1alpha1.DefaultParallelism))),
+		"--pipeline-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Pipeline, v1alpha1.DefaultParallelism))),
+	}
+	if p.Parallelism.Expert {
+		args = append(args, "--enable-expert-parallel")
+	}
+	if ptr.Deref(spec.Engine.EnablePrefixCaching, true) {
+		args = append(args, "--enable-prefix-caching")
+	} else {
+		args = append(args, "--no-enable-prefix-caching")
+	}
+	args = append(args, "--kv-transfer-config", kvcfg)
+	args = append(args, spec.Engine.Args...)
+	args = append(args, p.Args...)
+	return args, nil
+}
+
+// EngineDeployment is the prefill (kv_producer) or decode (kv_consumer) Deployment: the engine
+// and, beside it, the connector sidecar that watches its completion gate.
+func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) (*appsv1.Deployment, error) {
+	p := pool(pdc, role)
+	args, err := EngineArgs(pdc, role)
+	if err != nil {
+		return nil, err
+	}
+	resources := *p.Resources.DeepCopy()
+	gpus := *resource.NewQuantity(GPUsPerReplica(p.Parallelism), resource.DecimalSI)
+	setResource(&resources, corev1.ResourceName(v1alpha1.GPUResourceName), gpus)
+	if orDefault(pdc.Spec.KVTransfer.Protocol, v1alpha1.ProtocolRDMA) == v1alpha1.ProtocolRDMA {
+		name := p.RDMA.ResourceName
+		if name == "" {
+			name = v1alpha1.DefaultRDMAResourceName
+		}
+		count := ptr.Deref(p.RDMA.Count, v1alpha1.DefaultRDMACount)
+		setResource(&resources, corev1.ResourceName(name), *resource.NewQuantity(int64(count), resource.DecimalSI))
+	}
+
+	env := []corev1.EnvVar{
+		podIPEnv(),
+		{Name: "PDCLUSTER_CONNECTOR_URL", Value: ConnectorSocket},
+	}
+	env = append(env, connectorEnv(pdc.Spec.KVTransfer, role)...)
+
+	mounts := []corev1.VolumeMount{
+		{Name: shmVolume, MountPath: "/dev/shm"},
+		{Name: connectorVolume, MountPath: ConnectorDir},
+	}
+	volumes, modelMounts, modelEnv := modelVolumes(pdc.Spec.Model)
+	mounts = append(mounts, modelMounts...)
+	env = append(env, modelEnv...)
+	gate := GateEnabled(pdc.Spec.KVTransfer)
+	if gate {
+		// vLLM imports the plugin by kv_connector_module_path in the scheduler, every worker and
+		// the API server: PYTHONPATH is container-wide.
+		env = append(env, corev1.EnvVar{Name: "PYTHONPATH", Value: vllmplugin.MountDir})
+		mounts = append(mounts, corev1.VolumeMount{Name: gateVolume, MountPath: vllmplugin.MountDir + "/" + vllmplugin.Package, ReadOnly: true})
+		volumes = append(volumes, corev1.Volume{Name: gateVolume, VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
+			LocalObjectReference: corev1.LocalObjectReference{Name: GateObjectName(pdc.Name)},
+		}}})
+	}
+
+	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
+	connector := connectorContainer(pdc, opts, role)
+	podSpec := corev1.PodSpec{
+		Containers: []corev1.Container{{
+			Name:      v1alpha1.EngineContainerName,
+			Image:     orDefault(p.Image, pdc.Spec.Engine.Image),
+			Command:   []string{"vllm"},
+			Args:      args,
+			Ports:     enginePorts(pdc, role),
+			Env:       env,
+			Resources: resources,
+			// Model loading can take many minutes; the startup probe holds liveness off until then.
+			StartupProbe:    probe(health, 10, 180),
+			ReadinessProbe:  probe(health, 5, 3),
+			LivenessProbe:   probe(health, 10, 6),
+			SecurityContext: hardened(engineCapabilities(pdc.Spec.KVTransfer)...),
+			VolumeMounts:    mounts,
+			Lifecycle:       drain(),
+			// A crashing engine's last log lines become its termination message, which the
+			// PDCluster's status then quotes (vLLM writes no termination-log file).
+			TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+		}, connector},
+		Volumes: append([]corev1.Volume{
+			// NCCL and the engine's worker processes share tensors through /dev/shm.
+			{Name: shmVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}},
+			{Name: connectorVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{
+				Medium: corev1.StorageMediumMemory, SizeLimit: resource.NewQuantity(connectorVolumeBytes, resource.BinarySI),
+			}}},
+		}, volumes...),
+		NodeSelector: nodeSelector(p.NodeSelector),
+		Tolerations:  append([]corev1.Toleration(nil), p.Tolerations...),
+	}
+	settings := mergePodSettings(pdc.Spec.Engine.Pod, p.Pod)
+	applyPodSettings(&podSpec, settings)
+	dep, err := deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
+	if err != nil {
+		return nil, err
+	}
+	// The operator's own keys go in last: CEL refuses user keys under its prefixes, and these
+	// must win all the same.
+	tmpl := &dep.Spec.Template.ObjectMeta
+	tmpl.Labels = mergeMaps(nodeSelector(settings.Labels), tmpl.Labels)
+	tmpl.Annotations = mergeMaps(settings.Annotations, tmpl.Annotations)
+	if gate {
+		tmpl.Annotations[v1alpha1.AnnotationGateHash] = vllmplugin.Hash()
+	}
+	return dep, nil
+}
+
+// enginePorts are the ports vLLM binds in role's engine container: the OpenAI API, and the
+// connector's own listeners (Mooncake's bootstrap server on prefill, NIXL's side channel on
+// every engine, one port per data-parallel rank).
+func enginePorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []corev1.ContainerPort {
+	ports := []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}}
+	switch orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) {
+	case v1alpha1.ConnectorNixl:
+		dp := ptr.Deref(pool(pdc, role).Parallelism.Data, v1alpha1.DefaultParallelism)
+		for rank := range dp {
+			ports = append(ports, corev1.ContainerPort{Name: nixlPortName(rank), ContainerPort: v1alpha1.DefaultNixlSideChannelPort + rank, Protocol: corev1.ProtocolTCP})
+		}
+	default:
+		if role == v1alpha1.RolePrefill {
+			ports = append(ports, corev1.ContainerPort{Name: portBootstrap, ContainerPort: v1alpha1.DefaultBootstrapPort, Protocol: corev1.ProtocolTCP})
+		}
+	}
+	return ports
+}
+
+func nixlPortName(rank int32) string { return portNixlPrefix + strconv.Itoa(int(rank)) }
+
+func podIPEnv() corev1.EnvVar {
+	return corev1.EnvVar{Name: "POD_IP", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{APIVersion: "v1", FieldPath: "status.podIP"}}}
+}
+
+// probe sets every field, including the ones the API server would default, so the applied
+// object compares equal to the stored one and a resync writes nothing.
+func probe(h *corev1.ProbeHandler, period, failures int32) *corev1.Probe {
+	return &corev1.Probe{ProbeHandler: *h, PeriodSeconds: period, FailureThreshold: failures, TimeoutSeconds: 1, SuccessThreshold: 1}
+}
+
+func setResource(r *corev1.ResourceRequirements, name corev1.ResourceName, q resource.Quantity) {
+	if r.Limits == nil {
+		r.Limits = corev1.ResourceList{}
+	}
+	if r.Requests == nil {
+		r.Requests = corev1.ResourceList{}
+	}
+	r.Limits[name] = q
+	r.Requests[name] = q
+}
+
+// deployment wraps podSpec; inputs that pods read but the pod spec does not hold (a ConfigMap's
+// data) go into the config hash too, so changing them rolls the pods.
+func deployment(pdc *v1alpha1.PDCluster, role v1alpha1.Role, replicas int32, podSpec corev1.PodSpec, inputs ...any) (*appsv1.Deployment, error) {
+	hash, err := hashOf(append([]any{podSpec}, inputs...))
+	if err != nil {
+		return nil, err
+	}
+	labels := Labels(pdc.Name, role)
+	return &appsv1.Deployment{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
+		ObjectMeta: objectMeta(pdc, role),
+		Spec: appsv1.DeploymentSpec{
+			Replicas: ptr.To(replicas),
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{
+					Labels:      labels,
+					Annotations: map[string]string{v1alpha1.AnnotationConfigHash: hash},
+				},
+				Spec: podSpec,
+			},
+		},
+	}, nil
+}
+
+// pool is the spec of an engine pool.
+func pool(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *v1alpha1.PoolSpec {
+	if role == v1alpha1.RolePrefill {
+		return &pdc.Spec.Prefill
+	}
+	return &pdc.Spec.Decode
+}

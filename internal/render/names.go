@@ -1,0 +1,70 @@
+// Names, labels and ports of the rendered objects.
+
+package render
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+// Names and paths inside the rendered pods.
+const (
+	shmVolume = "dshm"
+	// gateVolume is the completion-gate plugin, from its ConfigMap.
+	gateVolume = "completion-gate"
+
+	// connectorVolume holds the sidecar's pod-local socket, which the engine's gate heartbeats
+	// to: on the pod's own volume, so only the engine of the same pod reaches it.
+	connectorVolume = "connector-run"
+	ConnectorDir    = "/var/run/pdcluster"
+	// ConnectorSocket is the sidecar's pod-local API (the gate's heartbeat).
+	ConnectorSocket = "unix://" + ConnectorDir + "/agent.sock"
+	// connectorVolumeBytes bounds the volume: it holds one socket.
+	connectorVolumeBytes = 1 << 20
+	// ConnectorPort is the sidecar's public port: /healthz, /readyz, /metrics and /gate. It is
+	// not vLLM's bootstrap port (8998): the prefill engine binds that in the same network
+	// namespace.
+	ConnectorPort int32 = 8190
+
+	// Port names, shared by container ports and the Services that target them.
+	portHTTP      = "http"
+	portBootstrap = "bootstrap"
+	portConnector = "connector"
+	// portNixlPrefix + data-parallel rank names a NIXL side-channel port.
+	portNixlPrefix = "nixl-"
+
+	// drainSeconds keeps a deleted engine pod's containers serving before they get SIGTERM:
+	// routers resolve the pools every 5 s through DNS (cached up to 5 s more), so a pod gone at
+	// once would still get requests and fail them ("no route to host") during every rollout.
+	drainSeconds = 15
+)
+
+// ObjectName is the name of the child object of cluster for role.
+func ObjectName(cluster string, role v1alpha1.Role) string { return cluster + "-" + string(role) }
+
+// Labels are the selector labels of role's pods in cluster.
+func Labels(cluster string, role v1alpha1.Role) map[string]string {
+	l := componentLabels(cluster, string(role))
+	l[v1alpha1.LabelRole] = string(role)
+	return l
+}
+
+// componentLabels are the labels of every object of cluster; component names the part.
+func componentLabels(cluster, component string) map[string]string {
+	return map[string]string{
+		v1alpha1.LabelName:      "pdcluster",
+		v1alpha1.LabelInstance:  cluster,
+		v1alpha1.LabelComponent: component,
+		v1alpha1.LabelManagedBy: v1alpha1.OperatorName,
+		v1alpha1.LabelCluster:   cluster,
+	}
+}
+
+func objectMeta(pdc *v1alpha1.PDCluster, role v1alpha1.Role) metav1.ObjectMeta {
+	return metav1.ObjectMeta{
+		Name:      ObjectName(pdc.Name, role),
+		Namespace: pdc.Namespace,
+		Labels:    Labels(pdc.Name, role),
+	}
+}

@@ -1,0 +1,91 @@
+// The P/D router: its configuration and Deployment.
+
+package render
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// RouterConfigMap carries the router's view of the pools: router.json, which cmd/router reads
+// with --config.
+func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
+	connector := orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake)
+	cfg := routerconfig.File{
+		Flow:        routerconfig.FlowMooncake,
+		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RolePrefill), pdc.Namespace),
+		DecodeHost:  fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RoleDecode), pdc.Namespace),
+		EnginePort:  v1alpha1.DefaultEnginePort,
+		Model:       pdc.Spec.Model.ServedModelName,
+	}
+	if cfg.Model == "" {
+		cfg.Model = pdc.Spec.Model.Path
+	}
+	// Only round robin is written: least-in-flight is the router's default, and leaving it
+	// out keeps router.json (and so the router's pods) as they were before the field existed.
+	if pdc.Spec.Router.Balance == v1alpha1.RouterBalanceRoundRobin {
+		cfg.Balance = routerconfig.BalanceRoundRobin
+	}
+	if connector == v1alpha1.ConnectorMooncake {
+		cfg.BootstrapPort = v1alpha1.DefaultBootstrapPort
+	} else {
+		cfg.Flow = routerconfig.FlowNIXL
+	}
+	b, err := json.MarshalIndent(cfg, "", "  ")
+	if err != nil {
+		return nil, fmt.Errorf("encode router config: %w", err)
+	}
+	return &corev1.ConfigMap{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
+		ObjectMeta: objectMeta(pdc, v1alpha1.RoleRouter),
+		Data:       map[string]string{routerconfig.FileName: string(b)},
+	}, nil
+}
+
+// RouterDeployment runs the P/D proxy.
+func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.ConfigMap) (*appsv1.Deployment, error) {
+	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
+	podSpec := corev1.PodSpec{
+		Containers: []corev1.Container{{
+			Name:            v1alpha1.RouterContainerName,
+			Image:           opts.RouterImage,
+			Args:            []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
+			Ports:           []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
+			Resources:       routerResources(pdc.Spec.Router),
+			ReadinessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString(portHTTP)}}, 5, 3),
+			LivenessProbe:   probe(health, 10, 3),
+			VolumeMounts:    []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
+			SecurityContext: nonRoot(readOnlyRoot(hardened())),
+		}},
+		// The router reads its pools from DNS, never from the API server.
+		AutomountServiceAccountToken: ptr.To(false),
+		Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
+			LocalObjectReference: corev1.LocalObjectReference{Name: ObjectName(pdc.Name, v1alpha1.RoleRouter)},
+		}}}},
+		NodeSelector: nodeSelector(pdc.Spec.Router.NodeSelector),
+		Tolerations:  append([]corev1.Toleration(nil), pdc.Spec.Router.Tolerations...),
+	}
+	return deployment(pdc, v1alpha1.RoleRouter, ptr.Deref(pdc.Spec.Router.Replicas, v1alpha1.DefaultReplicas), podSpec, config.Data)
+}
+
+// routerResources are spec.router.resources, or small defaults: the router only proxies.
+func routerResources(r v1alpha1.RouterSpec) corev1.ResourceRequirements {
+	if r.Resources != nil {
+		return *r.Resources.DeepCopy()
+	}
+	return corev1.ResourceRequirements{Requests: corev1.ResourceList{
+		corev1.ResourceCPU:    resource.MustParse("100m"),
+		corev1.ResourceMemory: resource.MustParse("128Mi"),
+	}}
+}

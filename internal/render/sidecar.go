@@ -1,0 +1,63 @@
+// The connector sidecar beside each engine.
+
+package render
+
+import (
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+// connectorPorts are the ports the connector sidecar binds: its public HTTP port (the KV moves
+// through vLLM's own transfer engine, on ports it picks at run time).
+func connectorPorts() []corev1.ContainerPort {
+	return []corev1.ContainerPort{{Name: portConnector, ContainerPort: ConnectorPort, Protocol: corev1.ProtocolTCP}}
+}
+
+// connectorContainer is the connector sidecar of role. Its readiness probe runs every
+// health.periodSeconds and flips on the first failure: the operator, not the kubelet, decides
+// when unready has lasted too long.
+func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) corev1.Container {
+	c := pdc.Spec.Connector
+	args := []string{
+		"--role=" + string(role.KVRole()),
+		"--listen=" + ConnectorSocket,
+		fmt.Sprintf("--public-listen=:%d", ConnectorPort),
+		// The pod's IP only: the kubelet and the operator come that way, and a second network
+		// of the pod (RDMA), which no NetworkPolicy covers, does not reach the port.
+		"--bind-address=$(POD_IP)",
+	}
+	if GateEnabled(pdc.Spec.KVTransfer) {
+		// Not ready until the engine's gate has loaded and while its heartbeat is missing.
+		args = append(args, "--require-gate")
+		if g := c.Health.GateStartupGraceSeconds; g != nil {
+			args = append(args, fmt.Sprintf("--gate-startup-grace=%ds", *g))
+		}
+	}
+	resources := *c.Resources.DeepCopy()
+	if len(resources.Requests) == 0 && len(resources.Limits) == 0 {
+		resources.Requests = corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")}
+	}
+	period := ptr.Deref(c.Health.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds)
+	port := intstr.FromString(portConnector)
+	return corev1.Container{
+		Name:           v1alpha1.ConnectorContainerName,
+		Image:          orDefault(c.Image, opts.ConnectorImage),
+		Args:           args,
+		Env:            []corev1.EnvVar{podIPEnv()},
+		Ports:          connectorPorts(),
+		Resources:      resources,
+		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
+		LivenessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
+		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
+		// It writes only its socket, on its volume (the engine, which may run as root, connects).
+		SecurityContext:          nonRoot(readOnlyRoot(hardened())),
+		Lifecycle:                drain(),
+		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+	}
+}
