@@ -13,7 +13,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -23,7 +23,7 @@ const gateRefresh = time.Minute
 
 // GateReader reads the completion gate's state from an engine pod's connector sidecar.
 type GateReader interface {
-	ReadGate(ctx context.Context, pod *corev1.Pod) (vllmplugin.State, error)
+	ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.State, error)
 }
 
 // HTTPGateReader reads GET /gate on the sidecar's public port at the pod's IP.
@@ -42,7 +42,7 @@ func NewHTTPGateReader() *HTTPGateReader {
 }
 
 // ReadGate implements GateReader.
-func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllmplugin.State, error) {
+func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.State, error) {
 	addr := ""
 	if h.Addr != nil {
 		addr = h.Addr(pod)
@@ -50,23 +50,23 @@ func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllmplu
 		addr = net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(h.Port)))
 	}
 	if addr == "" {
-		return vllmplugin.State{}, errors.New("pod has no IP yet")
+		return vllm.State{}, errors.New("pod has no IP yet")
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+vllmplugin.StatePath, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+vllm.StatePath, nil)
 	if err != nil {
-		return vllmplugin.State{}, err
+		return vllm.State{}, err
 	}
 	resp, err := h.Client.Do(req)
 	if err != nil {
-		return vllmplugin.State{}, err
+		return vllm.State{}, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return vllmplugin.State{}, fmt.Errorf("GET %s: %s", vllmplugin.StatePath, resp.Status)
+		return vllm.State{}, fmt.Errorf("GET %s: %s", vllm.StatePath, resp.Status)
 	}
-	var st vllmplugin.State
+	var st vllm.State
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&st); err != nil {
-		return vllmplugin.State{}, fmt.Errorf("decode %s: %w", vllmplugin.StatePath, err)
+		return vllm.State{}, fmt.Errorf("decode %s: %w", vllm.StatePath, err)
 	}
 	return st, nil
 }

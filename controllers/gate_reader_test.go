@@ -17,29 +17,29 @@ import (
 
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	"pdcluster.dev/pdcluster-operator/connector/sidecar"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // fakeGates answers ReadGate from a table by pod name; a missing pod is an error.
-type fakeGates map[string]vllmplugin.State
+type fakeGates map[string]vllm.State
 
-func (f fakeGates) ReadGate(_ context.Context, pod *corev1.Pod) (vllmplugin.State, error) {
+func (f fakeGates) ReadGate(_ context.Context, pod *corev1.Pod) (vllm.State, error) {
 	st, ok := f[pod.Name]
 	if !ok {
-		return vllmplugin.State{}, errors.New("connection refused")
+		return vllm.State{}, errors.New("connection refused")
 	}
 	return st, nil
 }
 
-func loaded(gated, passed, failed int64) vllmplugin.State {
-	return vllmplugin.State{Loaded: true, Report: &vllmplugin.Report{Connector: "GatedMooncakeConnector",
-		Counts: vllmplugin.Counts{Gated: gated, Passed: passed, Failed: failed}}}
+func loaded(gated, passed, failed int64) vllm.State {
+	return vllm.State{Loaded: true, Report: &vllm.Report{Connector: "GatedMooncakeConnector",
+		Counts: vllm.Counts{Gated: gated, Passed: passed, Failed: failed}}}
 }
 
 // The reader's side of GET /gate, against a server that answers as the sidecar does.
 func TestHTTPGateReader(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != vllmplugin.StatePath {
+		if r.URL.Path != vllm.StatePath {
 			http.NotFound(w, r)
 			return
 		}

@@ -12,7 +12,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -36,7 +36,7 @@ type observed struct {
 type gateRead struct {
 	role v1alpha1.Role
 	pod  *corev1.Pod
-	st   vllmplugin.State
+	st   vllm.State
 }
 
 func (o observed) err() error { return errors.Join(o.podsErr, o.depsErr) }

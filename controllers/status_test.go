@@ -19,7 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/controllers/connectorhealth"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
@@ -53,7 +53,7 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 		"p-0": loaded(0, 0, 0),
 		"d-0": loaded(2, 10, 1),
 		"d-1": loaded(3, 5, 0),
-		"d-2": {Report: &vllmplugin.Report{Connector: "GatedMooncakeConnector", Counts: vllmplugin.Counts{Gated: 99}}},
+		"d-2": {Report: &vllm.Report{Connector: "GatedMooncakeConnector", Counts: vllm.Counts{Gated: 99}}},
 		"d-5": {},
 		"d-6": loaded(0, 0, 0),
 		"d-4": loaded(100, 100, 100),

@@ -8,13 +8,6 @@ const (
 	DefaultParallelism      int32 = 1
 	DefaultRDMAResourceName       = "rdma/hca"
 	DefaultRDMACount        int32 = 1
-	DefaultEnginePort       int32 = 8000
-	// DefaultBootstrapPort is vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT: the prefill engine itself
-	// serves Mooncake's bootstrap server there, so no other container of the pod may bind it.
-	DefaultBootstrapPort int32 = 8998
-	// DefaultNixlSideChannelPort is vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT: each engine listens for
-	// NIXL handshakes on it plus its data-parallel rank.
-	DefaultNixlSideChannelPort int32 = 5600
 
 	DefaultHealthPeriodSeconds    int32 = 10
 	DefaultHealthFailureThreshold int32 = 3

@@ -12,22 +12,3 @@ const (
 	// RoleRouter is the P/D proxy in front of both pools.
 	RoleRouter Role = "router"
 )
-
-// KVRole is vLLM's kv_role of an engine and of its connector.
-type KVRole string
-
-const (
-	KVProducer KVRole = "kv_producer"
-	KVConsumer KVRole = "kv_consumer"
-)
-
-// KVRole is the kv_role of the role's engines; the router has none.
-func (r Role) KVRole() KVRole {
-	switch r {
-	case RolePrefill:
-		return KVProducer
-	case RoleDecode:
-		return KVConsumer
-	}
-	return ""
-}

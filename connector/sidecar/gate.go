@@ -9,7 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/utils/clock"
 
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // GateConfig is how the sidecar watches the completion gate in its engine (the pdgate plugin).
@@ -32,7 +32,7 @@ type gateWatch struct {
 	started time.Time
 	log     logr.Logger
 	mu      sync.Mutex
-	last    *vllmplugin.Report
+	last    *vllm.Report
 	lastAt  time.Time
 }
 
@@ -49,7 +49,7 @@ func newGateWatch(cfg GateConfig) *gateWatch {
 	return &gateWatch{cfg: cfg, started: cfg.Clock.Now()}
 }
 
-func (g *gateWatch) record(r vllmplugin.Report) {
+func (g *gateWatch) record(r vllm.Report) {
 	g.mu.Lock()
 	now := g.cfg.Clock.Now()
 	// Logged when the gate starts reporting, and again when it comes back after going stale
@@ -64,7 +64,7 @@ func (g *gateWatch) record(r vllmplugin.Report) {
 	}
 }
 
-func (g *gateWatch) snapshot() (*vllmplugin.Report, time.Duration) {
+func (g *gateWatch) snapshot() (*vllm.Report, time.Duration) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.last == nil {
@@ -90,12 +90,12 @@ func (g *gateWatch) unready() string {
 }
 
 // state is GET /gate.
-func (g *gateWatch) state() vllmplugin.State {
+func (g *gateWatch) state() vllm.State {
 	last, age := g.snapshot()
 	if last == nil {
-		return vllmplugin.State{}
+		return vllm.State{}
 	}
-	return vllmplugin.State{Loaded: age <= g.cfg.HeartbeatTimeout, Report: last, AgeSeconds: age.Seconds()}
+	return vllm.State{Loaded: age <= g.cfg.HeartbeatTimeout, Report: last, AgeSeconds: age.Seconds()}
 }
 
 var (

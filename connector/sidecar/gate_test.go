@@ -18,7 +18,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 var gateT0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
@@ -166,12 +166,12 @@ func TestGateState(t *testing.T) {
 	clk.SetTime(gateT0.Add(10 * time.Second))
 	rec := httptest.NewRecorder()
 	s := &Sidecar{gate: g}
-	s.PublicHandler(prometheus.NewRegistry()).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, vllmplugin.StatePath, nil))
-	var st vllmplugin.State
+	s.PublicHandler(prometheus.NewRegistry()).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, vllm.StatePath, nil))
+	var st vllm.State
 	if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
 		t.Fatal(err)
 	}
-	want := vllmplugin.State{Loaded: true, AgeSeconds: 10, Report: &vllmplugin.Report{Connector: "GatedMooncakeConnector", Counts: vllmplugin.Counts{Gated: 3, Passed: 7}}}
+	want := vllm.State{Loaded: true, AgeSeconds: 10, Report: &vllm.Report{Connector: "GatedMooncakeConnector", Counts: vllm.Counts{Gated: 3, Passed: 7}}}
 	if d := cmp.Diff(want, st); d != "" {
 		t.Errorf("GET /gate (-want +got):\n%s", d)
 	}
@@ -261,7 +261,7 @@ func TestPublicHandlerTakesNoHeartbeat(t *testing.T) {
 		{"the old KV API", s.LocalHandler(prometheus.NewRegistry()), http.MethodPost, "/v1/pulls", http.StatusNotFound},
 		{"the old bootstrap registry", s.PublicHandler(prometheus.NewRegistry()), http.MethodPost, "/register", http.StatusNotFound},
 		{"readiness", s.PublicHandler(prometheus.NewRegistry()), http.MethodGet, "/readyz", http.StatusOK},
-		{"gate state", s.PublicHandler(prometheus.NewRegistry()), http.MethodGet, vllmplugin.StatePath, http.StatusOK},
+		{"gate state", s.PublicHandler(prometheus.NewRegistry()), http.MethodGet, vllm.StatePath, http.StatusOK},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -321,7 +321,7 @@ func TestGateTransitionsAreLogged(t *testing.T) {
 	}
 	beat := func(at time.Duration, pid int) {
 		clk.SetTime(gateT0.Add(at))
-		s.gate.record(vllmplugin.Report{Connector: "GatedMooncakeConnector", PID: pid})
+		s.gate.record(vllm.Report{Connector: "GatedMooncakeConnector", PID: pid})
 	}
 	beat(0, 7)
 	beat(5*time.Second, 7)  // steady: not logged

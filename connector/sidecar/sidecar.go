@@ -17,7 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // Config configures a Sidecar.
@@ -75,7 +75,7 @@ func (s *Sidecar) PublicHandler(gatherer prometheus.Gatherer) http.Handler {
 }
 
 func (s *Sidecar) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer) {
-	mux.HandleFunc("GET "+vllmplugin.StatePath, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, s.gate.state()) })
+	mux.HandleFunc("GET "+vllm.StatePath, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, s.gate.state()) })
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if why := s.gate.unready(); why != "" {
@@ -96,7 +96,7 @@ func (s *Sidecar) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer)
 const maxReportBytes = 64 << 10
 
 func (s *Sidecar) handleGate(w http.ResponseWriter, r *http.Request) {
-	var rep vllmplugin.Report
+	var rep vllm.Report
 	if err := json.NewDecoder(io.LimitReader(r.Body, maxReportBytes)).Decode(&rep); err != nil {
 		s.refuse(w, r, http.StatusBadRequest, "bad gate report: "+err.Error())
 		return

@@ -13,7 +13,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // drain is the preStop hook of the engine pods' containers (the engine and its connector alike:
@@ -45,7 +45,7 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 		"serve", ModelArg(spec.Model),
 		"--served-model-name", served,
 		"--host", "0.0.0.0",
-		"--port", strconv.Itoa(int(v1alpha1.DefaultEnginePort)),
+		"--port", strconv.Itoa(int(vllm.APIPort)),
 		"--block-size", strconv.Itoa(int(ptr.Deref(spec.Engine.BlockSize, v1alpha1.DefaultBlockSize))),
 		"--tensor-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Tensor, v1alpha1.DefaultParallelism))),
 		"--data-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Data, v1alpha1.DefaultParallelism))),
@@ -102,8 +102,8 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	if gate {
 		// vLLM imports the plugin by kv_connector_module_path in the scheduler, every worker and
 		// the API server: PYTHONPATH is container-wide.
-		env = append(env, corev1.EnvVar{Name: "PYTHONPATH", Value: vllmplugin.MountDir})
-		mounts = append(mounts, corev1.VolumeMount{Name: gateVolume, MountPath: vllmplugin.MountDir + "/" + vllmplugin.Package, ReadOnly: true})
+		env = append(env, corev1.EnvVar{Name: "PYTHONPATH", Value: vllm.MountDir})
+		mounts = append(mounts, corev1.VolumeMount{Name: gateVolume, MountPath: vllm.MountDir + "/" + vllm.Package, ReadOnly: true})
 		volumes = append(volumes, corev1.Volume{Name: gateVolume, VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
 			LocalObjectReference: corev1.LocalObjectReference{Name: GateObjectName(pdc.Name)},
 		}}})
@@ -153,7 +153,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	tmpl.Labels = mergeMaps(nodeSelector(settings.Labels), tmpl.Labels)
 	tmpl.Annotations = mergeMaps(settings.Annotations, tmpl.Annotations)
 	if gate {
-		tmpl.Annotations[v1alpha1.AnnotationGateHash] = vllmplugin.Hash()
+		tmpl.Annotations[v1alpha1.AnnotationGateHash] = vllm.Hash()
 	}
 	return dep, nil
 }
@@ -162,16 +162,16 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 // connector's own listeners (Mooncake's bootstrap server on prefill, NIXL's side channel on
 // every engine, one port per data-parallel rank).
 func enginePorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []corev1.ContainerPort {
-	ports := []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}}
+	ports := []corev1.ContainerPort{{Name: portHTTP, ContainerPort: vllm.APIPort, Protocol: corev1.ProtocolTCP}}
 	switch orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) {
 	case v1alpha1.ConnectorNixl:
 		dp := ptr.Deref(pool(pdc, role).Parallelism.Data, v1alpha1.DefaultParallelism)
 		for rank := range dp {
-			ports = append(ports, corev1.ContainerPort{Name: nixlPortName(rank), ContainerPort: v1alpha1.DefaultNixlSideChannelPort + rank, Protocol: corev1.ProtocolTCP})
+			ports = append(ports, corev1.ContainerPort{Name: nixlPortName(rank), ContainerPort: vllm.NixlSideChannelPort + rank, Protocol: corev1.ProtocolTCP})
 		}
 	default:
 		if role == v1alpha1.RolePrefill {
-			ports = append(ports, corev1.ContainerPort{Name: portBootstrap, ContainerPort: v1alpha1.DefaultBootstrapPort, Protocol: corev1.ProtocolTCP})
+			ports = append(ports, corev1.ContainerPort{Name: portBootstrap, ContainerPort: vllm.MooncakeBootstrapPort, Protocol: corev1.ProtocolTCP})
 		}
 	}
 	return ports

@@ -7,7 +7,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // GateEnabled reports whether the engines run the completion-gated connector plugin.
@@ -18,13 +18,13 @@ func GateEnabled(kv v1alpha1.KVTransferSpec) bool {
 // gatedConnector is the plugin's class and module that stand in for connector.
 func gatedConnector(connector v1alpha1.Connector) (class, module string) {
 	if connector == v1alpha1.ConnectorNixl {
-		return vllmplugin.NixlClass, vllmplugin.NixlModule
+		return vllm.NixlClass, vllm.NixlModule
 	}
-	return vllmplugin.MooncakeClass, vllmplugin.MooncakeModule
+	return vllm.MooncakeClass, vllm.MooncakeModule
 }
 
 // GateObjectName is the ConfigMap of the completion-gate plugin of cluster.
-func GateObjectName(cluster string) string { return cluster + "-" + vllmplugin.Package }
+func GateObjectName(cluster string) string { return cluster + "-" + vllm.Package }
 
 // GateConfigMap holds the completion-gate plugin's Python files, mounted into every engine.
 func GateConfigMap(pdc *v1alpha1.PDCluster) *corev1.ConfigMap {
@@ -33,8 +33,8 @@ func GateConfigMap(pdc *v1alpha1.PDCluster) *corev1.ConfigMap {
 		ObjectMeta: metav1.ObjectMeta{
 			Name:      GateObjectName(pdc.Name),
 			Namespace: pdc.Namespace,
-			Labels:    componentLabels(pdc.Name, vllmplugin.Package),
+			Labels:    componentLabels(pdc.Name, vllm.Package),
 		},
-		Data: vllmplugin.Files(),
+		Data: vllm.Files(),
 	}
 }

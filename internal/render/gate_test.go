@@ -9,7 +9,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -92,8 +92,8 @@ func TestCompletionGate(t *testing.T) {
 						fromCM = v.ConfigMap.Name
 					}
 				}
-				if fromCM != cm.Name || hash != vllmplugin.Hash() || !requires {
-					t.Errorf("%s: volume from %q (want %q), hash %q (want %q), --require-gate %v", role, fromCM, cm.Name, hash, vllmplugin.Hash(), requires)
+				if fromCM != cm.Name || hash != vllm.Hash() || !requires {
+					t.Errorf("%s: volume from %q (want %q), hash %q (want %q), --require-gate %v", role, fromCM, cm.Name, hash, vllm.Hash(), requires)
 				}
 			}
 		})

@@ -14,7 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
@@ -29,7 +29,7 @@ type gateRender struct {
 
 func renderGate() (gateRender, error) {
 	pdc := wrappers.MakePDCluster("ns", "c").Obj()
-	out := gateRender{Hash: vllmplugin.Hash(), Templates: map[v1alpha1.Role]corev1.PodTemplateSpec{}, Files: render.GateConfigMap(pdc).Data}
+	out := gateRender{Hash: vllm.Hash(), Templates: map[v1alpha1.Role]corev1.PodTemplateSpec{}, Files: render.GateConfigMap(pdc).Data}
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), role)
 		if err != nil {
@@ -51,14 +51,14 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 func main() {
 	pdc := wrappers.MakePDCluster("ns", "c").Obj()
-	out := map[string]any{"hash": vllmplugin.Hash(), "files": render.GateConfigMap(pdc).Data}
+	out := map[string]any{"hash": vllm.Hash(), "files": render.GateConfigMap(pdc).Data}
 	tmpls := map[v1alpha1.Role]corev1.PodTemplateSpec{}
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), role)
@@ -88,7 +88,7 @@ func buildWithPlugin(t *testing.T, name string, content []byte) gateRender {
 		t.Fatal(err)
 	}
 	if name != "" {
-		replace[filepath.Join(root, "connector", "vllm", vllmplugin.Package, name)] = filepath.Join(dir, name)
+		replace[filepath.Join(root, "connector", "vllm", vllm.Package, name)] = filepath.Join(dir, name)
 		if err := os.WriteFile(filepath.Join(dir, name), content, 0o644); err != nil {
 			t.Fatal(err)
 		}

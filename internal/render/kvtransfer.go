@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // reservedExtraConfigKeys are derived from typed fields and may not come from extraConfig.
@@ -42,7 +43,7 @@ func KVTransferConfig(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) (string, e
 	}
 	cfg := map[string]any{
 		"kv_connector":           string(connector),
-		"kv_role":                string(role.KVRole()),
+		"kv_role":                string(KVRole(role)),
 		"kv_buffer_device":       string(orDefault(kv.BufferDevice, v1alpha1.BufferDeviceCUDA)),
 		"kv_load_failure_policy": string(orDefault(kv.LoadFailurePolicy, v1alpha1.LoadFailurePolicyFail)),
 	}
@@ -69,8 +70,8 @@ func connectorEnv(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) []corev1.EnvVa
 		env := []corev1.EnvVar{
 			// vLLM hands this host to the other side in kv_transfer_params; its default,
 			// localhost, makes every handshake from another pod fail.
-			{Name: "VLLM_NIXL_SIDE_CHANNEL_HOST", Value: "$(POD_IP)"},
-			{Name: "VLLM_NIXL_SIDE_CHANNEL_PORT", Value: strconv.Itoa(int(v1alpha1.DefaultNixlSideChannelPort))},
+			{Name: vllm.EnvNixlSideChannelHost, Value: "$(POD_IP)"},
+			{Name: vllm.EnvNixlSideChannelPort, Value: strconv.Itoa(int(vllm.NixlSideChannelPort))},
 		}
 		if rdma {
 			env = append(env, corev1.EnvVar{Name: "UCX_NET_DEVICES", Value: ucxNetDevices(kv.RDMADevices)})
@@ -80,7 +81,7 @@ func connectorEnv(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) []corev1.EnvVa
 		if role != v1alpha1.RolePrefill {
 			return nil // only a kv_producer starts the bootstrap server
 		}
-		return []corev1.EnvVar{{Name: "VLLM_MOONCAKE_BOOTSTRAP_PORT", Value: strconv.Itoa(int(v1alpha1.DefaultBootstrapPort))}}
+		return []corev1.EnvVar{{Name: vllm.EnvMooncakeBootstrapPort, Value: strconv.Itoa(int(vllm.MooncakeBootstrapPort))}}
 	}
 }
 
@@ -95,4 +96,15 @@ func ucxNetDevices(devices []string) string {
 		out[i] = d
 	}
 	return strings.Join(out, ",")
+}
+
+// KVRole is vLLM's kv_role of the role's engines; the router has none.
+func KVRole(r v1alpha1.Role) vllm.KVRole {
+	switch r {
+	case v1alpha1.RolePrefill:
+		return vllm.KVProducer
+	case v1alpha1.RoleDecode:
+		return vllm.KVConsumer
+	}
+	return ""
 }

@@ -6,6 +6,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // Names and paths inside the rendered pods.
@@ -26,6 +27,9 @@ const (
 	// not vLLM's bootstrap port (8998): the prefill engine binds that in the same network
 	// namespace.
 	ConnectorPort int32 = 8190
+	// RouterPort is the router's: vLLM's API port, so a client of the router reaches it where it
+	// would reach a single vLLM.
+	RouterPort = vllm.APIPort
 
 	// Port names, shared by container ports and the Services that target them.
 	portHTTP      = "http"

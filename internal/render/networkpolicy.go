@@ -8,6 +8,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // NetworkPoliciesEnabled reports whether spec.networkPolicy asks for the NetworkPolicies.
@@ -48,23 +49,23 @@ func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 			other = v1alpha1.RolePrefill
 		}
 		rules := []networkingv1.NetworkPolicyIngressRule{
-			{From: append([]networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, np.EngineClients...), Ports: tcp(v1alpha1.DefaultEnginePort)},
+			{From: append([]networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, np.EngineClients...), Ports: tcp(vllm.APIPort)},
 			{From: []networkingv1.NetworkPolicyPeer{pods(other)}},
 		}
 		if role == v1alpha1.RolePrefill && orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) == v1alpha1.ConnectorMooncake {
-			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(v1alpha1.DefaultBootstrapPort)})
+			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(vllm.MooncakeBootstrapPort)})
 		}
 		if len(operator) > 0 {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(ConnectorPort)})
 		}
 		if len(np.Monitoring) > 0 {
-			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(v1alpha1.DefaultEnginePort, ConnectorPort)})
+			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(vllm.APIPort, ConnectorPort)})
 		}
 		out = append(out, networkPolicy(pdc, role, rules))
 	}
-	routerRules := []networkingv1.NetworkPolicyIngressRule{{From: np.RouterClients, Ports: tcp(v1alpha1.DefaultEnginePort)}}
+	routerRules := []networkingv1.NetworkPolicyIngressRule{{From: np.RouterClients, Ports: tcp(RouterPort)}}
 	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
-		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(v1alpha1.DefaultEnginePort)})
+		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(RouterPort)})
 	}
 	return append(out, networkPolicy(pdc, v1alpha1.RoleRouter, routerRules))
 }

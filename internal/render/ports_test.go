@@ -18,6 +18,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // Over every golden file: in each pod, no two containers declare the same port, every port a
@@ -151,7 +152,7 @@ func boundPorts(t *testing.T, c corev1.Container) []int32 {
 		}
 		switch {
 		case strings.Contains(kv.Connector, "Mooncake"):
-			if kv.Role == string(v1alpha1.KVProducer) {
+			if kv.Role == string(vllm.KVProducer) {
 				ports = append(ports, atoi32(t, envOr(env, "VLLM_MOONCAKE_BOOTSTRAP_PORT", "8998")))
 			}
 		case strings.Contains(kv.Connector, "Nixl"):

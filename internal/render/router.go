@@ -15,6 +15,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
@@ -26,7 +27,7 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 		Flow:        routerconfig.FlowMooncake,
 		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RolePrefill), pdc.Namespace),
 		DecodeHost:  fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RoleDecode), pdc.Namespace),
-		EnginePort:  v1alpha1.DefaultEnginePort,
+		EnginePort:  vllm.APIPort,
 		Model:       pdc.Spec.Model.ServedModelName,
 	}
 	if cfg.Model == "" {
@@ -38,7 +39,7 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 		cfg.Balance = routerconfig.BalanceRoundRobin
 	}
 	if connector == v1alpha1.ConnectorMooncake {
-		cfg.BootstrapPort = v1alpha1.DefaultBootstrapPort
+		cfg.BootstrapPort = vllm.MooncakeBootstrapPort
 	} else {
 		cfg.Flow = routerconfig.FlowNIXL
 	}
@@ -60,8 +61,8 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 		Containers: []corev1.Container{{
 			Name:            v1alpha1.RouterContainerName,
 			Image:           opts.RouterImage,
-			Args:            []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(v1alpha1.DefaultEnginePort))},
-			Ports:           []corev1.ContainerPort{{Name: portHTTP, ContainerPort: v1alpha1.DefaultEnginePort, Protocol: corev1.ProtocolTCP}},
+			Args:            []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(RouterPort))},
+			Ports:           []corev1.ContainerPort{{Name: portHTTP, ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP}},
 			Resources:       routerResources(pdc.Spec.Router),
 			ReadinessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString(portHTTP)}}, 5, 3),
 			LivenessProbe:   probe(health, 10, 3),

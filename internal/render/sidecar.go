@@ -25,7 +25,7 @@ func connectorPorts() []corev1.ContainerPort {
 func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) corev1.Container {
 	c := pdc.Spec.Connector
 	args := []string{
-		"--role=" + string(role.KVRole()),
+		"--role=" + string(KVRole(role)),
 		"--listen=" + ConnectorSocket,
 		fmt.Sprintf("--public-listen=:%d", ConnectorPort),
 		// The pod's IP only: the kubelet and the operator come that way, and a second network

@@ -7,6 +7,8 @@ import (
 	"encoding/json"
 	"maps"
 	"slices"
+
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // rawJSON encodes v, which cannot fail for the maps of strings, numbers and bools given here.
@@ -21,7 +23,7 @@ func rawJSON(v any) json.RawMessage {
 // withParams is body with kv_transfer_params set.
 func withParams(body map[string]json.RawMessage, params map[string]any) map[string]json.RawMessage {
 	b := maps.Clone(body)
-	b["kv_transfer_params"] = rawJSON(params)
+	b[vllm.KVTransferParams] = rawJSON(params)
 	return b
 }
 

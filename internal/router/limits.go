@@ -8,20 +8,19 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // The router is a P/D cluster's front door: what a client sends and how long it may take are
 // bounded here, and nothing a client sends may steer a leg's KV transfer.
-
-// kvTransferParams is the body key that steers vLLM's KV transfer; only the router sets it.
-const kvTransferParams = "kv_transfer_params"
 
 // clientSetsTransferParams reports a body key equal to kv_transfer_params under Unicode case
 // folding: an engine whose JSON decoder folds keys (Go's does) would read "kv_tranſfer_params"
 // (U+017F) or "KV_TRANSFER_PARAMS" as the router's parameters.
 func clientSetsTransferParams(body map[string]json.RawMessage) bool {
 	for k := range body {
-		if strings.EqualFold(k, kvTransferParams) {
+		if strings.EqualFold(k, vllm.KVTransferParams) {
 			return true
 		}
 	}
@@ -51,11 +50,11 @@ const maxResponseBytes = 64 << 20
 // one. vLLM writes the key into every non-streaming answer, null on decode: that answer is
 // passed on untouched, without decoding it.
 func withoutTransferParams(b []byte) ([]byte, bool) {
-	i := bytes.Index(b, []byte(`"`+kvTransferParams+`"`))
+	i := bytes.Index(b, []byte(`"`+vllm.KVTransferParams+`"`))
 	if i < 0 {
 		return nil, false
 	}
-	rest := bytes.TrimLeft(b[i+len(kvTransferParams)+2:], " \t\r\n")
+	rest := bytes.TrimLeft(b[i+len(vllm.KVTransferParams)+2:], " \t\r\n")
 	if rest, ok := bytes.CutPrefix(rest, []byte(":")); ok && bytes.HasPrefix(bytes.TrimLeft(rest, " \t\r\n"), []byte("null")) {
 		return nil, false
 	}
@@ -63,10 +62,10 @@ func withoutTransferParams(b []byte) ([]byte, bool) {
 	if err := json.Unmarshal(b, &answer); err != nil {
 		return nil, false
 	}
-	if _, ok := answer[kvTransferParams]; !ok {
+	if _, ok := answer[vllm.KVTransferParams]; !ok {
 		return nil, false
 	}
-	delete(answer, kvTransferParams)
+	delete(answer, vllm.KVTransferParams)
 	return encodeBody(answer), true
 }
 

@@ -14,6 +14,8 @@ import (
 	"net/http"
 	"slices"
 	"time"
+
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // A prefill's engine id is asked again in the background once its answer is older than
@@ -35,16 +37,16 @@ func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[str
 		return
 	}
 	transfer := "xfer-" + newID()
-	pb := prefillBody(body, map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer})
+	pb := prefillBody(body, map[string]any{vllm.DoRemoteDecode: true, vllm.DoRemotePrefill: false, vllm.TransferID: transfer})
 	db := withParams(body, map[string]any{
-		"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": transfer,
-		"remote_bootstrap_addr": p.Bootstrap, "remote_engine_id": engineID,
+		vllm.DoRemotePrefill: true, vllm.DoRemoteDecode: false, vllm.TransferID: transfer,
+		vllm.RemoteBootstrapAddr: p.Bootstrap, vllm.RemoteEngineID: engineID,
 	})
 	prefillErr := make(chan error, 1)
 	go func() {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(req.Context()), r.cfg.PrefillTimeout)
 		defer cancel()
-		resp, err := r.post(ctx, p.URL+req.URL.Path, pb, reqID, map[string]string{"X-data-parallel-rank": dp})
+		resp, err := r.post(ctx, p.URL+req.URL.Path, pb, reqID, map[string]string{vllm.DataParallelRankHeader: dp})
 		if err == nil {
 			err = drain(resp)
 		}

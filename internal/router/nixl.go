@@ -9,13 +9,15 @@ import (
 	"io"
 	"maps"
 	"net/http"
+
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // nixl runs the prefill leg first and passes its kv_transfer_params to decode.
 func (r *Router) nixl(w http.ResponseWriter, req *http.Request, body map[string]json.RawMessage, reqID string, p Prefill, d string) {
 	pb := prefillBody(body, map[string]any{
-		"do_remote_decode": true, "do_remote_prefill": false,
-		"remote_engine_id": nil, "remote_block_ids": nil, "remote_host": nil, "remote_port": nil,
+		vllm.DoRemoteDecode: true, vllm.DoRemotePrefill: false,
+		vllm.RemoteEngineID: nil, vllm.RemoteBlockIDs: nil, vllm.RemoteHost: nil, vllm.RemotePort: nil,
 	})
 	ctx, cancel := context.WithTimeout(req.Context(), r.cfg.PrefillTimeout)
 	defer cancel()
@@ -48,7 +50,7 @@ func (r *Router) nixl(w http.ResponseWriter, req *http.Request, body map[string]
 		return
 	}
 	db := maps.Clone(body)
-	db["kv_transfer_params"] = pr.KVTransferParams
+	db[vllm.KVTransferParams] = pr.KVTransferParams
 	resp, err := r.post(req.Context(), d+req.URL.Path, db, reqID, nil)
 	if err != nil {
 		if req.Context().Err() != nil {

@@ -20,6 +20,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -84,13 +85,13 @@ func (r realNode) engineTargets(t *testing.T) map[string]string {
 	t.Helper()
 	prefill, decode := r.pods(v1alpha1.RolePrefill)[0].Status.PodIP, r.pods(v1alpha1.RoleDecode)[0].Status.PodIP
 	targets := map[string]string{
-		"prefill API": net.JoinHostPort(prefill, "8000"), "prefill bootstrap": net.JoinHostPort(prefill, strconv.Itoa(int(v1alpha1.DefaultBootstrapPort))),
+		"prefill API": net.JoinHostPort(prefill, "8000"), "prefill bootstrap": net.JoinHostPort(prefill, strconv.Itoa(int(vllm.MooncakeBootstrapPort))),
 		"prefill sidecar": net.JoinHostPort(prefill, strconv.Itoa(int(render.ConnectorPort))),
 		"decode API":      net.JoinHostPort(decode, "8000"), "decode sidecar": net.JoinHostPort(decode, strconv.Itoa(int(render.ConnectorPort))),
 	}
 	// The node's root processes are not judged (hack/local-node.sh), so the test reads the
 	// bootstrap server itself.
-	topo, err := bootstrap.NewClient().Query(r.ctx, "http://"+net.JoinHostPort(prefill, strconv.Itoa(int(v1alpha1.DefaultBootstrapPort))))
+	topo, err := bootstrap.NewClient().Query(r.ctx, "http://"+net.JoinHostPort(prefill, strconv.Itoa(int(vllm.MooncakeBootstrapPort))))
 	if err != nil {
 		t.Fatalf("query prefill's bootstrap server: %v", err)
 	}

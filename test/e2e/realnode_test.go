@@ -26,7 +26,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
 )
@@ -214,18 +214,18 @@ func (r realNode) serves(t *testing.T) {
 }
 
 // gateCounts is what the decode sidecar last heard from the engine's gate (GET :8190/gate).
-func gateCounts(pod corev1.Pod) (vllmplugin.Counts, error) {
-	resp, err := http.Get("http://" + pod.Status.PodIP + ":8190" + vllmplugin.StatePath)
+func gateCounts(pod corev1.Pod) (vllm.Counts, error) {
+	resp, err := http.Get("http://" + pod.Status.PodIP + ":8190" + vllm.StatePath)
 	if err != nil {
-		return vllmplugin.Counts{}, err
+		return vllm.Counts{}, err
 	}
 	defer resp.Body.Close()
-	var st vllmplugin.State
+	var st vllm.State
 	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
-		return vllmplugin.Counts{}, err
+		return vllm.Counts{}, err
 	}
 	if !st.Loaded || st.Report == nil {
-		return vllmplugin.Counts{}, fmt.Errorf("the decode engine's gate is not loaded: %+v", st)
+		return vllm.Counts{}, fmt.Errorf("the decode engine's gate is not loaded: %+v", st)
 	}
 	return st.Report.Counts, nil
 }
@@ -250,7 +250,7 @@ func (r realNode) gatesIdleEngine(t *testing.T) {
 		return r.settled()
 	})
 	decode, prefill := r.pods(v1alpha1.RoleDecode)[0], r.pods(v1alpha1.RolePrefill)[0]
-	var before vllmplugin.Counts
+	var before vllm.Counts
 	r.eventually("the decode engine's gate heartbeats", func() (err error) { before, err = gateCounts(decode); return err })
 	statusBefore := r.pdc().Status.Decode.Gate
 
@@ -259,7 +259,7 @@ func (r realNode) gatesIdleEngine(t *testing.T) {
 	}
 	// A request the decode API rejects (max_tokens 0) still frees prefill's blocks, as vLLM's
 	// notify_kv_transfer_request_rejected does: a cleanup pull with no local block.
-	boot := "http://" + net.JoinHostPort(prefill.Status.PodIP, strconv.Itoa(int(v1alpha1.DefaultBootstrapPort)))
+	boot := "http://" + net.JoinHostPort(prefill.Status.PodIP, strconv.Itoa(int(vllm.MooncakeBootstrapPort)))
 	topo, err := bootstrap.NewClient().Query(r.ctx, boot)
 	if err != nil {
 		t.Fatal(err)
@@ -479,7 +479,7 @@ func TestRealNode(t *testing.T) {
 						return fmt.Errorf("%s pod %s still runs the Mooncake connector", role, pod.Name)
 					}
 					for _, e := range pod.Spec.Containers[0].Env {
-						if e.Name == "VLLM_NIXL_SIDE_CHANNEL_HOST" && e.Value != "$(POD_IP)" {
+						if e.Name == vllm.EnvNixlSideChannelHost && e.Value != "$(POD_IP)" {
 							return fmt.Errorf("side-channel host %q", e.Value)
 						}
 					}

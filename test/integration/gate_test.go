@@ -10,7 +10,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
@@ -35,7 +35,7 @@ func TestCompletionGateConfigMap(t *testing.T) {
 	if owner := metav1.GetControllerOf(&cm); owner == nil || owner.Kind != "PDCluster" || owner.Name != "gate" {
 		t.Errorf("ConfigMap owner = %+v, want the PDCluster", owner)
 	}
-	if cm.Data["mooncake.py"] != vllmplugin.Files()["mooncake.py"] {
+	if cm.Data["mooncake.py"] != vllm.Files()["mooncake.py"] {
 		t.Error("ConfigMap does not hold the embedded plugin")
 	}
 	f.get(pdc, "gate")
@@ -50,7 +50,7 @@ func TestCompletionGateConfigMap(t *testing.T) {
 	f.events()
 	f.reconcile("gate")
 	f.get(&cm, render.GateObjectName("gate"))
-	if cm.Data["mooncake.py"] != vllmplugin.Files()["mooncake.py"] {
+	if cm.Data["mooncake.py"] != vllm.Files()["mooncake.py"] {
 		t.Error("an edited plugin was not put back")
 	}
 

@@ -18,9 +18,8 @@ import (
 
 	"github.com/go-logr/logr"
 
-	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
@@ -31,7 +30,7 @@ import (
 // Config configures an Engine.
 type Config struct {
 	Model     string
-	Role      v1alpha1.KVRole // "" for an engine without P/D
+	Role      vllm.KVRole // "" for an engine without P/D
 	BlockSize int
 	// Capacity is the number of KV blocks.
 	Capacity      int
@@ -149,11 +148,11 @@ func (e *Engine) Dead() error { return e.sched.Dead() }
 func (e *Engine) Scheduler() vllmsched.Stats { return e.sched.Stats() }
 
 // GateCounts is what the engine's completion gate did (zero without one).
-func (e *Engine) GateCounts() vllmplugin.Counts {
+func (e *Engine) GateCounts() vllm.Counts {
 	e.rmu.Lock()
 	defer e.rmu.Unlock()
 	if e.gate == nil {
-		return vllmplugin.Counts{}
+		return vllm.Counts{}
 	}
 	return e.gate.counts
 }

@@ -3,7 +3,7 @@ package enginesim
 import (
 	"time"
 
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
@@ -27,7 +27,7 @@ type gate struct {
 
 	step    int
 	records map[kvtransfer.RequestID]*gateRecord
-	counts  vllmplugin.Counts
+	counts  vllm.Counts
 }
 
 type gateRecord struct {

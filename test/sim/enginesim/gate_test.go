@@ -6,7 +6,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
@@ -19,7 +19,7 @@ func TestGateRule(t *testing.T) {
 		name     string
 		run      func(g *gate, clock *time.Time) []bool // the pass verdicts of the reports
 		wantPass []bool
-		want     vllmplugin.Counts
+		want     vllm.Counts
 	}{
 		{
 			name: "an empty pull's report is gated, a full one's passed",
@@ -30,7 +30,7 @@ func TestGateRule(t *testing.T) {
 				return []bool{g.pass(kvtransfer.Completion{Request: "e"}), g.pass(kvtransfer.Completion{Request: "f"})}
 			},
 			wantPass: []bool{false, true},
-			want:     vllmplugin.Counts{Gated: 1, Passed: 1},
+			want:     vllm.Counts{Gated: 1, Passed: 1},
 		},
 		{
 			name: "time alone never drops a record: an idle engine's held report is gated",
@@ -42,7 +42,7 @@ func TestGateRule(t *testing.T) {
 				return []bool{g.pass(kvtransfer.Completion{Request: "e"})}
 			},
 			wantPass: []bool{false},
-			want:     vllmplugin.Counts{Gated: 1},
+			want:     vllm.Counts{Gated: 1},
 		},
 		{
 			name: "past the deadline and the grace steps the record goes",
@@ -55,7 +55,7 @@ func TestGateRule(t *testing.T) {
 				return []bool{g.pass(kvtransfer.Completion{Request: "e"})}
 			},
 			wantPass: []bool{true},
-			want:     vllmplugin.Counts{Passed: 1, Expired: 1},
+			want:     vllm.Counts{Passed: 1, Expired: 1},
 		},
 	}
 	for _, tc := range cases {

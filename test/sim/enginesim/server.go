@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
@@ -205,9 +205,9 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 	}
 	if p := body.KVTransferParams; p != nil {
 		switch {
-		case p.DoRemoteDecode && e.cfg.Role != v1alpha1.KVProducer:
+		case p.DoRemoteDecode && e.cfg.Role != vllm.KVProducer:
 			return nil, http.StatusBadRequest, fmt.Errorf("do_remote_decode needs a kv_producer engine; this one is %q", roleName(e.cfg.Role))
-		case p.DoRemotePrefill && e.cfg.Role != v1alpha1.KVConsumer:
+		case p.DoRemotePrefill && e.cfg.Role != vllm.KVConsumer:
 			return nil, http.StatusBadRequest, fmt.Errorf("do_remote_prefill needs a kv_consumer engine; this one is %q", roleName(e.cfg.Role))
 		case p.DoRemoteDecode:
 			r.transfer = p.TransferID
@@ -245,7 +245,7 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 // the API rejected still frees its prefill's blocks, through a pre-aborted request whose only
 // effect is the connector's cleanup pull (a pull with no local block).
 func (e *Engine) rejectedKVTransfer(p *KVTransferParams) {
-	if p == nil || !p.DoRemotePrefill || e.cfg.Role != v1alpha1.KVConsumer ||
+	if p == nil || !p.DoRemotePrefill || e.cfg.Role != vllm.KVConsumer ||
 		p.TransferID == "" || p.RemoteEngineID == "" || p.RemoteBootstrapAddr == "" {
 		return
 	}
@@ -260,7 +260,7 @@ func (e *Engine) rejectedKVTransfer(p *KVTransferParams) {
 	e.end(r, nil, "abort")
 }
 
-func roleName(r v1alpha1.KVRole) string {
+func roleName(r vllm.KVRole) string {
 	if r == "" {
 		return "none"
 	}

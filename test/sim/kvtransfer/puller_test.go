@@ -10,7 +10,7 @@ import (
 	"github.com/google/go-cmp/cmp/cmpopts"
 	clocktesting "k8s.io/utils/clock/testing"
 
-	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
@@ -206,7 +206,7 @@ func TestPullerFailTasksOfALostProducer(t *testing.T) {
 func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 	var pulls []kvtransfer.PullMeta
 	newDecode := func() *vllmsched.Scheduler {
-		s, err := vllmsched.New(vllmsched.Config{Role: v1alpha1.KVConsumer, BlockSize: 64, Capacity: 16,
+		s, err := vllmsched.New(vllmsched.Config{Role: vllm.KVConsumer, BlockSize: 64, Capacity: 16,
 			OnPull: func(m kvtransfer.PullMeta) { pulls = append(pulls, m) }})
 		if err != nil {
 			t.Fatal(err)

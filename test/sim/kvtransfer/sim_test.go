@@ -9,7 +9,7 @@ import (
 
 	clocktesting "k8s.io/utils/clock/testing"
 
-	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
@@ -70,13 +70,13 @@ func newSim(t testing.TB, seed uint64, ranks int, policy vllmsched.Policy) *sim 
 	}
 	var err error
 	s.decode, err = vllmsched.New(vllmsched.Config{
-		Role: v1alpha1.KVConsumer, BlockSize: blockSize, Capacity: 4096, Policy: policy, OnPull: s.beginPull,
+		Role: vllm.KVConsumer, BlockSize: blockSize, Capacity: 4096, Policy: policy, OnPull: s.beginPull,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	s.prefill, err = vllmsched.New(vllmsched.Config{
-		Role: v1alpha1.KVProducer, BlockSize: blockSize, Capacity: 4096, OnHold: s.hold, OnDrop: s.drop,
+		Role: vllm.KVProducer, BlockSize: blockSize, Capacity: 4096, OnHold: s.hold, OnDrop: s.drop,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -14,7 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/validation"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
@@ -34,7 +34,7 @@ func mount(t *testing.T, root string, c corev1.Container, gateConfigMap string, 
 			if err := os.MkdirAll(dir, 0o755); err != nil {
 				t.Fatal(err)
 			}
-			for name, data := range vllmplugin.Files() {
+			for name, data := range vllm.Files() {
 				if err := os.WriteFile(filepath.Join(dir, name), []byte(data), 0o644); err != nil {
 					t.Fatal(err)
 				}
@@ -96,8 +96,8 @@ func TestRenderedEngineCommandsParseAndImport(t *testing.T) {
 				if err != nil {
 					t.Fatalf("vLLM would refuse the rendered command: %v", err)
 				}
-				if s.KVTransfer == nil || s.KVTransfer.Role != string(role.KVRole()) {
-					t.Fatalf("kv-transfer-config = %+v, want kv_role %s", s.KVTransfer, role.KVRole())
+				if s.KVTransfer == nil || s.KVTransfer.Role != string(render.KVRole(role)) {
+					t.Fatalf("kv-transfer-config = %+v, want kv_role %s", s.KVTransfer, render.KVRole(role))
 				}
 				// Kept until loadInVLLM has run: a subtest's own TempDir goes when it ends.
 				pythonPath := mount(t, filepath.Join(mounts, strings.ReplaceAll(t.Name(), "/", "_")), c, render.GateObjectName(pdc.Name), pod)
@@ -245,14 +245,14 @@ func TestLoadConnector(t *testing.T) {
 	if err := os.MkdirAll(pkg, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	for name, data := range vllmplugin.Files() {
+	for name, data := range vllm.Files() {
 		if err := os.WriteFile(filepath.Join(pkg, name), []byte(data), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
 	noInit := filepath.Join(t.TempDir(), "pdgate")
 	_ = os.MkdirAll(noInit, 0o755)
-	_ = os.WriteFile(filepath.Join(noInit, "mooncake.py"), []byte(vllmplugin.Files()["mooncake.py"]), 0o644)
+	_ = os.WriteFile(filepath.Join(noInit, "mooncake.py"), []byte(vllm.Files()["mooncake.py"]), 0o644)
 	gated := func(class, module string) *vllmcli.KVTransferConfig {
 		return &vllmcli.KVTransferConfig{Connector: class, ModulePath: module, Role: "kv_consumer"}
 	}
@@ -263,12 +263,12 @@ func TestLoadConnector(t *testing.T) {
 		flow       vllmcli.Flow
 		err        string
 	}{
-		{"gated mooncake", gated(vllmplugin.MooncakeClass, vllmplugin.MooncakeModule), "/nowhere:" + root, vllmcli.FlowMooncake, ""},
-		{"gated nixl", gated(vllmplugin.NixlClass, vllmplugin.NixlModule), root, vllmcli.FlowNixl, ""},
+		{"gated mooncake", gated(vllm.MooncakeClass, vllm.MooncakeModule), "/nowhere:" + root, vllmcli.FlowMooncake, ""},
+		{"gated nixl", gated(vllm.NixlClass, vllm.NixlModule), root, vllmcli.FlowNixl, ""},
 		{"built-in", &vllmcli.KVTransferConfig{Connector: "NixlConnector"}, "", vllmcli.FlowNixl, ""},
-		{"not on PYTHONPATH", gated(vllmplugin.MooncakeClass, vllmplugin.MooncakeModule), "", "", "ModuleNotFoundError: No module named 'pdgate.mooncake'"},
-		{"package without __init__.py", gated(vllmplugin.MooncakeClass, vllmplugin.MooncakeModule), filepath.Dir(noInit), "", "ModuleNotFoundError"},
-		{"class the module lacks", gated("GatedLMCacheConnector", vllmplugin.MooncakeModule), root, "", "has no attribute 'GatedLMCacheConnector'"},
+		{"not on PYTHONPATH", gated(vllm.MooncakeClass, vllm.MooncakeModule), "", "", "ModuleNotFoundError: No module named 'pdgate.mooncake'"},
+		{"package without __init__.py", gated(vllm.MooncakeClass, vllm.MooncakeModule), filepath.Dir(noInit), "", "ModuleNotFoundError"},
+		{"class the module lacks", gated("GatedLMCacheConnector", vllm.MooncakeModule), root, "", "has no attribute 'GatedLMCacheConnector'"},
 		{"unknown built-in", &vllmcli.KVTransferConfig{Connector: "FooConnector"}, "", "", "Unsupported connector type"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -6,12 +6,11 @@
 package vllmsched
 
 import (
-	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-
 	"errors"
 	"fmt"
 	"sync"
 
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
@@ -52,7 +51,7 @@ var ErrEngineDead = errors.New("engine dead")
 
 // Config configures a Scheduler.
 type Config struct {
-	Role      v1alpha1.KVRole
+	Role      vllm.KVRole
 	BlockSize int
 	// Capacity is the number of KV blocks.
 	Capacity int
@@ -158,7 +157,7 @@ func (s *Scheduler) AddAborted(id kvtransfer.RequestID, transfer kvtransfer.Tran
 		return fmt.Errorf("request %s already exists", id)
 	}
 	s.mu.Unlock()
-	if s.cfg.Role == v1alpha1.KVConsumer && transfer != "" {
+	if s.cfg.Role == vllm.KVConsumer && transfer != "" {
 		s.emitPulls([]kvtransfer.PullMeta{{Request: id, Transfer: transfer}})
 	}
 	return nil
@@ -223,7 +222,7 @@ func (s *Scheduler) Schedule() []kvtransfer.RequestID {
 			}
 			r.Blocks = blocks
 			r.NumComputed = s.transferableTokens(r.LocalHit)
-			if s.cfg.Role == v1alpha1.KVConsumer && r.Remote {
+			if s.cfg.Role == vllm.KVConsumer && r.Remote {
 				pulls = append(pulls, s.updateStateAfterAllocLocked(r))
 				if r.Status == WaitingForRemoteKVs {
 					continue
@@ -315,7 +314,7 @@ func (s *Scheduler) Finish(id kvtransfer.RequestID, status Status) error {
 // requestFinishedLocked is the producer's request_finished: it returns the blocks to hold, or
 // nil when the request's blocks are freed now.
 func (s *Scheduler) requestFinishedLocked(r *Request) kvtransfer.BlockIDs {
-	if s.cfg.Role == v1alpha1.KVProducer && r.Transfer != "" && r.Status == FinishedLengthCapped {
+	if s.cfg.Role == vllm.KVProducer && r.Transfer != "" && r.Status == FinishedLengthCapped {
 		n := s.transferableTokens(r.Prompt) / s.cfg.BlockSize
 		if n > 0 {
 			r.delayFree = true
@@ -328,7 +327,7 @@ func (s *Scheduler) requestFinishedLocked(r *Request) kvtransfer.BlockIDs {
 }
 
 func (s *Scheduler) emitHold(r *Request, hold kvtransfer.BlockIDs) {
-	if s.cfg.Role != v1alpha1.KVProducer || r.Transfer == "" {
+	if s.cfg.Role != vllm.KVProducer || r.Transfer == "" {
 		return
 	}
 	if hold != nil && s.cfg.OnHold != nil {
@@ -359,7 +358,7 @@ func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 	case wasWaiting && !r.finishedRecving:
 		// finish_requests: delay_free_blocks = id not in finished_recving_kv_req_ids.
 		r.delayFree = true
-	case s.cfg.Role == v1alpha1.KVConsumer && r.Remote:
+	case s.cfg.Role == vllm.KVConsumer && r.Remote:
 		// request_finished with do_remote_prefill still set: notify-only cleanup pull.
 		pull = &kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer}
 		s.freeLocked(r)
@@ -372,7 +371,7 @@ func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 	if pull != nil {
 		s.emitPulls([]kvtransfer.PullMeta{*pull})
 	}
-	if s.cfg.Role == v1alpha1.KVProducer && r.Transfer != "" && !wasWaiting && s.cfg.OnDrop != nil {
+	if s.cfg.Role == vllm.KVProducer && r.Transfer != "" && !wasWaiting && s.cfg.OnDrop != nil {
 		s.cfg.OnDrop(r.Transfer, r.ID, true)
 	}
 	return nil

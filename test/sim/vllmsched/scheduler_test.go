@@ -7,7 +7,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
@@ -15,7 +15,7 @@ import (
 func consumer(t *testing.T, policy Policy) (*Scheduler, *[]kvtransfer.PullMeta) {
 	t.Helper()
 	var pulls []kvtransfer.PullMeta
-	s, err := New(Config{Role: v1alpha1.KVConsumer, BlockSize: 64, Capacity: 16, Policy: policy,
+	s, err := New(Config{Role: vllm.KVConsumer, BlockSize: 64, Capacity: 16, Policy: policy,
 		OnPull: func(p kvtransfer.PullMeta) { pulls = append(pulls, p) }})
 	if err != nil {
 		t.Fatal(err)
@@ -184,7 +184,7 @@ func TestProducerHoldsAndReleases(t *testing.T) {
 	}
 	var holds []hold
 	var drops []kvtransfer.TransferID
-	s, err := New(Config{Role: v1alpha1.KVProducer, BlockSize: 64, Capacity: 16,
+	s, err := New(Config{Role: vllm.KVProducer, BlockSize: 64, Capacity: 16,
 		OnHold: func(x kvtransfer.TransferID, _ kvtransfer.RequestID, b kvtransfer.BlockIDs) {
 			holds = append(holds, hold{x, b.Count()})
 		},

@@ -21,8 +21,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
-	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agent"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
@@ -60,7 +60,7 @@ func main() {
 	flag.Parse()
 	log := zap.New(zap.UseFlagOptions(&zo)).WithValues("kvRole", o.role)
 	cfg.Log = log
-	cfg.Role, cfg.Policy = v1alpha1.KVRole(o.role), vllmsched.Policy(o.policy)
+	cfg.Role, cfg.Policy = vllm.KVRole(o.role), vllmsched.Policy(o.policy)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, cfg, o); err != nil {
@@ -71,7 +71,7 @@ func main() {
 
 func run(ctx context.Context, cfg enginesim.Config, o options) error {
 	switch cfg.Role {
-	case "", v1alpha1.KVProducer, v1alpha1.KVConsumer:
+	case "", vllm.KVProducer, vllm.KVConsumer:
 	default:
 		return errors.New("--kv-role must be kv_producer, kv_consumer or empty")
 	}
@@ -87,7 +87,7 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 		}
 		defer transfer.Close()
 		cfg.Agent, cfg.KV = transfer.URL, transfer.KV
-		if cfg.Role == v1alpha1.KVProducer {
+		if cfg.Role == vllm.KVProducer {
 			if o.bootstrapListen == "" {
 				return errors.New("--bootstrap-listen is required with --kv-role=kv_producer")
 			}

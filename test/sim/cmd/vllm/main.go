@@ -46,10 +46,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
-	"pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
-	vllmplugin "pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agent"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
@@ -111,7 +110,7 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 		if conn, err = vllmcli.LoadConnector(kv, getenv("PYTHONPATH")); err != nil {
 			return err
 		}
-		cfg.Role = v1alpha1.KVRole(kv.Role)
+		cfg.Role = vllm.KVRole(kv.Role)
 		cfg.WorkerReportsEmptyPulls = true
 		cfg.Gate = conn.File != "" // a class imported from pdgate's mounted files
 		if v := getenv(enginesim.GateTTLEnv); v != "" {
@@ -139,7 +138,7 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 		defer transfer.Close()
 		cfg.Agent, cfg.KV, cfg.Capacity = transfer.URL, transfer.KV, blocks
 
-		producer := cfg.Role == v1alpha1.KVProducer
+		producer := cfg.Role == vllm.KVProducer
 		if producer {
 			registry = bootstrap.NewRegistry()
 			// Only this engine's own ranks, each at its own address (vLLM takes anything).
@@ -151,7 +150,7 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 		switch conn.Flow {
 		case vllmcli.FlowMooncake:
 			if producer {
-				port := envOr(getenv, "VLLM_MOONCAKE_BOOTSTRAP_PORT", strconv.Itoa(int(v1alpha1.DefaultBootstrapPort)))
+				port := envOr(getenv, vllm.EnvMooncakeBootstrapPort, strconv.Itoa(int(vllm.MooncakeBootstrapPort)))
 				l, err := listen(net.JoinHostPort("0.0.0.0", port), "Mooncake bootstrap server")
 				if err != nil {
 					return err
@@ -160,8 +159,8 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 				cfg.BootstrapAddr = "http://" + net.JoinHostPort("127.0.0.1", port)
 			}
 		case vllmcli.FlowNixl:
-			host := envOr(getenv, "VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
-			base, err := strconv.Atoi(envOr(getenv, "VLLM_NIXL_SIDE_CHANNEL_PORT", strconv.Itoa(int(v1alpha1.DefaultNixlSideChannelPort))))
+			host := envOr(getenv, vllm.EnvNixlSideChannelHost, "localhost")
+			base, err := strconv.Atoi(envOr(getenv, vllm.EnvNixlSideChannelPort, strconv.Itoa(int(vllm.NixlSideChannelPort))))
 			if err != nil {
 				return fmt.Errorf("VLLM_NIXL_SIDE_CHANNEL_PORT: %w", err)
 			}
@@ -226,7 +225,7 @@ const (
 // advertises: VLLM_HOST_IP, else the local address of a UDP socket "connected" toward a public
 // address (no packet is sent), else loopback.
 func hostIP(getenv func(string) string) string {
-	if ip := getenv("VLLM_HOST_IP"); ip != "" {
+	if ip := getenv(vllm.EnvHostIP); ip != "" {
 		return ip
 	}
 	for _, target := range []string{"8.8.8.8:80", "[2001:4860:4860::8888]:80"} {
@@ -247,7 +246,7 @@ func heartbeat(ctx context.Context, agent string, conn vllmcli.Connector, role s
 	c := newSidecar(agent)
 	for ctx.Err() == nil {
 		counts := e.GateCounts()
-		_ = c.gate(ctx, vllmplugin.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllmplugin.Hash(), Role: role, PID: os.Getpid(),
+		_ = c.gate(ctx, vllm.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllm.Hash(), Role: role, PID: os.Getpid(),
 			Counts: counts})
 		select {
 		case <-ctx.Done():
@@ -267,7 +266,7 @@ func newSidecar(endpoint string) sidecar {
 	return sidecar{base, hc}
 }
 
-func (s sidecar) gate(ctx context.Context, rep vllmplugin.Report) error {
+func (s sidecar) gate(ctx context.Context, rep vllm.Report) error {
 	b, err := json.Marshal(rep)
 	if err != nil {
 		return err

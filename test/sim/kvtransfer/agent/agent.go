@@ -18,8 +18,8 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 
-	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
@@ -27,7 +27,7 @@ import (
 
 // Config configures an Agent.
 type Config struct {
-	Role v1alpha1.KVRole
+	Role vllm.KVRole
 	// KV is the engine's KV-cache memory.
 	KV *kvfile.File
 	// EngineID names this producer in the bootstrap registry; a fresh one per start when empty,
@@ -96,8 +96,8 @@ type waiterKey struct {
 
 // New validates cfg and builds an agent; Serve starts it.
 func New(cfg Config) (*Agent, error) {
-	if cfg.Role != v1alpha1.KVProducer && cfg.Role != v1alpha1.KVConsumer {
-		return nil, fmt.Errorf("agent: role must be %s or %s, got %q", v1alpha1.KVProducer, v1alpha1.KVConsumer, cfg.Role)
+	if cfg.Role != vllm.KVProducer && cfg.Role != vllm.KVConsumer {
+		return nil, fmt.Errorf("agent: role must be %s or %s, got %q", vllm.KVProducer, vllm.KVConsumer, cfg.Role)
 	}
 	if cfg.KV == nil {
 		return nil, errors.New("agent: a KV file is required")
@@ -115,7 +115,7 @@ func New(cfg Config) (*Agent, error) {
 	a.dialer.Timeout = 5 * time.Second
 	var err error
 	switch cfg.Role {
-	case v1alpha1.KVProducer:
+	case vllm.KVProducer:
 		if cfg.DataAddr == "" {
 			return nil, errors.New("agent: a producer needs its data address")
 		}
@@ -132,7 +132,7 @@ func New(cfg Config) (*Agent, error) {
 			Sink: kvtransfer.ReleaseFunc(a.onRelease), Rank: kvtransfer.ProducerRank(cfg.TPRank),
 			HoldTimeout: cfg.HoldTimeout, ReadyTimeout: cfg.ReadyTimeout, TombstoneTTL: cfg.TombstoneTTL,
 		})
-	case v1alpha1.KVConsumer:
+	case vllm.KVConsumer:
 		a.puller, err = kvtransfer.NewPuller(kvtransfer.PullerConfig{Sink: kvtransfer.CompletionFunc(a.onCompletion), Timeout: cfg.PullTimeout})
 	}
 	if err != nil {
@@ -170,7 +170,7 @@ func (a *Agent) Serve(ctx context.Context, data net.Listener) error {
 	defer wg.Wait()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	if a.cfg.Role == v1alpha1.KVProducer {
+	if a.cfg.Role == vllm.KVProducer {
 		if data == nil {
 			return errors.New("agent: a producer needs a data listener")
 		}

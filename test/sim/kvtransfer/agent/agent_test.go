@@ -22,9 +22,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
@@ -85,9 +85,9 @@ func newPairKV(t testing.TB, mutate func(*Config), unixSockets bool, prodKV, con
 	base := Config{HoldTimeout: 5 * time.Second, ReadyTimeout: 5 * time.Second, TombstoneTTL: 10 * time.Second, PullTimeout: 8 * time.Second,
 		UnknownTransferGrace: 2 * time.Second, ExpireEvery: 20 * time.Millisecond}
 	pc := base
-	pc.Role, pc.KV, pc.DataAddr = v1alpha1.KVProducer, p.prodKV, data.Addr().String()
+	pc.Role, pc.KV, pc.DataAddr = vllm.KVProducer, p.prodKV, data.Addr().String()
 	cc := base
-	cc.Role, cc.KV = v1alpha1.KVConsumer, p.consKV
+	cc.Role, cc.KV = vllm.KVConsumer, p.consKV
 	if mutate != nil {
 		mutate(&pc)
 		mutate(&cc)
@@ -508,7 +508,7 @@ func TestEngineRegistersTheProducer(t *testing.T) {
 }
 
 func TestEngineRegistersExcludesABootstrapToRegisterWith(t *testing.T) {
-	_, err := New(Config{Role: v1alpha1.KVProducer, KV: openKV(t, "p.kv"), DataAddr: "127.0.0.1:1", EngineRegisters: true, Bootstrap: "http://x"})
+	_, err := New(Config{Role: vllm.KVProducer, KV: openKV(t, "p.kv"), DataAddr: "127.0.0.1:1", EngineRegisters: true, Bootstrap: "http://x"})
 	if err == nil || !strings.Contains(err.Error(), "exclude each other") {
 		t.Errorf("err = %v, want the two settings refused together", err)
 	}
@@ -595,7 +595,7 @@ func pullInTurn(t *testing.T, p *pair, n int) {
 // consumer's kept connection is found closed, and the pull goes through on a new one.
 func TestPullAfterTheProducerClosedAKeptConnection(t *testing.T) {
 	p := newPair(t, func(c *Config) {
-		if c.Role == v1alpha1.KVProducer {
+		if c.Role == vllm.KVProducer {
 			c.DataAddr = onePullPerConnection(t, c.DataAddr)
 		}
 	})

@@ -13,8 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
 )
 
@@ -79,7 +79,7 @@ func StartInProcess(ctx context.Context, cfg InProcessConfig, reg prometheus.Reg
 	setDefault(&ac.PullTimeout, DefaultPullTimeout)
 	setDefault(&ac.TombstoneTTL, DefaultTombstoneTTL)
 	var data net.Listener
-	if ac.Role == v1alpha1.KVProducer {
+	if ac.Role == vllm.KVProducer {
 		if cfg.DataListen == "" {
 			return nil, errors.New("a producer needs the address its data plane binds")
 		}

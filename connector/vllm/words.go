@@ -1,0 +1,52 @@
+package vllm
+
+// vLLM's own words: the names its command line, environment, OpenAI server and P/D connectors
+// use, which render, the router and the stand-ins must spell as vLLM does. They live here, in
+// one leaf package, so that a vLLM rename is one edit (and the Python plugin beside them uses
+// the same release's words).
+
+// KVRole is vLLM's kv_role of an engine and of its connector (--kv-transfer-config).
+type KVRole string
+
+const (
+	// KVProducer computes the prompt's KV cache and serves it (prefill).
+	KVProducer KVRole = "kv_producer"
+	// KVConsumer pulls that KV cache and generates (decode).
+	KVConsumer KVRole = "kv_consumer"
+)
+
+// Ports vLLM binds unless told otherwise.
+const (
+	// APIPort is `vllm serve`'s default --port, the OpenAI server.
+	APIPort int32 = 8000
+	// MooncakeBootstrapPort is VLLM_MOONCAKE_BOOTSTRAP_PORT's default: a Mooncake producer
+	// serves its bootstrap server (engine ids, transfer addresses) there.
+	MooncakeBootstrapPort int32 = 8998
+	// NixlSideChannelPort is VLLM_NIXL_SIDE_CHANNEL_PORT's default: each engine listens for NIXL
+	// handshakes on it plus its data-parallel rank.
+	NixlSideChannelPort int32 = 5600
+)
+
+// Environment variables vLLM reads.
+const (
+	EnvHostIP                = "VLLM_HOST_IP"
+	EnvMooncakeBootstrapPort = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+	EnvNixlSideChannelHost   = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+	EnvNixlSideChannelPort   = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+)
+
+// The request body key the P/D connectors read, and its keys.
+const (
+	KVTransferParams    = "kv_transfer_params"
+	DoRemoteDecode      = "do_remote_decode"
+	DoRemotePrefill     = "do_remote_prefill"
+	TransferID          = "transfer_id"
+	RemoteBootstrapAddr = "remote_bootstrap_addr"
+	RemoteEngineID      = "remote_engine_id"
+	RemoteBlockIDs      = "remote_block_ids"
+	RemoteHost          = "remote_host"
+	RemotePort          = "remote_port"
+)
+
+// DataParallelRankHeader picks the data-parallel rank of a `vllm serve` that runs several.
+const DataParallelRankHeader = "X-data-parallel-rank"
