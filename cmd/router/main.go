@@ -71,12 +71,14 @@ func main() {
 	defer stop()
 
 	cfg := router.Config{
-		Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance), Decode: o.decode,
+		Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance),
 		MaxBodyBytes: o.maxBodyBytes, MaxInFlight: o.maxInFlight,
 	}
+	// Fixed pools from the flags; with --config, resolveLoop sets them instead.
+	static := router.Pools{Decode: o.decode}
 	for _, p := range o.prefill {
 		url, boot, _ := strings.Cut(p, ",")
-		cfg.Prefill = append(cfg.Prefill, router.Prefill{URL: url, Bootstrap: boot})
+		static.Prefill = append(static.Prefill, router.Prefill{URL: url, Bootstrap: boot})
 	}
 	var fc routerconfig.File
 	if o.configPath != "" {
@@ -88,8 +90,7 @@ func main() {
 		if cfg.Balance == "" {
 			cfg.Balance = fc.Balance
 		}
-		cfg.Prefill, cfg.Decode = nil, nil
-	} else if len(cfg.Prefill) == 0 || len(cfg.Decode) == 0 {
+	} else if len(static.Prefill) == 0 || len(static.Decode) == 0 {
 		log.Error(errors.New("need --config, or at least one --prefill and one --decode"), "configure router")
 		os.Exit(1)
 	}
@@ -101,6 +102,9 @@ func main() {
 	}
 	if o.configPath != "" {
 		go resolveLoop(ctx, r, fc, o.refresh, log)
+	} else if err := r.SetPools(static); err != nil {
+		log.Error(err, "configure router")
+		os.Exit(1)
 	}
 	srv := router.NewServer(o.listen, r.Handler(reg), router.ServerLimits{})
 	go func() {

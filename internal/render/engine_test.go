@@ -119,7 +119,8 @@ func TestConfigHashChangesOnlyForTheChangedPool(t *testing.T) {
 		{"decode args", func(p *v1alpha1.PDCluster) { p.Spec.Decode.Args = append(p.Spec.Decode.Args, "--max-num-seqs=64") }, []string{"qwen3-32b-decode"}},
 		{"prefill replicas only", func(p *v1alpha1.PDCluster) { p.Spec.Prefill.Replicas = ptr.To[int32](5) }, nil},
 		{"engine image", func(p *v1alpha1.PDCluster) { p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0" }, []string{"qwen3-32b-decode", "qwen3-32b-prefill"}},
-		{"served name reaches router config", func(p *v1alpha1.PDCluster) { p.Spec.Model.ServedModelName = "q" }, []string{"qwen3-32b-decode", "qwen3-32b-prefill", "qwen3-32b-router"}},
+		// The router reads no model name: a new one must not roll it.
+		{"served name: the engines only", func(p *v1alpha1.PDCluster) { p.Spec.Model.ServedModelName = "q" }, []string{"qwen3-32b-decode", "qwen3-32b-prefill"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -28,10 +28,6 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RolePrefill), pdc.Namespace),
 		DecodeHost:  fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RoleDecode), pdc.Namespace),
 		EnginePort:  vllm.APIPort,
-		Model:       pdc.Spec.Model.ServedModelName,
-	}
-	if cfg.Model == "" {
-		cfg.Model = pdc.Spec.Model.Path
 	}
 	// Only round robin is written: least-in-flight is the router's default, and leaving it
 	// out keeps router.json (and so the router's pods) as they were before the field existed.

@@ -29,14 +29,13 @@ type Prefill struct {
 	Bootstrap string `json:"bootstrap"`
 }
 
-// Config is the router's configuration: its mode and the engines it starts with (SetPools
-// replaces them, e.g. from ResolvePools as pods come and go).
+// Config is the router's configuration: its flow, balance and limits. The engines come through
+// SetPools alone (ResolvePools as pods come and go, or a fixed list), so a router starts with
+// none and is not ready until it has both pools.
 type Config struct {
 	Flow routerconfig.Flow
 	// Balance picks an engine in each pool; empty: least-in-flight.
 	Balance routerconfig.Balance
-	Prefill []Prefill
-	Decode  []string
 	// PrefillTimeout bounds the prefill leg.
 	PrefillTimeout time.Duration
 	// MaxBodyBytes bounds a client's request body (413 past it); 0: DefaultMaxBodyBytes.
@@ -62,7 +61,7 @@ func (c Config) Validate() error {
 	if err := c.Balance.Validate(); err != nil {
 		return err
 	}
-	return validatePrefill(c.Flow, c.Prefill)
+	return nil
 }
 
 func validatePrefill(flow routerconfig.Flow, prefill []Prefill) error {
@@ -127,7 +126,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		}
 	}
 	r.flow = map[routerconfig.Flow]flowFunc{routerconfig.FlowMooncake: r.mooncake, routerconfig.FlowNIXL: r.nixl}[cfg.Flow]
-	r.pools.Store(&Pools{Prefill: cfg.Prefill, Decode: cfg.Decode})
+	r.pools.Store(&Pools{})
 	return r, nil
 }
 

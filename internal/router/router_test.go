@@ -68,9 +68,11 @@ func routerWith(t *testing.T, cfg Config, p, d http.Handler) *httptest.Server {
 	boot := httptest.NewServer(reg.Handler())
 	ps, ds := httptest.NewServer(p), httptest.NewServer(d)
 	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
-	cfg.Prefill, cfg.Decode = []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, []string{ds.URL}
 	r, err := New(cfg, logr.Discard(), nil)
 	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}); err != nil {
 		t.Fatal(err)
 	}
 	srv := httptest.NewServer(r.Handler(nil))
@@ -187,7 +189,11 @@ func TestFailuresSayWhy(t *testing.T) {
 		if _, err := New(Config{Flow: "x"}, logr.Discard(), nil); err == nil {
 			t.Error("bad mode accepted")
 		}
-		if _, err := New(Config{Flow: routerconfig.FlowMooncake, Prefill: []Prefill{{URL: "http://p"}}, Decode: []string{"http://d"}}, logr.Discard(), nil); err == nil {
+		r, err := New(Config{Flow: routerconfig.FlowMooncake}, logr.Discard(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := r.SetPools(Pools{Prefill: []Prefill{{URL: "http://p"}}, Decode: []string{"http://d"}}); err == nil {
 			t.Error("mooncake without bootstrap accepted")
 		}
 	})

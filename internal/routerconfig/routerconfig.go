@@ -61,7 +61,6 @@ type File struct {
 	DecodeHost    string `json:"decodeHost"`
 	EnginePort    int32  `json:"enginePort"`
 	BootstrapPort int32  `json:"bootstrapPort,omitempty"`
-	Model         string `json:"model"`
 	// Balance picks engines; empty: least-in-flight.
 	Balance Balance `json:"balance,omitempty"`
 }
