@@ -85,7 +85,7 @@ $(GOLANGCI_LINT):
 	mv $(BIN_CACHE)/golangci-lint $(GOLANGCI_LINT)
 
 .PHONY: lint
-lint: envtest-assets $(GOLANGCI_LINT) ## golangci-lint (.golangci.yml: vet, staticcheck, errors, imports, API conventions) and helm lint.
+lint: envtest-assets $(GOLANGCI_LINT) ## golangci-lint (.golangci.yml: vet, staticcheck, errcheck, errorlint, unused, bodyclose, misspell, gofmt/goimports; no API-convention linter yet) and helm lint --strict.
 	$(GOLANGCI_LINT) run ./...
 	"$$(hack/envtest-assets.sh)/helm" lint --strict charts/pdcluster-operator
 

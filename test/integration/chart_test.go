@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -49,6 +50,13 @@ func TestHelmChartInstalls(t *testing.T) {
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("helm install: %v\n%s", err, out.String())
+	}
+	// NOTES.txt points at a sample that exists, by its path in the repository.
+	if !strings.Contains(out.String(), "kubectl apply -f config/samples/serving_v1alpha1_pdcluster.yaml\n") {
+		t.Errorf("helm install's notes do not say how to apply the sample:\n%s", out.String())
+	}
+	if _, err := os.Stat(filepath.Join("..", "..", "config", "samples", "serving_v1alpha1_pdcluster.yaml")); err != nil {
+		t.Errorf("the sample the notes name: %v", err)
 	}
 	f := newFixture(t)
 	var dep appsv1.Deployment
