@@ -54,6 +54,7 @@ generate: $(CONTROLLER_GEN) ## Generate DeepCopy methods.
 .PHONY: manifests
 manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC into config/.
 	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
+	$(GO) run ./hack/crddesc config/crd/bases/*.yaml
 	@if [ -d controllers ]; then $(CONTROLLER_GEN) rbac:roleName=manager-role paths=./controllers/... output:rbac:artifacts:config=config/rbac; fi
 	cp config/crd/bases/*.yaml charts/pdcluster-operator/crds/
 	$(GO) run ./hack/crdschema config/crd/bases/*.yaml
