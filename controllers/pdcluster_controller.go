@@ -149,6 +149,10 @@ func isPermanent(err error) bool {
 // cluster. Nothing is written when everything already matches. It returns what it applied (as
 // rendered, not as the server answered), for the pool status, and the events of what it did.
 func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster) ([]render.Object, []event, error) {
+	// What the CRD cannot check, in the PDCluster's field names, before anything is applied.
+	if err := pdc.Validate().ToAggregate(); err != nil {
+		return nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
+	}
 	objs, err := render.Render(pdc, r.Options)
 	if err != nil {
 		return nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}

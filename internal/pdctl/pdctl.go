@@ -79,7 +79,12 @@ func newValidateCommand(stdin io.Reader) *cobra.Command {
 				for _, p := range d.Pruned {
 					fmt.Fprintf(cmd.ErrOrStderr(), "warning: %s/%s: unknown field %q would be dropped\n", d.PDCluster.Namespace, d.PDCluster.Name, p)
 				}
-				// Some rules need the whole spec (reserved extraConfig keys): render checks them.
+				// The checks the CRD cannot make (the operator makes the same ones before it
+				// applies anything), then a render, which must succeed for the operator too.
+				if err := d.PDCluster.Validate().ToAggregate(); err != nil {
+					errs = append(errs, fmt.Errorf("PDCluster %q is invalid: %w", d.PDCluster.Name, err))
+					continue
+				}
 				if _, err := render.Render(d.PDCluster, render.DefaultOptions()); err != nil {
 					errs = append(errs, fmt.Errorf("PDCluster %q is invalid: %w", d.PDCluster.Name, err))
 					continue

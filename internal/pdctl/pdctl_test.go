@@ -65,6 +65,7 @@ func TestRenderYAMLFromStdin(t *testing.T) {
 }
 
 func TestValidate(t *testing.T) {
+	const head = "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp}, "
 	cases := []struct {
 		name, stdin string
 		args        []string
@@ -82,7 +83,39 @@ func TestValidate(t *testing.T) {
 			name:  "reserved extraConfig key",
 			stdin: "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp, extraConfig: {mooncake_protocol: rdma}}}\n",
 			args:  []string{"validate", "-f", "-"}, code: 1,
-			err: "kvTransfer.extraConfig.mooncake_protocol is set by the operator",
+			err: "spec.kvTransfer.extraConfig[mooncake_protocol]: Forbidden: set by the operator from spec.kvTransfer.protocol",
+		},
+		// Core/v1 values the CRD's schema takes and the API server would refuse only in the
+		// Deployment: named by the PDCluster field, before anything is applied.
+		{
+			name:  "toleration effect",
+			stdin: head + "decode: {tolerations: [{key: a, operator: Exists}, {key: gpu, operator: Exists, effect: Sometimes}]}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: `spec.decode.tolerations[1].effect: Unsupported value: "Sometimes"`,
+		},
+		{
+			name:  "a mount naming no volume",
+			stdin: head + "prefill: {pod: {volumeMounts: [{name: scratch, mountPath: /scratch}]}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: `spec.prefill.pod.volumeMounts[0].name: Not found: "scratch (no volume of that name in spec.engine.pod.volumes or spec.prefill.pod.volumes)"`,
+		},
+		{
+			name:  "negative shmSize",
+			stdin: head + "decode: {pod: {shmSize: -1Gi}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: `spec.decode.pod.shmSize: Invalid value: "-1Gi": must be greater than zero`,
+		},
+		{
+			name:  "affinity operator",
+			stdin: head + "decode: {pod: {affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: rack, operator: Near, values: [r1]}]}]}}}}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: `spec.decode.pod.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator: Unsupported value: "Near"`,
+		},
+		{
+			name:  "disruption budget past 100%",
+			stdin: head + "decode: {disruptionBudget: {maxUnavailable: 150%}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: `spec.decode.disruptionBudget.maxUnavailable: Invalid value: "150%": must be a percentage between 0% and 100%`,
 		},
 		{
 			name:  "unknown field warns but passes",

@@ -14,12 +14,6 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
-// reservedExtraConfigKeys are derived from typed fields and may not come from extraConfig.
-var reservedExtraConfigKeys = map[string]string{
-	"mooncake_protocol": "kvTransfer.protocol",
-	"device_name":       "kvTransfer.rdmaDevices",
-}
-
 // KVTransferConfig is the JSON passed to --kv-transfer-config for role.
 func KVTransferConfig(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) (string, error) {
 	extra := map[string]any{}
@@ -28,8 +22,8 @@ func KVTransferConfig(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) (string, e
 			return "", fmt.Errorf("kvTransfer.extraConfig must be a JSON object: %w", err)
 		}
 		for _, k := range sortedKeys(extra) {
-			if field, ok := reservedExtraConfigKeys[k]; ok {
-				return "", fmt.Errorf("kvTransfer.extraConfig.%s is set by the operator from %s; remove it", k, field)
+			if from, ok := v1alpha1.ReservedExtraConfigKeys[k]; ok { // PDCluster.Validate says so first
+				return "", fmt.Errorf("spec.kvTransfer.extraConfig.%s is set by the operator from %s; remove it", k, from)
 			}
 		}
 	}

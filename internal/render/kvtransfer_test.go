@@ -33,7 +33,7 @@ func TestExtraConfigMayNotSetOperatorKeys(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
 	pdc.Spec.KVTransfer.ExtraConfig = &apiextensionsv1.JSON{Raw: []byte(`{"device_name":"mlx5_9"}`)}
 	_, err := render.Render(pdc, render.DefaultOptions())
-	if err == nil || !strings.Contains(err.Error(), "kvTransfer.extraConfig.device_name is set by the operator from kvTransfer.rdmaDevices") {
+	if err == nil || !strings.Contains(err.Error(), "spec.kvTransfer.extraConfig[device_name]: Forbidden: set by the operator from spec.kvTransfer.rdmaDevices") {
 		t.Errorf("err = %v, want the reserved-key error", err)
 	}
 }

@@ -4,40 +4,9 @@ package render
 
 import (
 	corev1 "k8s.io/api/core/v1"
-	utilvalidation "k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
-
-// validatePodSettings checks what admission cannot (see PodSettings): env names and volume
-// names, as the API server would check them in the pods, with the PDCluster field named.
-func validatePodSettings(pdc *v1alpha1.PDCluster) error {
-	var errs field.ErrorList
-	for _, s := range []struct {
-		path *field.Path
-		pod  *v1alpha1.PodSettings
-	}{
-		{field.NewPath("spec", "engine", "pod"), pdc.Spec.Engine.Pod},
-		{field.NewPath("spec", "prefill", "pod"), pdc.Spec.Prefill.Pod},
-		{field.NewPath("spec", "decode", "pod"), pdc.Spec.Decode.Pod},
-	} {
-		if s.pod == nil {
-			continue
-		}
-		for i, e := range s.pod.Env {
-			for _, msg := range utilvalidation.IsEnvVarName(e.Name) {
-				errs = append(errs, field.Invalid(s.path.Child("env").Index(i).Child("name"), e.Name, msg))
-			}
-		}
-		for i, v := range s.pod.Volumes {
-			for _, msg := range utilvalidation.IsDNS1123Label(v.Name) {
-				errs = append(errs, field.Invalid(s.path.Child("volumes").Index(i).Child("name"), v.Name, msg))
-			}
-		}
-	}
-	return errs.ToAggregate()
-}
 
 // mergePodSettings is engine.pod with the pool's pod over it: a field the pool sets wins
 // (affinity and topology spread whole); env, labels, annotations, volumes (by name) and

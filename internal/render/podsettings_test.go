@@ -132,3 +132,34 @@ func TestPodSettingsNamesAreCheckedAtRender(t *testing.T) {
 		t.Errorf("valid names refused: %v", err)
 	}
 }
+
+// The volumes render adds to the engine pods are the ones v1alpha1.OperatorVolumeNames lists
+// (a PDCluster's mounts may name them: PDCluster.Validate) and the CRD's pod.volumes rule
+// reserves.
+func TestOperatorVolumesAreTheReservedOnes(t *testing.T) {
+	crdYAML, err := os.ReadFile("../../config/crd/bases/serving.pdcluster.dev_pdclusters.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range v1alpha1.OperatorVolumeNames {
+		if !strings.Contains(string(crdYAML), "'"+name+"'") {
+			t.Errorf("v1alpha1.OperatorVolumeNames has %s, which the CRD's pod.volumes rule does not reserve", name)
+		}
+	}
+	seen := map[string]bool{}
+	for _, in := range testInputs(t) {
+		pdc := load(t, in)
+		pdc.Spec.Engine.Pod, pdc.Spec.Prefill.Pod, pdc.Spec.Decode.Pod = nil, nil, nil
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+			for _, v := range enginePod(t, pdc, role).Volumes {
+				seen[v.Name] = true
+				if !slices.Contains(v1alpha1.OperatorVolumeNames, v.Name) {
+					t.Errorf("%s: render adds volume %s, which v1alpha1.OperatorVolumeNames does not list", in, v.Name)
+				}
+			}
+		}
+	}
+	if len(seen) < 4 {
+		t.Errorf("the test inputs render only the volumes %v", seen)
+	}
+}

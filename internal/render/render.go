@@ -30,7 +30,9 @@ func DefaultOptions() Options {
 
 // Render returns every object the operator creates for pdc, in a stable order.
 func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
-	if err := validatePodSettings(pdc); err != nil {
+	// The checks the CRD cannot make, each naming the PDCluster field (the API server would
+	// otherwise refuse the Deployment in its own words).
+	if err := pdc.Validate().ToAggregate(); err != nil {
 		return nil, err
 	}
 	var objs []Object

@@ -22,6 +22,7 @@ import (
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -362,22 +363,53 @@ func TestInvalidSpecRejectedAtAdmission(t *testing.T) {
 	}
 }
 
+// Mistakes the API server admits (no CEL or schema rule can see them) are reported in Ready
+// as InvalidSpec, naming the PDCluster field, and nothing is applied: before, the core/v1 ones
+// surfaced as ApplyFailed in the Deployment's words.
 func TestInvalidRenderReportsCondition(t *testing.T) {
 	f := newFixture(t)
-	p := wrappers.MakePDCluster(f.ns, "bad").Obj()
-	p.Spec.KVTransfer.ExtraConfig = &apiextensionsv1.JSON{Raw: []byte(`{"device_name":"x"}`)}
-	if err := f.c.Create(f.ctx, p); err != nil {
-		t.Fatal(err)
-	}
-	f.reconcile("bad")
-	var pdc v1alpha1.PDCluster
-	f.get(&pdc, "bad")
-	if c := condition(&pdc, v1alpha1.ConditionReady); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonInvalidSpec {
-		t.Errorf("Ready = %+v, want False/InvalidSpec", c)
-	}
-	var d appsv1.Deployment
-	if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: "bad-prefill"}, &d); !apierrors.IsNotFound(err) {
-		t.Errorf("a deployment was created for an invalid spec: %v", err)
+	for _, tc := range []struct {
+		name, want string
+		mutate     func(*v1alpha1.PDCluster)
+	}{
+		{"reserved extraConfig key", "spec.kvTransfer.extraConfig[device_name]", func(p *v1alpha1.PDCluster) {
+			p.Spec.KVTransfer.ExtraConfig = &apiextensionsv1.JSON{Raw: []byte(`{"device_name":"x"}`)}
+		}},
+		{"toleration effect", `spec.decode.tolerations[0].effect: Unsupported value: "Sometimes"`, func(p *v1alpha1.PDCluster) {
+			p.Spec.Decode.Tolerations = []corev1.Toleration{{Key: "gpu", Operator: corev1.TolerationOpExists, Effect: "Sometimes"}}
+		}},
+		{"a mount naming no volume", "spec.prefill.pod.volumeMounts[0].name: Not found", func(p *v1alpha1.PDCluster) {
+			p.Spec.Prefill.Pod = &v1alpha1.PodSettings{VolumeMounts: []corev1.VolumeMount{{Name: "scratch", MountPath: "/scratch"}}}
+		}},
+		{"negative shmSize", "spec.decode.pod.shmSize", func(p *v1alpha1.PDCluster) {
+			p.Spec.Decode.Pod = &v1alpha1.PodSettings{ShmSize: ptr.To(resource.MustParse("-1Gi"))}
+		}},
+		{"affinity operator", `matchExpressions[0].operator: Unsupported value: "Near"`, func(p *v1alpha1.PDCluster) {
+			p.Spec.Decode.Pod = &v1alpha1.PodSettings{Affinity: &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
+				NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{{Key: "rack", Operator: "Near", Values: []string{"r1"}}}}}}}}}
+		}},
+		{"disruption budget past 100%", "spec.decode.disruptionBudget.maxUnavailable", func(p *v1alpha1.PDCluster) {
+			p.Spec.Decode.DisruptionBudget = &v1alpha1.DisruptionBudget{MaxUnavailable: ptr.To(intstr.FromString("150%"))}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			name := "bad-" + strings.ToLower(strings.ReplaceAll(strings.ReplaceAll(tc.name, " ", "-"), "%", ""))
+			p := wrappers.MakePDCluster(f.ns, name).Obj()
+			tc.mutate(p)
+			if err := f.c.Create(f.ctx, p); err != nil {
+				t.Fatalf("the API server refused it (the test needs a mistake admission passes): %v", err)
+			}
+			f.reconcile(name)
+			var pdc v1alpha1.PDCluster
+			f.get(&pdc, name)
+			if c := condition(&pdc, v1alpha1.ConditionReady); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonInvalidSpec || !strings.Contains(c.Message, tc.want) {
+				t.Errorf("Ready = %+v, want False/InvalidSpec naming %q", c, tc.want)
+			}
+			var d appsv1.Deployment
+			if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: name + "-prefill"}, &d); !apierrors.IsNotFound(err) {
+				t.Errorf("a deployment was created for an invalid spec: %v", err)
+			}
+		})
 	}
 }
 

@@ -1,0 +1,267 @@
+package v1alpha1
+
+import (
+	"encoding/json"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	utilvalidation "k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+)
+
+// OperatorVolumeNames are the volumes the operator adds to the engine pods (CEL keeps a
+// PDCluster's own volumes from taking these names; a volume mount may name them).
+var OperatorVolumeNames = []string{"dshm", "connector-run", "completion-gate", "model", "hf-cache"}
+
+// ReservedExtraConfigKeys are kv-transfer-config keys the operator derives from typed fields,
+// by the field they come from: spec.kvTransfer.extraConfig may not set them.
+var ReservedExtraConfigKeys = map[string]string{
+	"mooncake_protocol": "spec.kvTransfer.protocol",
+	"device_name":       "spec.kvTransfer.rdmaDevices",
+}
+
+// Validate checks what the CRD's schema and CEL cannot: Kubernetes' own rules for the core/v1
+// values a PDCluster carries into its pods (which the API server would otherwise report only
+// when the operator applies the Deployment, in the Deployment's words), and rules that need
+// more than one field. Each error names the PDCluster field. render, the reconciler and
+// `pdctl validate` call it.
+func (p *PDCluster) Validate() field.ErrorList {
+	var errs field.ErrorList
+	spec := field.NewPath("spec")
+	errs = append(errs, validatePodSettings(spec.Child("engine", "pod"), p.Spec.Engine.Pod)...)
+	for _, pool := range []struct {
+		name string
+		spec *PoolSpec
+	}{{"prefill", &p.Spec.Prefill}, {"decode", &p.Spec.Decode}} {
+		path := spec.Child(pool.name)
+		errs = append(errs, validatePodSettings(path.Child("pod"), pool.spec.Pod)...)
+		errs = append(errs, validateMounts(spec.Child("engine", "pod"), p.Spec.Engine.Pod, path.Child("pod"), pool.spec.Pod)...)
+		errs = append(errs, validateTolerations(path.Child("tolerations"), pool.spec.Tolerations)...)
+		if b := pool.spec.DisruptionBudget; b != nil {
+			errs = append(errs, validateBudgetValue(path.Child("disruptionBudget", "maxUnavailable"), b.MaxUnavailable)...)
+			errs = append(errs, validateBudgetValue(path.Child("disruptionBudget", "minAvailable"), b.MinAvailable)...)
+		}
+	}
+	errs = append(errs, validateTolerations(spec.Child("router", "tolerations"), p.Spec.Router.Tolerations)...)
+	errs = append(errs, validateExtraConfig(spec.Child("kvTransfer", "extraConfig"), p.Spec.KVTransfer.ExtraConfig)...)
+	// An engine-wide mount missing its volume in both pools is one mistake, said once.
+	seen := map[string]bool{}
+	return slices.DeleteFunc(errs, func(e *field.Error) bool {
+		dup := seen[e.Error()]
+		seen[e.Error()] = true
+		return dup
+	})
+}
+
+// validateMounts checks that every volume mount of a pool's engine container (the engine-wide
+// ones and the pool's) names a volume the pool's pods have: the engine-wide ones', the pool's
+// or the operator's.
+func validateMounts(enginePath *field.Path, engine *PodSettings, poolPath *field.Path, pool *PodSettings) field.ErrorList {
+	volumes := slices.Clone(OperatorVolumeNames)
+	for _, s := range []*PodSettings{engine, pool} {
+		if s != nil {
+			for _, v := range s.Volumes {
+				volumes = append(volumes, v.Name)
+			}
+		}
+	}
+	var errs field.ErrorList
+	for _, s := range []struct {
+		path *field.Path
+		pod  *PodSettings
+	}{{enginePath, engine}, {poolPath, pool}} {
+		if s.pod == nil {
+			continue
+		}
+		for i, m := range s.pod.VolumeMounts {
+			if !slices.Contains(volumes, m.Name) {
+				errs = append(errs, field.NotFound(s.path.Child("volumeMounts").Index(i).Child("name"),
+					m.Name+" (no volume of that name in "+enginePath.Child("volumes").String()+" or "+poolPath.Child("volumes").String()+")"))
+			}
+		}
+	}
+	return errs
+}
+
+// validatePodSettings checks env and volume names as the API server would in the pods,
+// shmSize, and the affinity's and topology spread's selectors.
+func validatePodSettings(path *field.Path, s *PodSettings) field.ErrorList {
+	if s == nil {
+		return nil
+	}
+	var errs field.ErrorList
+	for i, e := range s.Env {
+		for _, msg := range utilvalidation.IsEnvVarName(e.Name) {
+			errs = append(errs, field.Invalid(path.Child("env").Index(i).Child("name"), e.Name, msg))
+		}
+	}
+	for i, v := range s.Volumes {
+		for _, msg := range utilvalidation.IsDNS1123Label(v.Name) {
+			errs = append(errs, field.Invalid(path.Child("volumes").Index(i).Child("name"), v.Name, msg))
+		}
+	}
+	if s.ShmSize != nil && s.ShmSize.Sign() <= 0 {
+		errs = append(errs, field.Invalid(path.Child("shmSize"), s.ShmSize.String(), "must be greater than zero"))
+	}
+	errs = append(errs, validateAffinity(path.Child("affinity"), s.Affinity)...)
+	for i, c := range s.TopologySpreadConstraints {
+		errs = append(errs, validateLabelSelector(c.LabelSelector, path.Child("topologySpreadConstraints").Index(i).Child("labelSelector"))...)
+	}
+	return errs
+}
+
+var (
+	tolerationEffects   = []string{"", string(corev1.TaintEffectNoSchedule), string(corev1.TaintEffectPreferNoSchedule), string(corev1.TaintEffectNoExecute)}
+	tolerationOperators = []string{"", string(corev1.TolerationOpEqual), string(corev1.TolerationOpExists)}
+	nodeOperators       = []string{string(corev1.NodeSelectorOpIn), string(corev1.NodeSelectorOpNotIn), string(corev1.NodeSelectorOpExists),
+		string(corev1.NodeSelectorOpDoesNotExist), string(corev1.NodeSelectorOpGt), string(corev1.NodeSelectorOpLt)}
+)
+
+// validateTolerations applies the pod's toleration rules.
+func validateTolerations(path *field.Path, ts []corev1.Toleration) field.ErrorList {
+	var errs field.ErrorList
+	for i, t := range ts {
+		p := path.Index(i)
+		if !slices.Contains(tolerationEffects, string(t.Effect)) {
+			errs = append(errs, field.NotSupported(p.Child("effect"), t.Effect, tolerationEffects[1:]))
+		}
+		if !slices.Contains(tolerationOperators, string(t.Operator)) {
+			errs = append(errs, field.NotSupported(p.Child("operator"), t.Operator, tolerationOperators[1:]))
+		}
+		if t.Operator == corev1.TolerationOpExists && t.Value != "" {
+			errs = append(errs, field.Invalid(p.Child("value"), t.Value, "must be empty when operator is Exists"))
+		}
+		if t.Key == "" && t.Operator != corev1.TolerationOpExists {
+			errs = append(errs, field.Invalid(p.Child("operator"), t.Operator, "must be Exists when key is empty (it tolerates every taint)"))
+		}
+		if t.Key != "" {
+			for _, msg := range utilvalidation.IsQualifiedName(t.Key) {
+				errs = append(errs, field.Invalid(p.Child("key"), t.Key, msg))
+			}
+		}
+		if t.TolerationSeconds != nil && t.Effect != corev1.TaintEffectNoExecute {
+			errs = append(errs, field.Invalid(p.Child("effect"), t.Effect, "must be NoExecute when tolerationSeconds is set"))
+		}
+	}
+	return errs
+}
+
+// validateAffinity checks the operators and values of node affinity's terms and pod
+// (anti-)affinity's label selectors.
+func validateAffinity(path *field.Path, a *corev1.Affinity) field.ErrorList {
+	if a == nil {
+		return nil
+	}
+	var errs field.ErrorList
+	if na := a.NodeAffinity; na != nil {
+		p := path.Child("nodeAffinity")
+		if r := na.RequiredDuringSchedulingIgnoredDuringExecution; r != nil {
+			for i, t := range r.NodeSelectorTerms {
+				errs = append(errs, validateNodeTerm(p.Child("requiredDuringSchedulingIgnoredDuringExecution", "nodeSelectorTerms").Index(i), t)...)
+			}
+		}
+		for i, t := range na.PreferredDuringSchedulingIgnoredDuringExecution {
+			errs = append(errs, validateNodeTerm(p.Child("preferredDuringSchedulingIgnoredDuringExecution").Index(i).Child("preference"), t.Preference)...)
+		}
+	}
+	podTerms := func(p *field.Path, required []corev1.PodAffinityTerm, preferred []corev1.WeightedPodAffinityTerm) {
+		for i, t := range required {
+			errs = append(errs, validateLabelSelector(t.LabelSelector, p.Child("requiredDuringSchedulingIgnoredDuringExecution").Index(i).Child("labelSelector"))...)
+		}
+		for i, t := range preferred {
+			errs = append(errs, validateLabelSelector(t.PodAffinityTerm.LabelSelector, p.Child("preferredDuringSchedulingIgnoredDuringExecution").Index(i).Child("podAffinityTerm", "labelSelector"))...)
+		}
+	}
+	if pa := a.PodAffinity; pa != nil {
+		podTerms(path.Child("podAffinity"), pa.RequiredDuringSchedulingIgnoredDuringExecution, pa.PreferredDuringSchedulingIgnoredDuringExecution)
+	}
+	if pa := a.PodAntiAffinity; pa != nil {
+		podTerms(path.Child("podAntiAffinity"), pa.RequiredDuringSchedulingIgnoredDuringExecution, pa.PreferredDuringSchedulingIgnoredDuringExecution)
+	}
+	return errs
+}
+
+func validateNodeTerm(path *field.Path, t corev1.NodeSelectorTerm) field.ErrorList {
+	var errs field.ErrorList
+	for _, set := range []struct {
+		name string
+		reqs []corev1.NodeSelectorRequirement
+	}{{"matchExpressions", t.MatchExpressions}, {"matchFields", t.MatchFields}} {
+		for i, r := range set.reqs {
+			p := path.Child(set.name).Index(i)
+			if !slices.Contains(nodeOperators, string(r.Operator)) {
+				errs = append(errs, field.NotSupported(p.Child("operator"), r.Operator, nodeOperators))
+				continue
+			}
+			switch r.Operator {
+			case corev1.NodeSelectorOpIn, corev1.NodeSelectorOpNotIn:
+				if len(r.Values) == 0 {
+					errs = append(errs, field.Required(p.Child("values"), "must be specified when operator is In or NotIn"))
+				}
+			case corev1.NodeSelectorOpExists, corev1.NodeSelectorOpDoesNotExist:
+				if len(r.Values) > 0 {
+					errs = append(errs, field.Forbidden(p.Child("values"), "may not be specified when operator is Exists or DoesNotExist"))
+				}
+			case corev1.NodeSelectorOpGt, corev1.NodeSelectorOpLt:
+				if len(r.Values) != 1 {
+					errs = append(errs, field.Required(p.Child("values"), "must be one integer when operator is Gt or Lt"))
+				} else if _, err := strconv.ParseInt(r.Values[0], 10, 64); err != nil {
+					errs = append(errs, field.Invalid(p.Child("values").Index(0), r.Values[0], "must be an integer when operator is Gt or Lt"))
+				}
+			}
+		}
+	}
+	return errs
+}
+
+func validateLabelSelector(s *metav1.LabelSelector, path *field.Path) field.ErrorList {
+	return metav1validation.ValidateLabelSelector(s, metav1validation.LabelSelectorValidationOptions{}, path)
+}
+
+// validateBudgetValue: a PodDisruptionBudget's count may not be negative, nor its percentage
+// past 100%.
+func validateBudgetValue(path *field.Path, v *intstr.IntOrString) field.ErrorList {
+	if v == nil {
+		return nil
+	}
+	if v.Type == intstr.Int {
+		if v.IntVal < 0 {
+			return field.ErrorList{field.Invalid(path, v.IntVal, "must be greater than or equal to 0")}
+		}
+		return nil
+	}
+	pct, ok := strings.CutSuffix(v.StrVal, "%")
+	n, err := strconv.Atoi(pct)
+	if !ok || err != nil {
+		return field.ErrorList{field.Invalid(path, v.StrVal, "must be an integer or a percentage, e.g. 1 or 25%")}
+	}
+	if n < 0 || n > 100 {
+		return field.ErrorList{field.Invalid(path, v.StrVal, "must be a percentage between 0% and 100%")}
+	}
+	return nil
+}
+
+// validateExtraConfig refuses the keys the operator sets from typed fields.
+func validateExtraConfig(path *field.Path, raw *apiextensionsv1.JSON) field.ErrorList {
+	if raw == nil || len(raw.Raw) == 0 {
+		return nil
+	}
+	var extra map[string]json.RawMessage
+	if err := json.Unmarshal(raw.Raw, &extra); err != nil {
+		return field.ErrorList{field.Invalid(path, string(raw.Raw), "must be a JSON object")}
+	}
+	var errs field.ErrorList
+	for _, k := range slices.Sorted(maps.Keys(extra)) {
+		if from, ok := ReservedExtraConfigKeys[k]; ok {
+			errs = append(errs, field.Forbidden(path.Key(k), "set by the operator from "+from+"; remove it"))
+		}
+	}
+	return errs
+}

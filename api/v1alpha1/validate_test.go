@@ -1,0 +1,97 @@
+package v1alpha1
+
+import (
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+)
+
+// Each case breaks one rule (or keeps to it) and checks the errors, by PDCluster field.
+func TestValidate(t *testing.T) {
+	nodeTerm := func(op corev1.NodeSelectorOperator, values ...string) *corev1.Affinity {
+		return &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
+			NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{{Key: "rack", Operator: op, Values: values}}}}}}}
+	}
+	pct := func(s string) *intstr.IntOrString { return ptr.To(intstr.FromString(s)) }
+	for _, tc := range []struct {
+		name   string
+		mutate func(*PDCluster)
+		want   []string // field.Error strings
+	}{
+		{"nothing set", func(*PDCluster) {}, nil},
+		{"toleration effect", func(p *PDCluster) {
+			p.Spec.Decode.Tolerations = []corev1.Toleration{{Key: "a", Operator: corev1.TolerationOpExists}, {Key: "gpu", Operator: corev1.TolerationOpExists, Effect: "Sometimes"}}
+		}, []string{`spec.decode.tolerations[1].effect: Unsupported value: "Sometimes": supported values: "NoSchedule", "PreferNoSchedule", "NoExecute"`}},
+		{"toleration value with Exists, seconds without NoExecute", func(p *PDCluster) {
+			p.Spec.Router.Tolerations = []corev1.Toleration{{Key: "a", Operator: corev1.TolerationOpExists, Value: "x", TolerationSeconds: ptr.To[int64](5), Effect: corev1.TaintEffectNoSchedule}}
+		}, []string{`spec.router.tolerations[0].value: Invalid value: "x": must be empty when operator is Exists`,
+			`spec.router.tolerations[0].effect: Invalid value: "NoSchedule": must be NoExecute when tolerationSeconds is set`}},
+		{"good tolerations", func(p *PDCluster) {
+			p.Spec.Prefill.Tolerations = []corev1.Toleration{{Operator: corev1.TolerationOpExists}, {Key: "nvidia.com/gpu", Value: "true", Effect: corev1.TaintEffectNoExecute, TolerationSeconds: ptr.To[int64](30)}}
+		}, nil},
+		{"a mount naming no volume", func(p *PDCluster) {
+			p.Spec.Prefill.Pod = &PodSettings{VolumeMounts: []corev1.VolumeMount{{Name: "scratch", MountPath: "/scratch"}}}
+		}, []string{`spec.prefill.pod.volumeMounts[0].name: Not found: "scratch (no volume of that name in spec.engine.pod.volumes or spec.prefill.pod.volumes)"`}},
+		{"mounts of the pool's, the engine's and the operator's volumes", func(p *PDCluster) {
+			p.Spec.Engine.Pod = &PodSettings{Volumes: []corev1.Volume{{Name: "cache"}}, VolumeMounts: []corev1.VolumeMount{{Name: "scratch", MountPath: "/scratch"}}}
+			for _, pool := range []*PoolSpec{&p.Spec.Prefill, &p.Spec.Decode} {
+				pool.Pod = &PodSettings{Volumes: []corev1.Volume{{Name: "scratch"}}, VolumeMounts: []corev1.VolumeMount{{Name: "cache", MountPath: "/cache"}, {Name: "model", MountPath: "/weights"}}}
+			}
+		}, nil},
+		{"an engine-wide mount one pool lacks the volume of", func(p *PDCluster) {
+			p.Spec.Engine.Pod = &PodSettings{VolumeMounts: []corev1.VolumeMount{{Name: "scratch", MountPath: "/scratch"}}}
+			p.Spec.Decode.Pod = &PodSettings{Volumes: []corev1.Volume{{Name: "scratch"}}}
+		}, []string{`spec.engine.pod.volumeMounts[0].name: Not found: "scratch (no volume of that name in spec.engine.pod.volumes or spec.prefill.pod.volumes)"`}},
+		{"an engine-wide mount neither pool has: said once per pool", func(p *PDCluster) {
+			p.Spec.Engine.Pod = &PodSettings{VolumeMounts: []corev1.VolumeMount{{Name: "x", MountPath: "/x"}}}
+		}, []string{`spec.engine.pod.volumeMounts[0].name: Not found: "x (no volume of that name in spec.engine.pod.volumes or spec.prefill.pod.volumes)"`,
+			`spec.engine.pod.volumeMounts[0].name: Not found: "x (no volume of that name in spec.engine.pod.volumes or spec.decode.pod.volumes)"`}},
+		{"negative shmSize", func(p *PDCluster) { p.Spec.Decode.Pod = &PodSettings{ShmSize: ptr.To(resource.MustParse("-1Gi"))} },
+			[]string{`spec.decode.pod.shmSize: Invalid value: "-1Gi": must be greater than zero`}},
+		{"affinity operator", func(p *PDCluster) { p.Spec.Decode.Pod = &PodSettings{Affinity: nodeTerm("Near", "r1")} },
+			[]string{`spec.decode.pod.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator: Unsupported value: "Near": supported values: "In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"`}},
+		{"affinity Gt needs one integer", func(p *PDCluster) {
+			p.Spec.Engine.Pod = &PodSettings{Affinity: nodeTerm(corev1.NodeSelectorOpGt, "big")}
+		},
+			[]string{`spec.engine.pod.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].values[0]: Invalid value: "big": must be an integer when operator is Gt or Lt`}},
+		{"pod anti-affinity selector operator", func(p *PDCluster) {
+			p.Spec.Decode.Pod = &PodSettings{Affinity: &corev1.Affinity{PodAntiAffinity: &corev1.PodAntiAffinity{RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{{
+				TopologyKey: "kubernetes.io/hostname", LabelSelector: &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{{Key: "a", Operator: "Near"}}}}}}}}
+		}, []string{`spec.decode.pod.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].labelSelector.matchExpressions[0].operator: Invalid value: "Near": not a valid selector operator`}},
+		{"good affinity", func(p *PDCluster) {
+			p.Spec.Decode.Pod = &PodSettings{Affinity: nodeTerm(corev1.NodeSelectorOpIn, "r1")}
+		}, nil},
+		{"disruption budget past 100%", func(p *PDCluster) { p.Spec.Decode.DisruptionBudget = &DisruptionBudget{MaxUnavailable: pct("150%")} },
+			[]string{`spec.decode.disruptionBudget.maxUnavailable: Invalid value: "150%": must be a percentage between 0% and 100%`}},
+		{"disruption budget not a number", func(p *PDCluster) { p.Spec.Prefill.DisruptionBudget = &DisruptionBudget{MinAvailable: pct("half")} },
+			[]string{`spec.prefill.disruptionBudget.minAvailable: Invalid value: "half": must be an integer or a percentage, e.g. 1 or 25%`}},
+		{"good disruption budget", func(p *PDCluster) { p.Spec.Decode.DisruptionBudget = &DisruptionBudget{MaxUnavailable: pct("25%")} }, nil},
+		{"env and volume names", func(p *PDCluster) {
+			p.Spec.Engine.Pod = &PodSettings{Env: []corev1.EnvVar{{Name: "1BAD"}}, Volumes: []corev1.Volume{{Name: "Scratch"}}}
+		}, []string{
+			`spec.engine.pod.env[0].name: Invalid value: "1BAD": a valid environment variable name must consist of alphabetic characters, digits, '_', '-', or '.', and must not start with a digit (e.g. 'my.env-name',  or 'MY_ENV.NAME',  or 'MyEnvName1', regex used for validation is '[-._a-zA-Z][-._a-zA-Z0-9]*')`,
+			`spec.engine.pod.volumes[0].name: Invalid value: "Scratch": a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')`,
+		}},
+		{"reserved extraConfig key", func(p *PDCluster) {
+			p.Spec.KVTransfer.ExtraConfig = &apiextensionsv1.JSON{Raw: []byte(`{"device_name":"mlx5_9","other":1}`)}
+		}, []string{`spec.kvTransfer.extraConfig[device_name]: Forbidden: set by the operator from spec.kvTransfer.rdmaDevices; remove it`}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := &PDCluster{}
+			tc.mutate(p)
+			var got []string
+			for _, e := range p.Validate() {
+				got = append(got, e.Error())
+			}
+			if d := cmp.Diff(tc.want, got); d != "" {
+				t.Errorf("Validate() (-want +got):\n%s", d)
+			}
+		})
+	}
+}
