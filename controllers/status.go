@@ -60,9 +60,10 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 			events = append(events, event{corev1.EventTypeWarning, re.reason, re.action, re.message})
 		}
 	} else {
+		gates := gateSummary(in.obs.gates, in.health.restarted)
 		events = append(events, connectorStatus(&status, in)...)
-		poolStatuses(&status, in)
-		events = append(events, gateCondition(in.pdc, &status, gateSummary(in.obs.gates, in.health.restarted).silent)...)
+		poolStatuses(&status, in, gates)
+		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
 	}
 	events = append(events, poolProblemEvents(in.pdc.Status.Conditions, &status)...)
 	events = append(events, readinessEvents(in.pdc.Status.Conditions, &status)...)
@@ -115,9 +116,8 @@ func connectorStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event 
 
 // poolStatuses writes status.prefill, status.decode and status.router (replica counts, the
 // restarts counted so far, the gate counts), the pool conditions and Ready.
-func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs) {
+func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateCounts) {
 	pdc := in.pdc
-	gates := gateSummary(in.obs.gates, in.health.restarted)
 	restarted := map[v1alpha1.Role]int32{}
 	gone := map[string]bool{}
 	for _, p := range in.health.restarted {

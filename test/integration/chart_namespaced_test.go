@@ -2,7 +2,6 @@ package integration
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -19,16 +18,12 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
-	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/config"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
-	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/controllers"
-	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
@@ -109,33 +104,10 @@ func TestHelmChartNamespaced(t *testing.T) {
 		t.Fatal(err)
 	}
 	asOperator := user.Config()
-	mgr, err := ctrl.NewManager(asOperator, ctrl.Options{
-		Scheme:                  scheme,
+	startManager(t, asOperator, ctrl.Options{
 		Cache:                   controllers.CacheOptions(watched),
-		Metrics:                 metricsserver.Options{BindAddress: "0"},
-		LeaderElection:          true,
 		LeaderElectionID:        "pdcluster-ns-" + watched,
 		LeaderElectionNamespace: release,
-		// TestManagerWatchesRepairScaleAndStatus runs the same controller in this process.
-		Controller: config.Controller{SkipNameValidation: ptr.To(true)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := (&controllers.PDClusterReconciler{
-		Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Scheme: mgr.GetScheme(),
-		Recorder: mgr.GetEventRecorder(v1alpha1.OperatorName), Options: render.DefaultOptions(),
-	}).SetupWithManager(mgr); err != nil {
-		t.Fatal(err)
-	}
-	mctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- mgr.Start(mctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("manager: %v", err)
-		}
 	})
 
 	pdc := wrappers.MakePDCluster(watched, "team").Obj()

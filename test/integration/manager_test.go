@@ -18,9 +18,11 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/config"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
@@ -47,18 +49,15 @@ func eventually(t *testing.T, what string, check func() error) {
 	}
 }
 
-// TestManagerWatchesRepairScaleAndStatus runs the reconciler inside a real manager (watches,
-// leader election, metrics registry) instead of calling Reconcile by hand.
-func TestManagerWatchesRepairScaleAndStatus(t *testing.T) {
-	f := newFixture(t)
-	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
-		Scheme:                  scheme,
-		Cache:                   controllers.CacheOptions(),
-		Metrics:                 metricsserver.Options{BindAddress: "0"},
-		LeaderElection:          true,
-		LeaderElectionID:        "pdcluster-it-" + f.ns,
-		LeaderElectionNamespace: f.ns,
-	})
+// startManager runs the reconciler in a manager with opts (plus this suite's scheme, leader
+// election, no metrics listener) as the user of cfg, until the test ends.
+func startManager(t *testing.T, cfg *rest.Config, opts ctrl.Options) {
+	t.Helper()
+	opts.Scheme, opts.LeaderElection = scheme, true
+	opts.Metrics = metricsserver.Options{BindAddress: "0"}
+	// Tests in this process run the same controller, in managers of their own.
+	opts.Controller = config.Controller{SkipNameValidation: ptr.To(true)}
+	mgr, err := ctrl.NewManager(cfg, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,6 +75,17 @@ func TestManagerWatchesRepairScaleAndStatus(t *testing.T) {
 		if err := <-done; err != nil {
 			t.Errorf("manager: %v", err)
 		}
+	})
+}
+
+// TestManagerWatchesRepairScaleAndStatus runs the reconciler inside a real manager (watches,
+// leader election, metrics registry) instead of calling Reconcile by hand.
+func TestManagerWatchesRepairScaleAndStatus(t *testing.T) {
+	f := newFixture(t)
+	startManager(t, cfg, ctrl.Options{
+		Cache:                   controllers.CacheOptions(),
+		LeaderElectionID:        "pdcluster-it-" + f.ns,
+		LeaderElectionNamespace: f.ns,
 	})
 
 	if err := f.c.Create(f.ctx, wrappers.MakePDCluster(f.ns, "live").Obj()); err != nil {
