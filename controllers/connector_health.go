@@ -9,7 +9,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
@@ -57,7 +56,7 @@ func (r *PDClusterReconciler) decideConnectorHealth(ctx context.Context, pdc *v1
 		}
 	}
 	h := healthOutcome{decided: true, policy: connectorhealth.PolicyFrom(pdc.Spec.Connector.Health)}
-	desired := int(ptr.Deref(pdc.Spec.Prefill.Replicas, v1alpha1.DefaultReplicas) + ptr.Deref(pdc.Spec.Decode.Replicas, v1alpha1.DefaultReplicas))
+	desired := int(*pdc.Spec.Prefill.Replicas + *pdc.Spec.Decode.Replicas)
 	h.decision = connectorhealth.Decide(now, h.policy, pdc.Status.Connector, pods, desired)
 	if len(h.decision.Restart) == 0 {
 		return h

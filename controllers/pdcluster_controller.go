@@ -79,6 +79,9 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		forgetStatus(req.Namespace, req.Name)
 		return ctrl.Result{}, nil // children go with the owner references
 	}
+	// The API server has defaulted what its CRD knows; this covers a CRD older than the
+	// operator (an upgrade that applied the manager first). Only status is written back.
+	pdc.SetDefaults()
 	// Apply, observe once, act on connector health, then compute the whole status from what
 	// was learned and write it once; events go out after the write.
 	in := statusInputs{pdc: &pdc, now: r.now()}

@@ -1,13 +1,19 @@
 package v1alpha1
 
-// Defaults. The CRD carries the same values in its +kubebuilder:default markers; a test
-// checks that the two agree, so render can treat an unset field as its default.
+import "k8s.io/utils/ptr"
+
+// Defaults. The CRD carries the same values in its +kubebuilder:default markers, and the API
+// server applies them; SetDefaults is their Go image, for the readers of a PDCluster that did
+// not pass an API server (pdctl, tests) or passed one with an older CRD (an upgrade applies the
+// operator before its CRD). A test defaults the same manifests both ways and requires equal
+// results, so the two cannot drift.
 const (
 	DefaultBlockSize        int32 = 16
 	DefaultReplicas         int32 = 1
 	DefaultParallelism      int32 = 1
 	DefaultRDMAResourceName       = "rdma/hca"
 	DefaultRDMACount        int32 = 1
+	DefaultTokenSecretKey         = "token"
 
 	DefaultHealthPeriodSeconds    int32 = 10
 	DefaultHealthFailureThreshold int32 = 3
@@ -16,3 +22,57 @@ const (
 	DefaultRestartBudget          int32 = 5
 	DefaultBudgetWindowSeconds    int32 = 3600
 )
+
+// SetDefaults fills every unset field that has a default, as the API server would. It is the
+// one place defaults are applied in Go: render and the reconciler call it once on their copy
+// and then read plain values, never a fallback at the point of use.
+func (in *PDCluster) SetDefaults() {
+	s := &in.Spec
+	if hf := s.Model.HuggingFace; hf != nil && hf.TokenSecret != nil {
+		setString(&hf.TokenSecret.Key, DefaultTokenSecretKey)
+	}
+	setPtr(&s.Engine.BlockSize, DefaultBlockSize)
+	setPtr(&s.Engine.EnablePrefixCaching, true)
+
+	kv := &s.KVTransfer
+	setString(&kv.Connector, ConnectorMooncake)
+	setString(&kv.Protocol, ProtocolRDMA)
+	setString(&kv.BufferDevice, BufferDeviceCUDA)
+	setString(&kv.LoadFailurePolicy, LoadFailurePolicyFail)
+	setString(&kv.CompletionGate, CompletionGateEnabled)
+
+	for _, p := range []*PoolSpec{&s.Prefill, &s.Decode} {
+		setPtr(&p.Replicas, DefaultReplicas)
+		setPtr(&p.Parallelism.Tensor, DefaultParallelism)
+		setPtr(&p.Parallelism.Data, DefaultParallelism)
+		setPtr(&p.Parallelism.Pipeline, DefaultParallelism)
+		setString(&p.RDMA.ResourceName, DefaultRDMAResourceName)
+		setPtr(&p.RDMA.Count, DefaultRDMACount)
+	}
+
+	setPtr(&s.Router.Replicas, DefaultReplicas)
+	setString(&s.Router.Balance, RouterBalanceLeastInFlight)
+
+	h := &s.Connector.Health
+	setPtr(&h.PeriodSeconds, DefaultHealthPeriodSeconds)
+	setPtr(&h.FailureThreshold, DefaultHealthFailureThreshold)
+	setPtr(&h.InitialBackoffSeconds, DefaultInitialBackoffSeconds)
+	setPtr(&h.MaxBackoffSeconds, DefaultMaxBackoffSeconds)
+	setPtr(&h.RestartBudget, DefaultRestartBudget)
+	setPtr(&h.BudgetWindowSeconds, DefaultBudgetWindowSeconds)
+	setPtr(&h.RestartDecodeWithPrefill, true)
+
+	setPtr(&s.NetworkPolicy.Enabled, true)
+}
+
+func setPtr[T any](p **T, def T) {
+	if *p == nil {
+		*p = ptr.To(def)
+	}
+}
+
+func setString[T ~string](p *T, def T) {
+	if *p == "" {
+		*p = def
+	}
+}

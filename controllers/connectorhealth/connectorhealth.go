@@ -14,7 +14,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
@@ -30,17 +29,17 @@ type Policy struct {
 	RestartDecodeWithPrefill bool
 }
 
-// PolicyFrom applies the API defaults to spec.
+// PolicyFrom reads a defaulted spec ((*PDCluster).SetDefaults) into durations.
 func PolicyFrom(spec v1alpha1.ConnectorHealthPolicy) Policy {
-	sec := func(p *int32, def int32) time.Duration { return time.Duration(ptr.Deref(p, def)) * time.Second }
+	sec := func(p *int32) time.Duration { return time.Duration(*p) * time.Second }
 	return Policy{
-		Period:                   sec(spec.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds),
-		FailureThreshold:         ptr.Deref(spec.FailureThreshold, v1alpha1.DefaultHealthFailureThreshold),
-		InitialBackoff:           sec(spec.InitialBackoffSeconds, v1alpha1.DefaultInitialBackoffSeconds),
-		MaxBackoff:               sec(spec.MaxBackoffSeconds, v1alpha1.DefaultMaxBackoffSeconds),
-		Budget:                   ptr.Deref(spec.RestartBudget, v1alpha1.DefaultRestartBudget),
-		Window:                   sec(spec.BudgetWindowSeconds, v1alpha1.DefaultBudgetWindowSeconds),
-		RestartDecodeWithPrefill: ptr.Deref(spec.RestartDecodeWithPrefill, true),
+		Period:                   sec(spec.PeriodSeconds),
+		FailureThreshold:         *spec.FailureThreshold,
+		InitialBackoff:           sec(spec.InitialBackoffSeconds),
+		MaxBackoff:               sec(spec.MaxBackoffSeconds),
+		Budget:                   *spec.RestartBudget,
+		Window:                   sec(spec.BudgetWindowSeconds),
+		RestartDecodeWithPrefill: *spec.RestartDecodeWithPrefill,
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 
 // DisruptionBudget is role's PodDisruptionBudget, or nil when the pool asks for none.
 func DisruptionBudget(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *policyv1.PodDisruptionBudget {
+	pdc = defaulted(pdc)
 	b := pool(pdc, role).DisruptionBudget
 	if b == nil {
 		return nil

@@ -3,6 +3,7 @@
 package render
 
 import (
+	"cmp"
 	"strconv"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -22,15 +23,14 @@ func drain() *corev1.Lifecycle {
 	return &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: drainSeconds}}}
 }
 
-// GPUsPerReplica is tensor*data*pipeline of a pool.
-func GPUsPerReplica(p v1alpha1.Parallelism) int64 {
-	return int64(ptr.Deref(p.Tensor, v1alpha1.DefaultParallelism)) *
-		int64(ptr.Deref(p.Data, v1alpha1.DefaultParallelism)) *
-		int64(ptr.Deref(p.Pipeline, v1alpha1.DefaultParallelism))
+// gpusPerReplica is tensor*data*pipeline of a pool.
+func gpusPerReplica(p v1alpha1.Parallelism) int64 {
+	return int64(*p.Tensor) * int64(*p.Data) * int64(*p.Pipeline)
 }
 
 // EngineArgs is the full `vllm serve` argument list for role.
 func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
+	pdc = defaulted(pdc)
 	spec := pdc.Spec
 	p := pool(pdc, role)
 	kvcfg, err := KVTransferConfig(spec.KVTransfer, role)
@@ -46,15 +46,15 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 		"--served-model-name", served,
 		"--host", "0.0.0.0",
 		"--port", strconv.Itoa(int(vllm.APIPort)),
-		"--block-size", strconv.Itoa(int(ptr.Deref(spec.Engine.BlockSize, v1alpha1.DefaultBlockSize))),
-		"--tensor-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Tensor, v1alpha1.DefaultParallelism))),
-		"--data-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Data, v1alpha1.DefaultParallelism))),
-		"--pipeline-parallel-size", strconv.Itoa(int(ptr.Deref(p.Parallelism.Pipeline, v1alpha1.DefaultParallelism))),
+		"--block-size", strconv.Itoa(int(*spec.Engine.BlockSize)),
+		"--tensor-parallel-size", strconv.Itoa(int(*p.Parallelism.Tensor)),
+		"--data-parallel-size", strconv.Itoa(int(*p.Parallelism.Data)),
+		"--pipeline-parallel-size", strconv.Itoa(int(*p.Parallelism.Pipeline)),
 	}
 	if p.Parallelism.Expert {
 		args = append(args, "--enable-expert-parallel")
 	}
-	if ptr.Deref(spec.Engine.EnablePrefixCaching, true) {
+	if *spec.Engine.EnablePrefixCaching {
 		args = append(args, "--enable-prefix-caching")
 	} else {
 		args = append(args, "--no-enable-prefix-caching")
@@ -68,21 +68,17 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 // EngineDeployment is the prefill (kv_producer) or decode (kv_consumer) Deployment: the engine
 // and, beside it, the connector sidecar that watches its completion gate.
 func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) (*appsv1.Deployment, error) {
+	pdc = defaulted(pdc)
 	p := pool(pdc, role)
 	args, err := EngineArgs(pdc, role)
 	if err != nil {
 		return nil, err
 	}
 	resources := *p.Resources.DeepCopy()
-	gpus := *resource.NewQuantity(GPUsPerReplica(p.Parallelism), resource.DecimalSI)
+	gpus := *resource.NewQuantity(gpusPerReplica(p.Parallelism), resource.DecimalSI)
 	setResource(&resources, corev1.ResourceName(v1alpha1.GPUResourceName), gpus)
-	if orDefault(pdc.Spec.KVTransfer.Protocol, v1alpha1.ProtocolRDMA) == v1alpha1.ProtocolRDMA {
-		name := p.RDMA.ResourceName
-		if name == "" {
-			name = v1alpha1.DefaultRDMAResourceName
-		}
-		count := ptr.Deref(p.RDMA.Count, v1alpha1.DefaultRDMACount)
-		setResource(&resources, corev1.ResourceName(name), *resource.NewQuantity(int64(count), resource.DecimalSI))
+	if pdc.Spec.KVTransfer.Protocol == v1alpha1.ProtocolRDMA {
+		setResource(&resources, corev1.ResourceName(p.RDMA.ResourceName), *resource.NewQuantity(int64(*p.RDMA.Count), resource.DecimalSI))
 	}
 
 	env := []corev1.EnvVar{
@@ -114,7 +110,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
 			Name:      v1alpha1.EngineContainerName,
-			Image:     orDefault(p.Image, pdc.Spec.Engine.Image),
+			Image:     cmp.Or(p.Image, pdc.Spec.Engine.Image),
 			Command:   []string{"vllm"},
 			Args:      args,
 			Ports:     enginePorts(pdc, role),
@@ -143,7 +139,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	}
 	settings := mergePodSettings(pdc.Spec.Engine.Pod, p.Pod)
 	applyPodSettings(&podSpec, settings)
-	dep, err := deployment(pdc, role, ptr.Deref(p.Replicas, v1alpha1.DefaultReplicas), podSpec)
+	dep, err := deployment(pdc, role, *p.Replicas, podSpec)
 	if err != nil {
 		return nil, err
 	}
@@ -163,10 +159,9 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 // every engine, one port per data-parallel rank).
 func enginePorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []corev1.ContainerPort {
 	ports := []corev1.ContainerPort{{Name: portHTTP, ContainerPort: vllm.APIPort, Protocol: corev1.ProtocolTCP}}
-	switch orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) {
+	switch pdc.Spec.KVTransfer.Connector {
 	case v1alpha1.ConnectorNixl:
-		dp := ptr.Deref(pool(pdc, role).Parallelism.Data, v1alpha1.DefaultParallelism)
-		for rank := range dp {
+		for rank := range *pool(pdc, role).Parallelism.Data {
 			ports = append(ports, corev1.ContainerPort{Name: nixlPortName(rank), ContainerPort: vllm.NixlSideChannelPort + rank, Protocol: corev1.ProtocolTCP})
 		}
 	default:

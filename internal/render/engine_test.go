@@ -77,6 +77,7 @@ func TestEngineFlagsPerRole(t *testing.T) {
 	}
 }
 
+// Each engine replica asks for tensor*data*pipeline GPUs, an unset factor counting as its default (1).
 func TestGPUsAreTensorTimesDataTimesPipeline(t *testing.T) {
 	cases := []struct {
 		p    v1alpha1.Parallelism
@@ -88,8 +89,11 @@ func TestGPUsAreTensorTimesDataTimesPipeline(t *testing.T) {
 		{v1alpha1.Parallelism{Tensor: ptr.To[int32](2), Data: ptr.To[int32](2), Pipeline: ptr.To[int32](3)}, 12},
 	}
 	for _, tc := range cases {
-		if got := render.GPUsPerReplica(tc.p); got != tc.want {
-			t.Errorf("GPUsPerReplica(%+v) = %d, want %d", tc.p, got, tc.want)
+		pdc := load(t, "testdata/mooncake-rdma.yaml")
+		pdc.Spec.Decode.Parallelism = tc.p
+		c := engineContainer(t, pdc, v1alpha1.RoleDecode)
+		if got := c.Resources.Limits[v1alpha1.GPUResourceName]; got.Value() != tc.want {
+			t.Errorf("parallelism %+v: GPU limit = %s, want %d", tc.p, got.String(), tc.want)
 		}
 	}
 }

@@ -12,7 +12,8 @@ import (
 
 // GateEnabled reports whether the engines run the completion-gated connector plugin.
 func GateEnabled(kv v1alpha1.KVTransferSpec) bool {
-	return orDefault(kv.CompletionGate, v1alpha1.CompletionGateEnabled) == v1alpha1.CompletionGateEnabled
+	// Anything but Disabled gates, unset included: the engine never runs ungated by accident.
+	return kv.CompletionGate != v1alpha1.CompletionGateDisabled
 }
 
 // gatedConnector is the plugin's class and module that stand in for connector.
@@ -28,6 +29,7 @@ func GateObjectName(cluster string) string { return cluster + "-" + vllm.Package
 
 // GateConfigMap holds the completion-gate plugin's Python files, mounted into every engine.
 func GateConfigMap(pdc *v1alpha1.PDCluster) *corev1.ConfigMap {
+	pdc = defaulted(pdc)
 	return &corev1.ConfigMap{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
 		ObjectMeta: metav1.ObjectMeta{

@@ -10,13 +10,16 @@ import (
 	"maps"
 	"slices"
 	"sort"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
 
-func orDefault[T ~string](v, def T) T {
-	if v == "" {
-		return def
-	}
-	return v
+// defaulted is a copy of pdc with every default applied, for the exported builders to read
+// plain values from; pdc itself is never changed.
+func defaulted(pdc *v1alpha1.PDCluster) *v1alpha1.PDCluster {
+	out := pdc.DeepCopy()
+	out.SetDefaults()
+	return out
 }
 
 func sortedKeys[V any](m map[string]V) []string {

@@ -27,8 +27,7 @@ func KVTransferConfig(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) (string, e
 			}
 		}
 	}
-	connector := orDefault(kv.Connector, v1alpha1.ConnectorMooncake)
-	protocol := orDefault(kv.Protocol, v1alpha1.ProtocolRDMA)
+	connector, protocol := kv.Connector, kv.Protocol
 	if connector == v1alpha1.ConnectorMooncake {
 		extra["mooncake_protocol"] = string(protocol)
 		if protocol == v1alpha1.ProtocolRDMA {
@@ -38,8 +37,8 @@ func KVTransferConfig(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) (string, e
 	cfg := map[string]any{
 		"kv_connector":           string(connector),
 		"kv_role":                string(KVRole(role)),
-		"kv_buffer_device":       string(orDefault(kv.BufferDevice, v1alpha1.BufferDeviceCUDA)),
-		"kv_load_failure_policy": string(orDefault(kv.LoadFailurePolicy, v1alpha1.LoadFailurePolicyFail)),
+		"kv_buffer_device":       string(kv.BufferDevice),
+		"kv_load_failure_policy": string(kv.LoadFailurePolicy),
 	}
 	if len(extra) > 0 {
 		cfg["kv_connector_extra_config"] = extra
@@ -58,8 +57,8 @@ func KVTransferConfig(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) (string, e
 
 // connectorEnv is the environment vLLM's KV connector reads in role's engine.
 func connectorEnv(kv v1alpha1.KVTransferSpec, role v1alpha1.Role) []corev1.EnvVar {
-	rdma := orDefault(kv.Protocol, v1alpha1.ProtocolRDMA) == v1alpha1.ProtocolRDMA
-	switch orDefault(kv.Connector, v1alpha1.ConnectorMooncake) {
+	rdma := kv.Protocol == v1alpha1.ProtocolRDMA
+	switch kv.Connector {
 	case v1alpha1.ConnectorNixl:
 		env := []corev1.EnvVar{
 			// vLLM hands this host to the other side in kv_transfer_params; its default,

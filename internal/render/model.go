@@ -46,7 +46,7 @@ func modelVolumes(m v1alpha1.ModelSpec) ([]corev1.Volume, []corev1.VolumeMount, 
 		env := []corev1.EnvVar{{Name: "HF_HOME", Value: HFHome}}
 		if t := hf.TokenSecret; t != nil {
 			env = append(env, corev1.EnvVar{Name: "HF_TOKEN", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: &corev1.SecretKeySelector{
-				LocalObjectReference: corev1.LocalObjectReference{Name: t.Name}, Key: orDefault(t.Key, "token"),
+				LocalObjectReference: corev1.LocalObjectReference{Name: t.Name}, Key: t.Key,
 			}}})
 		}
 		return []corev1.Volume{{Name: hfVolume, VolumeSource: src}}, []corev1.VolumeMount{{Name: hfVolume, MountPath: HFHome}}, env

@@ -12,6 +12,7 @@ import (
 )
 
 // NetworkPoliciesEnabled reports whether spec.networkPolicy asks for the NetworkPolicies.
+// Unset reads as true on an undefaulted copy too: isolation ends only where a user said so.
 func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 	return ptr.Deref(pdc.Spec.NetworkPolicy.Enabled, true)
 }
@@ -29,6 +30,7 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //
 // Kubelet probes come from the node, which a NetworkPolicy always admits.
 func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
+	pdc = defaulted(pdc)
 	if !NetworkPoliciesEnabled(pdc) {
 		return nil
 	}
@@ -52,7 +54,7 @@ func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 			{From: append([]networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, np.EngineClients...), Ports: tcp(vllm.APIPort)},
 			{From: []networkingv1.NetworkPolicyPeer{pods(other)}},
 		}
-		if role == v1alpha1.RolePrefill && orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake) == v1alpha1.ConnectorMooncake {
+		if role == v1alpha1.RolePrefill && pdc.Spec.KVTransfer.Connector == v1alpha1.ConnectorMooncake {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(vllm.MooncakeBootstrapPort)})
 		}
 		if len(operator) > 0 {

@@ -3,6 +3,8 @@
 package render
 
 import (
+	"cmp"
+
 	corev1 "k8s.io/api/core/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -32,9 +34,9 @@ func mergePodSettings(engine, pool *v1alpha1.PodSettings) v1alpha1.PodSettings {
 		if len(s.TopologySpreadConstraints) > 0 {
 			out.TopologySpreadConstraints = s.TopologySpreadConstraints
 		}
-		out.PriorityClassName = orDefault(s.PriorityClassName, out.PriorityClassName)
-		out.ServiceAccountName = orDefault(s.ServiceAccountName, out.ServiceAccountName)
-		out.SchedulerName = orDefault(s.SchedulerName, out.SchedulerName)
+		out.PriorityClassName = cmp.Or(s.PriorityClassName, out.PriorityClassName)
+		out.ServiceAccountName = cmp.Or(s.ServiceAccountName, out.ServiceAccountName)
+		out.SchedulerName = cmp.Or(s.SchedulerName, out.SchedulerName)
 		if s.TerminationGracePeriodSeconds != nil {
 			out.TerminationGracePeriodSeconds = s.TerminationGracePeriodSeconds
 		}

@@ -1,6 +1,11 @@
 // Package render turns a PDCluster into the Kubernetes objects that run it. It is pure: the
 // same PDCluster and Options always give the same objects, with no cluster access, so the
 // reconciler only diffs and applies, and `pdctl render` prints exactly what the operator creates.
+//
+// The builders read a defaulted PDCluster (as the API server stores it, or after
+// (*PDCluster).SetDefaults, the one place defaults are applied in Go): they read values, never
+// fall back to a default at the point of use. Each exported builder defaults its own copy first
+// (defaulted), so a caller may pass a PDCluster as written.
 package render
 
 import (
@@ -30,6 +35,7 @@ func DefaultOptions() Options {
 
 // Render returns every object the operator creates for pdc, in a stable order.
 func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
+	pdc = defaulted(pdc)
 	// The checks the CRD cannot make, each naming the PDCluster field (the API server would
 	// otherwise refuse the Deployment in its own words).
 	if err := pdc.Validate().ToAggregate(); err != nil {

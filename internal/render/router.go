@@ -22,7 +22,8 @@ import (
 // RouterConfigMap carries the router's view of the pools: router.json, which cmd/router reads
 // with --config.
 func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
-	connector := orDefault(pdc.Spec.KVTransfer.Connector, v1alpha1.ConnectorMooncake)
+	pdc = defaulted(pdc)
+	connector := pdc.Spec.KVTransfer.Connector
 	cfg := routerconfig.File{
 		Flow:        routerconfig.FlowMooncake,
 		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RolePrefill), pdc.Namespace),
@@ -52,6 +53,7 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 
 // RouterDeployment runs the P/D proxy.
 func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.ConfigMap) (*appsv1.Deployment, error) {
+	pdc = defaulted(pdc)
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
@@ -73,7 +75,7 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 		NodeSelector: nodeSelector(pdc.Spec.Router.NodeSelector),
 		Tolerations:  append([]corev1.Toleration(nil), pdc.Spec.Router.Tolerations...),
 	}
-	return deployment(pdc, v1alpha1.RoleRouter, ptr.Deref(pdc.Spec.Router.Replicas, v1alpha1.DefaultReplicas), podSpec, config.Data)
+	return deployment(pdc, v1alpha1.RoleRouter, *pdc.Spec.Router.Replicas, podSpec, config.Data)
 }
 
 // routerResources are spec.router.resources, or small defaults: the router only proxies.

@@ -13,6 +13,7 @@ import (
 // EngineService is the headless Service of a pool: the router needs each pod's address (the
 // Mooncake bootstrap server runs per prefill pod), not a load-balanced VIP.
 func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Service {
+	pdc = defaulted(pdc)
 	// Every port the pod's containers declare, under the same name: the pods are reached by
 	// their own addresses, so the Service publishes the set for discovery and DNS SRV records.
 	declared := append(enginePorts(pdc, role), connectorPorts()...)
@@ -34,6 +35,7 @@ func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Service 
 
 // RouterService is the client-facing OpenAI endpoint of the cluster.
 func RouterService(pdc *v1alpha1.PDCluster) *corev1.Service {
+	pdc = defaulted(pdc)
 	return &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
 		ObjectMeta: objectMeta(pdc, v1alpha1.RoleRouter),

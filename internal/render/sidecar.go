@@ -3,12 +3,12 @@
 package render
 
 import (
+	"cmp"
 	"fmt"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/util/intstr"
-	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
@@ -43,11 +43,11 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 	if len(resources.Requests) == 0 && len(resources.Limits) == 0 {
 		resources.Requests = corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")}
 	}
-	period := ptr.Deref(c.Health.PeriodSeconds, v1alpha1.DefaultHealthPeriodSeconds)
+	period := *c.Health.PeriodSeconds
 	port := intstr.FromString(portConnector)
 	return corev1.Container{
 		Name:           v1alpha1.ConnectorContainerName,
-		Image:          orDefault(c.Image, opts.ConnectorImage),
+		Image:          cmp.Or(c.Image, opts.ConnectorImage),
 		Args:           args,
 		Env:            []corev1.EnvVar{podIPEnv()},
 		Ports:          connectorPorts(),

@@ -36,8 +36,12 @@ func MakePDCluster(ns, name string) *PDClusterWrapper {
 	}}
 }
 
-// Obj returns a copy of the PDCluster.
-func (w *PDClusterWrapper) Obj() *v1alpha1.PDCluster { return w.DeepCopy() }
+// Obj returns a copy of the PDCluster as the API server stores it: defaulted.
+func (w *PDClusterWrapper) Obj() *v1alpha1.PDCluster {
+	pdc := w.DeepCopy()
+	pdc.SetDefaults()
+	return pdc
+}
 
 // Generation sets metadata.generation, as the API server would.
 func (w *PDClusterWrapper) Generation(g int64) *PDClusterWrapper {
