@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"strconv"
@@ -14,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bounded"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -38,8 +38,12 @@ type HTTPGateReader struct {
 // NewHTTPGateReader reads the sidecars rendered by this operator, with a short timeout: a pod
 // that does not answer is left out of the counts, not waited for.
 func NewHTTPGateReader() *HTTPGateReader {
-	return &HTTPGateReader{Client: &http.Client{Timeout: 2 * time.Second}, Port: render.ConnectorPort}
+	// A pod is read at its own IP only: its redirects are not followed.
+	return &HTTPGateReader{Client: &http.Client{Timeout: 2 * time.Second, CheckRedirect: bounded.NoRedirect}, Port: render.ConnectorPort}
 }
+
+// maxGateAnswer bounds a sidecar's /gate answer (a few hundred bytes of counts).
+const maxGateAnswer = 64 << 10
 
 // ReadGate implements GateReader.
 func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.State, error) {
@@ -64,8 +68,12 @@ func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.St
 	if resp.StatusCode != http.StatusOK {
 		return vllm.State{}, fmt.Errorf("GET %s: %s", vllm.StatePath, resp.Status)
 	}
+	b, err := bounded.ReadAll(resp.Body, maxGateAnswer)
+	if err != nil {
+		return vllm.State{}, fmt.Errorf("read %s: %w", vllm.StatePath, err)
+	}
 	var st vllm.State
-	if err := json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&st); err != nil {
+	if err := json.Unmarshal(b, &st); err != nil {
 		return vllm.State{}, fmt.Errorf("decode %s: %w", vllm.StatePath, err)
 	}
 	return st, nil

@@ -65,6 +65,36 @@ func TestHTTPGateReader(t *testing.T) {
 	}
 }
 
+// The operator reads each pod at the pod's own IP and nowhere else: a pod that answers with a
+// redirect (to the API server, a cloud metadata address, another tenant) is not followed, and
+// an answer past the bound is refused, not decoded from its first 64 KiB.
+func TestHTTPGateReaderFollowsNoRedirectAndBoundsTheAnswer(t *testing.T) {
+	var followed int
+	elsewhere := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		followed++
+		_ = json.NewEncoder(w).Encode(loaded(0, 1, 0))
+	}))
+	defer elsewhere.Close()
+	mux := http.NewServeMux()
+	mux.Handle("/redirect"+vllm.StatePath, http.RedirectHandler(elsewhere.URL+vllm.StatePath, http.StatusFound))
+	mux.HandleFunc("/huge"+vllm.StatePath, func(w http.ResponseWriter, _ *http.Request) {
+		// Valid JSON whose first 64 KiB decode: a truncating reader would take it.
+		_, _ = w.Write([]byte(`{"loaded":true}` + strings.Repeat(" ", 1<<20)))
+	})
+	pod := httptest.NewServer(mux)
+	defer pod.Close()
+	h := NewHTTPGateReader()
+	for _, path := range []string{"/redirect", "/huge"} {
+		h.Addr = func(*corev1.Pod) string { return strings.TrimPrefix(pod.URL, "http://") + path }
+		if st, err := h.ReadGate(context.Background(), &corev1.Pod{}); err == nil {
+			t.Errorf("%s: read %+v, want an error", path, st)
+		}
+	}
+	if followed != 0 {
+		t.Errorf("the redirect was followed %d times", followed)
+	}
+}
+
 // Both sides of the seam: the real connector sidecar takes the plugin's heartbeat on its local
 // API, and the operator's reader gets it from the sidecar's public port.
 func TestHTTPGateReaderReadsTheSidecar(t *testing.T) {

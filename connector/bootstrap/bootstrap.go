@@ -7,7 +7,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -20,6 +19,8 @@ import (
 
 	"golang.org/x/sync/singleflight"
 	"k8s.io/utils/clock"
+
+	"pdcluster.dev/pdcluster-operator/internal/bounded"
 )
 
 // Registration is the body of POST /register.
@@ -203,7 +204,8 @@ type cached struct {
 
 // NewClient returns a Client with a 5 s query timeout.
 func NewClient() *Client {
-	hc := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return errRedirect }}
+	// A registry is asked at the address its engine registered, never elsewhere.
+	hc := &http.Client{CheckRedirect: bounded.NoRedirect}
 	return &Client{HTTP: hc, Timeout: 5 * time.Second, Clock: clock.RealClock{}, cache: map[string]cached{}}
 }
 
@@ -274,15 +276,11 @@ func (c *Client) fetch(ctx context.Context, addr string) (Topology, error) {
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return nil, fmt.Errorf("query bootstrap %s: %s: %s", addr, resp.Status, b)
+		return nil, fmt.Errorf("query bootstrap %s: %s: %s", addr, resp.Status, bounded.Snippet(resp.Body))
 	}
-	b, err := io.ReadAll(io.LimitReader(resp.Body, MaxTopologyBytes+1))
+	b, err := bounded.ReadAll(resp.Body, MaxTopologyBytes)
 	if err != nil {
 		return nil, fmt.Errorf("query bootstrap %s: read: %w", addr, err)
-	}
-	if len(b) > MaxTopologyBytes {
-		return nil, fmt.Errorf("query bootstrap %s: answer larger than %d bytes", addr, MaxTopologyBytes)
 	}
 	var t Topology
 	if err := json.Unmarshal(b, &t); err != nil {
@@ -294,9 +292,6 @@ func (c *Client) fetch(ctx context.Context, addr string) (Topology, error) {
 // MaxTopologyBytes bounds a registry's answer: a topology of every DP, TP and PP rank of an
 // engine is a few kilobytes.
 const MaxTopologyBytes = 1 << 20
-
-// errRedirect: a registry is asked at the address its engine registered, never elsewhere.
-var errRedirect = errors.New("the bootstrap server answered with a redirect, which is not followed")
 
 // Register posts reg to the bootstrap server at addr, retrying with backoff as vLLM workers do.
 func Register(ctx context.Context, hc *http.Client, addr string, reg Registration, attempts int) error {
@@ -335,8 +330,7 @@ func registerOnce(ctx context.Context, hc *http.Client, addr string, body []byte
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return fmt.Errorf("%d: %s", resp.StatusCode, b)
+		return fmt.Errorf("%d: %s", resp.StatusCode, bounded.Snippet(resp.Body))
 	}
 	return nil
 }

@@ -12,6 +12,8 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+
+	"pdcluster.dev/pdcluster-operator/internal/bounded"
 )
 
 func (r *Router) post(ctx context.Context, url string, body map[string]json.RawMessage, reqID string, headers map[string]string) (*http.Response, error) {
@@ -27,12 +29,14 @@ func (r *Router) post(ctx context.Context, url string, body map[string]json.RawM
 	return r.hc.Do(hr)
 }
 
+// drain ends a leg whose answer the client never sees (Mooncake's prefill): its error, or nil.
 func drain(resp *http.Response) error {
 	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(b))
+		return fmt.Errorf("%s: %s", resp.Status, bounded.Snippet(resp.Body))
 	}
+	// Read what is left (a short completion), so the connection is kept for the next leg.
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	return nil
 }
 
@@ -46,10 +50,7 @@ func copyResponse(w http.ResponseWriter, resp *http.Response) {
 		}
 	}
 	if !stream {
-		b, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes+1))
-		if err == nil && len(b) > maxResponseBytes {
-			err = fmt.Errorf("answer larger than %d bytes", maxResponseBytes)
-		}
+		b, err := bounded.ReadAll(resp.Body, maxResponseBytes)
 		if err != nil {
 			w.Header().Del("Content-Length")
 			writeError(w, http.StatusBadGateway, "read engine answer: "+err.Error())

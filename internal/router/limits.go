@@ -3,13 +3,13 @@ package router
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"net"
 	"net/http"
 	"strings"
 	"time"
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bounded"
 )
 
 // The router is a P/D cluster's front door: what a client sends and how long it may take are
@@ -69,8 +69,6 @@ func withoutTransferParams(b []byte) ([]byte, bool) {
 	return encodeBody(answer), true
 }
 
-var errRedirect = errors.New("the engine answered with a redirect, which the router does not follow")
-
 // upstreamClient is the client of the legs: connections kept for every engine busy at once, a
 // bounded dial and wait for headers, and no redirects (a leg goes to its pool's engine only).
 func upstreamClient(headerTimeout time.Duration) *http.Client {
@@ -81,7 +79,7 @@ func upstreamClient(headerTimeout time.Duration) *http.Client {
 			IdleConnTimeout:       90 * time.Second,
 			ResponseHeaderTimeout: headerTimeout,
 		},
-		CheckRedirect: func(*http.Request, []*http.Request) error { return errRedirect },
+		CheckRedirect: bounded.NoRedirect,
 	}
 }
 

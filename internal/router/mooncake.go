@@ -4,18 +4,17 @@
 package router
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"maps"
 	"net/http"
 	"slices"
 	"time"
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bounded"
 )
 
 // A prefill's engine id is asked again in the background once its answer is older than
@@ -70,8 +69,7 @@ func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[str
 		// A decode that failed may have pulled with a stale engine id: ask again next time.
 		r.boot.Invalidate(p.Bootstrap)
 		// Say why: the prefill leg's failure is usually the cause of the decode's.
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-		reason := fmt.Sprintf("decode leg %s: %s: %s", d, resp.Status, bytes.TrimSpace(b))
+		reason := fmt.Sprintf("decode leg %s: %s: %s", d, resp.Status, bounded.Snippet(resp.Body))
 		select {
 		case perr := <-prefillErr:
 			if perr != nil {

@@ -6,11 +6,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"maps"
 	"net/http"
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bounded"
 )
 
 // nixl runs the prefill leg first and passes its kv_transfer_params to decode.
@@ -29,7 +29,7 @@ func (r *Router) nixl(w http.ResponseWriter, req *http.Request, body map[string]
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill leg %s failed: %v", p.URL, err))
 		return
 	}
-	pbody, err := io.ReadAll(io.LimitReader(presp.Body, 32<<20))
+	pbody, err := bounded.ReadAll(presp.Body, maxResponseBytes)
 	presp.Body.Close()
 	if err != nil {
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill leg %s: read: %v", p.URL, err))
