@@ -29,23 +29,35 @@ type picked struct {
 }
 
 // pick chooses one of n engines; url(i) is engine i's URL, by which requests in flight are
-// counted (so they survive a reordering of the pool).
-func (b *balancer) pick(n int, url func(int) string) picked {
+// counted (so they survive a reordering of the pool). avoid, when not nil, leaves out the
+// engines it names (ejected, or failed in this request); ok is false when it leaves none.
+func (b *balancer) pick(n int, url func(int) string, avoid func(string) bool) (_ picked, ok bool) {
 	start := int(b.turn.Add(1)-1) % n
 	if !b.leastInFlight {
-		return picked{index: start}
+		for i := range n {
+			if j := (start + i) % n; avoid == nil || !avoid(url(j)) {
+				return picked{index: j}, true
+			}
+		}
+		return picked{}, false
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	best := start
+	best := -1
 	for i := range n {
 		j := (start + i) % n
-		if b.inFlight[url(j)] < b.inFlight[url(best)] {
+		if avoid != nil && avoid(url(j)) {
+			continue
+		}
+		if best < 0 || b.inFlight[url(j)] < b.inFlight[url(best)] {
 			best = j
 		}
 	}
+	if best < 0 {
+		return picked{}, false
+	}
 	b.inFlight[url(best)]++
-	return picked{index: best, url: url(best)}
+	return picked{index: best, url: url(best)}, true
 }
 
 func (b *balancer) done(p picked) {

@@ -37,7 +37,7 @@ func TestBalancerPicks(t *testing.T) {
 			}
 			var got []string
 			for range tc.want {
-				p := b.pick(len(urls), func(i int) string { return urls[i] })
+				p, _ := b.pick(len(urls), func(i int) string { return urls[i] }, nil)
 				got = append(got, urls[p.index])
 				if !contains(tc.hold, urls[p.index]) {
 					b.done(p)
@@ -52,7 +52,7 @@ func TestBalancerPicks(t *testing.T) {
 
 func TestBalancerForgetsIdleEngines(t *testing.T) {
 	b := newBalancer(routerconfig.BalanceLeastInFlight)
-	p := b.pick(1, func(int) string { return "gone" })
+	p, _ := b.pick(1, func(int) string { return "gone" }, nil)
 	b.done(p)
 	if s := b.snapshot(); len(s) != 0 {
 		t.Errorf("in flight after every request ended: %v, want nothing", s)

@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -40,21 +41,38 @@ func drain(resp *http.Response) error {
 	return nil
 }
 
-// copyResponse streams resp to w: a stream of server-sent events flushed as chunks arrive,
-// any other answer copied whole with its length (no flush per read, no chunked encoding).
+// copyResponse streams resp to w (an answer the router does not retry).
 func copyResponse(w http.ResponseWriter, resp *http.Response) {
+	_ = relay(w, resp, func() bool { return true })
+}
+
+// relay answers the client with decode's answer: a stream of server-sent events flushed as
+// chunks arrive, any other answer copied whole with its length (no flush per read, no chunked
+// encoding). Nothing is written before commit says the answer is the client's: a stream's
+// headers wait for its first bytes, so a failure before them can still be retried. It returns
+// errRead when the answer broke before anything was written, errCommit when commit refused.
+func relay(w http.ResponseWriter, resp *http.Response, commit func() bool) error {
 	stream := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
-	for _, h := range []string{"Content-Type", "Cache-Control", "Content-Length"} {
-		if v := resp.Header.Get(h); v != "" && (h != "Content-Length" || !stream) {
-			w.Header().Set(h, v)
+	header := func() {
+		for _, h := range []string{"Content-Type", "Cache-Control", "Content-Length"} {
+			if v := resp.Header.Get(h); v != "" && (h != "Content-Length" || !stream) {
+				w.Header().Set(h, v)
+			}
 		}
 	}
 	if !stream {
 		b, err := bounded.ReadAll(resp.Body, maxResponseBytes)
+		if err != nil && !errors.Is(err, bounded.ErrTooLarge) {
+			return fmt.Errorf("%w: %v", errRead, err)
+		}
+		if !commit() {
+			return errCommit
+		}
+		header()
 		if err != nil {
 			w.Header().Del("Content-Length")
 			writeError(w, http.StatusBadGateway, "read engine answer: "+err.Error())
-			return
+			return nil
 		}
 		if stripped, ok := withoutTransferParams(b); ok {
 			b = stripped
@@ -62,24 +80,55 @@ func copyResponse(w http.ResponseWriter, resp *http.Response) {
 		}
 		w.WriteHeader(resp.StatusCode)
 		_, _ = w.Write(b)
-		return
+		return nil
 	}
+	buf := make([]byte, 32<<10)
+	n, err := resp.Body.Read(buf)
+	for n == 0 && err == nil {
+		n, err = resp.Body.Read(buf)
+	}
+	if n == 0 && !errors.Is(err, io.EOF) {
+		return fmt.Errorf("%w: %v", errRead, err)
+	}
+	if !commit() {
+		return errCommit
+	}
+	header()
 	w.WriteHeader(resp.StatusCode)
 	fl, _ := w.(http.Flusher)
-	buf := make([]byte, 32<<10)
 	for {
-		n, err := resp.Body.Read(buf)
 		if n > 0 {
 			if _, werr := w.Write(buf[:n]); werr != nil {
-				return
+				return nil
 			}
 			if fl != nil {
 				fl.Flush()
 			}
 		}
 		if err != nil {
-			return
+			return nil
 		}
+		n, err = resp.Body.Read(buf)
+	}
+}
+
+var (
+	errRead   = errors.New("the answer broke before its first byte")
+	errCommit = errors.New("the attempt was abandoned")
+)
+
+// relay answers the client with decode's answer, if the attempt still may.
+func (a *attempt) relay(resp *http.Response) *legError {
+	err := relay(a.x.w, resp, a.commit)
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, errCommit) || a.ctx.Err() != nil:
+		return a.ended()
+	default:
+		// Decode broke before a byte reached the client: another attempt may serve it.
+		return &legError{leg: legDecode, cause: causeReset, endpoint: a.d, status: http.StatusBadGateway, retriable: true,
+			msg: fmt.Sprintf("decode leg %s: %v", a.d, err)}
 	}
 }
 

@@ -5,7 +5,6 @@ package router
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -27,60 +26,77 @@ const (
 	bootstrapMaxAge  = 2 * time.Second
 )
 
-// mooncake runs both legs at once. The prefill leg is never cancelled by the client: its
-// blocks are released by the decode's pull (or cleanup pull) either way.
-func (r *Router) mooncake(w http.ResponseWriter, req *http.Request, body map[string]json.RawMessage, reqID string, p Prefill, d string) {
-	engineID, dp, err := r.engine(req.Context(), p.Bootstrap)
+// mooncake runs both legs at once. The client does not cancel the prefill leg: its blocks are
+// released by the decode's pull (or cleanup pull) either way. The router cancels it when the
+// decode leg failed, so that a decode that never got the request does not leave them held.
+func (r *Router) mooncake(a *attempt) *legError {
+	x, p := a.x, a.p
+	engineID, dp, err := r.engine(a.ctx, p.Bootstrap)
 	if err != nil {
-		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill bootstrap %s: %v", p.Bootstrap, err))
-		return
+		if a.ctx.Err() != nil {
+			return a.ended()
+		}
+		return &legError{leg: legPrefill, cause: causeBootstrap, endpoint: p.URL, status: http.StatusBadGateway, retriable: true,
+			msg:   fmt.Sprintf("prefill bootstrap %s: %v", p.Bootstrap, err),
+			check: func(ctx context.Context) error { _, _, err := r.engine(ctx, p.Bootstrap); return err }}
 	}
 	transfer := "xfer-" + newID()
-	pb := prefillBody(body, map[string]any{vllm.DoRemoteDecode: true, vllm.DoRemotePrefill: false, vllm.TransferID: transfer})
-	db := withParams(body, map[string]any{
+	pb := prefillBody(x.body, map[string]any{vllm.DoRemoteDecode: true, vllm.DoRemotePrefill: false, vllm.TransferID: transfer})
+	db := withParams(x.body, map[string]any{
 		vllm.DoRemotePrefill: true, vllm.DoRemoteDecode: false, vllm.TransferID: transfer,
 		vllm.RemoteBootstrapAddr: p.Bootstrap, vllm.RemoteEngineID: engineID,
 	})
-	prefillErr := make(chan error, 1)
+	pctx, pcancel := context.WithTimeout(context.WithoutCancel(a.ctx), r.cfg.PrefillTimeout)
+	a.prefillCancel = pcancel
+	prefillErr := make(chan *legError, 1)
 	go func() {
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(req.Context()), r.cfg.PrefillTimeout)
-		defer cancel()
-		resp, err := r.post(ctx, p.URL+req.URL.Path, pb, reqID, map[string]string{vllm.DataParallelRankHeader: dp})
-		if err == nil {
-			err = drain(resp)
+		defer pcancel()
+		resp, err := r.post(pctx, p.URL+x.req.URL.Path, pb, x.reqID, map[string]string{vllm.DataParallelRankHeader: dp})
+		var lerr *legError
+		switch {
+		case err != nil && errors.Is(pctx.Err(), context.Canceled):
+			// Cancelled by the router: the attempt failed or was abandoned already.
+		case err != nil:
+			lerr = transportError(legPrefill, p.URL, err)
+		default:
+			if derr := drain(resp); derr != nil {
+				lerr = statusError(legPrefill, p.URL, resp.StatusCode, fmt.Sprintf("prefill leg %s: %v", p.URL, derr))
+			}
 		}
-		if err != nil {
-			r.log.Info("prefill leg failed", "request", reqID, "prefill", p.URL, "err", err.Error())
+		if lerr != nil {
+			r.log.Info("prefill leg failed", "request", x.reqID, "prefill", p.URL, "err", lerr.msg)
 			r.boot.Invalidate(p.Bootstrap)
+			x.record(lerr)
+			// The decode waits for KV that will not come: if another prefill can take the
+			// request and nothing reached the client yet, try there instead.
+			x.retryInstead(a, lerr)
 		}
-		prefillErr <- err
+		prefillErr <- lerr
 	}()
-	resp, err := r.post(req.Context(), d+req.URL.Path, db, reqID, nil)
-	if err != nil {
-		if req.Context().Err() != nil {
-			return // the client went away
-		}
+	resp, lerr := r.decodeLeg(a, db)
+	if lerr != nil {
 		r.boot.Invalidate(p.Bootstrap)
-		writeError(w, http.StatusBadGateway, fmt.Sprintf("decode leg %s failed: %v", d, err))
-		return
+		return lerr
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 500 {
 		// A decode that failed may have pulled with a stale engine id: ask again next time.
 		r.boot.Invalidate(p.Bootstrap)
 		// Say why: the prefill leg's failure is usually the cause of the decode's.
-		reason := fmt.Sprintf("decode leg %s: %s: %s", d, resp.Status, bounded.Snippet(resp.Body))
+		reason := fmt.Sprintf("decode leg %s: %s: %s", a.d, resp.Status, bounded.Snippet(resp.Body))
 		select {
 		case perr := <-prefillErr:
 			if perr != nil {
-				reason += fmt.Sprintf("; prefill leg %s: %v", p.URL, perr)
+				if a.state.Load() == attemptAbandoned {
+					return a.ended() // the decode failed because its prefill did: retried
+				}
+				reason += fmt.Sprintf("; prefill leg %s: %s", p.URL, perr.msg)
 			}
 		case <-time.After(100 * time.Millisecond):
 		}
-		writeError(w, resp.StatusCode, reason)
-		return
+		return statusError(legDecode, a.d, resp.StatusCode, reason)
 	}
-	copyResponse(w, resp)
+	return a.relay(resp)
 }
 
 // engine picks the first data-parallel rank registered at the prefill's bootstrap registry.

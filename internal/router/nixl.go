@@ -3,8 +3,10 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"net/http"
@@ -13,52 +15,62 @@ import (
 	"pdcluster.dev/pdcluster-operator/internal/bounded"
 )
 
-// nixl runs the prefill leg first and passes its kv_transfer_params to decode.
-func (r *Router) nixl(w http.ResponseWriter, req *http.Request, body map[string]json.RawMessage, reqID string, p Prefill, d string) {
-	pb := prefillBody(body, map[string]any{
+// nixl runs the prefill leg first and passes its kv_transfer_params to decode. Nothing reaches
+// decode before prefill answered, so any prefill failure that says the endpoint is not there
+// or not serving is retried elsewhere.
+func (r *Router) nixl(a *attempt) *legError {
+	x, p := a.x, a.p
+	pb := prefillBody(x.body, map[string]any{
 		vllm.DoRemoteDecode: true, vllm.DoRemotePrefill: false,
 		vllm.RemoteEngineID: nil, vllm.RemoteBlockIDs: nil, vllm.RemoteHost: nil, vllm.RemotePort: nil,
 	})
-	ctx, cancel := context.WithTimeout(req.Context(), r.cfg.PrefillTimeout)
+	ctx, cancel := context.WithTimeout(a.ctx, r.cfg.PrefillTimeout)
 	defer cancel()
-	presp, err := r.post(ctx, p.URL+req.URL.Path, pb, reqID, nil)
+	presp, err := r.post(ctx, p.URL+x.req.URL.Path, pb, x.reqID, nil)
 	if err != nil {
-		if req.Context().Err() != nil {
-			return
+		if a.ctx.Err() != nil {
+			return a.ended()
 		}
-		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill leg %s failed: %v", p.URL, err))
-		return
+		return transportError(legPrefill, p.URL, err)
 	}
 	pbody, err := bounded.ReadAll(presp.Body, maxResponseBytes)
 	presp.Body.Close()
-	if err != nil {
-		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill leg %s: read: %v", p.URL, err))
-		return
-	}
-	if presp.StatusCode != http.StatusOK {
+	switch {
+	case err != nil && a.ctx.Err() != nil:
+		return a.ended()
+	case errors.Is(err, bounded.ErrTooLarge):
+		return &legError{leg: legPrefill, cause: causeAnswer, endpoint: p.URL, status: http.StatusBadGateway, msg: fmt.Sprintf("prefill leg %s: read: %v", p.URL, err)}
+	case err != nil:
+		return transportError(legPrefill, p.URL, fmt.Errorf("read: %w", err))
+	case presp.StatusCode == http.StatusServiceUnavailable:
+		return statusError(legPrefill, p.URL, presp.StatusCode, fmt.Sprintf("prefill leg %s: %s: %s", p.URL, presp.Status, bytes.TrimSpace(pbody)))
+	case presp.StatusCode != http.StatusOK:
 		// The prefill's own answer (a 4xx for a bad request) is the client's answer.
-		w.Header().Set("Content-Type", presp.Header.Get("Content-Type"))
-		w.WriteHeader(presp.StatusCode)
-		_, _ = w.Write(pbody)
-		return
+		if !a.commit() {
+			return a.ended()
+		}
+		x.w.Header().Set("Content-Type", presp.Header.Get("Content-Type"))
+		x.w.WriteHeader(presp.StatusCode)
+		_, _ = x.w.Write(pbody)
+		return nil
 	}
 	var pr struct {
 		KVTransferParams json.RawMessage `json:"kv_transfer_params"`
 	}
 	if err := json.Unmarshal(pbody, &pr); err != nil || len(pr.KVTransferParams) == 0 || string(pr.KVTransferParams) == "null" {
-		writeError(w, http.StatusBadGateway, fmt.Sprintf("prefill leg %s returned no kv_transfer_params", p.URL))
-		return
+		return &legError{leg: legPrefill, cause: causeAnswer, endpoint: p.URL, status: http.StatusBadGateway, msg: fmt.Sprintf("prefill leg %s returned no kv_transfer_params", p.URL)}
 	}
-	db := maps.Clone(body)
+	db := maps.Clone(x.body)
 	db[vllm.KVTransferParams] = pr.KVTransferParams
-	resp, err := r.post(req.Context(), d+req.URL.Path, db, reqID, nil)
-	if err != nil {
-		if req.Context().Err() != nil {
-			return
-		}
-		writeError(w, http.StatusBadGateway, fmt.Sprintf("decode leg %s failed: %v", d, err))
-		return
+	// Past here a failed decode leaves prefill's blocks held until NIXL's abort timeout
+	// (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): vLLM gives the router no call to free them.
+	resp, lerr := r.decodeLeg(a, db)
+	if lerr != nil {
+		return lerr
 	}
 	defer resp.Body.Close()
-	copyResponse(w, resp)
+	if resp.StatusCode == http.StatusServiceUnavailable {
+		return statusError(legDecode, a.d, resp.StatusCode, fmt.Sprintf("decode leg %s: %s: %s", a.d, resp.Status, bounded.Snippet(resp.Body)))
+	}
+	return a.relay(resp)
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"k8s.io/utils/clock"
 
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
@@ -45,6 +46,13 @@ type Config struct {
 	// UpstreamHeaderTimeout bounds the wait for an engine's response headers; 0: the default
 	// of 10 minutes. A non-streaming completion's headers come only when it has finished.
 	UpstreamHeaderTimeout time.Duration
+	// Failure is the failure policy; nil: router.json's default (DefaultFailurePolicy).
+	Failure *FailurePolicy
+}
+
+// DefaultFailurePolicy is the policy of a router.json without one.
+func DefaultFailurePolicy() FailurePolicy {
+	return PolicyFromFile(routerconfig.DefaultFailurePolicy())
 }
 
 // Defaults of Config's limits.
@@ -61,6 +69,17 @@ func (c Config) Validate() error {
 	if err := c.Balance.Validate(); err != nil {
 		return err
 	}
+	if p := c.Failure; p != nil {
+		switch {
+		case p.Retries < 0 || p.RetryBudgetPercent < 0 || p.RetryBudgetPercent > 100:
+			return fmt.Errorf("failure policy: retries must not be negative and the budget must be 0 to 100%%, got %d and %d", p.Retries, p.RetryBudgetPercent)
+		case p.Eject <= 0:
+			return fmt.Errorf("failure policy: the ejection time must be positive, got %s", p.Eject)
+		}
+		if err := (routerconfig.FailurePolicy{EjectSeconds: 1, OnPrefillFailure: p.OnPrefillFailure}).Validate(); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -73,9 +92,9 @@ func validatePrefill(flow routerconfig.Flow, prefill []Prefill) error {
 	return nil
 }
 
-// flowFunc proxies one request, its body parsed and checked, to prefill engine p and decode
-// engine d (mooncake.go, nixl.go).
-type flowFunc func(w http.ResponseWriter, req *http.Request, body map[string]json.RawMessage, reqID string, p Prefill, d string)
+// flowFunc runs one attempt of a request (mooncake.go, nixl.go): nil when it answered the
+// client, else the failure, of which nothing reached the client.
+type flowFunc func(a *attempt) *legError
 
 // Router proxies requests to prefill and decode engines.
 type Router struct {
@@ -91,7 +110,21 @@ type Router struct {
 	flow     flowFunc
 	inFlight atomic.Int64
 	log      logr.Logger
-	requests *prometheus.CounterVec
+	policy   FailurePolicy
+	budget   *retryBudget
+	eject    *ejector
+	// probeEvery is how often an ejected endpoint is asked whether it is back (tests shorten it).
+	probeEvery time.Duration
+	metrics    metrics
+}
+
+type metrics struct {
+	requests     *prometheus.CounterVec
+	legFailures  *prometheus.CounterVec
+	retries      *prometheus.CounterVec
+	ejections    *prometheus.CounterVec
+	budgetDenied prometheus.Counter
+	decodeOnly   prometheus.Counter
 }
 
 // New validates cfg and returns a Router; metrics register on reg.
@@ -111,18 +144,48 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	if cfg.UpstreamHeaderTimeout <= 0 {
 		cfg.UpstreamHeaderTimeout = 10 * time.Minute
 	}
+	policy := DefaultFailurePolicy()
+	if cfg.Failure != nil {
+		policy = *cfg.Failure
+	}
 	boot := bootstrap.NewClient()
 	boot.MaxAge, boot.RefreshAfter = bootstrapMaxAge, bootstrapRefresh
+	clk := clock.RealClock{}
 	r := &Router{
 		cfg: cfg, hc: upstreamClient(cfg.UpstreamHeaderTimeout), boot: boot, log: log,
 		prefill: newBalancer(cfg.Balance), decode: newBalancer(cfg.Balance),
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
-		}, []string{"flow", "code"}),
+		policy: policy, budget: &retryBudget{percent: int64(policy.RetryBudgetPercent), clock: clk}, eject: newEjector(clk),
+		probeEvery: probeEvery,
+		metrics: metrics{
+			requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
+			}, []string{"flow", "code"}),
+			legFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "pdcluster_router_leg_failures_total", Help: "Failed legs, retried or not, by leg (prefill, decode) and cause.",
+			}, []string{"leg", "cause"}),
+			retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "pdcluster_router_retries_total", Help: "Attempts retried on another endpoint, by the leg that failed and its cause.",
+			}, []string{"leg", "cause"}),
+			ejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "pdcluster_router_ejections_total", Help: "Endpoints ejected after failing, by pool.",
+			}, []string{"pool"}),
+			budgetDenied: prometheus.NewCounter(prometheus.CounterOpts{
+				Name: "pdcluster_router_retries_denied_total", Help: "Retries not made because the router's retry budget (failurePolicy.retryBudgetPercent) was spent.",
+			}),
+			decodeOnly: prometheus.NewCounter(prometheus.CounterOpts{
+				Name: "pdcluster_router_decode_only_total", Help: "Requests sent to decode alone, which computes the prompt itself, after prefill could not serve them (onPrefillFailure: DecodeOnly).",
+			}),
+		},
 	}
 	if reg != nil {
-		if err := reg.Register(r.requests); err != nil {
-			return nil, err
+		m := r.metrics
+		ejected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "pdcluster_router_ejected_endpoints", Help: "Endpoints ejected now.",
+		}, func() float64 { return float64(r.eject.count()) })
+		for _, c := range []prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected} {
+			if err := reg.Register(c); err != nil {
+				return nil, err
+			}
 		}
 	}
 	r.flow = map[routerconfig.Flow]flowFunc{routerconfig.FlowMooncake: r.mooncake, routerconfig.FlowNIXL: r.nixl}[cfg.Flow]
@@ -182,7 +245,7 @@ func newID() string { return rand.Text() }
 
 func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	sw := &statusWriter{ResponseWriter: w}
-	defer func() { r.requests.WithLabelValues(string(r.cfg.Flow), strconv.Itoa(sw.code())).Inc() }()
+	defer func() { r.metrics.requests.WithLabelValues(string(r.cfg.Flow), strconv.Itoa(sw.code())).Inc() }()
 	if n := r.inFlight.Add(1); n > r.cfg.MaxInFlight {
 		r.inFlight.Add(-1)
 		sw.Header().Set("Retry-After", "1")
@@ -228,11 +291,6 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(pools.Prefill), len(pools.Decode)))
 		return
 	}
-	pi := r.prefill.pick(len(pools.Prefill), func(i int) string { return pools.Prefill[i].URL })
-	defer r.prefill.done(pi)
-	p := pools.Prefill[pi.index]
-	di := r.decode.pick(len(pools.Decode), func(i int) string { return pools.Decode[i] })
-	defer r.decode.done(di)
-	d := pools.Decode[di.index]
-	r.flow(sw, req, body, reqID, p, d)
+	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools}
+	x.run()
 }

@@ -63,6 +63,72 @@ type File struct {
 	BootstrapPort int32  `json:"bootstrapPort,omitempty"`
 	// Balance picks engines; empty: least-in-flight.
 	Balance Balance `json:"balance,omitempty"`
+	// FailurePolicy is what the router does when a leg fails; nil: DefaultFailurePolicy.
+	FailurePolicy *FailurePolicy `json:"failurePolicy,omitempty"`
+}
+
+// OnPrefillFailure is what the router does once a request's prefill cannot be served.
+type OnPrefillFailure string
+
+const (
+	// PrefillFailureRetry retries on another prefill endpoint within the budgets, then fails.
+	PrefillFailureRetry OnPrefillFailure = "Retry"
+	// PrefillFailureFail fails the request at the first prefill failure.
+	PrefillFailureFail OnPrefillFailure = "Fail"
+	// PrefillFailureDecodeOnly retries as Retry does, then sends the request to decode alone,
+	// which computes the prompt itself.
+	PrefillFailureDecodeOnly OnPrefillFailure = "DecodeOnly"
+)
+
+// FailurePolicy is router.json's failurePolicy (spec.router.failurePolicy): every field is
+// written, so a zero means zero.
+type FailurePolicy struct {
+	// Retries bounds the retries of one request, over both legs.
+	Retries int32 `json:"retries"`
+	// RetryBudgetPercent bounds the router's retries to this share of its requests over the
+	// last 10 seconds (0: no retries), so a sick pool cannot multiply its load.
+	RetryBudgetPercent int32 `json:"retryBudgetPercent"`
+	// EjectSeconds is how long an endpoint that failed is left out (sooner if its health
+	// check answers).
+	EjectSeconds int32 `json:"ejectSeconds"`
+	// FirstTokenTimeoutSeconds fails a request whose first byte has not come from decode in
+	// this long, cancelling both legs; 0: no limit.
+	FirstTokenTimeoutSeconds int32 `json:"firstTokenTimeoutSeconds,omitempty"`
+	// OnPrefillFailure is what happens once prefill cannot be served.
+	OnPrefillFailure OnPrefillFailure `json:"onPrefillFailure"`
+}
+
+// DefaultFailurePolicy is spec.router.failurePolicy's defaults (render's test holds the two
+// equal): every request that can be saved is.
+func DefaultFailurePolicy() FailurePolicy {
+	return FailurePolicy{Retries: 2, RetryBudgetPercent: 20, EjectSeconds: 10, OnPrefillFailure: PrefillFailureRetry}
+}
+
+// Validate reports a policy the router cannot apply.
+func (p FailurePolicy) Validate() error {
+	switch {
+	case p.Retries < 0:
+		return fmt.Errorf("failurePolicy.retries must not be negative, got %d", p.Retries)
+	case p.RetryBudgetPercent < 0 || p.RetryBudgetPercent > 100:
+		return fmt.Errorf("failurePolicy.retryBudgetPercent must be 0 to 100, got %d", p.RetryBudgetPercent)
+	case p.EjectSeconds < 1:
+		return fmt.Errorf("failurePolicy.ejectSeconds must be at least 1, got %d", p.EjectSeconds)
+	case p.FirstTokenTimeoutSeconds < 0:
+		return fmt.Errorf("failurePolicy.firstTokenTimeoutSeconds must not be negative, got %d", p.FirstTokenTimeoutSeconds)
+	}
+	switch p.OnPrefillFailure {
+	case PrefillFailureRetry, PrefillFailureFail, PrefillFailureDecodeOnly:
+		return nil
+	}
+	return fmt.Errorf("failurePolicy.onPrefillFailure must be %s, %s or %s, got %q", PrefillFailureRetry, PrefillFailureFail, PrefillFailureDecodeOnly, p.OnPrefillFailure)
+}
+
+// Failure is f's failure policy, DefaultFailurePolicy when it has none.
+func (f File) Failure() FailurePolicy {
+	if f.FailurePolicy == nil {
+		return DefaultFailurePolicy()
+	}
+	return *f.FailurePolicy
 }
 
 // Validate checks that f names a flow and the pools, and the bootstrap port the Mooncake flow needs.
@@ -73,14 +139,24 @@ func (f File) Validate() error {
 	if err := f.Balance.Validate(); err != nil {
 		return err
 	}
+	if err := f.Failure().Validate(); err != nil {
+		return err
+	}
+	if !f.HasPools() {
+		// Pools given elsewhere (the sandbox's loopback engines, by flag): all or none here.
+		if f.PrefillHost != "" || f.DecodeHost != "" || f.EnginePort != 0 || f.BootstrapPort != 0 {
+			return fmt.Errorf("prefillHost, decodeHost and enginePort go together: set all or none")
+		}
+		return nil
+	}
 	if f.Flow == FlowMooncake && f.BootstrapPort <= 0 {
 		return fmt.Errorf("the %s flow needs bootstrapPort", FlowMooncake)
 	}
-	if f.PrefillHost == "" || f.DecodeHost == "" || f.EnginePort <= 0 {
-		return fmt.Errorf("prefillHost, decodeHost and enginePort are required")
-	}
 	return nil
 }
+
+// HasPools reports whether f names the pools (the operator's router.json always does).
+func (f File) HasPools() bool { return f.PrefillHost != "" && f.DecodeHost != "" && f.EnginePort > 0 }
 
 // Load reads and validates router.json.
 func Load(path string) (File, error) {

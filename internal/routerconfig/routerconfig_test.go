@@ -16,7 +16,12 @@ func TestLoad(t *testing.T) {
 		{"nixl", `{"flow":"nixl","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "", FlowNIXL},
 		{"mooncake without bootstrap", `{"flow":"mooncake","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "needs bootstrapPort", ""},
 		{"unknown flow", `{"flow":"x","prefillHost":"p","decodeHost":"d","enginePort":8000}`, "flow must be mooncake or nixl", ""},
-		{"no hosts", `{"flow":"nixl","enginePort":8000}`, "prefillHost, decodeHost and enginePort are required", ""},
+		{"some hosts", `{"flow":"nixl","enginePort":8000}`, "prefillHost, decodeHost and enginePort go together", ""},
+		{"no pools (given by flag)", `{"flow":"nixl"}`, "", FlowNIXL},
+		{"failure policy", `{"flow":"nixl","failurePolicy":{"retries":0,"retryBudgetPercent":0,"ejectSeconds":1,"onPrefillFailure":"Fail"}}`, "", FlowNIXL},
+		{"bad budget", `{"flow":"nixl","failurePolicy":{"retries":1,"retryBudgetPercent":101,"ejectSeconds":1,"onPrefillFailure":"Retry"}}`, "retryBudgetPercent must be 0 to 100", ""},
+		{"bad eject", `{"flow":"nixl","failurePolicy":{"retries":1,"retryBudgetPercent":1,"ejectSeconds":0,"onPrefillFailure":"Retry"}}`, "ejectSeconds must be at least 1", ""},
+		{"bad action", `{"flow":"nixl","failurePolicy":{"retries":1,"retryBudgetPercent":1,"ejectSeconds":1,"onPrefillFailure":"Pray"}}`, "onPrefillFailure must be Retry, Fail or DecodeOnly", ""},
 		{"not JSON", `flow: x`, "decode router config", ""},
 	}
 	for _, tc := range cases {
@@ -37,6 +42,9 @@ func TestLoad(t *testing.T) {
 			}
 			if f.Flow != tc.wantFlow {
 				t.Errorf("flow = %s, want %s", f.Flow, tc.wantFlow)
+			}
+			if strings.Contains(tc.json, "failurePolicy") == (f.Failure() == DefaultFailurePolicy()) {
+				t.Errorf("failure policy = %+v: a file's own policy must be read, and the default taken only without one", f.Failure())
 			}
 		})
 	}

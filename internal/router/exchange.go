@@ -1,0 +1,353 @@
+// One client request from its parsed body to its answer: attempts on pairs of engines, each
+// failure that nothing reached the client with retried on another endpoint within the
+// budgets, the failed endpoint ejected, and the hang budget over all of it.
+
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"pdcluster.dev/pdcluster-operator/internal/bounded"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// exchange is one client request.
+type exchange struct {
+	r     *Router
+	w     *statusWriter
+	req   *http.Request
+	body  map[string]json.RawMessage
+	reqID string
+	pools *Pools
+
+	mu       sync.Mutex
+	tried    []string // endpoints that failed in this request
+	retries  int      // retries taken
+	reserved bool     // a retry taken already for the failure that abandoned the attempt
+
+	cur      atomic.Pointer[attempt]
+	timedOut atomic.Bool
+}
+
+// attempt is one try of the request on one prefill (none when decodeOnly) and one decode
+// engine. The first byte written to the client commits it; before that it may be abandoned
+// (its prefill failed and another will be tried, or the hang budget ran out), which cancels
+// its legs.
+type attempt struct {
+	x          *exchange
+	p          Prefill
+	d          string
+	decodeOnly bool
+	pp, dp     picked
+
+	state atomic.Int32 // attemptPending, attemptCommitted, attemptAbandoned
+	// ctx is the decode leg's (and NIXL's prefill leg's): the client's, cancelled with the
+	// reason on abandonment.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	// prefillCancel ends Mooncake's prefill leg, which the client does not cancel: vLLM then
+	// aborts the request and frees its blocks (a decode that never got its request will not
+	// pull them).
+	prefillCancel context.CancelFunc
+}
+
+const (
+	attemptPending int32 = iota
+	attemptCommitted
+	attemptAbandoned
+)
+
+// commit marks the attempt's answer as the client's; false when it was abandoned first.
+func (a *attempt) commit() bool { return a.state.CompareAndSwap(attemptPending, attemptCommitted) }
+
+// abandon cancels a pending attempt's legs with why; false when it had committed.
+func (a *attempt) abandon(why *legError) bool {
+	if !a.state.CompareAndSwap(attemptPending, attemptAbandoned) {
+		return false
+	}
+	a.cancel(why)
+	if a.prefillCancel != nil {
+		a.prefillCancel()
+	}
+	return true
+}
+
+// ended is why a leg of a cancelled attempt stopped: the reason it was abandoned, or the
+// client going away.
+func (a *attempt) ended() *legError {
+	if why, ok := context.Cause(a.ctx).(*legError); ok {
+		return why
+	}
+	return errClientGone
+}
+
+// cancelPrefill ends Mooncake's prefill leg of an attempt that failed.
+func (a *attempt) cancelPrefill() {
+	if a.prefillCancel != nil {
+		a.prefillCancel()
+	}
+}
+
+func (a *attempt) release() {
+	if !a.decodeOnly {
+		a.x.r.prefill.done(a.pp)
+	}
+	a.x.r.decode.done(a.dp)
+	a.cancel(nil)
+}
+
+func (x *exchange) run() {
+	r := x.r
+	r.budget.request()
+	if d := r.policy.FirstTokenTimeout; d > 0 {
+		t := time.AfterFunc(d, func() {
+			x.timedOut.Store(true)
+			if a := x.cur.Load(); a != nil {
+				a.abandon(x.firstTokenTimeout())
+			}
+		})
+		defer t.Stop()
+	}
+	decodeOnly := false
+	for {
+		a, lerr := x.newAttempt(decodeOnly)
+		if lerr == nil {
+			x.cur.Store(a)
+			if x.timedOut.Load() {
+				a.abandon(x.firstTokenTimeout())
+			}
+			if decodeOnly {
+				lerr = r.decodeAlone(a)
+			} else {
+				lerr = r.flow(a)
+			}
+			if lerr != nil && lerr != errClientGone {
+				a.cancelPrefill() // a decode that failed will not pull the blocks: free them
+			}
+			a.release()
+		}
+		switch {
+		case lerr == nil, lerr == errClientGone:
+			return
+		case x.timedOut.Load():
+			x.record(lerr)
+			lerr = x.firstTokenTimeout()
+			writeError(x.w, lerr.status, lerr.msg)
+			return
+		}
+		x.record(lerr)
+		if x.retry(lerr) {
+			continue
+		}
+		if !decodeOnly && lerr.prefillUnavailable() && r.policy.OnPrefillFailure == routerconfig.PrefillFailureDecodeOnly {
+			r.log.Info("prefill cannot be served: decode alone", "request", x.reqID, "reason", lerr.msg)
+			decodeOnly = true
+			continue
+		}
+		if lerr.cause == causeNoEndpoint {
+			if d := r.eject.returnsIn(x.poolURLs(lerr.leg)); d > 0 {
+				x.w.Header().Set("Retry-After", strconv.Itoa(int(d.Round(time.Second)/time.Second)))
+			}
+		}
+		writeError(x.w, lerr.status, lerr.msg)
+		return
+	}
+}
+
+func (x *exchange) firstTokenTimeout() *legError {
+	return &legError{leg: legDecode, cause: causeFirstToken, status: http.StatusGatewayTimeout,
+		msg: fmt.Sprintf("no first token within %s (failurePolicy.firstTokenTimeoutSeconds): both legs cancelled", x.r.policy.FirstTokenTimeout)}
+}
+
+// avoid leaves out the endpoints ejected or failed in this request; nil (nothing to check)
+// on the happy path.
+func (x *exchange) avoid() func(string) bool {
+	x.mu.Lock()
+	tried := slices.Clone(x.tried)
+	x.mu.Unlock()
+	if len(tried) == 0 && x.r.eject.count() == 0 {
+		return nil
+	}
+	return func(u string) bool { return slices.Contains(tried, u) || x.r.eject.out(u) }
+}
+
+func (x *exchange) poolURLs(l leg) []string {
+	if l == legDecode {
+		return x.pools.Decode
+	}
+	urls := make([]string, len(x.pools.Prefill))
+	for i, p := range x.pools.Prefill {
+		urls[i] = p.URL
+	}
+	return urls
+}
+
+func (x *exchange) noEndpoint(l leg) *legError {
+	return &legError{leg: l, cause: causeNoEndpoint, status: http.StatusServiceUnavailable,
+		msg: fmt.Sprintf("no %s endpoint left to try: each of the %d failed in this request or is ejected after failing", l, len(x.poolURLs(l)))}
+}
+
+// newAttempt picks the engines of the next attempt.
+func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
+	r, pools := x.r, x.pools
+	avoid := x.avoid()
+	a := &attempt{x: x, decodeOnly: decodeOnly}
+	if !decodeOnly {
+		pp, ok := r.prefill.pick(len(pools.Prefill), func(i int) string { return pools.Prefill[i].URL }, avoid)
+		if !ok {
+			return nil, x.noEndpoint(legPrefill)
+		}
+		a.pp, a.p = pp, pools.Prefill[pp.index]
+	}
+	dp, ok := r.decode.pick(len(pools.Decode), func(i int) string { return pools.Decode[i] }, avoid)
+	if !ok {
+		if !decodeOnly {
+			r.prefill.done(a.pp)
+		}
+		return nil, x.noEndpoint(legDecode)
+	}
+	a.dp, a.d = dp, pools.Decode[dp.index]
+	a.ctx, a.cancel = context.WithCancelCause(x.req.Context())
+	return a, nil
+}
+
+// mayRetry reports whether a failure may be retried: the policy allows it, the request has
+// retries left, the router's budget has one.
+func (x *exchange) mayRetry(e *legError) bool {
+	r := x.r
+	if !e.retriable || (e.leg == legPrefill && r.policy.OnPrefillFailure == routerconfig.PrefillFailureFail) {
+		return false
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.retries < r.policy.Retries
+}
+
+// takeRetry spends a retry for e from the request's and the router's budgets.
+func (x *exchange) takeRetry(e *legError) bool {
+	r := x.r
+	if !x.mayRetry(e) {
+		return false
+	}
+	if !r.budget.take() {
+		r.metrics.budgetDenied.Inc()
+		return false
+	}
+	x.mu.Lock()
+	x.retries++
+	x.mu.Unlock()
+	r.metrics.retries.WithLabelValues(string(e.leg), string(e.cause)).Inc()
+	return true
+}
+
+// retry reports whether the exchange tries again after e: with the retry taken when e
+// abandoned the attempt, or one taken now.
+func (x *exchange) retry(e *legError) bool {
+	x.mu.Lock()
+	reserved := x.reserved
+	x.reserved = false
+	x.mu.Unlock()
+	return reserved || x.takeRetry(e)
+}
+
+// retryInstead abandons a, whose prefill failed with e while its decode leg still waits for
+// the KV, when another prefill endpoint is left to take the request and nothing reached the
+// client yet; the retry is taken for the exchange's next attempt. Otherwise the decode leg
+// goes on and answers for itself (with kv_load_failure_policy recompute it computes the
+// prompt; with fail it says the KV load failed).
+func (x *exchange) retryInstead(a *attempt, e *legError) {
+	if !x.mayRetry(e) {
+		return
+	}
+	avoid := x.avoid()
+	if !slices.ContainsFunc(x.poolURLs(e.leg), func(u string) bool { return avoid == nil || !avoid(u) }) {
+		return
+	}
+	if a.abandon(e) && x.takeRetry(e) {
+		x.mu.Lock()
+		x.reserved = true
+		x.mu.Unlock()
+	}
+}
+
+// record counts e and, when it says its endpoint is not there or not serving, ejects the
+// endpoint and leaves it out of this request's next attempts. Once per failure.
+func (x *exchange) record(e *legError) {
+	r := x.r
+	if e == errClientGone || e.recorded.Swap(true) {
+		return
+	}
+	r.metrics.legFailures.WithLabelValues(string(e.leg), string(e.cause)).Inc()
+	if !e.retriable || e.endpoint == "" {
+		return
+	}
+	x.mu.Lock()
+	x.tried = append(x.tried, e.endpoint)
+	x.mu.Unlock()
+	if r.eject.eject(e.endpoint, r.policy.Eject) {
+		r.metrics.ejections.WithLabelValues(string(e.leg)).Inc()
+		r.log.Info("endpoint ejected", "endpoint", e.endpoint, "leg", e.leg, "cause", e.cause, "for", r.policy.Eject.String())
+		if e.cause == causeUnavailable {
+			return // it is there and said no: it waits out its ejection
+		}
+		check := e.check
+		if check == nil {
+			check = r.healthCheck(e.endpoint)
+		}
+		go r.watch(e.endpoint, check)
+	}
+}
+
+// decodeLeg posts body to the attempt's decode engine. A decode that refused the connection
+// never got the request, so another one may take it with the same transfer (prefill's blocks
+// are then pulled, not left held): the attempt moves on to it within the budgets.
+func (r *Router) decodeLeg(a *attempt, body map[string]json.RawMessage) (*http.Response, *legError) {
+	x := a.x
+	for {
+		resp, err := r.post(a.ctx, a.d+x.req.URL.Path, body, x.reqID, nil)
+		if err == nil {
+			return resp, nil
+		}
+		if a.ctx.Err() != nil {
+			return nil, a.ended()
+		}
+		lerr := transportError(legDecode, a.d, err)
+		if lerr.cause != causeConnect {
+			return nil, lerr
+		}
+		x.record(lerr)
+		if !x.takeRetry(lerr) {
+			return nil, lerr
+		}
+		pools := x.pools
+		dp, ok := r.decode.pick(len(pools.Decode), func(i int) string { return pools.Decode[i] }, x.avoid())
+		if !ok {
+			return nil, x.noEndpoint(legDecode)
+		}
+		r.decode.done(a.dp)
+		a.dp, a.d = dp, pools.Decode[dp.index]
+	}
+}
+
+// decodeAlone sends the client's request to decode without kv_transfer_params: decode computes
+// the prompt itself (onPrefillFailure: DecodeOnly, once prefill cannot serve it).
+func (r *Router) decodeAlone(a *attempt) *legError {
+	r.metrics.decodeOnly.Inc()
+	resp, lerr := r.decodeLeg(a, a.x.body)
+	if lerr != nil {
+		return lerr
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode == http.StatusServiceUnavailable {
+		return statusError(legDecode, a.d, resp.StatusCode, fmt.Sprintf("decode leg %s: %s: %s", a.d, resp.Status, bounded.Snippet(resp.Body)))
+	}
+	return a.relay(resp)
+}

@@ -1,0 +1,622 @@
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// kvLedger is the KV a prefill engine made, by transfer: a decode engine, like vLLM's, answers
+// only once its transfer's KV exists (Mooncake), or fails its load when it never comes.
+type kvLedger struct {
+	mu   sync.Mutex
+	made map[string]string // transfer id -> prefill engine name
+	wake chan struct{}
+}
+
+func newLedger() *kvLedger { return &kvLedger{made: map[string]string{}, wake: make(chan struct{})} }
+
+func (k *kvLedger) make(transfer, engine string) {
+	k.mu.Lock()
+	k.made[transfer] = engine
+	close(k.wake)
+	k.wake = make(chan struct{})
+	k.mu.Unlock()
+}
+
+// wait is the engine that made transfer's KV, or "" when it is not made within d or ctx ends.
+func (k *kvLedger) wait(ctx context.Context, transfer string, d time.Duration) string {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		k.mu.Lock()
+		e, wake := k.made[transfer], k.wake
+		k.mu.Unlock()
+		if e != "" {
+			return e
+		}
+		select {
+		case <-wake:
+		case <-t.C:
+			return ""
+		case <-ctx.Done():
+			return ""
+		}
+	}
+}
+
+// engineCall is one request an engine got.
+type engineCall struct {
+	params    map[string]any // kv_transfer_params
+	cancelled bool           // the router cancelled it before it was answered
+}
+
+// testEngine is one engine of a pool: its behaviour, and the requests it got.
+type testEngine struct {
+	name string
+	// do answers a request; nil: the engine is not there (its address refuses connections).
+	do    func(e *testEngine, w http.ResponseWriter, r *http.Request, params map[string]any)
+	mu    sync.Mutex
+	calls []engineCall
+	url   string
+	// bootstrapDown: its Mooncake bootstrap server refuses connections.
+	bootstrapDown bool
+}
+
+func (e *testEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	var body map[string]json.RawMessage
+	_ = json.NewDecoder(r.Body).Decode(&body)
+	var params map[string]any
+	_ = json.Unmarshal(body["kv_transfer_params"], &params)
+	e.mu.Lock()
+	i := len(e.calls)
+	e.calls = append(e.calls, engineCall{params: params})
+	e.mu.Unlock()
+	e.do(e, w, r, params)
+	if r.Context().Err() != nil {
+		e.mu.Lock()
+		e.calls[i].cancelled = true
+		e.mu.Unlock()
+	}
+}
+
+func (e *testEngine) got() []engineCall {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]engineCall(nil), e.calls...)
+}
+
+// prefillOK makes the KV of each transfer (Mooncake), or names it in its answer (NIXL).
+func prefillOK(kv *kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+	return func(e *testEngine, w http.ResponseWriter, _ *http.Request, params map[string]any) {
+		transfer, _ := params["transfer_id"].(string)
+		if transfer == "" {
+			transfer = "nixl-" + e.name + fmt.Sprint(len(e.got()))
+		}
+		kv.make(transfer, e.name)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = fmt.Fprintf(w, `{"choices":[{"text":"x"}],"kv_transfer_params":{"transfer_id":%q,"remote_engine_id":%q}}`, transfer, e.name)
+	}
+}
+
+// decodeOK answers once its KV exists, naming the prefill engine that made it; without the KV
+// it fails its load, as vLLM's decode does with kv_load_failure_policy fail. A request without
+// kv_transfer_params is computed here.
+func decodeOK(kv *kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+	return func(e *testEngine, w http.ResponseWriter, r *http.Request, params map[string]any) {
+		from := "local"
+		if params != nil {
+			transfer, _ := params["transfer_id"].(string)
+			if from = kv.wait(r.Context(), transfer, 2*time.Second); from == "" {
+				if r.Context().Err() == nil {
+					http.Error(w, `{"error":{"message":"KV load from the prefill engine failed"}}`, http.StatusInternalServerError)
+				}
+				return
+			}
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = fmt.Fprintf(w, `{"choices":[{"text":"decoded by %s from %s"}]}`, e.name, from)
+	}
+}
+
+func answer(status int) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+	return func(_ *testEngine, w http.ResponseWriter, _ *http.Request, _ map[string]any) {
+		http.Error(w, `{"error":{"message":"engine says no"}}`, status)
+	}
+}
+
+// resets closes the connection without an answer: the engine died mid-request.
+func resets(_ *testEngine, w http.ResponseWriter, _ *http.Request, _ map[string]any) {
+	c, _, err := http.NewResponseController(w).Hijack()
+	if err == nil {
+		_ = c.(*net.TCPConn).SetLinger(0)
+		_ = c.Close()
+	}
+}
+
+// hangs answers nothing until the router gives up on it.
+func hangs(_ *testEngine, _ http.ResponseWriter, r *http.Request, _ map[string]any) {
+	<-r.Context().Done()
+}
+
+// deadAddr is an address that refuses connections.
+func deadAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return "http://" + addr
+}
+
+type pdFixture struct {
+	r       *Router
+	url     string
+	reg     *prometheus.Registry
+	clock   *clocktesting.FakeClock
+	prefill []*testEngine
+	decode  []*testEngine
+}
+
+// newPD is a round-robin router (so the first attempt goes to engine 0 of each pool) over the
+// given engines, each prefill engine with its own bootstrap server.
+func newPD(t *testing.T, flow routerconfig.Flow, policy FailurePolicy, prefill, decode []*testEngine) *pdFixture {
+	t.Helper()
+	serve := func(h http.Handler) string {
+		s := httptest.NewServer(h)
+		t.Cleanup(s.Close)
+		return s.URL
+	}
+	var pools Pools
+	for _, e := range prefill {
+		e.url = deadAddr(t)
+		if e.do != nil {
+			e.url = serve(e)
+		}
+		boot := deadAddr(t)
+		if !e.bootstrapDown {
+			reg := bootstrap.NewRegistry()
+			_ = reg.Register(bootstrap.Registration{EngineID: "engine-" + e.name, Addr: "tcp://" + e.name + ":1"})
+			boot = serve(reg.Handler())
+		}
+		pools.Prefill = append(pools.Prefill, Prefill{URL: e.url, Bootstrap: boot})
+	}
+	for _, e := range decode {
+		e.url = deadAddr(t)
+		if e.do != nil {
+			e.url = serve(e)
+		}
+		pools.Decode = append(pools.Decode, e.url)
+	}
+	reg := prometheus.NewRegistry()
+	r, err := New(Config{Flow: flow, Balance: routerconfig.BalanceRoundRobin, Failure: &policy}, logr.Discard(), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clk := clocktesting.NewFakeClock(time.Now())
+	r.eject.clock, r.budget.clock = clk, clk
+	r.probeEvery = 20 * time.Millisecond
+	if err := r.SetPools(pools); err != nil {
+		t.Fatal(err)
+	}
+	return &pdFixture{r: r, url: serve(r.Handler(reg)), reg: reg, clock: clk, prefill: prefill, decode: decode}
+}
+
+func (f *pdFixture) send(t *testing.T, body string) (int, string) {
+	t.Helper()
+	resp, err := http.Post(f.url+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func (f *pdFixture) counter(t *testing.T, name string, labels ...string) float64 {
+	t.Helper()
+	mfs, err := f.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(labels); i += 2 {
+				found := false
+				for _, l := range m.GetLabel() {
+					found = found || (l.GetName() == labels[i] && l.GetValue() == labels[i+1])
+				}
+				if !found {
+					continue metric
+				}
+			}
+			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+		}
+	}
+	return sum
+}
+
+// waitCalls waits until e got n requests (a Mooncake prefill leg ends after the answer).
+func waitCalls(t *testing.T, e *testEngine, n int) []engineCall {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for len(e.got()) < n && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	return e.got()
+}
+
+func engines(names ...string) []*testEngine {
+	out := make([]*testEngine, len(names))
+	for i, n := range names {
+		out[i] = &testEngine{name: n}
+	}
+	return out
+}
+
+// Every failure that says the chosen endpoint is not there or not serving, seen before the
+// first byte reached the client, is retried on another endpoint of that pool; the client gets
+// the answer made from the second prefill's KV, and no decode request is sent twice with one
+// transfer.
+func TestRetriesBeforeTheFirstByte(t *testing.T) {
+	cases := []struct {
+		name string
+		flow routerconfig.Flow
+		// bad sets up engine 0 of the failing pool.
+		badPrefill, badDecode func(kv *kvLedger, e *testEngine)
+		cause                 string
+		// wantPrefillCalls is what the healthy prefill engine gets; wantDecodeCalls what
+		// decode engine 1 (the healthy one, or the only one) gets.
+		wantFrom string
+	}{
+		{name: "mooncake prefill refuses", flow: routerconfig.FlowMooncake, badPrefill: func(_ *kvLedger, e *testEngine) { e.do = nil }, cause: "connect", wantFrom: "p1"},
+		{name: "mooncake bootstrap down", flow: routerconfig.FlowMooncake, badPrefill: func(kv *kvLedger, e *testEngine) { e.do, e.bootstrapDown = prefillOK(kv), true }, cause: "bootstrap", wantFrom: "p1"},
+		{name: "mooncake prefill 503", flow: routerconfig.FlowMooncake, badPrefill: func(_ *kvLedger, e *testEngine) { e.do = answer(503) }, cause: "unavailable", wantFrom: "p1"},
+		{name: "mooncake prefill resets", flow: routerconfig.FlowMooncake, badPrefill: func(_ *kvLedger, e *testEngine) { e.do = resets }, cause: "reset", wantFrom: "p1"},
+		{name: "mooncake decode refuses", flow: routerconfig.FlowMooncake, badDecode: func(_ *kvLedger, e *testEngine) { e.do = nil }, cause: "connect", wantFrom: "p0"},
+		{name: "mooncake decode 503", flow: routerconfig.FlowMooncake, badDecode: func(_ *kvLedger, e *testEngine) { e.do = answer(503) }, cause: "unavailable"},
+		{name: "nixl prefill refuses", flow: routerconfig.FlowNIXL, badPrefill: func(_ *kvLedger, e *testEngine) { e.do = nil }, cause: "connect", wantFrom: "p1"},
+		{name: "nixl prefill 503", flow: routerconfig.FlowNIXL, badPrefill: func(_ *kvLedger, e *testEngine) { e.do = answer(503) }, cause: "unavailable", wantFrom: "p1"},
+		{name: "nixl prefill resets", flow: routerconfig.FlowNIXL, badPrefill: func(_ *kvLedger, e *testEngine) { e.do = resets }, cause: "reset", wantFrom: "p1"},
+		{name: "nixl decode refuses", flow: routerconfig.FlowNIXL, badDecode: func(_ *kvLedger, e *testEngine) { e.do = nil }, cause: "connect", wantFrom: "p0"},
+		{name: "nixl decode resets", flow: routerconfig.FlowNIXL, badDecode: func(_ *kvLedger, e *testEngine) { e.do = resets }, cause: "reset"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			kv := newLedger()
+			prefill, decode := engines("p0", "p1"), engines("d0", "d1")
+			for _, e := range prefill {
+				e.do = prefillOK(kv)
+			}
+			for _, e := range decode {
+				e.do = decodeOK(kv)
+			}
+			leg := "decode"
+			if tc.badPrefill != nil {
+				tc.badPrefill(kv, prefill[0])
+				leg = "prefill"
+			} else {
+				tc.badDecode(kv, decode[0])
+			}
+			f := newPD(t, tc.flow, DefaultFailurePolicy(), prefill, decode)
+			code, body := f.send(t, `{"prompt":"hi","max_tokens":4}`)
+			if code != http.StatusOK {
+				t.Fatalf("got %d %s, want 200 from the retry", code, body)
+			}
+			if tc.wantFrom != "" && !strings.Contains(body, "from "+tc.wantFrom) {
+				t.Errorf("answer %s, want decode's made from %s's KV", body, tc.wantFrom)
+			}
+			if got := f.counter(t, "pdcluster_router_retries_total", "leg", leg, "cause", tc.cause); got != 1 {
+				t.Errorf("retries{leg=%s,cause=%s} = %v, want 1", leg, tc.cause, got)
+			}
+			if got := f.counter(t, "pdcluster_router_ejections_total", "pool", leg); got != 1 {
+				t.Errorf("ejections{pool=%s} = %v, want 1", leg, got)
+			}
+			// One transfer, one decode request: a retry that reached decode again has a new one.
+			transfers := map[string]int{}
+			for _, e := range decode {
+				for _, c := range e.got() {
+					id := fmt.Sprint(c.params["transfer_id"])
+					if transfers[id]++; transfers[id] > 1 {
+						t.Errorf("decode got transfer %s twice", id)
+					}
+				}
+			}
+			if tc.cause == "connect" && tc.badDecode != nil {
+				// Decode 0 never got the request: decode 1 takes the same transfer, and prefill
+				// is not asked again.
+				if n := len(waitCalls(t, prefill[0], 1)); n != 1 {
+					t.Errorf("prefill got %d requests, want 1 (the same transfer goes to the other decode)", n)
+				}
+			}
+		})
+	}
+}
+
+// What is the engine's verdict on the request, not its absence, is not retried: a request
+// that kills an engine must not be sent to the next one. Nor is prefill retried with
+// onPrefillFailure: Fail.
+func TestFailuresNotRetried(t *testing.T) {
+	cases := []struct {
+		name     string
+		flow     routerconfig.Flow
+		policy   routerconfig.OnPrefillFailure
+		prefill0 func(kv *kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any)
+		decode0  func(kv *kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any)
+		want     int
+	}{
+		{"nixl prefill 500", routerconfig.FlowNIXL, routerconfig.PrefillFailureRetry, func(*kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+			return answer(500)
+		}, decodeOK, 500},
+		{"nixl prefill 400", routerconfig.FlowNIXL, routerconfig.PrefillFailureRetry, func(*kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+			return answer(400)
+		}, decodeOK, 400},
+		{"mooncake decode 500", routerconfig.FlowMooncake, routerconfig.PrefillFailureRetry, prefillOK, func(*kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+			return answer(500)
+		}, 500},
+		{"nixl decode 500", routerconfig.FlowNIXL, routerconfig.PrefillFailureRetry, prefillOK, func(*kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+			return answer(500)
+		}, 500},
+		{"prefill refuses, policy Fail", routerconfig.FlowNIXL, routerconfig.PrefillFailureFail, nil, decodeOK, 502},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			kv := newLedger()
+			prefill, decode := engines("p0", "p1"), engines("d0", "d1")
+			prefill[1].do, decode[1].do = prefillOK(kv), decodeOK(kv)
+			if tc.prefill0 != nil {
+				prefill[0].do = tc.prefill0(kv)
+			}
+			decode[0].do = tc.decode0(kv)
+			policy := DefaultFailurePolicy()
+			policy.OnPrefillFailure = tc.policy
+			f := newPD(t, tc.flow, policy, prefill, decode)
+			if code, body := f.send(t, `{"prompt":"hi"}`); code != tc.want {
+				t.Errorf("got %d %s, want %d", code, body, tc.want)
+			}
+			if n := len(prefill[1].got()) + len(decode[1].got()); n != 0 {
+				t.Errorf("the other endpoints got %d requests: the failure was retried", n)
+			}
+			if got := f.counter(t, "pdcluster_router_retries_total"); got != 0 {
+				t.Errorf("retries = %v, want 0", got)
+			}
+		})
+	}
+}
+
+// Once the client has seen a byte, nothing is retried: a stream that breaks stays broken.
+func TestNeverRetriedAfterTheFirstByte(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0"), engines("d0", "d1")
+	prefill[0].do = prefillOK(kv)
+	decode[0].do = func(_ *testEngine, w http.ResponseWriter, _ *http.Request, _ map[string]any) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"text\":\"first\"}]}\n\n")
+		http.NewResponseController(w).Flush()
+		resets(nil, w, nil, nil)
+	}
+	decode[1].do = decodeOK(kv)
+	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
+	code, body := f.send(t, `{"prompt":"hi","stream":true}`)
+	if code != http.StatusOK || !strings.Contains(body, "first") {
+		t.Errorf("got %d %q, want the stream's first chunk", code, body)
+	}
+	if n := len(decode[1].got()); n != 0 {
+		t.Errorf("the other decode got %d requests after the client saw a byte", n)
+	}
+}
+
+// Under a full outage of a pool the retries stay within the router's budget: a sick pool's
+// load is not multiplied by the retries.
+func TestRetryBudgetCapsRetriesUnderAnOutage(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0", "p1", "p2"), engines("d0")
+	for _, e := range prefill {
+		e.do = answer(503)
+	}
+	decode[0].do = decodeOK(kv)
+	policy := DefaultFailurePolicy()
+	policy.Eject = time.Nanosecond // every endpoint stays a candidate: only the budget limits
+	policy.RetryBudgetPercent = 20
+	f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+	const n = 50
+	for range n {
+		f.clock.Step(time.Millisecond) // past the last ejections, within the budget's window
+		if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusServiceUnavailable {
+			t.Fatalf("got %d %s, want 503 (every prefill says so)", code, body)
+		}
+	}
+	attempts := 0
+	for _, e := range prefill {
+		attempts += len(e.got())
+	}
+	retries := f.counter(t, "pdcluster_router_retries_total")
+	if limit := float64(n * 20 / 100); retries > limit || retries == 0 {
+		t.Errorf("retries = %v, want some and at most %v (20%% of %d requests)", retries, limit, n)
+	}
+	if float64(attempts) != n+retries {
+		t.Errorf("prefill attempts = %d, want %d requests + %v retries", attempts, n, retries)
+	}
+	if f.counter(t, "pdcluster_router_retries_denied_total") == 0 {
+		t.Error("no retry was denied by the budget")
+	}
+}
+
+// An endpoint that failed is left out at once for the ejection time, then tried again; a pool
+// whose every endpoint is out answers 503 saying so, with Retry-After.
+func TestEjectionAndReturn(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0", "p1"), engines("d0")
+	prefill[0].do, prefill[1].do, decode[0].do = answer(503), prefillOK(kv), decodeOK(kv)
+	policy := DefaultFailurePolicy()
+	policy.Eject = 10 * time.Second
+	f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+	for range 5 {
+		if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
+			t.Fatalf("got %d %s", code, body)
+		}
+	}
+	if n := len(prefill[0].got()); n != 1 {
+		t.Errorf("the failed endpoint got %d requests while ejected, want only the first", n)
+	}
+	f.clock.Step(11 * time.Second)
+	for range 2 {
+		f.send(t, `{"prompt":"hi"}`)
+	}
+	if n := len(prefill[0].got()); n != 2 {
+		t.Errorf("after its ejection the endpoint got %d requests in all, want 2 (tried again, ejected again)", n)
+	}
+
+	prefill[1].do = answer(503) // now both
+	f.clock.Step(11 * time.Second)
+	f.send(t, `{"prompt":"hi"}`) // both fail, both ejected
+	resp, err := http.Post(f.url+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"hi"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(b), "ejected") || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("every prefill ejected: got %d %s (Retry-After %q), want 503 saying so", resp.StatusCode, b, resp.Header.Get("Retry-After"))
+	}
+}
+
+// An endpoint ejected for not being there comes back as soon as its health check answers (a
+// restarted engine at the same address), without waiting out the ejection.
+func TestEjectedEndpointReturnsWhenHealthy(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0", "p1"), engines("d0")
+	prefill[0].do, prefill[1].do, decode[0].do = nil, prefillOK(kv), decodeOK(kv)
+	policy := DefaultFailurePolicy()
+	policy.Eject = time.Hour
+	f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
+		t.Fatalf("got %d %s", code, body)
+	}
+	if f.r.eject.count() != 1 {
+		t.Fatalf("ejected = %d, want 1", f.r.eject.count())
+	}
+	// The engine comes back at its address.
+	l, err := net.Listen("tcp", strings.TrimPrefix(prefill[0].url, "http://"))
+	if err != nil {
+		t.Skipf("the dead address was taken meanwhile: %v", err)
+	}
+	prefill[0].do = prefillOK(kv)
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	mux.Handle("/", prefill[0])
+	back := &httptest.Server{Listener: l, Config: &http.Server{Handler: mux}}
+	back.Start()
+	defer back.Close()
+	for deadline := time.Now().Add(5 * time.Second); f.r.eject.count() > 0 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if f.r.eject.count() != 0 {
+		t.Fatal("the endpoint was not restored after its health check answered")
+	}
+	for range 2 {
+		f.send(t, `{"prompt":"hi"}`)
+	}
+	if n := len(prefill[0].got()); n != 1 {
+		t.Errorf("the restored endpoint got %d requests of 2, want its turn", n)
+	}
+}
+
+// A request with no first token within the hang budget fails with a clear error, and both of
+// its legs are cancelled (vLLM aborts them, freeing their blocks).
+func TestFirstTokenTimeoutCancelsBothLegs(t *testing.T) {
+	prefill, decode := engines("p0"), engines("d0")
+	prefill[0].do, decode[0].do = hangs, hangs
+	policy := DefaultFailurePolicy()
+	policy.FirstTokenTimeout = 200 * time.Millisecond
+	f := newPD(t, routerconfig.FlowMooncake, policy, prefill, decode)
+	code, body := f.send(t, `{"prompt":"hi"}`)
+	if code != http.StatusGatewayTimeout || !strings.Contains(body, "firstTokenTimeoutSeconds") {
+		t.Errorf("got %d %s, want 504 naming the hang budget", code, body)
+	}
+	for _, e := range []*testEngine{prefill[0], decode[0]} {
+		calls := waitCalls(t, e, 1)
+		deadline := time.Now().Add(5 * time.Second)
+		for !calls[0].cancelled && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+			calls = e.got()
+		}
+		if !calls[0].cancelled {
+			t.Errorf("%s's leg was not cancelled", e.name)
+		}
+	}
+	if got := f.counter(t, "pdcluster_router_leg_failures_total", "cause", "first_token_timeout"); got != 1 {
+		t.Errorf("leg_failures{cause=first_token_timeout} = %v, want 1", got)
+	}
+}
+
+// When the decode leg fails while Mooncake's prefill leg still runs, the prefill leg is
+// cancelled (or never sent): a decode that never got the request will not pull its blocks.
+func TestFailedDecodeCancelsPrefill(t *testing.T) {
+	prefill, decode := engines("p0"), engines("d0")
+	prefill[0].do, decode[0].do = hangs, nil
+	f := newPD(t, routerconfig.FlowMooncake, DefaultFailurePolicy(), prefill, decode)
+	if code, body := f.send(t, `{"prompt":"hi"}`); code < 500 {
+		t.Errorf("got %d %s, want a failure", code, body)
+	}
+	running := func() int {
+		n := 0
+		for _, c := range prefill[0].got() {
+			if !c.cancelled {
+				n++
+			}
+		}
+		return n
+	}
+	// A prefill request still on its way when the leg was cancelled shows up cancelled too.
+	start := time.Now()
+	for (running() > 0 || time.Since(start) < 100*time.Millisecond) && time.Since(start) < 5*time.Second {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n := running(); n > 0 {
+		t.Errorf("%d prefill legs left running for a decode that never got the request", n)
+	}
+}
+
+// onPrefillFailure: DecodeOnly sends a request whose prefill cannot be served to decode alone,
+// without kv_transfer_params, and counts it.
+func TestDecodeOnlyWhenPrefillCannotServe(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0"), engines("d0")
+	prefill[0].do, decode[0].do = nil, decodeOK(kv)
+	policy := DefaultFailurePolicy()
+	policy.OnPrefillFailure = routerconfig.PrefillFailureDecodeOnly
+	f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+	code, body := f.send(t, `{"prompt":"hi"}`)
+	if code != http.StatusOK || !strings.Contains(body, "from local") {
+		t.Fatalf("got %d %s, want decode's own answer", code, body)
+	}
+	if calls := decode[0].got(); len(calls) != 1 || calls[0].params != nil {
+		t.Errorf("decode got %+v, want one request without kv_transfer_params", calls)
+	}
+	if got := f.counter(t, "pdcluster_router_decode_only_total"); got != 1 {
+		t.Errorf("decode_only = %v, want 1", got)
+	}
+}
