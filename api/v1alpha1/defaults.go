@@ -21,6 +21,10 @@ const (
 	DefaultMaxBackoffSeconds      int32 = 600
 	DefaultRestartBudget          int32 = 5
 	DefaultBudgetWindowSeconds    int32 = 3600
+
+	DefaultRouterRetries            int32 = 2
+	DefaultRouterRetryBudgetPercent int32 = 20
+	DefaultRouterEjectSeconds       int32 = 10
 )
 
 // SetDefaults fills every unset field that has a default, as the API server would. It is the
@@ -52,6 +56,11 @@ func (in *PDCluster) SetDefaults() {
 
 	setPtr(&s.Router.Replicas, DefaultReplicas)
 	setString(&s.Router.Balance, RouterBalanceLeastInFlight)
+	fp := &s.Router.FailurePolicy
+	setPtr(&fp.Retries, DefaultRouterRetries)
+	setPtr(&fp.RetryBudgetPercent, DefaultRouterRetryBudgetPercent)
+	setPtr(&fp.EjectSeconds, DefaultRouterEjectSeconds)
+	setString(&fp.OnPrefillFailure, OnPrefillFailureRetry)
 
 	h := &s.Connector.Health
 	setPtr(&h.PeriodSeconds, DefaultHealthPeriodSeconds)

@@ -490,6 +490,76 @@ type RouterSpec struct {
 	// +kubebuilder:default=least-in-flight
 	// +optional
 	Balance RouterBalance `json:"balance,omitempty"`
+
+	// failurePolicy is what the router does when a leg fails: which failures are retried on
+	// another endpoint, within which budgets, how long a failed endpoint is left out, and how
+	// long a request may wait for its first token. docs/router-failure-policy.md has the
+	// failure table.
+	// +kubebuilder:default={}
+	// +optional
+	FailurePolicy RouterFailurePolicy `json:"failurePolicy,omitempty"`
+}
+
+// OnPrefillFailure is what the router does once a request's prefill cannot be served.
+// +kubebuilder:validation:Enum=Retry;Fail;DecodeOnly
+type OnPrefillFailure string
+
+const (
+	// OnPrefillFailureRetry retries on another prefill endpoint within the budgets, then
+	// fails the request.
+	OnPrefillFailureRetry OnPrefillFailure = "Retry"
+	// OnPrefillFailureFail fails the request at the first prefill failure.
+	OnPrefillFailureFail OnPrefillFailure = "Fail"
+	// OnPrefillFailureDecodeOnly retries as Retry does, then sends the request to decode
+	// alone, which computes the prompt itself (counted in pdcluster_router_decode_only_total).
+	OnPrefillFailureDecodeOnly OnPrefillFailure = "DecodeOnly"
+)
+
+// RouterFailurePolicy is how the router handles a failed leg. Only a failure that says the
+// chosen endpoint is not there or not serving (connection refused or reset, the Mooncake
+// bootstrap server unreachable or empty, an answer 503), seen before the client got a byte, is
+// retried, on another endpoint of the same pool; an engine's own error answer (4xx, 500) is
+// its verdict on the request and is never sent to the next engine.
+type RouterFailurePolicy struct {
+	// retries bounds the retries of one request, over both legs.
+	// +kubebuilder:default=2
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=10
+	// +optional
+	Retries *int32 `json:"retries,omitempty"`
+
+	// retryBudgetPercent bounds each router replica's retries to this share of its requests
+	// over the last 10 seconds (with a floor of 3 retries), so that a sick pool's load is not
+	// multiplied by retries. 0 turns retries off.
+	// +kubebuilder:default=20
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=100
+	// +optional
+	RetryBudgetPercent *int32 `json:"retryBudgetPercent,omitempty"`
+
+	// ejectSeconds is how long an endpoint that failed that way is left out of the router's
+	// picks, at once rather than at the next resolution of the pools. One that was not there
+	// (refused, reset, bootstrap down) comes back as soon as its health check answers.
+	// +kubebuilder:default=10
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=3600
+	// +optional
+	EjectSeconds *int32 `json:"ejectSeconds,omitempty"`
+
+	// firstTokenTimeoutSeconds fails a request whose first byte has not come from decode in
+	// this long (for a request that does not stream, its whole answer) with 504, cancelling
+	// both legs. Unset: no limit but the router's own 10-minute wait for an answer.
+	// +kubebuilder:validation:Minimum=1
+	// +optional
+	FirstTokenTimeoutSeconds *int32 `json:"firstTokenTimeoutSeconds,omitempty"`
+
+	// onPrefillFailure is what happens once prefill cannot serve a request: Retry (on another
+	// prefill endpoint, then fail), Fail (at once), or DecodeOnly (retry, then send the
+	// request to decode alone, which recomputes the prompt; needs
+	// kvTransfer.loadFailurePolicy recompute, the same trade of compute for availability).
+	// +kubebuilder:default=Retry
+	// +optional
+	OnPrefillFailure OnPrefillFailure `json:"onPrefillFailure,omitempty"`
 }
 
 // ConnectorSpec configures the connector sidecar the operator runs beside every prefill and
@@ -582,6 +652,7 @@ type ConnectorHealthPolicy struct {
 }
 
 // PDClusterSpec is the desired state of a disaggregated prefill/decode deployment.
+// +kubebuilder:validation:XValidation:rule="!has(self.router) || !has(self.router.failurePolicy) || !has(self.router.failurePolicy.onPrefillFailure) || self.router.failurePolicy.onPrefillFailure != 'DecodeOnly' || (has(self.kvTransfer) && has(self.kvTransfer.loadFailurePolicy) && self.kvTransfer.loadFailurePolicy == 'recompute')",message="router.failurePolicy.onPrefillFailure DecodeOnly lets decode recompute prompts, which kvTransfer.loadFailurePolicy fail forbids: set loadFailurePolicy: recompute, or onPrefillFailure: Retry",fieldPath=".router.failurePolicy.onPrefillFailure"
 type PDClusterSpec struct {
 	// model is the model both pools serve.
 	Model ModelSpec `json:"model"`

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"fmt"
 	"net"
 	"net/http"
 	"os"
@@ -44,7 +45,7 @@ func parseFlags(args []string) (*options, error) {
 	o := &options{}
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
 	fs.StringVar(&o.listen, "listen", "127.0.0.1:8080", "HTTP address of the proxy")
-	fs.StringVar(&o.configPath, "config", "", "router.json as the operator renders it: the flow and the pools' headless Services, resolved every --refresh (replaces --flow, --prefill and --decode)")
+	fs.StringVar(&o.configPath, "config", "", "router.json as the operator renders it: the flow, balance, failure policy and the pools' headless Services, resolved every --refresh (replaces --flow; a file without pools takes them from --prefill and --decode)")
 	fs.DurationVar(&o.refresh, "refresh", 5*time.Second, "how often --config's Services are resolved again")
 	fs.StringVar(&o.flow, "flow", string(routerconfig.FlowMooncake), "transfer flow: mooncake (both legs at once) or nixl (prefill first)")
 	fs.StringVar(&o.balance, "balance", "", "how an engine of each pool is picked: least-in-flight (the default) or round-robin (default with --config: its balance)")
@@ -54,6 +55,45 @@ func parseFlags(args []string) (*options, error) {
 	fs.Int64Var(&o.maxInFlight, "max-in-flight", router.DefaultMaxInFlight, "most requests proxied at once (503 past it)")
 	o.zap.BindFlags(fs)
 	return o, fs.Parse(args)
+}
+
+// configure is the router's configuration from o: router.json's when --config names one (its
+// pools resolved from its Services, or, for a file without pools, the flags' fixed ones), or
+// the flags' alone. Exactly one source of pools is accepted.
+func configure(o *options) (router.Config, routerconfig.File, router.Pools, error) {
+	cfg := router.Config{
+		Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance),
+		MaxBodyBytes: o.maxBodyBytes, MaxInFlight: o.maxInFlight,
+	}
+	static := router.Pools{Decode: o.decode}
+	for _, p := range o.prefill {
+		url, boot, _ := strings.Cut(p, ",")
+		static.Prefill = append(static.Prefill, router.Prefill{URL: url, Bootstrap: boot})
+	}
+	flagPools := len(static.Prefill) > 0 || len(static.Decode) > 0
+	var fc routerconfig.File
+	if o.configPath != "" {
+		var err error
+		if fc, err = routerconfig.Load(o.configPath); err != nil {
+			return cfg, fc, static, err
+		}
+		cfg.Flow = fc.Flow
+		if cfg.Balance == "" {
+			cfg.Balance = fc.Balance
+		}
+		policy := router.PolicyFromFile(fc.Failure())
+		cfg.Failure = &policy
+		if fc.HasPools() {
+			if flagPools {
+				return cfg, fc, static, fmt.Errorf("%s names the pools: --prefill and --decode may not name others", o.configPath)
+			}
+			return cfg, fc, static, nil
+		}
+	}
+	if len(static.Prefill) == 0 || len(static.Decode) == 0 {
+		return cfg, fc, static, errors.New("need --config naming the pools, or at least one --prefill and one --decode")
+	}
+	return cfg, fc, static, nil
 }
 
 func main() {
@@ -70,28 +110,9 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	cfg := router.Config{
-		Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance),
-		MaxBodyBytes: o.maxBodyBytes, MaxInFlight: o.maxInFlight,
-	}
-	// Fixed pools from the flags; with --config, resolveLoop sets them instead.
-	static := router.Pools{Decode: o.decode}
-	for _, p := range o.prefill {
-		url, boot, _ := strings.Cut(p, ",")
-		static.Prefill = append(static.Prefill, router.Prefill{URL: url, Bootstrap: boot})
-	}
-	var fc routerconfig.File
-	if o.configPath != "" {
-		if fc, err = routerconfig.Load(o.configPath); err != nil {
-			log.Error(err, "configure router")
-			os.Exit(1)
-		}
-		cfg.Flow = fc.Flow
-		if cfg.Balance == "" {
-			cfg.Balance = fc.Balance
-		}
-	} else if len(static.Prefill) == 0 || len(static.Decode) == 0 {
-		log.Error(errors.New("need --config, or at least one --prefill and one --decode"), "configure router")
+	cfg, fc, static, err := configure(o)
+	if err != nil {
+		log.Error(err, "configure router")
 		os.Exit(1)
 	}
 	reg := prometheus.NewRegistry()
@@ -100,7 +121,7 @@ func main() {
 		log.Error(err, "configure router")
 		os.Exit(1)
 	}
-	if o.configPath != "" {
+	if fc.HasPools() {
 		go resolveLoop(ctx, r, fc, o.refresh, log)
 	} else if err := r.SetPools(static); err != nil {
 		log.Error(err, "configure router")

@@ -1,12 +1,19 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/go-logr/logr"
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/router"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // The operator starts this command with the arguments render puts in the router Deployment;
@@ -32,5 +39,64 @@ func TestAcceptsTheRenderedArguments(t *testing.T) {
 	}
 	if _, err := parseFlags([]string{"--no-such-flag"}); err == nil {
 		t.Error("an unknown flag was accepted")
+	}
+}
+
+// The pools come from one source: router.json's Services, or, for a file without pools (the
+// sandbox's loopback engines, which no DNS name lists), the flags; the file's flow, balance and
+// failure policy apply either way.
+func TestConfigure(t *testing.T) {
+	dir := t.TempDir()
+	file := func(name, json string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(json), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	withPools := file("pools.json", `{"flow":"mooncake","prefillHost":"p","decodeHost":"d","enginePort":8000,"bootstrapPort":8998}`)
+	noPools := file("nopools.json", `{"flow":"nixl","balance":"round-robin","failurePolicy":{"retries":1,"retryBudgetPercent":50,"ejectSeconds":3,"firstTokenTimeoutSeconds":7,"onPrefillFailure":"Fail"}}`)
+	cases := []struct {
+		name       string
+		args       []string
+		wantErr    string
+		wantFlow   routerconfig.Flow
+		wantPolicy router.FailurePolicy
+		wantStatic int // prefill engines given by flag
+	}{
+		{name: "file with pools", args: []string{"--config", withPools}, wantFlow: routerconfig.FlowMooncake, wantPolicy: router.DefaultFailurePolicy()},
+		{name: "file without pools, pools by flag", args: []string{"--config", noPools, "--prefill", "http://a", "--prefill", "http://b", "--decode", "http://c"},
+			wantFlow: routerconfig.FlowNIXL, wantStatic: 2,
+			wantPolicy: router.FailurePolicy{Retries: 1, RetryBudgetPercent: 50, Eject: 3 * time.Second, FirstTokenTimeout: 7 * time.Second, OnPrefillFailure: routerconfig.PrefillFailureFail}},
+		{name: "two sources of pools", args: []string{"--config", withPools, "--decode", "http://c"}, wantErr: "may not name others"},
+		{name: "file without pools, none by flag", args: []string{"--config", noPools}, wantErr: "need --config naming the pools"},
+		{name: "flags alone", args: []string{"--flow", "nixl", "--prefill", "http://a", "--decode", "http://c"}, wantFlow: routerconfig.FlowNIXL, wantStatic: 1},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			o, err := parseFlags(tc.args)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg, _, static, err := configure(o)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if cfg.Flow != tc.wantFlow || len(static.Prefill) != tc.wantStatic {
+				t.Errorf("flow %s with %d fixed prefill engines, want %s and %d", cfg.Flow, len(static.Prefill), tc.wantFlow, tc.wantStatic)
+			}
+			if tc.wantPolicy != (router.FailurePolicy{}) && (cfg.Failure == nil || *cfg.Failure != tc.wantPolicy) {
+				t.Errorf("failure policy %+v, want %+v", cfg.Failure, tc.wantPolicy)
+			}
+			if _, err := router.New(cfg, logr.Discard(), nil); err != nil {
+				t.Errorf("the router refuses the configuration: %v", err)
+			}
+		})
 	}
 }

@@ -35,6 +35,11 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 	if pdc.Spec.Router.Balance == v1alpha1.RouterBalanceRoundRobin {
 		cfg.Balance = routerconfig.BalanceRoundRobin
 	}
+	// Written only when it is not the router's default (which equals the API's): router.json,
+	// and so the router's pods, stay as they were before the field existed.
+	if fp := RouterFailurePolicy(pdc); fp != routerconfig.DefaultFailurePolicy() {
+		cfg.FailurePolicy = &fp
+	}
 	if connector == v1alpha1.ConnectorMooncake {
 		cfg.BootstrapPort = vllm.MooncakeBootstrapPort
 	} else {
@@ -49,6 +54,16 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 		ObjectMeta: objectMeta(pdc, v1alpha1.RoleRouter),
 		Data:       map[string]string{routerconfig.FileName: string(b)},
 	}, nil
+}
+
+// RouterFailurePolicy is spec.router.failurePolicy in router.json's words.
+func RouterFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {
+	fp := defaulted(pdc).Spec.Router.FailurePolicy
+	return routerconfig.FailurePolicy{
+		Retries: *fp.Retries, RetryBudgetPercent: *fp.RetryBudgetPercent, EjectSeconds: *fp.EjectSeconds,
+		FirstTokenTimeoutSeconds: ptr.Deref(fp.FirstTokenTimeoutSeconds, 0), // unset: no limit
+		OnPrefillFailure:         routerconfig.OnPrefillFailure(fp.OnPrefillFailure),
+	}
 }
 
 // RouterDeployment runs the P/D proxy.

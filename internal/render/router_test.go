@@ -9,8 +9,10 @@ import (
 	"testing"
 
 	"github.com/go-logr/logr"
+	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -97,5 +99,44 @@ func TestRouterReadsTheRenderedConfig(t *testing.T) {
 				t.Errorf("readiness and liveness share %s", c.LivenessProbe.HTTPGet.Path)
 			}
 		})
+	}
+}
+
+// spec.router.failurePolicy reaches the router through router.json: the API's defaults are the
+// router's own (so a default policy is left out of the file), and any other policy is written
+// whole and read back by the router.
+func TestRouterJSONCarriesTheFailurePolicy(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	if got, want := render.RouterFailurePolicy(pdc), routerconfig.DefaultFailurePolicy(); got != want {
+		t.Errorf("the API's default policy %+v is not the router's %+v", got, want)
+	}
+	readBack := func(pdc *v1alpha1.PDCluster) routerconfig.File {
+		cm, _ := renderRouter(t, pdc)
+		file := filepath.Join(t.TempDir(), "router.json")
+		if err := os.WriteFile(file, []byte(cm.Data["router.json"]), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		fc, err := routerconfig.Load(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fc
+	}
+	if fc := readBack(pdc); fc.FailurePolicy != nil {
+		t.Errorf("default policy written into router.json: %+v", *fc.FailurePolicy)
+	}
+	pdc.Spec.KVTransfer.LoadFailurePolicy = v1alpha1.LoadFailurePolicyRecompute
+	pdc.Spec.Router.FailurePolicy = v1alpha1.RouterFailurePolicy{
+		Retries: ptr.To[int32](0), RetryBudgetPercent: ptr.To[int32](5), EjectSeconds: ptr.To[int32](30),
+		FirstTokenTimeoutSeconds: ptr.To[int32](60), OnPrefillFailure: v1alpha1.OnPrefillFailureDecodeOnly,
+	}
+	want := routerconfig.FailurePolicy{Retries: 0, RetryBudgetPercent: 5, EjectSeconds: 30, FirstTokenTimeoutSeconds: 60, OnPrefillFailure: routerconfig.PrefillFailureDecodeOnly}
+	fc := readBack(pdc)
+	if diff := cmp.Diff(want, fc.Failure()); diff != "" {
+		t.Errorf("router.json failure policy (-want +got):\n%s", diff)
+	}
+	p := router.PolicyFromFile(fc.Failure())
+	if _, err := router.New(router.Config{Flow: fc.Flow, Failure: &p}, logr.Discard(), nil); err != nil {
+		t.Errorf("the router refuses the rendered policy: %v", err)
 	}
 }

@@ -11,20 +11,30 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sync/singleflight"
 	"k8s.io/utils/clock"
 )
 
 // ejector holds the ejected endpoints by URL. out is on every pick: with nothing ejected it is
 // one atomic load.
 type ejector struct {
-	clock clock.PassiveClock
-	n     atomic.Int32 // entries in until
-	mu    sync.Mutex
-	until map[string]time.Time
+	clock  clock.PassiveClock
+	n      atomic.Int32 // entries in out
+	mu     sync.Mutex
+	ejects map[string]ejection
+	// rechecks runs one health check per endpoint at a time, however many requests ask.
+	rechecks singleflight.Group
+}
+
+// ejection is an endpoint left out until a time; check, when not nil, tells when it is back
+// sooner (it was not there, rather than answering 503).
+type ejection struct {
+	until time.Time
+	check func(context.Context) error
 }
 
 func newEjector(c clock.PassiveClock) *ejector {
-	return &ejector{clock: c, until: map[string]time.Time{}}
+	return &ejector{clock: c, ejects: map[string]ejection{}}
 }
 
 // out reports whether url is ejected now; an ejection past its time ends here.
@@ -34,33 +44,64 @@ func (e *ejector) out(url string) bool {
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	t, ok := e.until[url]
-	if ok && !e.clock.Now().Before(t) {
-		delete(e.until, url)
+	j, ok := e.ejects[url]
+	if ok && !e.clock.Now().Before(j.until) {
+		delete(e.ejects, url)
 		e.n.Add(-1)
 		return false
 	}
 	return ok
 }
 
-// eject leaves url out for d; it reports whether url was not ejected already.
-func (e *ejector) eject(url string, d time.Duration) bool {
+// eject leaves url out for d (check: see ejection); it reports whether url was not ejected
+// already.
+func (e *ejector) eject(url string, d time.Duration, check func(context.Context) error) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	_, was := e.until[url]
+	_, was := e.ejects[url]
 	if !was {
 		e.n.Add(1)
 	}
-	e.until[url] = e.clock.Now().Add(d)
+	e.ejects[url] = ejection{until: e.clock.Now().Add(d), check: check}
 	return !was
 }
+
+// recheck runs the checks of the ejected endpoints among urls and restores those that answer;
+// it reports whether any came back. It is asked when a pool has no endpoint left, so that a
+// pool of one engine serves again as soon as that engine does, not at the next probe.
+func (e *ejector) recheck(urls []string) bool {
+	e.mu.Lock()
+	checks := map[string]func(context.Context) error{}
+	for _, u := range urls {
+		if j, ok := e.ejects[u]; ok && j.check != nil {
+			checks[u] = j.check
+		}
+	}
+	e.mu.Unlock()
+	back := false
+	for u, check := range checks {
+		_, err, _ := e.rechecks.Do(u, func() (any, error) {
+			ctx, cancel := context.WithTimeout(context.Background(), recheckTimeout)
+			defer cancel()
+			return nil, check(ctx)
+		})
+		if err == nil {
+			e.restore(u)
+			back = true
+		}
+	}
+	return back
+}
+
+// recheckTimeout bounds a request's wait for the health of an ejected endpoint.
+const recheckTimeout = 500 * time.Millisecond
 
 // restore ends url's ejection (its health check answered).
 func (e *ejector) restore(url string) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if _, ok := e.until[url]; ok {
-		delete(e.until, url)
+	if _, ok := e.ejects[url]; ok {
+		delete(e.ejects, url)
 		e.n.Add(-1)
 	}
 }
@@ -71,8 +112,8 @@ func (e *ejector) returnsIn(urls []string) time.Duration {
 	defer e.mu.Unlock()
 	var first time.Duration
 	for _, u := range urls {
-		if t, ok := e.until[u]; ok {
-			if d := t.Sub(e.clock.Now()); first == 0 || d < first {
+		if j, ok := e.ejects[u]; ok {
+			if d := j.until.Sub(e.clock.Now()); first == 0 || d < first {
 				first = max(d, time.Second)
 			}
 		}
@@ -90,18 +131,14 @@ const probeEvery = 500 * time.Millisecond
 // and ends its ejection as soon as check succeeds: a restarted engine at the same address
 // serves again at once, not after the whole ejection. An endpoint that answered 503 is serving
 // a verdict, not absent: it waits out its ejection.
-func (r *Router) watch(url string, check func(context.Context) error) {
+func (r *Router) watch(url string) {
 	t := time.NewTicker(r.probeEvery)
 	defer t.Stop()
 	for range t.C {
 		if !r.eject.out(url) {
-			return // its ejection ended
+			return // its ejection ended (or a request's recheck ended it)
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		err := check(ctx)
-		cancel()
-		if err == nil {
-			r.eject.restore(url)
+		if r.eject.recheck([]string{url}) {
 			r.log.Info("ejected endpoint answers again", "endpoint", url)
 			return
 		}

@@ -35,6 +35,8 @@ type exchange struct {
 
 	cur      atomic.Pointer[attempt]
 	timedOut atomic.Bool
+	// first is the first attempt's memory (most requests make only one).
+	first attempt
 }
 
 // attempt is one try of the request on one prefill (none when decodeOnly) and one decode
@@ -58,6 +60,8 @@ type attempt struct {
 	// pull them).
 	prefillCancel context.CancelFunc
 }
+
+func noCancel(error) {}
 
 const (
 	attemptPending int32 = iota
@@ -171,9 +175,12 @@ func (x *exchange) firstTokenTimeout() *legError {
 // on the happy path.
 func (x *exchange) avoid() func(string) bool {
 	x.mu.Lock()
-	tried := slices.Clone(x.tried)
+	var tried []string
+	if len(x.tried) > 0 {
+		tried = slices.Clone(x.tried)
+	}
 	x.mu.Unlock()
-	if len(tried) == 0 && x.r.eject.count() == 0 {
+	if tried == nil && x.r.eject.count() == 0 {
 		return nil
 	}
 	return func(u string) bool { return slices.Contains(tried, u) || x.r.eject.out(u) }
@@ -181,13 +188,23 @@ func (x *exchange) avoid() func(string) bool {
 
 func (x *exchange) poolURLs(l leg) []string {
 	if l == legDecode {
-		return x.pools.Decode
+		return slices.Clone(x.pools.Decode)
 	}
 	urls := make([]string, len(x.pools.Prefill))
 	for i, p := range x.pools.Prefill {
 		urls[i] = p.URL
 	}
 	return urls
+}
+
+// recheck asks the ejected endpoints of l's pool that this request has not tried whether they
+// are back (see ejector.recheck).
+func (x *exchange) recheck(l leg) bool {
+	x.mu.Lock()
+	tried := slices.Clone(x.tried)
+	x.mu.Unlock()
+	urls := slices.DeleteFunc(x.poolURLs(l), func(u string) bool { return slices.Contains(tried, u) })
+	return len(urls) > 0 && x.r.eject.recheck(urls)
 }
 
 func (x *exchange) noEndpoint(l leg) *legError {
@@ -199,15 +216,27 @@ func (x *exchange) noEndpoint(l leg) *legError {
 func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 	r, pools := x.r, x.pools
 	avoid := x.avoid()
-	a := &attempt{x: x, decodeOnly: decodeOnly}
+	a := &x.first
+	if x.cur.Load() != nil {
+		a = new(attempt)
+	}
+	a.x, a.decodeOnly = x, decodeOnly
 	if !decodeOnly {
-		pp, ok := r.prefill.pick(len(pools.Prefill), func(i int) string { return pools.Prefill[i].URL }, avoid)
+		prefillURL := func(i int) string { return pools.Prefill[i].URL }
+		pp, ok := r.prefill.pick(len(pools.Prefill), prefillURL, avoid)
+		if !ok && x.recheck(legPrefill) {
+			pp, ok = r.prefill.pick(len(pools.Prefill), prefillURL, x.avoid())
+		}
 		if !ok {
 			return nil, x.noEndpoint(legPrefill)
 		}
 		a.pp, a.p = pp, pools.Prefill[pp.index]
 	}
-	dp, ok := r.decode.pick(len(pools.Decode), func(i int) string { return pools.Decode[i] }, avoid)
+	decodeURL := func(i int) string { return pools.Decode[i] }
+	dp, ok := r.decode.pick(len(pools.Decode), decodeURL, avoid)
+	if !ok && x.recheck(legDecode) {
+		dp, ok = r.decode.pick(len(pools.Decode), decodeURL, x.avoid())
+	}
 	if !ok {
 		if !decodeOnly {
 			r.prefill.done(a.pp)
@@ -215,7 +244,14 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 		return nil, x.noEndpoint(legDecode)
 	}
 	a.dp, a.d = dp, pools.Decode[dp.index]
-	a.ctx, a.cancel = context.WithCancelCause(x.req.Context())
+	// Only an attempt that can be abandoned gets a context of its own (Mooncake's decode leg
+	// waits while its prefill may fail; the hang budget abandons any): NIXL's legs run one
+	// after the other on the client's.
+	if (r.cfg.Flow == routerconfig.FlowMooncake && !decodeOnly) || r.policy.FirstTokenTimeout > 0 {
+		a.ctx, a.cancel = context.WithCancelCause(x.req.Context())
+	} else {
+		a.ctx, a.cancel = x.req.Context(), noCancel
+	}
 	return a, nil
 }
 
@@ -292,17 +328,20 @@ func (x *exchange) record(e *legError) {
 	x.mu.Lock()
 	x.tried = append(x.tried, e.endpoint)
 	x.mu.Unlock()
-	if r.eject.eject(e.endpoint, r.policy.Eject) {
-		r.metrics.ejections.WithLabelValues(string(e.leg)).Inc()
-		r.log.Info("endpoint ejected", "endpoint", e.endpoint, "leg", e.leg, "cause", e.cause, "for", r.policy.Eject.String())
-		if e.cause == causeUnavailable {
-			return // it is there and said no: it waits out its ejection
-		}
-		check := e.check
-		if check == nil {
+	// One that is there and said no (503) waits out its ejection; one that was not there is
+	// back when its check answers.
+	var check func(context.Context) error
+	if e.cause != causeUnavailable {
+		if check = e.check; check == nil {
 			check = r.healthCheck(e.endpoint)
 		}
-		go r.watch(e.endpoint, check)
+	}
+	if r.eject.eject(e.endpoint, r.policy.Eject, check) {
+		r.metrics.ejections.WithLabelValues(string(e.leg)).Inc()
+		r.log.Info("endpoint ejected", "endpoint", e.endpoint, "leg", e.leg, "cause", e.cause, "for", r.policy.Eject.String())
+		if check != nil {
+			go r.watch(e.endpoint)
+		}
 	}
 }
 

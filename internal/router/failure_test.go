@@ -544,6 +544,38 @@ func TestEjectedEndpointReturnsWhenHealthy(t *testing.T) {
 	}
 }
 
+// A pool of one engine serves again as soon as its engine does: a request that finds every
+// endpoint ejected asks the ones that were not there whether they are back before answering 503.
+func TestPoolOfOneServesAgainAsSoonAsItsEngine(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0"), engines("d0")
+	prefill[0].do, decode[0].do = prefillOK(kv), nil
+	policy := DefaultFailurePolicy()
+	policy.Eject = time.Hour
+	f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+	f.r.probeEvery = time.Hour // only a request's recheck can bring it back
+	if code, _ := f.send(t, `{"prompt":"hi"}`); code == http.StatusOK {
+		t.Fatal("served by a decode engine that is not there")
+	}
+	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusServiceUnavailable || !strings.Contains(body, "ejected") {
+		t.Fatalf("got %d %s, want 503: the only decode is ejected and still not there", code, body)
+	}
+	l, err := net.Listen("tcp", strings.TrimPrefix(decode[0].url, "http://"))
+	if err != nil {
+		t.Skipf("the dead address was taken meanwhile: %v", err)
+	}
+	decode[0].do = decodeOK(kv)
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	mux.Handle("/", decode[0])
+	back := &httptest.Server{Listener: l, Config: &http.Server{Handler: mux}}
+	back.Start()
+	defer back.Close()
+	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
+		t.Errorf("got %d %s once the engine was back, want 200", code, body)
+	}
+}
+
 // A request with no first token within the hang budget fails with a clear error, and both of
 // its legs are cancelled (vLLM aborts them, freeing their blocks).
 func TestFirstTokenTimeoutCancelsBothLegs(t *testing.T) {

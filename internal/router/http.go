@@ -43,32 +43,33 @@ func drain(resp *http.Response) error {
 
 // copyResponse streams resp to w (an answer the router does not retry).
 func copyResponse(w http.ResponseWriter, resp *http.Response) {
-	_ = relay(w, resp, func() bool { return true })
+	_ = relay(w, resp, committed{})
 }
+
+// committer says whether an answer may still be written: an attempt not abandoned.
+type committer interface{ commit() bool }
+
+// committed is an answer that is always the client's.
+type committed struct{}
+
+func (committed) commit() bool { return true }
 
 // relay answers the client with decode's answer: a stream of server-sent events flushed as
 // chunks arrive, any other answer copied whole with its length (no flush per read, no chunked
 // encoding). Nothing is written before commit says the answer is the client's: a stream's
 // headers wait for its first bytes, so a failure before them can still be retried. It returns
 // errRead when the answer broke before anything was written, errCommit when commit refused.
-func relay(w http.ResponseWriter, resp *http.Response, commit func() bool) error {
+func relay(w http.ResponseWriter, resp *http.Response, c committer) error {
 	stream := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
-	header := func() {
-		for _, h := range []string{"Content-Type", "Cache-Control", "Content-Length"} {
-			if v := resp.Header.Get(h); v != "" && (h != "Content-Length" || !stream) {
-				w.Header().Set(h, v)
-			}
-		}
-	}
 	if !stream {
 		b, err := bounded.ReadAll(resp.Body, maxResponseBytes)
 		if err != nil && !errors.Is(err, bounded.ErrTooLarge) {
 			return fmt.Errorf("%w: %v", errRead, err)
 		}
-		if !commit() {
+		if !c.commit() {
 			return errCommit
 		}
-		header()
+		copyHeader(w, resp, false)
 		if err != nil {
 			w.Header().Del("Content-Length")
 			writeError(w, http.StatusBadGateway, "read engine answer: "+err.Error())
@@ -90,10 +91,10 @@ func relay(w http.ResponseWriter, resp *http.Response, commit func() bool) error
 	if n == 0 && !errors.Is(err, io.EOF) {
 		return fmt.Errorf("%w: %v", errRead, err)
 	}
-	if !commit() {
+	if !c.commit() {
 		return errCommit
 	}
-	header()
+	copyHeader(w, resp, true)
 	w.WriteHeader(resp.StatusCode)
 	fl, _ := w.(http.Flusher)
 	for {
@@ -112,6 +113,15 @@ func relay(w http.ResponseWriter, resp *http.Response, commit func() bool) error
 	}
 }
 
+// copyHeader copies the headers of resp the client needs (a stream's length is not known).
+func copyHeader(w http.ResponseWriter, resp *http.Response, stream bool) {
+	for _, h := range []string{"Content-Type", "Cache-Control", "Content-Length"} {
+		if v := resp.Header.Get(h); v != "" && (h != "Content-Length" || !stream) {
+			w.Header().Set(h, v)
+		}
+	}
+}
+
 var (
 	errRead   = errors.New("the answer broke before its first byte")
 	errCommit = errors.New("the attempt was abandoned")
@@ -119,7 +129,7 @@ var (
 
 // relay answers the client with decode's answer, if the attempt still may.
 func (a *attempt) relay(resp *http.Response) *legError {
-	err := relay(a.x.w, resp, a.commit)
+	err := relay(a.x.w, resp, a)
 	switch {
 	case err == nil:
 		return nil

@@ -27,7 +27,7 @@ spec:
   kvTransfer: {connector: NixlConnector, protocol: tcp, bufferDevice: cpu, loadFailurePolicy: recompute, completionGate: Disabled}
   prefill: {replicas: 3, parallelism: {tensor: 2}, rdma: {resourceName: nvidia.com/hca, count: 2}}
   decode: {replicas: 0, parallelism: {data: 4, pipeline: 2}}
-  router: {replicas: 2, balance: round-robin}
+  router: {replicas: 2, balance: round-robin, failurePolicy: {retries: 0, retryBudgetPercent: 0, ejectSeconds: 60, firstTokenTimeoutSeconds: 30, onPrefillFailure: DecodeOnly}}
   connector: {health: {periodSeconds: 5, failureThreshold: 1, initialBackoffSeconds: 1, maxBackoffSeconds: 2, restartBudget: 0, budgetWindowSeconds: 60, restartDecodeWithPrefill: false, gateStartupGraceSeconds: 9}}
   networkPolicy: {enabled: false}
 `,

@@ -56,7 +56,11 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		},
 		Prefill: defaultPool,
 		Decode:  defaultPool,
-		Router:  v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas), Balance: v1alpha1.RouterBalanceLeastInFlight},
+		Router: v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas), Balance: v1alpha1.RouterBalanceLeastInFlight,
+			FailurePolicy: v1alpha1.RouterFailurePolicy{
+				Retries: ptr.To(v1alpha1.DefaultRouterRetries), RetryBudgetPercent: ptr.To(v1alpha1.DefaultRouterRetryBudgetPercent),
+				EjectSeconds: ptr.To(v1alpha1.DefaultRouterEjectSeconds), OnPrefillFailure: v1alpha1.OnPrefillFailureRetry,
+			}},
 		Connector: v1alpha1.ConnectorSpec{
 			Health: v1alpha1.ConnectorHealthPolicy{
 				PeriodSeconds: ptr.To(v1alpha1.DefaultHealthPeriodSeconds), FailureThreshold: ptr.To(v1alpha1.DefaultHealthFailureThreshold),
@@ -95,6 +99,16 @@ var invalidSpecs = []struct {
 		name: "rdma devices with tcp mean nothing",
 		doc:  strings.Replace(minimal, "kvTransfer: {protocol: tcp}", "kvTransfer: {protocol: tcp, rdmaDevices: [mlx5_0]}", 1),
 		want: []string{"spec.kvTransfer", "rdmaDevices is only used with protocol rdma"},
+	},
+	{
+		name: "decode-only fallback with a load failure policy that forbids recompute",
+		doc:  minimal + "  router: {failurePolicy: {onPrefillFailure: DecodeOnly}}\n",
+		want: []string{"spec.router.failurePolicy.onPrefillFailure", "DecodeOnly lets decode recompute prompts"},
+	},
+	{
+		name: "retry budget past 100%",
+		doc:  minimal + "  router: {failurePolicy: {retryBudgetPercent: 150}}\n",
+		want: []string{"spec.router.failurePolicy.retryBudgetPercent", "less than or equal to 100"},
 	},
 	{
 		name: "operator-owned flag in engine args",

@@ -40,11 +40,13 @@ type Config struct {
 	// SlowStepTime, if set, is the step time of the first engine of each pool: a slow engine
 	// for the load-balancing benchmark.
 	SlowStepTime time.Duration
-	// Balance is the router's --balance (empty: its default).
-	Balance     string
-	SendDelay   time.Duration
-	HoldTimeout time.Duration
-	PullTimeout time.Duration
+	// Balance is the router's balance (empty: its default).
+	Balance string
+	// RouterFailure is the router's failure policy.
+	RouterFailure routerconfig.FailurePolicy
+	SendDelay     time.Duration
+	HoldTimeout   time.Duration
+	PullTimeout   time.Duration
 	// UngatedCompletions starts the decode engines' transfer engines with the seed bug, to
 	// demonstrate it.
 	UngatedCompletions bool
@@ -161,15 +163,27 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		}
 	}
 	st.Router = "http://" + cfg.Listen
-	routerArgs := []string{"--listen", cfg.Listen, "--flow", string(cfg.Flow)}
+	// The router reads router.json as in a cluster; only the pools come by flag: a cluster's
+	// router.json names headless Services, and no DNS name lists loopback engines on their own
+	// ports.
+	routerFile := routerconfig.File{Flow: cfg.Flow, Balance: routerconfig.Balance(cfg.Balance), FailurePolicy: &cfg.RouterFailure}
+	if err := routerFile.Validate(); err != nil {
+		return fmt.Errorf("router config: %w", err)
+	}
+	b, err := json.MarshalIndent(routerFile, "", "  ")
+	if err != nil {
+		return err
+	}
+	routerPath := filepath.Join(cfg.WorkDir, routerconfig.FileName)
+	if err := os.WriteFile(routerPath, b, 0o644); err != nil {
+		return err
+	}
+	routerArgs := []string{"--listen", cfg.Listen, "--config", routerPath}
 	for _, n := range st.Prefill {
 		routerArgs = append(routerArgs, "--prefill", n.Engine+","+n.Bootstrap)
 	}
 	for _, n := range st.Decode {
 		routerArgs = append(routerArgs, "--decode", n.Engine)
-	}
-	if cfg.Balance != "" {
-		routerArgs = append(routerArgs, "--balance", cfg.Balance)
 	}
 	procs = append(procs, proc{name: "router", bin: "router", args: routerArgs, pid: &st.RouterPID})
 

@@ -16,11 +16,13 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 )
 
@@ -45,7 +47,14 @@ func run(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&cfg.Policy, "kv-load-failure-policy", "fail", "decode engines' policy on a failed KV load: fail or recompute")
 	fs.DurationVar(&cfg.StepTime, "step-time", time.Millisecond, "simulated time of one decode step")
 	fs.DurationVar(&cfg.SlowStepTime, "slow-step-time", 0, "step time of the first engine of each pool (a slow engine; 0: as the others)")
-	fs.StringVar(&cfg.Balance, "balance", "", "the router's --balance (default: the router's default)")
+	fs.StringVar(&cfg.Balance, "balance", "", "the router's balance (default: the router's default)")
+	cfg.RouterFailure = routerconfig.DefaultFailurePolicy()
+	fp := &cfg.RouterFailure
+	fs.Var(int32Flag{&fp.Retries}, "router-retries", "the router's failurePolicy.retries")
+	fs.Var(int32Flag{&fp.RetryBudgetPercent}, "router-retry-budget-percent", "the router's failurePolicy.retryBudgetPercent")
+	fs.Var(int32Flag{&fp.EjectSeconds}, "router-eject-seconds", "the router's failurePolicy.ejectSeconds")
+	fs.Var(int32Flag{&fp.FirstTokenTimeoutSeconds}, "router-first-token-timeout-seconds", "the router's failurePolicy.firstTokenTimeoutSeconds (0: no limit)")
+	fs.StringVar((*string)(&fp.OnPrefillFailure), "on-prefill-failure", string(fp.OnPrefillFailure), "the router's failurePolicy.onPrefillFailure: Retry, Fail or DecodeOnly")
 	fs.DurationVar(&cfg.SendDelay, "send-delay", 0, "delay per KV block sent (a slow link)")
 	fs.DurationVar(&cfg.HoldTimeout, "hold-timeout", 30*time.Second, "producer hold and ready timeout")
 	fs.DurationVar(&cfg.PullTimeout, "pull-timeout", 40*time.Second, "consumer pull timeout")
@@ -80,4 +89,23 @@ func run(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "sandbox ready: router %s (%d prefill, %d decode, block size %d, %s flow)\nstate and logs: %s\n",
 			st.Router, cfg.Prefill, cfg.Decode, cfg.BlockSize, cfg.Flow, cfg.WorkDir)
 	})
+}
+
+// int32Flag is a flag of one of router.json's int32 fields.
+type int32Flag struct{ p *int32 }
+
+func (f int32Flag) String() string {
+	if f.p == nil {
+		return "0"
+	}
+	return strconv.Itoa(int(*f.p))
+}
+
+func (f int32Flag) Set(s string) error {
+	v, err := strconv.ParseInt(s, 10, 32)
+	if err != nil {
+		return err
+	}
+	*f.p = int32(v)
+	return nil
 }
