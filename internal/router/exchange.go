@@ -7,6 +7,7 @@ package router
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"slices"
@@ -87,7 +88,7 @@ func (a *attempt) abandon(why *legError) bool {
 // ended is why a leg of a cancelled attempt stopped: the reason it was abandoned, or the
 // client going away.
 func (a *attempt) ended() *legError {
-	if why, ok := context.Cause(a.ctx).(*legError); ok {
+	if why, ok := errors.AsType[*legError](context.Cause(a.ctx)); ok {
 		return why
 	}
 	return errClientGone

@@ -66,8 +66,8 @@ func (r realNode) pods(role v1alpha1.Role) []corev1.Pod {
 }
 
 // settled is nil once the sample is Ready at its generation, no pod of an earlier rollout is
-// still draining (the router may send it requests until it is gone), and every container of one
-// pod per role runs, ready, from the images this run built.
+// still draining (the router may send it requests until it is gone), and every container of
+// each role's pods (as many as the spec asks) runs, ready, from the images this run built.
 func (r realNode) settled() error {
 	var all corev1.PodList
 	if err := r.c.List(r.ctx, &all, client.InNamespace(sampleNS), client.MatchingLabels{v1alpha1.LabelCluster: realName}); err != nil {
@@ -83,25 +83,38 @@ func (r realNode) settled() error {
 	if c == nil || c.Status != metav1.ConditionTrue || p.Status.ObservedGeneration != p.Generation {
 		return fmt.Errorf("Ready = %+v at observed generation %d of %d", c, p.Status.ObservedGeneration, p.Generation)
 	}
+	want := map[v1alpha1.Role]int32{
+		v1alpha1.RolePrefill: *p.Spec.Prefill.Replicas, v1alpha1.RoleDecode: *p.Spec.Decode.Replicas, v1alpha1.RoleRouter: *p.Spec.Router.Replicas,
+	}
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
 		pods := r.pods(role)
-		if len(pods) != 1 {
-			return fmt.Errorf("%s: %d pods, want 1", role, len(pods))
+		if len(pods) != int(want[role]) {
+			return fmt.Errorf("%s: %d pods, want %d", role, len(pods), want[role])
 		}
-		pod := pods[0]
-		if pod.Spec.NodeName != os.Getenv("PDCLUSTER_E2E_REAL_NODE") {
-			return fmt.Errorf("%s pod %s is on node %q, want the real node", role, pod.Name, pod.Spec.NodeName)
-		}
-		if len(pod.Status.ContainerStatuses) != len(pod.Spec.Containers) {
-			return fmt.Errorf("%s pod %s: %d container statuses", role, pod.Name, len(pod.Status.ContainerStatuses))
-		}
-		for _, cs := range pod.Status.ContainerStatuses {
-			if cs.State.Running == nil || !cs.Ready {
-				return fmt.Errorf("%s/%s: state %+v, ready %v", pod.Name, cs.Name, cs.State, cs.Ready)
+		for _, pod := range pods {
+			if err := runsHere(role, pod); err != nil {
+				return err
 			}
-			if !strings.HasPrefix(cs.Image, os.Getenv("PDCLUSTER_E2E_REGISTRY")+"/pdcluster/") {
-				return fmt.Errorf("%s/%s runs image %s, not one built by this run", pod.Name, cs.Name, cs.Image)
-			}
+		}
+	}
+	return nil
+}
+
+// runsHere is nil when every container of pod runs, ready, on the real node from the images
+// this run built.
+func runsHere(role v1alpha1.Role, pod corev1.Pod) error {
+	if pod.Spec.NodeName != os.Getenv("PDCLUSTER_E2E_REAL_NODE") {
+		return fmt.Errorf("%s pod %s is on node %q, want the real node", role, pod.Name, pod.Spec.NodeName)
+	}
+	if len(pod.Status.ContainerStatuses) != len(pod.Spec.Containers) {
+		return fmt.Errorf("%s pod %s: %d container statuses", role, pod.Name, len(pod.Status.ContainerStatuses))
+	}
+	for _, cs := range pod.Status.ContainerStatuses {
+		if cs.State.Running == nil || !cs.Ready {
+			return fmt.Errorf("%s/%s: state %+v, ready %v", pod.Name, cs.Name, cs.State, cs.Ready)
+		}
+		if !strings.HasPrefix(cs.Image, os.Getenv("PDCLUSTER_E2E_REGISTRY")+"/pdcluster/") {
+			return fmt.Errorf("%s/%s runs image %s, not one built by this run", pod.Name, cs.Name, cs.Image)
 		}
 	}
 	return nil
@@ -456,6 +469,10 @@ func TestRealNode(t *testing.T) {
 		r.run("diff", "-f", "config/samples/local-node.yaml")
 		r.run("diff", "--server-side", "--field-manager=argocd-controller", "--force-conflicts", "-f", "config/samples/local-node.yaml")
 		r.run("diff", "--server-side", "--field-manager=kustomize-controller", "--force-conflicts", "-f", "config/samples/local-node.yaml")
+	})
+
+	t.Run("a force-deleted prefill pod under load fails only requests in flight on it; with onPrefillFailure Fail more fail", func(t *testing.T) {
+		r.prefillKilledUnderLoad(t)
 	})
 
 	t.Run("the decode engine's gate: notify-only pulls gated, an idle engine's held report too", func(t *testing.T) {
