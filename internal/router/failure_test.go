@@ -652,3 +652,21 @@ func TestDecodeOnlyWhenPrefillCannotServe(t *testing.T) {
 		t.Errorf("decode_only = %v, want 1", got)
 	}
 }
+
+// pdcluster_router_endpoints says how many engines of each pool the router knows, so that an
+// operator (and the real-node test) can tell when a new pod has reached it.
+func TestEndpointsMetricFollowsThePools(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0", "p1"), engines("d0")
+	prefill[0].do, prefill[1].do, decode[0].do = prefillOK(kv), prefillOK(kv), decodeOK(kv)
+	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
+	if p, d := f.counter(t, "pdcluster_router_endpoints", "pool", "prefill"), f.counter(t, "pdcluster_router_endpoints", "pool", "decode"); p != 2 || d != 1 {
+		t.Errorf("endpoints = %v prefill, %v decode; want 2 and 1", p, d)
+	}
+	if err := f.r.SetPools(Pools{Prefill: []Prefill{{URL: prefill[0].url}}, Decode: []string{decode[0].url}}); err != nil {
+		t.Fatal(err)
+	}
+	if p := f.counter(t, "pdcluster_router_endpoints", "pool", "prefill"); p != 1 {
+		t.Errorf("endpoints after a resolution with one prefill = %v, want 1", p)
+	}
+}

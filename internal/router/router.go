@@ -182,7 +182,10 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		ejected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "pdcluster_router_ejected_endpoints", Help: "Endpoints ejected now.",
 		}, func() float64 { return float64(r.eject.count()) })
-		for _, c := range []prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected} {
+		endpoints := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "pdcluster_router_endpoints", Help: "Engines the router knows now, by pool (ejected ones included).",
+		}, []string{"pool"})
+		for _, c := range []prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected, poolSizes{r, endpoints}} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -191,6 +194,21 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	r.flow = map[routerconfig.Flow]flowFunc{routerconfig.FlowMooncake: r.mooncake, routerconfig.FlowNIXL: r.nixl}[cfg.Flow]
 	r.pools.Store(&Pools{})
 	return r, nil
+}
+
+// poolSizes collects pdcluster_router_endpoints from the pools at each scrape.
+type poolSizes struct {
+	r   *Router
+	vec *prometheus.GaugeVec
+}
+
+func (p poolSizes) Describe(ch chan<- *prometheus.Desc) { p.vec.Describe(ch) }
+
+func (p poolSizes) Collect(ch chan<- prometheus.Metric) {
+	pools := p.r.pools.Load()
+	p.vec.WithLabelValues(string(legPrefill)).Set(float64(len(pools.Prefill)))
+	p.vec.WithLabelValues(string(legDecode)).Set(float64(len(pools.Decode)))
+	p.vec.Collect(ch)
 }
 
 // SetPools replaces the engines requests go to; requests in flight keep theirs.
