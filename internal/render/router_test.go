@@ -34,6 +34,20 @@ func renderRouter(t *testing.T, pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, *ap
 	return cm, dep
 }
 
+// loadRouterJSON is cm's router.json as cmd/router loads it from the mount.
+func loadRouterJSON(t *testing.T, cm *corev1.ConfigMap) routerconfig.File {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), routerconfig.FileName)
+	if err := os.WriteFile(file, []byte(cm.Data[routerconfig.FileName]), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fc, err := routerconfig.Load(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fc
+}
+
 // The router reads the router.json render writes, from where its Deployment mounts it, and
 // probes what the router serves.
 func TestRouterReadsTheRenderedConfig(t *testing.T) {
@@ -63,14 +77,7 @@ func TestRouterReadsTheRenderedConfig(t *testing.T) {
 			if path != filepath.Join(mounts["config"], "router.json") || pod.Volumes[0].ConfigMap.Name != cm.Name {
 				t.Fatalf("--config=%s, config volume at %q from ConfigMap %q; want router.json of %s", path, mounts["config"], pod.Volumes[0].ConfigMap.Name, cm.Name)
 			}
-			file := filepath.Join(t.TempDir(), "router.json")
-			if err := os.WriteFile(file, []byte(cm.Data["router.json"]), 0o600); err != nil {
-				t.Fatal(err)
-			}
-			fc, err := routerconfig.Load(file)
-			if err != nil {
-				t.Fatal(err)
-			}
+			fc := loadRouterJSON(t, cm)
 			if fc.Flow != tc.flow || fc.Balance != tc.want || fc.PrefillHost != render.ObjectName(pdc.Name, v1alpha1.RolePrefill)+"."+pdc.Namespace+".svc" {
 				t.Errorf("router config %+v, want flow %s, balance %q and the prefill Service", fc, tc.flow, tc.want)
 			}
@@ -112,15 +119,7 @@ func TestRouterJSONCarriesTheFailurePolicy(t *testing.T) {
 	}
 	readBack := func(pdc *v1alpha1.PDCluster) routerconfig.File {
 		cm, _ := renderRouter(t, pdc)
-		file := filepath.Join(t.TempDir(), "router.json")
-		if err := os.WriteFile(file, []byte(cm.Data["router.json"]), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		fc, err := routerconfig.Load(file)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return fc
+		return loadRouterJSON(t, cm)
 	}
 	if fc := readBack(pdc); fc.FailurePolicy != nil {
 		t.Errorf("default policy written into router.json: %+v", *fc.FailurePolicy)

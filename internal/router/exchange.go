@@ -385,6 +385,11 @@ func (r *Router) decodeAlone(a *attempt) *legError {
 	if lerr != nil {
 		return lerr
 	}
+	return a.answer(resp)
+}
+
+// answer relays decode's answer, or, for a 503 (decode not serving), the failure to retry.
+func (a *attempt) answer(resp *http.Response) *legError {
 	defer resp.Body.Close()
 	if resp.StatusCode == http.StatusServiceUnavailable {
 		return statusError(legDecode, a.d, resp.StatusCode, fmt.Sprintf("decode leg %s: %s: %s", a.d, resp.Status, bounded.Snippet(resp.Body)))

@@ -268,6 +268,23 @@ func waitCalls(t *testing.T, e *testEngine, n int) []engineCall {
 	return e.got()
 }
 
+// revive starts e, which was not there, at its address with do and a /health that answers: an
+// engine restarted in place.
+func revive(t *testing.T, e *testEngine, do func(*testEngine, http.ResponseWriter, *http.Request, map[string]any)) {
+	t.Helper()
+	l, err := net.Listen("tcp", strings.TrimPrefix(e.url, "http://"))
+	if err != nil {
+		t.Skipf("the dead address was taken meanwhile: %v", err)
+	}
+	e.do = do
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	mux.Handle("/", e)
+	back := &httptest.Server{Listener: l, Config: &http.Server{Handler: mux}}
+	back.Start()
+	t.Cleanup(back.Close)
+}
+
 func engines(names ...string) []*testEngine {
 	out := make([]*testEngine, len(names))
 	for i, n := range names {
@@ -519,17 +536,7 @@ func TestEjectedEndpointReturnsWhenHealthy(t *testing.T) {
 		t.Fatalf("ejected = %d, want 1", f.r.eject.count())
 	}
 	// The engine comes back at its address.
-	l, err := net.Listen("tcp", strings.TrimPrefix(prefill[0].url, "http://"))
-	if err != nil {
-		t.Skipf("the dead address was taken meanwhile: %v", err)
-	}
-	prefill[0].do = prefillOK(kv)
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
-	mux.Handle("/", prefill[0])
-	back := &httptest.Server{Listener: l, Config: &http.Server{Handler: mux}}
-	back.Start()
-	defer back.Close()
+	revive(t, prefill[0], prefillOK(kv))
 	for deadline := time.Now().Add(5 * time.Second); f.r.eject.count() > 0 && time.Now().Before(deadline); {
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -560,17 +567,7 @@ func TestPoolOfOneServesAgainAsSoonAsItsEngine(t *testing.T) {
 	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusServiceUnavailable || !strings.Contains(body, "ejected") {
 		t.Fatalf("got %d %s, want 503: the only decode is ejected and still not there", code, body)
 	}
-	l, err := net.Listen("tcp", strings.TrimPrefix(decode[0].url, "http://"))
-	if err != nil {
-		t.Skipf("the dead address was taken meanwhile: %v", err)
-	}
-	decode[0].do = decodeOK(kv)
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
-	mux.Handle("/", decode[0])
-	back := &httptest.Server{Listener: l, Config: &http.Server{Handler: mux}}
-	back.Start()
-	defer back.Close()
+	revive(t, decode[0], decodeOK(kv))
 	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
 		t.Errorf("got %d %s once the engine was back, want 200", code, body)
 	}

@@ -68,9 +68,5 @@ func (r *Router) nixl(a *attempt) *legError {
 	if lerr != nil {
 		return lerr
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode == http.StatusServiceUnavailable {
-		return statusError(legDecode, a.d, resp.StatusCode, fmt.Sprintf("decode leg %s: %s: %s", a.d, resp.Status, bounded.Snippet(resp.Body)))
-	}
-	return a.relay(resp)
+	return a.answer(resp)
 }
