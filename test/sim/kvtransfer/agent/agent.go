@@ -1,7 +1,9 @@
-// Package agent is the connector agent that runs beside each engine: it owns the connector
-// core (Puller or Producer), moves KV blocks between agents over TCP, serves the Mooncake
-// bootstrap registry on producers whose engine does not (--engine-registers), and exposes a local API for its engine plus /healthz,
-// /readyz and /metrics.
+// Package agent is the stand-in engines' transfer engine, run in the engine's own process
+// (inprocess.go): it owns the connector core (Puller or Producer), moves KV blocks between
+// agents over TCP (wire.go), serves the Mooncake bootstrap registry on a producer whose engine
+// does not (Config.EngineRegisters), and exposes a local API for its engine plus /healthz,
+// /readyz and /metrics (api.go). The producer's side serves pulls (producer_serve.go); the
+// consumer's side pulls (consumer_pull.go) over kept data connections (consumer_conns.go).
 package agent
 
 import (
