@@ -21,7 +21,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agent"
@@ -31,7 +30,7 @@ import (
 type options struct {
 	listen, role, policy, bootstrapListen, dataListen string
 	blockBytes                                        int
-	transfer                                          agent.Config
+	transfer                                          agent.InProcessConfig
 }
 
 func main() {
@@ -45,12 +44,12 @@ func main() {
 	flag.IntVar(&o.blockBytes, "block-bytes", 4096, "bytes of simulated KV per block")
 	flag.StringVar(&o.bootstrapListen, "bootstrap-listen", "", "producer: address of its bootstrap registry (vLLM's Mooncake bootstrap server)")
 	flag.StringVar(&o.dataListen, "data-listen", "127.0.0.1:0", "producer: address of its transfer engine's data plane (port 0: the kernel picks)")
-	flag.DurationVar(&o.transfer.HoldTimeout, "hold-timeout", agent.DefaultHoldTimeout, "producer: free held blocks no consumer came for after this long")
-	flag.DurationVar(&o.transfer.ReadyTimeout, "ready-timeout", agent.DefaultReadyTimeout, "producer: how long a pull may wait for prefill to finish")
-	flag.DurationVar(&o.transfer.TombstoneTTL, "tombstone-ttl", agent.DefaultTombstoneTTL, "producer: remember released transfers this long")
-	flag.DurationVar(&o.transfer.PullTimeout, "pull-timeout", agent.DefaultPullTimeout, "consumer: fail a pull after this long")
-	flag.DurationVar(&o.transfer.SendDelay, "send-delay", 0, "producer: delay before each block sent (a slow link)")
-	flag.BoolVar(&o.transfer.UngatedCompletions, "unsafe-ungated-completions", false, "consumer: reproduce the seed bug, report notify-only pulls as finished receiving (kills the engine)")
+	flag.DurationVar(&o.transfer.Producer.HoldTimeout, "hold-timeout", agent.DefaultHoldTimeout, "producer: free held blocks no consumer came for after this long")
+	flag.DurationVar(&o.transfer.Producer.ReadyTimeout, "ready-timeout", agent.DefaultReadyTimeout, "producer: how long a pull may wait for prefill to finish")
+	flag.DurationVar(&o.transfer.Producer.TombstoneTTL, "tombstone-ttl", agent.DefaultTombstoneTTL, "producer: remember released transfers this long")
+	flag.DurationVar(&o.transfer.Consumer.PullTimeout, "pull-timeout", agent.DefaultPullTimeout, "consumer: fail a pull after this long")
+	flag.DurationVar(&o.transfer.Producer.SendDelay, "send-delay", 0, "producer: delay before each block sent (a slow link)")
+	flag.BoolVar(&o.transfer.Consumer.UngatedCompletions, "unsafe-ungated-completions", false, "consumer: reproduce the seed bug, report notify-only pulls as finished receiving (kills the engine)")
 	flag.IntVar(&cfg.MaxModelLen, "max-model-len", 0, "maximum prompt plus output tokens (default: the KV capacity)")
 	flag.BoolVar(&cfg.PrefixCaching, "enable-prefix-caching", true, "reuse KV of prompt prefixes seen before")
 	flag.StringVar(&o.policy, "kv-load-failure-policy", "fail", "fail or recompute, on a failed KV load")
@@ -81,7 +80,8 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 	metrics := prometheus.NewRegistry()
 	if cfg.Role != "" {
 		o.transfer.Role, o.transfer.Log = cfg.Role, cfg.Log.WithName("transfer")
-		transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{Agent: o.transfer, Blocks: cfg.Capacity, BlockBytes: o.blockBytes, DataListen: o.dataListen}, metrics)
+		o.transfer.Blocks, o.transfer.BlockBytes, o.transfer.DataListen = cfg.Capacity, o.blockBytes, o.dataListen
+		transfer, err := agent.StartInProcess(ctx, o.transfer, metrics)
 		if err != nil {
 			return err
 		}
@@ -91,9 +91,8 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 			if o.bootstrapListen == "" {
 				return errors.New("--bootstrap-listen is required with --kv-role=kv_producer")
 			}
-			registry := bootstrap.NewRegistry()
-			registry.Limits = bootstrap.RegistryLimits{TP: 1, PP: 1, SameHost: true} // one worker, on this host
-			if err := registry.Register(transfer.Registration()); err != nil {
+			registry, err := transfer.Registry(1, 1) // one worker, on this host
+			if err != nil {
 				return err
 			}
 			l, err := net.Listen("tcp", o.bootstrapListen)

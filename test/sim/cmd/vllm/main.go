@@ -129,7 +129,7 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 		}
 		host := hostIP(getenv)
 		transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{
-			Agent:  agent.Config{Role: cfg.Role, Log: log.WithName("transfer")},
+			Role: cfg.Role, Log: log.WithName("transfer"),
 			Blocks: blocks, BlockBytes: blockBytes, DataListen: net.JoinHostPort(host, "0"),
 		}, metrics)
 		if err != nil {
@@ -140,11 +140,8 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 
 		producer := cfg.Role == vllm.KVProducer
 		if producer {
-			registry = bootstrap.NewRegistry()
-			// Only this engine's own ranks, each at its own address (vLLM takes anything).
-			registry.Limits = bootstrap.RegistryLimits{TP: max(s.TensorParallel, 1), PP: max(s.PipelineParallel, 1), SameHost: true}
-			if err := registry.Register(transfer.Registration()); err != nil {
-				return fmt.Errorf("register the transfer engine: %w", err)
+			if registry, err = transfer.Registry(s.TensorParallel, s.PipelineParallel); err != nil {
+				return err
 			}
 		}
 		switch conn.Flow {

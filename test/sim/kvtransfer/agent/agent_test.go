@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -24,7 +23,6 @@ import (
 
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
-	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
@@ -35,7 +33,8 @@ import (
 const blockBytes = 256
 
 type pair struct {
-	prod, cons     *Agent
+	prod           *Producer
+	cons           *Consumer
 	prodKV, consKV *kvfile.File
 	prodURL        string
 	releases       *wrappers.Sink
@@ -61,20 +60,20 @@ func openKVIn(t testing.TB, dir, name string, blocks, size int) *kvfile.File {
 	return kv
 }
 
-// newPair runs a producer and a consumer agent on loopback, each with its engine's Link.
-func newPair(t testing.TB, mutate func(*Config)) *pair {
+// newPair runs a producer and a consumer half on loopback, each with its engine's Link, and
+// the producer's bootstrap registry (which its engine serves in a pod).
+func newPair(t testing.TB, mutate func(*ProducerConfig, *ConsumerConfig)) *pair {
 	t.Helper()
 	return newPairOn(t, mutate, false)
 }
 
-// newPairOn with unixSockets serves each agent's local API on a Unix socket, as in a pod, and
-// the producer's bootstrap registry on its public TCP handler.
-func newPairOn(t testing.TB, mutate func(*Config), unixSockets bool) *pair {
+// newPairOn with unixSockets serves each half's local API on a Unix socket.
+func newPairOn(t testing.TB, mutate func(*ProducerConfig, *ConsumerConfig), unixSockets bool) *pair {
 	t.Helper()
 	return newPairKV(t, mutate, unixSockets, openKV(t, "p.kv"), openKV(t, "c.kv"))
 }
 
-func newPairKV(t testing.TB, mutate func(*Config), unixSockets bool, prodKV, consKV *kvfile.File) *pair {
+func newPairKV(t testing.TB, mutate func(*ProducerConfig, *ConsumerConfig), unixSockets bool, prodKV, consKV *kvfile.File) *pair {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &pair{prodKV: prodKV, consKV: consKV, releases: wrappers.NewSink(), completions: wrappers.NewSink()}
@@ -82,25 +81,26 @@ func newPairKV(t testing.TB, mutate func(*Config), unixSockets bool, prodKV, con
 	if err != nil {
 		t.Fatal(err)
 	}
-	base := Config{HoldTimeout: 5 * time.Second, ReadyTimeout: 5 * time.Second, TombstoneTTL: 10 * time.Second, PullTimeout: 8 * time.Second,
-		UnknownTransferGrace: 2 * time.Second, ExpireEvery: 20 * time.Millisecond}
-	pc := base
-	pc.Role, pc.KV, pc.DataAddr = vllm.KVProducer, p.prodKV, data.Addr().String()
-	cc := base
-	cc.Role, cc.KV = vllm.KVConsumer, p.consKV
+	pc := ProducerConfig{Config: Config{KV: p.prodKV, ExpireEvery: 20 * time.Millisecond}, DataAddr: data.Addr().String(),
+		HoldTimeout: 5 * time.Second, ReadyTimeout: 5 * time.Second, TombstoneTTL: 10 * time.Second, SendTimeout: 8 * time.Second}
+	cc := ConsumerConfig{Config: Config{KV: p.consKV, ExpireEvery: 20 * time.Millisecond}, PullTimeout: 8 * time.Second, UnknownTransferGrace: 2 * time.Second}
 	if mutate != nil {
-		mutate(&pc)
-		mutate(&cc)
+		mutate(&pc, &cc)
 	}
-	if p.prod, err = New(pc); err != nil {
+	if p.prod, err = NewProducer(pc); err != nil {
 		t.Fatal(err)
 	}
-	if p.cons, err = New(cc); err != nil {
+	if p.cons, err = NewConsumer(cc); err != nil {
 		t.Fatal(err)
 	}
+	registry := bootstrap.NewRegistry()
+	if err := registry.Register(p.prod.Registration()); err != nil {
+		t.Fatal(err)
+	}
+	boot := httptest.NewServer(registry.Handler())
+	p.prodURL = boot.URL
 	ps := httptest.NewServer(p.prod.Handler(prometheus.NewRegistry()))
 	cs := httptest.NewServer(p.cons.Handler(prometheus.NewRegistry()))
-	p.prodURL = ps.URL
 	prodAPI, consAPI := ps.URL, cs.URL
 	if unixSockets {
 		ps.Close()
@@ -119,24 +119,15 @@ func newPairKV(t testing.TB, mutate func(*Config), unixSockets bool, prodKV, con
 		ps = serve(p.prod.Handler(prometheus.NewRegistry()), "prod.sock")
 		cs = serve(p.cons.Handler(prometheus.NewRegistry()), "cons.sock")
 		prodAPI, consAPI = "unix://"+filepath.Join(dir, "prod.sock"), "unix://"+filepath.Join(dir, "cons.sock")
-		pub := httptest.NewServer(p.prod.PublicHandler(prometheus.NewRegistry()))
-		t.Cleanup(pub.Close)
-		p.prodURL = pub.URL
 	}
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() { defer wg.Done(); _ = p.prod.Serve(ctx, data) }()
-	go func() { defer wg.Done(); _ = p.cons.Serve(ctx, nil) }()
-	// The producer registers in the background; a pull before that finds no engine and fails.
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		p.prod.mu.Lock()
-		ready := p.prod.ready
-		p.prod.mu.Unlock()
-		if ready {
-			break
-		}
+	go func() { defer wg.Done(); _ = p.cons.Serve(ctx) }()
+	// The data plane starts in the background; a pull before that finds no producer and fails.
+	for deadline := time.Now().Add(5 * time.Second); !p.prod.ready.Load(); time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatal("producer agent not ready after 5s")
+			t.Fatal("producer half not ready after 5s")
 		}
 	}
 	p.prodLink = link.New(prodAPI, nil, p.releases)
@@ -144,7 +135,7 @@ func newPairKV(t testing.TB, mutate func(*Config), unixSockets bool, prodKV, con
 	wg.Add(2)
 	go func() { defer wg.Done(); p.prodLink.Run(ctx) }()
 	go func() { defer wg.Done(); p.consLink.Run(ctx) }()
-	t.Cleanup(func() { cancel(); ps.Close(); cs.Close(); wg.Wait() })
+	t.Cleanup(func() { cancel(); ps.Close(); cs.Close(); boot.Close(); wg.Wait() })
 	return p
 }
 
@@ -285,8 +276,8 @@ func TestEmptyPullReleasesProducerAndReportsNothing(t *testing.T) {
 		blocks kvtransfer.BlockIDs
 	}{{"no groups", nil}, {"one empty group", kvtransfer.BlockIDs{{}}}, {"two empty groups", kvtransfer.BlockIDs{{}, {}}}} {
 		t.Run(tc.name, func(t *testing.T) {
-			p := newPair(t, func(c *Config) {
-				c.HoldTimeout, c.ReadyTimeout, c.PullTimeout = 10*time.Minute, 10*time.Minute, 11*time.Minute
+			p := newPair(t, func(pc *ProducerConfig, cc *ConsumerConfig) {
+				pc.HoldTimeout, pc.ReadyTimeout, cc.PullTimeout = 10*time.Minute, 10*time.Minute, 11*time.Minute
 			})
 			ctx := context.Background()
 			if err := p.prodLink.Expect(ctx, "x", "p"); err != nil {
@@ -310,7 +301,7 @@ func TestEmptyPullReleasesProducerAndReportsNothing(t *testing.T) {
 			}
 			// The producer releases when it serves the pull; the consumer's task ends after that.
 			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-				st := p.cons.puller.Stats()
+				st := p.cons.core.Stats()
 				if st.NotifiedOnly == 1 && st.InFlight == 0 {
 					break
 				}
@@ -417,34 +408,50 @@ func TestChecksumCatchesCorruption(t *testing.T) {
 	}
 }
 
-// The public handler is what a pod exposes on its IP: health, metrics and the bootstrap
-// registry answer there, the local API that moves KV does not.
-func TestPublicHandlerServesHealthAndRegistryButNotTheLocalAPI(t *testing.T) {
+// Each half answers only its own routes of the local API: holds go to the producer, pulls to
+// the consumer; both drain reports and answer health, readiness and metrics.
+func TestEachHalfServesOnlyItsOwnRoutes(t *testing.T) {
 	p := newPair(t, nil)
-	pub := httptest.NewServer(p.prod.PublicHandler(prometheus.NewRegistry()))
-	defer pub.Close()
+	prod := httptest.NewServer(p.prod.Handler(prometheus.NewRegistry()))
+	defer prod.Close()
+	cons := httptest.NewServer(p.cons.Handler(prometheus.NewRegistry()))
+	defer cons.Close()
+	hold := `{"transfer_id":"x"}`
+	pull := `{"request_id":"r","transfer_id":"x"}`
 	cases := []struct {
+		half         *httptest.Server
 		method, path string
+		body         string
 		want         int
 	}{
-		{http.MethodGet, "/healthz", http.StatusOK},
-		{http.MethodGet, "/metrics", http.StatusOK},
-		{http.MethodGet, "/query", http.StatusOK},
-		{http.MethodGet, "/gate", http.StatusNotFound},     // the gate is the sidecar's (connector/sidecar)
-		{http.MethodPost, "/v1/gate", http.StatusNotFound}, // and so is its heartbeat
-		{http.MethodPost, "/v1/pulls", http.StatusNotFound},
-		{http.MethodPost, "/v1/ready", http.StatusNotFound},
-		{http.MethodGet, "/v1/events", http.StatusNotFound},
+		{prod, http.MethodGet, "/healthz", "", http.StatusOK},
+		{prod, http.MethodGet, "/readyz", "", http.StatusOK},
+		{prod, http.MethodGet, "/metrics", "", http.StatusOK},
+		{prod, http.MethodGet, agentapi.PathEvents, "", http.StatusOK},
+		{prod, http.MethodPost, agentapi.PathExpect, hold, http.StatusOK},
+		{prod, http.MethodPost, agentapi.PathAbort, hold, http.StatusOK},
+		{prod, http.MethodPost, agentapi.PathPulls, pull, http.StatusNotFound},
+		{prod, http.MethodGet, "/query", "", http.StatusNotFound}, // the engine serves the registry
+		{prod, http.MethodGet, "/v1/info", "", http.StatusNotFound},
+		{cons, http.MethodGet, "/healthz", "", http.StatusOK},
+		{cons, http.MethodGet, "/readyz", "", http.StatusOK},
+		{cons, http.MethodGet, "/metrics", "", http.StatusOK},
+		{cons, http.MethodGet, agentapi.PathEvents, "", http.StatusOK},
+		{cons, http.MethodPost, agentapi.PathExpect, hold, http.StatusNotFound},
+		{cons, http.MethodPost, agentapi.PathReady, hold, http.StatusNotFound},
+		{cons, http.MethodPost, agentapi.PathAbort, hold, http.StatusNotFound},
+		{cons, http.MethodPost, "/register", "{}", http.StatusNotFound},
 	}
 	for _, c := range cases {
-		req, _ := http.NewRequest(c.method, pub.URL+c.path, strings.NewReader("{}"))
+		req, _ := http.NewRequest(c.method, c.half.URL+c.path, strings.NewReader(c.body))
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
 		resp.Body.Close()
 		if resp.StatusCode != c.want {
-			t.Errorf("%s %s = %d, want %d", c.method, c.path, resp.StatusCode, c.want)
+			name := map[*httptest.Server]string{prod: "producer", cons: "consumer"}[c.half]
+			t.Errorf("%s: %s %s = %d, want %d", name, c.method, c.path, resp.StatusCode, c.want)
 		}
 	}
 }
@@ -463,55 +470,6 @@ func TestListenReplacesAStaleSocket(t *testing.T) {
 		t.Fatalf("listen over a stale socket: %v", err)
 	}
 	second.Close()
-}
-
-// With --engine-registers the producer serves no registry and registers nowhere; its engine
-// reads GET /v1/info and registers it in the engine's own bootstrap server (vLLM's), where
-// consumers find it: bytes still move.
-func TestEngineRegistersTheProducer(t *testing.T) {
-	p := newPair(t, func(c *Config) { c.EngineRegisters = true })
-	pub := httptest.NewServer(p.prod.PublicHandler(prometheus.NewRegistry()))
-	defer pub.Close()
-	if resp, err := http.Get(pub.URL + "/query"); err != nil {
-		t.Fatal(err)
-	} else if resp.Body.Close(); resp.StatusCode != http.StatusNotFound {
-		t.Errorf("GET /query on the agent = %d, want 404: the engine owns the bootstrap server", resp.StatusCode)
-	}
-
-	api := httptest.NewServer(p.prod.Handler(prometheus.NewRegistry()))
-	defer api.Close()
-	resp, err := http.Get(api.URL + agentapi.PathInfo)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var info agentapi.Info
-	err = json.NewDecoder(resp.Body).Decode(&info)
-	resp.Body.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := agentapi.Info{Epoch: p.prod.Epoch(), KVBlocks: 64, BlockBytes: blockBytes, Registration: &bootstrap.Registration{
-		EngineID: p.prod.EngineID(), Addr: "tcp://" + p.prod.cfg.DataAddr,
-	}}
-	if d := cmp.Diff(want, info); d != "" {
-		t.Fatalf("GET /v1/info (-want +got):\n%s", d)
-	}
-
-	engineRegistry := bootstrap.NewRegistry()
-	if err := engineRegistry.Register(*info.Registration); err != nil {
-		t.Fatal(err)
-	}
-	boot := httptest.NewServer(engineRegistry.Handler())
-	defer boot.Close()
-	p.prodURL = boot.URL
-	testPullMovesBytesAndCompletesOnce(t, p)
-}
-
-func TestEngineRegistersExcludesABootstrapToRegisterWith(t *testing.T) {
-	_, err := New(Config{Role: vllm.KVProducer, KV: openKV(t, "p.kv"), DataAddr: "127.0.0.1:1", EngineRegisters: true, Bootstrap: "http://x"})
-	if err == nil || !strings.Contains(err.Error(), "exclude each other") {
-		t.Errorf("err = %v, want the two settings refused together", err)
-	}
 }
 
 // During a rollout a consumer of the previous version pulls from a producer of this one: it
@@ -594,10 +552,8 @@ func pullInTurn(t *testing.T, p *pair, n int) {
 // A producer of the previous version serves one pull per connection and closes it: the
 // consumer's kept connection is found closed, and the pull goes through on a new one.
 func TestPullAfterTheProducerClosedAKeptConnection(t *testing.T) {
-	p := newPair(t, func(c *Config) {
-		if c.Role == vllm.KVProducer {
-			c.DataAddr = onePullPerConnection(t, c.DataAddr)
-		}
+	p := newPair(t, func(pc *ProducerConfig, _ *ConsumerConfig) {
+		pc.DataAddr = onePullPerConnection(t, pc.DataAddr)
 	})
 	pullInTurn(t, p, 3)
 }

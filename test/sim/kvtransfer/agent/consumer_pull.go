@@ -22,20 +22,20 @@ import (
 // startPull begins meta's pull: it resolves the producer workers through the bootstrap
 // registry and starts one task per worker. A pull whose producers cannot be found still
 // begins, with no task, so it ends at once as failed and is reported like any failure.
-func (a *Agent) startPull(ctx context.Context, meta kvtransfer.PullMeta) error {
-	workers, err := a.resolve(ctx, meta)
+func (c *Consumer) startPull(ctx context.Context, meta kvtransfer.PullMeta) error {
+	workers, err := c.resolve(ctx, meta)
 	if err != nil {
-		a.cfg.Log.Info("pull has no producer", "request", meta.Request, "transfer", meta.Transfer, "err", err.Error())
+		c.cfg.Log.Info("pull has no producer", "request", meta.Request, "transfer", meta.Transfer, "err", err.Error())
 		workers = nil
 	}
 	ranks := slices.Sorted(maps.Keys(workers))
-	if err := a.puller.Begin(meta, ranks); err != nil {
+	if err := c.core.Begin(meta, ranks); err != nil {
 		return err
 	}
-	a.metrics.pullsStarted(meta)
-	deadline, _ := a.puller.Deadline(meta.Request)
+	c.metrics.pullsStarted(meta)
+	deadline, _ := c.core.Deadline(meta.Request)
 	for _, r := range ranks {
-		go a.runTask(meta, r, workers[r], deadline)
+		go c.runTask(meta, r, workers[r], deadline)
 	}
 	return nil
 }
@@ -43,13 +43,13 @@ func (a *Agent) startPull(ctx context.Context, meta kvtransfer.PullMeta) error {
 // resolve maps meta's remote engine to its workers' data addresses, by producer rank
 // (tp rank × pp size + pp rank). A cached topology without the engine is refreshed once: the
 // producer may have restarted under a new id.
-func (a *Agent) resolve(ctx context.Context, meta kvtransfer.PullMeta) (map[kvtransfer.ProducerRank]string, error) {
+func (c *Consumer) resolve(ctx context.Context, meta kvtransfer.PullMeta) (map[kvtransfer.ProducerRank]string, error) {
 	if meta.RemoteBootstrap == "" || meta.RemoteEngine == "" {
 		return nil, errors.New("pull lacks remote_bootstrap_addr or remote_engine_id")
 	}
 	var eng bootstrap.Engine
 	for attempt := 0; ; attempt++ {
-		topo, err := a.boot.Query(ctx, meta.RemoteBootstrap)
+		topo, err := c.boot.Query(ctx, meta.RemoteBootstrap)
 		if err != nil {
 			return nil, err
 		}
@@ -57,7 +57,7 @@ func (a *Agent) resolve(ctx context.Context, meta kvtransfer.PullMeta) (map[kvtr
 		if _, eng, ok = topo.Find(meta.RemoteEngine); ok {
 			break
 		}
-		a.boot.Invalidate(meta.RemoteBootstrap)
+		c.boot.Invalidate(meta.RemoteBootstrap)
 		if attempt > 0 {
 			return nil, fmt.Errorf("%w: %s at %s", ErrEngineMismatch, meta.RemoteEngine, meta.RemoteBootstrap)
 		}
@@ -81,54 +81,54 @@ func (a *Agent) resolve(ctx context.Context, meta kvtransfer.PullMeta) (map[kvtr
 }
 
 // runTask pulls from one producer worker and ends the task exactly once.
-func (a *Agent) runTask(meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time) {
-	err := a.pullFrom(meta, rank, addr, deadline)
+func (c *Consumer) runTask(meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time) {
+	err := c.pullFrom(meta, rank, addr, deadline)
 	// In the concurrent flow the pull can reach the producer before the prefill request does:
 	// the producer keeps no placeholder for a transfer it never heard of (bounded state), so
 	// the consumer asks again for a short grace period.
-	grace := time.Now().Add(a.cfg.UnknownTransferGrace)
+	grace := time.Now().Add(c.cfg.UnknownTransferGrace)
 	for backoff := 5 * time.Millisecond; errors.Is(err, kvtransfer.ErrUnknownTransfer) && time.Now().Add(backoff).Before(grace) && time.Now().Add(backoff).Before(deadline); backoff = min(backoff*2, 250*time.Millisecond) {
 		time.Sleep(backoff)
-		err = a.pullFrom(meta, rank, addr, deadline)
+		err = c.pullFrom(meta, rank, addr, deadline)
 	}
 	if err != nil && (errors.Is(err, ErrEngineMismatch) || errors.Is(err, kvtransfer.ErrPeerGone)) {
-		a.boot.Invalidate(meta.RemoteBootstrap) // the producer restarted or moved
+		c.boot.Invalidate(meta.RemoteBootstrap) // the producer restarted or moved
 	}
-	a.puller.TaskDone(meta.Request, meta.Transfer, rank, err)
-	if a.cfg.UngatedCompletions && err == nil && !meta.NotifiesScheduler() && a.puller.PendingTasks(meta.Request) == 0 {
+	c.core.TaskDone(meta.Request, meta.Transfer, rank, err)
+	if c.cfg.UngatedCompletions && err == nil && !meta.NotifiesScheduler() && c.core.PendingTasks(meta.Request) == 0 {
 		// The seed bug, on purpose: a drained notify-only pull reported as finished receiving.
-		a.events.push(&agentapi.Completion{Request: meta.Request}, nil)
+		c.events.push(&agentapi.Completion{Request: meta.Request}, nil)
 	}
 }
 
-func (a *Agent) pullFrom(meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time) error {
+func (c *Consumer) pullFrom(meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time) error {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	pf := pullFrame{
 		Transfer: meta.Transfer, Request: meta.Request, Engine: meta.RemoteEngine,
-		Consumer: a.cfg.ConsumerRank, Consumers: a.cfg.Consumers, Blocks: meta.LocalBlock, BlockSize: a.cfg.KV.BlockBytes(),
+		Consumer: c.cfg.Rank, Consumers: c.cfg.Consumers, Blocks: meta.LocalBlock, BlockSize: c.cfg.KV.BlockBytes(),
 		ChecksumTrailer: true,
 	}
-	c, err := a.conns.get(ctx, &a.dialer, addr)
+	conn, err := c.conns.get(ctx, &c.dialer, addr)
 	var clean bool
 	for {
 		if err != nil {
 			return fmt.Errorf("%w: dial %s: %v", kvtransfer.ErrPeerGone, addr, err)
 		}
-		clean, err = a.pullOn(c, meta, rank, addr, deadline, pf)
-		if err == nil || !c.reused || !errors.Is(err, errStaleConn) {
+		clean, err = c.pullOn(conn, meta, rank, addr, deadline, pf)
+		if err == nil || !conn.reused || !errors.Is(err, errStaleConn) {
 			break
 		}
 		// A kept connection the producer had closed (idle, or a producer of the previous
 		// version, which serves one pull per connection): it took nothing, so ask on a new one
 		// (a dialed connection is not reused: this happens once).
-		_ = c.Close()
-		c, err = a.conns.dial(ctx, &a.dialer, addr)
+		_ = conn.Close()
+		conn, err = c.conns.dial(ctx, &c.dialer, addr)
 	}
 	if clean {
-		a.conns.put(addr, c)
+		c.conns.put(addr, conn)
 	} else {
-		_ = c.Close()
+		_ = conn.Close()
 	}
 	if errors.Is(err, errStaleConn) {
 		err = fmt.Errorf("%w: %s closed the connection: %v", kvtransfer.ErrPeerGone, addr, err)
@@ -139,11 +139,11 @@ func (a *Agent) pullFrom(meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank,
 // errStaleConn marks a connection that failed before the producer answered anything.
 var errStaleConn = errors.New("connection closed before any answer")
 
-// pullOn runs one pull on c. clean is true when it ended with the producer's result frame
-// read, so c can carry another pull.
-func (a *Agent) pullOn(c *peerConn, meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time, pf pullFrame) (clean bool, err error) {
-	_ = c.SetDeadline(deadline)
-	r, w := c.r, c.w
+// pullOn runs one pull on conn. clean is true when it ended with the producer's result frame
+// read, so conn can carry another pull.
+func (c *Consumer) pullOn(conn *peerConn, meta kvtransfer.PullMeta, rank kvtransfer.ProducerRank, addr string, deadline time.Time, pf pullFrame) (clean bool, err error) {
+	_ = conn.SetDeadline(deadline)
+	r, w := conn.r, conn.w
 	if err := writeJSONFrame(w, frameKindPull, pf); err != nil {
 		return false, fmt.Errorf("%w: send pull: %v", errStaleConn, err)
 	}
@@ -177,10 +177,10 @@ func (a *Agent) pullOn(c *peerConn, meta kvtransfer.PullMeta, rank kvtransfer.Pr
 			if !want[f.dst] {
 				return false, fmt.Errorf("producer wrote block %d, which the pull did not ask for", f.dst)
 			}
-			if f.size != a.cfg.KV.BlockBytes() {
-				return false, fmt.Errorf("producer sent block %d of %d bytes, want %d", f.dst, f.size, a.cfg.KV.BlockBytes())
+			if f.size != c.cfg.KV.BlockBytes() {
+				return false, fmt.Errorf("producer sent block %d of %d bytes, want %d", f.dst, f.size, c.cfg.KV.BlockBytes())
 			}
-			block, err := a.cfg.KV.Block(int64(f.dst))
+			block, err := c.cfg.KV.Block(int64(f.dst))
 			if err != nil {
 				return false, fmt.Errorf("write block %d: %w", f.dst, err)
 			}
@@ -188,7 +188,7 @@ func (a *Agent) pullOn(c *peerConn, meta kvtransfer.PullMeta, rank kvtransfer.Pr
 			// task is pending. A block that fails its checksum has landed, but the task fails, so
 			// the pull reports its blocks invalid (or reports nothing, having none).
 			var readErr error
-			accepted, err := a.puller.WriteIfAccepted(meta.Request, meta.Transfer, rank, func() (err error) {
+			accepted, err := c.core.WriteIfAccepted(meta.Request, meta.Transfer, rank, func() (err error) {
 				readErr, err = readBlockData(r, f, block)
 				return err
 			})
@@ -203,7 +203,7 @@ func (a *Agent) pullOn(c *peerConn, meta kvtransfer.PullMeta, rank kvtransfer.Pr
 			}
 			delete(want, f.dst)
 			written++
-			a.metrics.bytesReceived.Add(float64(len(block)))
+			c.metrics.bytesReceived.Add(float64(len(block)))
 		case frameKindResult:
 			payload, err := readPayload(r, n, nil, maxResultFrame)
 			if err != nil {

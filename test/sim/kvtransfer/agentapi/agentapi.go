@@ -5,7 +5,6 @@
 package agentapi
 
 import (
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
@@ -17,21 +16,6 @@ const (
 	PathAbort  = "/v1/abort"
 	PathEvents = "/v1/events"
 )
-
-// PathInfo is GET /v1/info: the agent's run, the KV file layout the engine opens beside it,
-// and, on a producer started with --engine-registers, the worker registration the engine puts
-// in its bootstrap server (as vLLM's prefill workers register their transfer engines there).
-const PathInfo = "/v1/info"
-
-// Info is the answer to GET /v1/info.
-type Info struct {
-	Epoch      string `json:"epoch"`
-	KVBlocks   int    `json:"kv_blocks"`
-	BlockBytes int    `json:"block_bytes"`
-	// Registration is set on a producer whose engine registers it; its engine id changes with
-	// every run of the agent.
-	Registration *bootstrap.Registration `json:"registration,omitempty"`
-}
 
 // EpochReply is the answer to every POST: the run of the agent that took it.
 type EpochReply struct {
