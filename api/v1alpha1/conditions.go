@@ -12,6 +12,29 @@ const (
 	ConditionConnectorHealthy = "ConnectorHealthy"
 	// ConditionCompletionGated is True when the engines run the completion-gated connector.
 	ConditionCompletionGated = "CompletionGated"
+	// ConditionKVTransferVerified says whether decode receives its prompts' KV from prefill,
+	// from what the engines counted over the verification window.
+	ConditionKVTransferVerified = "KVTransferVerified"
+)
+
+// Reasons of KVTransferVerified.
+const (
+	// ReasonExternalKVObserved (True): decode received at least the minimum share from prefill.
+	ReasonExternalKVObserved = "ExternalKVObserved"
+	// ReasonDecodeRecomputing (False): decode pods computed their prompts themselves, with no
+	// failed pull to explain it (a router that drops kv_transfer_params, a connector that does
+	// not pull); the pods are named.
+	ReasonDecodeRecomputing = "DecodeRecomputing"
+	// ReasonTransferFailing (False): decode recomputed and pulls failed in the window.
+	ReasonTransferFailing = "TransferFailing"
+	// ReasonConnectorNotLoaded (False): decode recomputed and its completion gate never
+	// reported, so vLLM runs without the operator's connector.
+	ReasonConnectorNotLoaded = "ConnectorNotLoaded"
+	// ReasonNoTraffic (Unknown): decode saw no prompt tokens in the window.
+	ReasonNoTraffic = "NoTraffic"
+	// ReasonMetricsUnavailable (Unknown): no decode engine's counts could be read (the
+	// sidecars did not answer, or the engines export no vllm:prompt_tokens_by_source_total).
+	ReasonMetricsUnavailable = "MetricsUnavailable"
 )
 
 // Reasons of CompletionGated.

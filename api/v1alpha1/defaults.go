@@ -25,6 +25,9 @@ const (
 	DefaultRouterRetries            int32 = 2
 	DefaultRouterRetryBudgetPercent int32 = 20
 	DefaultRouterEjectSeconds       int32 = 10
+
+	DefaultVerificationWindowSeconds int32 = 300
+	DefaultMinExternalSharePercent   int32 = 90
 )
 
 // SetDefaults fills every unset field that has a default, as the API server would. It is the
@@ -44,6 +47,9 @@ func (in *PDCluster) SetDefaults() {
 	setString(&kv.BufferDevice, BufferDeviceCUDA)
 	setString(&kv.LoadFailurePolicy, LoadFailurePolicyFail)
 	setString(&kv.CompletionGate, CompletionGateEnabled)
+	setString(&kv.Verification.Mode, KVVerificationPassive)
+	setPtr(&kv.Verification.WindowSeconds, DefaultVerificationWindowSeconds)
+	setPtr(&kv.Verification.MinExternalSharePercent, DefaultMinExternalSharePercent)
 
 	for _, p := range []*PoolSpec{&s.Prefill, &s.Decode} {
 		setPtr(&p.Replicas, DefaultReplicas)

@@ -242,12 +242,62 @@ type KVTransferSpec struct {
 	// +optional
 	CompletionGate CompletionGate `json:"completionGate,omitempty"`
 
+	// verification is how the operator checks that KV really moves from prefill to decode
+	// (a cluster can be healthy and answer 200 while decode recomputes every prompt): it
+	// reports the evidence in status.kvTransfer and the KVTransferVerified condition.
+	// +optional
+	Verification KVVerification `json:"verification,omitempty"`
+
 	// extraConfig is merged into kv_connector_extra_config. Keys the operator derives from the
 	// fields above (mooncake_protocol, device_name) may not be set here.
 	// +kubebuilder:pruning:PreserveUnknownFields
 	// +kubebuilder:validation:Type=object
 	// +optional
 	ExtraConfig *apiextensionsv1.JSON `json:"extraConfig,omitempty"`
+}
+
+// KVVerificationMode is how KV transfer is verified.
+// +kubebuilder:validation:Enum=Passive;Disabled
+type KVVerificationMode string
+
+const (
+	// KVVerificationPassive reads the engines' own counts: the decode engines' prompt tokens by
+	// source (vllm:prompt_tokens_by_source_total, read by each sidecar from its engine) and the
+	// completion gate's failed pulls.
+	KVVerificationPassive KVVerificationMode = "Passive"
+	// KVVerificationDisabled reads nothing and sets no KVTransferVerified condition.
+	KVVerificationDisabled KVVerificationMode = "Disabled"
+)
+
+// KVVerification is how the operator checks that decode receives its prompts' KV from
+// prefill instead of recomputing them.
+type KVVerification struct {
+	// mode is Passive (read the engines' own counts) or Disabled.
+	// +kubebuilder:default=Passive
+	// +optional
+	Mode KVVerificationMode `json:"mode,omitempty"`
+
+	// windowSeconds is how far back the evidence reaches: the change of the engines' counters
+	// over this many seconds. The first verdict comes once a window has passed with traffic.
+	// +kubebuilder:default=300
+	// +kubebuilder:validation:Minimum=30
+	// +kubebuilder:validation:Maximum=86400
+	// +optional
+	WindowSeconds *int32 `json:"windowSeconds,omitempty"`
+
+	// minExternalSharePercent is the share of the prompt tokens decode did not find in its
+	// own prefix cache that must have come from prefill (external KV). Not 100: vLLM computes
+	// the last prompt token on decode, and a partial last block may be recomputed.
+	// +kubebuilder:default=90
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=100
+	// +optional
+	MinExternalSharePercent *int32 `json:"minExternalSharePercent,omitempty"`
+
+	// requiredForReady makes Ready False while KVTransferVerified is False. By default a failed
+	// verification is a condition and a Warning event only: the cluster still serves (slower).
+	// +optional
+	RequiredForReady bool `json:"requiredForReady,omitempty"`
 }
 
 // Parallelism is how one engine replica spreads over GPUs; each replica asks for
@@ -809,7 +859,8 @@ type PDClusterStatus struct {
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
 
-	// conditions: Ready, PrefillReady, DecodeReady, RouterReady, ConnectorHealthy, CompletionGated.
+	// conditions: Ready, PrefillReady, DecodeReady, RouterReady, ConnectorHealthy, CompletionGated,
+	// KVTransferVerified.
 	// +optional
 	// +listType=map
 	// +listMapKey=type
@@ -832,6 +883,43 @@ type PDClusterStatus struct {
 	// connector is the health and restart record of the connector sidecars.
 	// +optional
 	Connector ConnectorStatus `json:"connector,omitempty"`
+
+	// kvTransfer is the evidence that KV moves from prefill to decode, over the last
+	// kvTransfer.verification.windowSeconds; absent when verification is Disabled.
+	// +optional
+	KVTransfer *KVTransferStatus `json:"kvTransfer,omitempty"`
+}
+
+// KVTransferStatus is what the decode engines counted over the verification window.
+type KVTransferStatus struct {
+	// externalSharePercent is the share of the prompt tokens decode computed or received that
+	// it received from prefill; absent without traffic in the window.
+	// +optional
+	ExternalSharePercent *int32 `json:"externalSharePercent,omitempty"`
+
+	// externalTokens are the prompt tokens decode received from prefill in the window.
+	// +optional
+	ExternalTokens int64 `json:"externalTokens,omitempty"`
+
+	// localComputeTokens are the prompt tokens decode computed itself in the window.
+	// +optional
+	LocalComputeTokens int64 `json:"localComputeTokens,omitempty"`
+
+	// failedPulls are the KV pulls that failed in the window: the completion gate's failed
+	// pulls with local blocks, or the connector's failed transfers when the gate is disabled.
+	// +optional
+	FailedPulls int64 `json:"failedPulls,omitempty"`
+
+	// expiredRequests are prefill requests whose held KV expired before decode pulled it
+	// (vLLM's abort timeout), in the window.
+	// +optional
+	ExpiredRequests int64 `json:"expiredRequests,omitempty"`
+
+	// recomputingPods are the decode pods whose own share was below the minimum.
+	// +listType=set
+	// +kubebuilder:validation:MaxItems=64
+	// +optional
+	RecomputingPods []string `json:"recomputingPods,omitempty"`
 }
 
 // PDCluster runs one model as disaggregated prefill and decode pools with a P/D router
@@ -846,6 +934,8 @@ type PDClusterStatus struct {
 // +kubebuilder:printcolumn:name="Decode",type=string,JSONPath=`.status.decode.ready`
 // +kubebuilder:printcolumn:name="Connector",type=string,JSONPath=`.status.conditions[?(@.type=="ConnectorHealthy")].status`
 // +kubebuilder:printcolumn:name="Restarts",type=integer,JSONPath=`.status.connector.restarts`
+// +kubebuilder:printcolumn:name="KV",type=string,JSONPath=`.status.conditions[?(@.type=="KVTransferVerified")].status`,description="whether decode receives its prompts' KV from prefill (KVTransferVerified)"
+// +kubebuilder:printcolumn:name="External",type=integer,JSONPath=`.status.kvTransfer.externalSharePercent`,priority=1,description="percent of decode's prompt tokens received from prefill over the verification window"
 // +kubebuilder:printcolumn:name="Gated",type=integer,JSONPath=`.status.decode.gate.gatedCompletions`,priority=1,description="empty pulls the decode engines' completion gate kept from the scheduler"
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`

@@ -44,6 +44,8 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 	fs.BoolVar(&cfg.Gate.Required, "require-gate", false, "be unready unless the engine's completion gate (the pdgate vLLM plugin) heartbeats on the local API")
 	fs.DurationVar(&cfg.Gate.StartupGrace, "gate-startup-grace", 15*time.Minute, "with --require-gate: how long after start the gate may stay silent (model loading)")
 	fs.DurationVar(&cfg.Gate.HeartbeatTimeout, "gate-heartbeat-timeout", 30*time.Second, "with --require-gate: how stale the gate's last heartbeat may be")
+	fs.StringVar(&cfg.Engine.MetricsURL, "engine-metrics-url", "", "the engine's /metrics on loopback (http://127.0.0.1:8000/metrics): its prompt tokens by source and transfer counters, served to the operator in GET /gate; empty: not read")
+	fs.DurationVar(&cfg.Engine.Every, "engine-metrics-interval", 15*time.Second, "how often --engine-metrics-url is read")
 	o.zap.BindFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return cfg, o, err
@@ -110,7 +112,8 @@ func run(cfg sidecar.Config, o options, log logr.Logger) error {
 			}
 		}()
 	}
-	log.Info("connector sidecar serving", "local", o.listen, "public", o.publicListen, "requireGate", cfg.Gate.Required)
+	go s.Run(ctx)
+	log.Info("connector sidecar serving", "local", o.listen, "public", o.publicListen, "requireGate", cfg.Gate.Required, "engineMetrics", cfg.Engine.MetricsURL)
 	select {
 	case <-ctx.Done():
 	case err = <-failed:

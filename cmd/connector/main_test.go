@@ -60,6 +60,11 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			if cfg.Gate.StartupGrace != 1200*time.Second {
 				t.Errorf("%s sidecar args %v: gate start-up grace %s, want spec.connector.health.gateStartupGraceSeconds (1200s)", role, c.Args, cfg.Gate.StartupGrace)
 			}
+			// It reads its engine's counts where render says the engine serves (both sides:
+			// internal/render's sidecar test checks the engine's --host and --port).
+			if cfg.Engine.MetricsURL != render.EngineMetricsURL {
+				t.Errorf("%s sidecar args %v: engine metrics URL %q, want %q", role, c.Args, cfg.Engine.MetricsURL, render.EngineMetricsURL)
+			}
 			// The public port on the pod's IP only (IPv6 included).
 			wantPublic := net.JoinHostPort(podIP, strconv.Itoa(int(render.ConnectorPort)))
 			if o.listen != render.ConnectorSocket || o.publicListen != wantPublic {

@@ -1,10 +1,12 @@
 // Package sidecar is the connector sidecar run beside each vLLM engine. vLLM moves the KV itself
 // (Mooncake, NIXL) and runs the completion gate in-process (connector/vllm/pdgate); the sidecar
 // hears the gate's heartbeat on the pod-local socket, answers the kubelet's probes (unready while
-// a required gate is silent), serves the gate's state to the operator, and exports its counts.
+// a required gate is silent), reads its engine's KV evidence from the engine's /metrics on
+// loopback (engine.go), serves both to the operator (GET /gate), and exports the gate's counts.
 package sidecar
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -24,6 +26,8 @@ import (
 type Config struct {
 	// Gate is how the sidecar watches its engine's completion gate.
 	Gate GateConfig
+	// Engine is how it reads its engine's KV evidence (vLLM's /metrics).
+	Engine EngineConfig
 	Log  logr.Logger
 	// Metrics is where the sidecar registers its collectors; nil means a private registry.
 	Metrics prometheus.Registerer
@@ -35,13 +39,14 @@ type Config struct {
 // Sidecar watches one engine's completion gate.
 type Sidecar struct {
 	gate     *gateWatch
+	engine   *engineWatch
 	log      logr.Logger
 	refusals refusalLog
 }
 
 // New builds a sidecar from cfg.
 func New(cfg Config) (*Sidecar, error) {
-	s := &Sidecar{gate: newGateWatch(cfg.Gate), log: cfg.Log}
+	s := &Sidecar{gate: newGateWatch(cfg.Gate), engine: newEngineWatch(cfg.Engine, cfg.Log), log: cfg.Log}
 	s.gate.log = cfg.Log
 	s.refusals = refusalLog{every: cfg.RefusalLogEvery, log: cfg.Log, clock: s.gate.cfg.Clock}
 	if s.refusals.every <= 0 {
@@ -55,6 +60,16 @@ func New(cfg Config) (*Sidecar, error) {
 		return nil, fmt.Errorf("sidecar: metrics: %w", err)
 	}
 	return s, nil
+}
+
+// Run reads the engine's metrics until ctx ends (nothing to do when no URL is set).
+func (s *Sidecar) Run(ctx context.Context) { s.engine.run(ctx) }
+
+// State is GET /gate: the gate as last heard of, and the engine's KV evidence as last read.
+func (s *Sidecar) State() vllm.State {
+	st := s.gate.state()
+	st.Engine = s.engine.state()
+	return st
 }
 
 // LocalHandler serves the pod-local API (the gate's heartbeat, POST /v1/gate) and everything
@@ -75,7 +90,7 @@ func (s *Sidecar) PublicHandler(gatherer prometheus.Gatherer) http.Handler {
 }
 
 func (s *Sidecar) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer) {
-	mux.HandleFunc("GET "+vllm.StatePath, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, s.gate.state()) })
+	mux.HandleFunc("GET "+vllm.StatePath, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, s.State()) })
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if why := s.gate.unready(); why != "" {

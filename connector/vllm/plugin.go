@@ -105,4 +105,28 @@ type State struct {
 	Report *Report `json:"report,omitempty"`
 	// AgeSeconds is how old Report is.
 	AgeSeconds float64 `json:"ageSeconds,omitempty"`
+	// Engine is what the sidecar last scraped from its engine's /metrics; nil before the first
+	// scrape or when the sidecar does not scrape.
+	Engine *EngineStats `json:"engine,omitempty"`
+}
+
+// EngineStats are the engine's KV evidence, from its own /metrics: counters since the engine
+// started, summed over its data-parallel ranks.
+type EngineStats struct {
+	// ExternalKVTokens, LocalComputeTokens and LocalCacheHitTokens are
+	// vllm:prompt_tokens_by_source_total by source.
+	ExternalKVTokens    float64 `json:"externalKVTokens"`
+	LocalComputeTokens  float64 `json:"localComputeTokens"`
+	LocalCacheHitTokens float64 `json:"localCacheHitTokens"`
+	// FailedTransfers, FailedReceives and ExpiredRequests are the connector's counters
+	// (vllm:mooncake_* or vllm:nixl_*), 0 when it exports none.
+	FailedTransfers float64 `json:"failedTransfers,omitempty"`
+	FailedReceives  float64 `json:"failedReceives,omitempty"`
+	ExpiredRequests float64 `json:"expiredRequests,omitempty"`
+	// HasPromptSources is whether the engine exports vllm:prompt_tokens_by_source_total at all.
+	HasPromptSources bool `json:"hasPromptSources"`
+	// AgeSeconds is how old the scrape is; Error says why the last scrape failed (the counts
+	// are then from the one before, if any).
+	AgeSeconds float64 `json:"ageSeconds"`
+	Error      string  `json:"error,omitempty"`
 }

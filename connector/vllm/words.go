@@ -50,3 +50,26 @@ const (
 
 // DataParallelRankHeader picks the data-parallel rank of a `vllm serve` that runs several.
 const DataParallelRankHeader = "X-data-parallel-rank"
+
+// Metrics vLLM exports on its API port's /metrics (prometheus_client adds _total to a counter).
+const (
+	// MetricPromptTokensBySource counts prompt tokens by where their KV came from, with label
+	// MetricSourceLabel (one of the Source* values) beside model_name and engine (the DP rank).
+	MetricPromptTokensBySource = "vllm:prompt_tokens_by_source_total"
+	MetricSourceLabel          = "source"
+	// SourceExternalKV: KV pulled from another engine (the P/D connector).
+	SourceExternalKV = "external_kv_transfer"
+	// SourceLocalCompute: prefilled here. On decode, vLLM computes the last prompt token here
+	// even when the rest came from prefill.
+	SourceLocalCompute = "local_compute"
+	// SourceLocalCacheHit: found in this engine's prefix cache.
+	SourceLocalCacheHit = "local_cache_hit"
+)
+
+// The connectors' transfer counters: failed transfers and receives on decode, requests whose
+// held KV expired on prefill (the abort timeout), per connector.
+var (
+	MetricFailedTransfers = []string{"vllm:mooncake_num_failed_transfers_total", "vllm:nixl_num_failed_transfers_total"}
+	MetricFailedReceives  = []string{"vllm:mooncake_num_failed_recvs_total", "vllm:nixl_num_failed_notifications_total"}
+	MetricExpiredRequests = []string{"vllm:mooncake_num_kv_expired_reqs_total", "vllm:nixl_num_kv_expired_reqs_total"}
+)

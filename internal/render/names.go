@@ -3,6 +3,9 @@
 package render
 
 import (
+	"net"
+	"strconv"
+
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -72,3 +75,7 @@ func objectMeta(pdc *v1alpha1.PDCluster, role v1alpha1.Role) metav1.ObjectMeta {
 		Labels:    Labels(pdc.Name, role),
 	}
 }
+
+// EngineMetricsURL is where the sidecar reads its engine's /metrics: the engine's API port on
+// the pod's loopback.
+var EngineMetricsURL = "http://" + net.JoinHostPort("127.0.0.1", strconv.Itoa(int(vllm.APIPort))) + "/metrics"

@@ -39,6 +39,11 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 			args = append(args, fmt.Sprintf("--gate-startup-grace=%ds", *g))
 		}
 	}
+	if pdc.Spec.KVTransfer.Verification.Mode != v1alpha1.KVVerificationDisabled {
+		// The engine's own counts of where its prompts' KV came from, on loopback: vLLM's API
+		// server binds every interface of the pod, and the operator needs no path to it.
+		args = append(args, "--engine-metrics-url="+EngineMetricsURL)
+	}
 	resources := *c.Resources.DeepCopy()
 	if len(resources.Requests) == 0 && len(resources.Limits) == 0 {
 		resources.Requests = corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")}

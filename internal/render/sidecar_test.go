@@ -1,6 +1,8 @@
 package render_test
 
 import (
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -23,9 +25,9 @@ func TestConnectorSidecar(t *testing.T) {
 		ports    []string
 	}{
 		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190",
-			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s"}, []string{"connector"}},
+			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s", "--engine-metrics-url=http://127.0.0.1:8000/metrics"}, []string{"connector"}},
 		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190",
-			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s"}, []string{"connector"}},
+			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s", "--engine-metrics-url=http://127.0.0.1:8000/metrics"}, []string{"connector"}},
 	} {
 		t.Run(string(tc.role), func(t *testing.T) {
 			pod := enginePod(t, pdc, tc.role)
@@ -50,6 +52,12 @@ func TestConnectorSidecar(t *testing.T) {
 				t.Errorf("liveness probe = %+v, want /healthz on connector", got)
 			}
 			engine := container(t, pod, "engine")
+			// The URL the sidecar reads is where the engine serves: its --port, on every
+			// interface (so loopback too).
+			if !contains(engine.Args, "--port") || engine.Args[slices.Index(engine.Args, "--port")+1] != "8000" ||
+				engine.Args[slices.Index(engine.Args, "--host")+1] != "0.0.0.0" {
+				t.Errorf("engine args %q: want --host 0.0.0.0 --port 8000, where --engine-metrics-url reads", engine.Args)
+			}
 			env := map[string]string{}
 			for _, e := range engine.Env {
 				env[e.Name] = e.Value
@@ -91,5 +99,17 @@ func TestConnectorImageFromSpecOverridesOperatorDefault(t *testing.T) {
 	c := container(t, enginePod(t, pdc, v1alpha1.RoleDecode), v1alpha1.ConnectorContainerName)
 	if c.Image != "registry.example/connector:dev" {
 		t.Errorf("image = %q", c.Image)
+	}
+}
+
+// With verification Disabled the sidecar reads nothing of its engine.
+func TestConnectorSidecarWithoutVerification(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	pdc.Spec.KVTransfer.Verification.Mode = v1alpha1.KVVerificationDisabled
+	c := container(t, enginePod(t, pdc, v1alpha1.RoleDecode), v1alpha1.ConnectorContainerName)
+	for _, a := range c.Args {
+		if strings.HasPrefix(a, "--engine-metrics-url") {
+			t.Errorf("args %q: want no engine metrics read", c.Args)
+		}
 	}
 }

@@ -1,0 +1,111 @@
+package sidecar
+
+import (
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
+)
+
+// The sidecar reads vLLM's own exposition (recorded from vLLM's metric definitions and its
+// prometheus_client) and sums the prompt token sources and connector counters over the DP
+// ranks; GET /gate carries them with their age, keeps the last counts when a read fails, and
+// says why.
+func TestEngineEvidenceInGateState(t *testing.T) {
+	fixture, err := os.ReadFile("testdata/vllm-decode.metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	answer, status := string(fixture), http.StatusOK
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		if r.URL.Path != "/metrics" {
+			http.NotFound(w, r)
+			return
+		}
+		w.WriteHeader(status)
+		_, _ = w.Write([]byte(answer))
+	}))
+	defer engine.Close()
+	clk := clocktesting.NewFakePassiveClock(gateT0)
+	s, err := New(Config{Engine: EngineConfig{MetricsURL: engine.URL + "/metrics", Clock: clk}, Gate: GateConfig{Clock: clk}, Log: logr.Discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := gateState(t, s); st.Engine != nil {
+		t.Fatalf("before the first read: engine = %+v, want none", st.Engine)
+	}
+	s.engine.readOnce(t.Context())
+	clk.SetTime(gateT0.Add(20 * time.Second))
+	want := &vllm.EngineStats{ExternalKVTokens: 13500, LocalComputeTokens: 60, LocalCacheHitTokens: 200,
+		FailedTransfers: 2, FailedReceives: 1, HasPromptSources: true, AgeSeconds: 20}
+	if d := cmp.Diff(want, gateState(t, s).Engine); d != "" {
+		t.Errorf("GET /gate engine (-want +got):\n%s", d)
+	}
+
+	// A failed read keeps the counts and says why.
+	mu.Lock()
+	status = http.StatusInternalServerError
+	mu.Unlock()
+	s.engine.readOnce(t.Context())
+	got := gateState(t, s).Engine
+	if got == nil || got.ExternalKVTokens != 13500 || !strings.Contains(got.Error, "500") {
+		t.Errorf("after a failed read: engine = %+v, want the last counts and the 500", got)
+	}
+
+	// An engine without the metric (an older vLLM): no prompt sources, not zeros that look
+	// like no traffic.
+	mu.Lock()
+	status, answer = http.StatusOK, "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 1\n"
+	mu.Unlock()
+	s.engine.readOnce(t.Context())
+	if d := cmp.Diff(&vllm.EngineStats{}, gateState(t, s).Engine, cmpopts.IgnoreFields(vllm.EngineStats{}, "AgeSeconds")); d != "" {
+		t.Errorf("engine without prompt sources (-want +got):\n%s", d)
+	}
+}
+
+func TestEngineMetricsBounded(t *testing.T) {
+	big := strings.Repeat("# padding comment line of the exposition\n", maxEngineMetrics/40+10)
+	if _, err := parseEngineMetrics(strings.NewReader(big)); err == nil || !strings.Contains(err.Error(), "larger than") {
+		t.Errorf("oversized answer: err = %v, want refused", err)
+	}
+	if _, err := parseEngineMetrics(strings.NewReader("vllm:prompt_tokens_by_source_total{source=\"x\" 1\n")); err == nil {
+		t.Error("malformed answer: want an error")
+	}
+}
+
+// Without a metrics URL the sidecar reads nothing and GET /gate has no engine part.
+func TestNoEngineMetricsURL(t *testing.T) {
+	s, err := New(Config{Log: logr.Discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Run(t.Context()) // returns at once
+	if st := gateState(t, s); st.Engine != nil {
+		t.Errorf("engine = %+v, want none", st.Engine)
+	}
+}
+
+func gateState(t *testing.T, s *Sidecar) vllm.State {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	s.PublicHandler(nil).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, vllm.StatePath, nil))
+	var st vllm.State
+	if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
+		t.Fatalf("GET /gate: %v: %s", err, rec.Body)
+	}
+	return st
+}
