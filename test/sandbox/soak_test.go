@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 )
 
@@ -118,7 +119,7 @@ func TestSoak1319Requests(t *testing.T) {
 		t.Fatalf("ok %d + aborted %d != %d requests (and some must be aborted)", ok, aborted, len(reqs))
 	}
 	b.waitIdle(2048, 20*time.Second)
-	var empty, verified float64
+	var empty, verified, external float64
 	for _, d := range b.state.Decode {
 		if code, body := get(t, d.Engine+"/health"); code != http.StatusOK {
 			t.Fatalf("decode engine %s died: %s", d.Engine, body)
@@ -130,12 +131,18 @@ func TestSoak1319Requests(t *testing.T) {
 		}
 		empty += metric(t, d.Engine, "pdcluster_connector_empty_pulls_total")
 		verified += float64(st.Engine.BlocksVerified)
+		external += metric(t, d.Engine, vllm.MetricPromptTokensBySource, vllm.MetricSourceLabel, vllm.SourceExternalKV)
 		if n := metric(t, d.Engine, "pdcluster_connector_pulls_in_flight"); n != 0 {
 			t.Errorf("%s: %v pulls still in flight", d.Engine, n)
 		}
 	}
 	if empty == 0 || verified == 0 {
 		t.Errorf("the mix did not exercise both paths: %v empty pulls, %v blocks verified", empty, verified)
+	}
+	// Decode counts as external (vLLM's metric) only tokens whose blocks it pulled and verified:
+	// at most every verified block's 64 tokens (a request aborted after its pull counts none).
+	if external == 0 || external > verified*64 {
+		t.Errorf("decode counted %v external prompt tokens for %v verified 64-token blocks", external, verified)
 	}
 	t.Logf("%d ok, %d aborted, %v notify-only pulls, %v pulled blocks verified byte for byte", ok, aborted, empty, verified)
 }

@@ -55,7 +55,10 @@ type Config struct {
 	// loaded; GateTTL is its TTL (0: pdgate's default).
 	Gate    bool
 	GateTTL time.Duration
-	Log     logr.Logger
+	// DropKVTransferParams makes a decode engine ignore every request's kv_transfer_params, as
+	// behind a router that drops them (fault injection): it recomputes every prompt.
+	DropKVTransferParams bool
+	Log                  logr.Logger
 }
 
 // Engine is one simulated vLLM engine.

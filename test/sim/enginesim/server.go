@@ -203,6 +203,9 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 	if id := hr.Header.Get("X-Request-Id"); id != "" {
 		r.id = kvtransfer.RequestID(id + "-" + string(r.id)) // unique even if a client reuses ids
 	}
+	if e.cfg.DropKVTransferParams && e.cfg.Role == vllm.KVConsumer {
+		body.KVTransferParams = nil
+	}
 	if p := body.KVTransferParams; p != nil {
 		switch {
 		case p.DoRemoteDecode && e.cfg.Role != vllm.KVProducer:

@@ -95,6 +95,22 @@ type Scheduler struct {
 	// Completions counts connector completions accepted, for tests.
 	completions int
 	errored     int
+	tokens      PromptTokens
+}
+
+// PromptTokens counts prompt tokens by where their KV came from, as vLLM's PromptTokenStats
+// does (vllm:prompt_tokens_by_source_total) when a request's prefill is scheduled: found in the
+// local prefix cache, pulled from another engine, or computed here.
+type PromptTokens struct {
+	LocalCompute, LocalCacheHit, ExternalKV uint64
+}
+
+// countPromptLocked records r's sources as it starts running: hit tokens were in the local
+// prefix cache, r.NumComputed-hit were pulled, the rest of the prompt is computed here.
+func (s *Scheduler) countPromptLocked(r *Request, hit int) {
+	s.tokens.LocalCacheHit += uint64(hit)
+	s.tokens.ExternalKV += uint64(r.NumComputed - hit)
+	s.tokens.LocalCompute += uint64(r.Prompt - r.NumComputed)
 }
 
 // New returns a Scheduler with every block free.
@@ -213,6 +229,7 @@ func (s *Scheduler) Schedule() []kvtransfer.RequestID {
 				r.NumComputed = min(s.transferableTokens(r.Prompt), r.Prompt-1)
 			}
 			r.failedRecving = false
+			s.countPromptLocked(r, s.transferableTokens(r.LocalHit))
 			r.Status = Running
 			running = append(running, r.ID)
 		case Waiting:
@@ -228,6 +245,7 @@ func (s *Scheduler) Schedule() []kvtransfer.RequestID {
 					continue
 				}
 			}
+			s.countPromptLocked(r, r.NumComputed)
 			r.Status = Running
 			running = append(running, r.ID)
 		case Running:
@@ -408,13 +426,14 @@ type Stats struct {
 	Completions int
 	Errored     int
 	ByStatus    map[Status]int
+	Tokens      PromptTokens
 }
 
 // Stats returns a snapshot.
 func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := Stats{Requests: len(s.requests), FreeBlocks: len(s.free), Completions: s.completions, Errored: s.errored, ByStatus: map[Status]int{}}
+	st := Stats{Requests: len(s.requests), FreeBlocks: len(s.free), Completions: s.completions, Errored: s.errored, ByStatus: map[Status]int{}, Tokens: s.tokens}
 	for _, r := range s.requests {
 		st.ByStatus[r.Status]++
 	}

@@ -216,3 +216,41 @@ func TestProducerHoldsAndReleases(t *testing.T) {
 		t.Errorf("second release: Dead() = %v, want the assertion", err)
 	}
 }
+
+// Prompt tokens are counted by source as vLLM's PromptTokenStats does when the prefill runs:
+// pulled whole blocks are external, a local prefix hit is a cache hit, the rest (the partial
+// last block; the whole prompt when the pull failed and is recomputed) is computed here. A
+// request failed by the fail policy never prefills and counts nothing.
+func TestPromptTokensBySource(t *testing.T) {
+	cases := []struct {
+		name        string
+		policy      Policy
+		prompt, hit int
+		transfer    kvtransfer.TransferID
+		pullErr     error
+		want        PromptTokens
+	}{
+		{"pulled: three whole blocks external, the partial block computed", PolicyFail, 200, 0, "x", nil, PromptTokens{ExternalKV: 192, LocalCompute: 8}},
+		{"partial local hit, the rest pulled", PolicyFail, 200, 64, "x", nil, PromptTokens{LocalCacheHit: 64, ExternalKV: 128, LocalCompute: 8}},
+		{"no P/D: all computed", PolicyFail, 200, 0, "", nil, PromptTokens{LocalCompute: 200}},
+		{"short prompt: nothing to pull, computed", PolicyFail, 13, 0, "x", nil, PromptTokens{LocalCompute: 13}},
+		{"failed pull recomputed", PolicyRecompute, 200, 0, "x", errors.New("boom"), PromptTokens{LocalCompute: 200}},
+		{"failed pull, fail policy: nothing prefilled", PolicyFail, 200, 0, "x", errors.New("boom"), PromptTokens{}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s, _ := consumer(t, tc.policy)
+			if err := s.Add("r", tc.transfer, tc.prompt, tc.hit); err != nil {
+				t.Fatal(err)
+			}
+			s.Schedule()
+			if r, _ := s.Lookup("r"); r.Status == WaitingForRemoteKVs {
+				s.FinishedReceiving(kvtransfer.Completion{Request: "r", Err: tc.pullErr})
+				s.Schedule()
+			}
+			if d := cmp.Diff(tc.want, s.Stats().Tokens); d != "" {
+				t.Errorf("prompt tokens (-want +got):\n%s", d)
+			}
+		})
+	}
+}

@@ -109,6 +109,9 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 	if err != nil {
 		return err
 	}
+	if err := metrics.Register(e.Collector()); err != nil {
+		return err
+	}
 	go e.Run(ctx)
 	mux := http.NewServeMux()
 	mux.Handle("/", e.Handler())

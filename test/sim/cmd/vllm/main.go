@@ -76,6 +76,11 @@ func main() {
 // silentGateEnv is the stand-in's knob for a gate that never reports.
 const silentGateEnv = "VLLM_SIM_SILENT_GATE"
 
+// dropKVParamsEnv is the stand-in's knob for a decode engine that never sees its requests'
+// kv_transfer_params (as behind a router that drops them): it computes every prompt itself,
+// answers 200, and counts the tokens as local_compute.
+const dropKVParamsEnv = "VLLM_SIM_DROP_KV_TRANSFER_PARAMS"
+
 func envOr(getenv func(string) string, key, def string) string {
 	if v := getenv(key); v != "" {
 		return v
@@ -179,8 +184,12 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 	if cfg.Capacity == 0 {
 		cfg.Capacity = 4096
 	}
+	cfg.DropKVTransferParams = getenv(dropKVParamsEnv) == "1"
 	e, err := enginesim.New(cfg)
 	if err != nil {
+		return err
+	}
+	if err := metrics.Register(e.Collector()); err != nil {
 		return err
 	}
 	api, err := listen(net.JoinHostPort(s.Host, strconv.Itoa(s.Port)), "OpenAI API server")

@@ -228,3 +228,44 @@ func TestGatedConnectorNotOnPythonPathFailsTheStart(t *testing.T) {
 		t.Fatalf("err = %v, want the import to fail", err)
 	}
 }
+
+// The engine's /metrics has vLLM's prompt tokens by source, as its scheduler counted them; with
+// VLLM_SIM_DROP_KV_TRANSFER_PARAMS a decode engine ignores a request's kv_transfer_params
+// (do_remote_prefill from a prefill that does not exist) and computes the prompt itself, so
+// the request is answered and counted as local_compute, not external.
+func TestPromptTokensBySourceAndDroppedKVParams(t *testing.T) {
+	api := freePort(t)
+	env := podEnv(t)
+	env["VLLM_SIM_DROP_KV_TRANSFER_PARAMS"] = "1"
+	_, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), "--block-size=16",
+		`--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}`}, env)
+	url := fmt.Sprintf("http://127.0.0.1:%d", api)
+	waitHealthy(t, url, errc)
+	body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("word ", 40) + `","kv_transfer_params":{"do_remote_prefill":true,` +
+		`"transfer_id":"t1","remote_engine_id":"gone","remote_bootstrap_addr":"http://127.0.0.1:1"}}`
+	client := &http.Client{Timeout: 10 * time.Second}
+	r, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, _ := io.ReadAll(r.Body)
+	r.Body.Close()
+	if r.StatusCode != http.StatusOK {
+		t.Fatalf("POST = %s %s, want 200 (computed locally)", r.Status, msg)
+	}
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	scrape, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{
+		`vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 40`,
+		`vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 0`,
+		`vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 0`,
+	} {
+		if !strings.Contains(string(scrape), want) {
+			t.Errorf("GET /metrics lacks %s:\n%s", want, scrape)
+		}
+	}
+}
