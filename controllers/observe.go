@@ -69,7 +69,9 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 			}
 		}
 	}
-	if r.GateReader != nil && render.GateEnabled(pdc.Spec.KVTransfer) && o.podsErr == nil {
+	// The sidecars answer the gate's state and their engine's KV counts: asked when either is
+	// wanted.
+	if r.GateReader != nil && (render.GateEnabled(pdc.Spec.KVTransfer) || verificationOn(pdc)) && o.podsErr == nil {
 		o.gates, o.gatesRead = r.readGates(ctx, o.pods), true
 	}
 	return o

@@ -55,6 +55,9 @@ type PDClusterReconciler struct {
 	// MaxConcurrentReconciles is how many PDClusters are reconciled at once (0: one).
 	// Reconciles of different PDClusters share nothing but the API server.
 	MaxConcurrentReconciles int
+
+	// kv keeps each PDCluster's engine samples between reconciles, for KV verification.
+	kv kvHistories
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
@@ -72,11 +75,13 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	if err := r.Get(ctx, req.NamespacedName, &pdc); err != nil {
 		if apierrors.IsNotFound(err) {
 			forgetStatus(req.Namespace, req.Name)
+			r.kv.forget(req.NamespacedName)
 		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	if !pdc.DeletionTimestamp.IsZero() {
 		forgetStatus(req.Namespace, req.Name)
+		r.kv.forget(req.NamespacedName)
 		return ctrl.Result{}, nil // children go with the owner references
 	}
 	// The API server has defaulted what its CRD knows; this covers a CRD older than the
@@ -92,10 +97,11 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	if err == nil {
 		in.obs = r.observe(ctx, &pdc)
 		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now)
+		in.kv = r.verifyKV(&pdc, in.obs, in.now)
 		reconcileErr = errors.Join(in.obs.err(), in.health.err)
 		requeueAfter = in.health.requeueAfter()
 		if in.obs.gatesRead {
-			requeueAfter = sooner(requeueAfter, gateRefresh)
+			requeueAfter = sooner(requeueAfter, countsRefresh(&pdc))
 		}
 	}
 	status, statusEvents := computeStatus(in)

@@ -20,6 +20,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/controllers/connectorhealth"
+	"pdcluster.dev/pdcluster-operator/controllers/kvverify"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -35,6 +36,8 @@ type statusInputs struct {
 	applied []render.Object
 	obs     observed
 	health  healthOutcome
+	// kv is the KV transfer verdict; nil when verification is off or nothing was read.
+	kv *kvverify.Verdict
 }
 
 // readyError is a render or apply failure as the Ready condition and a Warning event report it.
@@ -60,8 +63,9 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 			events = append(events, event{corev1.EventTypeWarning, re.reason, re.action, re.message})
 		}
 	} else {
-		gates := gateSummary(in.obs.gates, in.health.restarted)
+		gates := gateSummary(gateAnswers(in.pdc, in.obs), in.health.restarted)
 		events = append(events, connectorStatus(&status, in)...)
+		events = append(events, kvStatus(&status, in.pdc, in.kv)...)
 		poolStatuses(&status, in, gates)
 		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
 	}
@@ -185,9 +189,12 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 		}
 		setCondition(status, pdc, c.condition, condStatus, reason, msg)
 	}
+	kvReason, kvMsg := kvBlocksReady(pdc, status)
 	switch {
 	case in.obs.depsErr != nil:
 		// Unknown: Ready keeps what it said.
+	case len(notReady) == 0 && kvReason != "":
+		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, kvReason, kvMsg)
 	case len(notReady) == 0:
 		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAllReady, "prefill, decode and router are ready")
 	case problem.reason != "":
@@ -202,6 +209,15 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 type gateCounts struct {
 	prefill, decode *v1alpha1.PoolGateStatus
 	silent          []string
+}
+
+// gateAnswers are the sidecars' answers that speak of the gate: none with the gate disabled (the
+// sidecars are then read for their engine's KV counts only).
+func gateAnswers(pdc *v1alpha1.PDCluster, o observed) []gateRead {
+	if !render.GateEnabled(pdc.Spec.KVTransfer) {
+		return nil
+	}
+	return o.gates
 }
 
 // gateSummary sums the gate counts each pool's engines answered, leaving out the pods just

@@ -21,6 +21,7 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/controllers/connectorhealth"
+	"pdcluster.dev/pdcluster-operator/controllers/kvverify"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
@@ -67,6 +68,7 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 		wantDecode  *v1alpha1.PoolGateStatus
 		wantSilent  []string
 		wantAfter   time.Duration
+		noVerify    bool
 	}{
 		{
 			name: "counts of the reporting pods, silent and unreachable ones apart", reader: gates,
@@ -76,7 +78,8 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 			wantAfter:   gateRefresh,
 		},
 		{name: "no reader: no counts", reader: nil},
-		{name: "gate disabled: no counts", reader: gates, gate: v1alpha1.CompletionGateDisabled},
+		{name: "gate disabled: no gate counts, still read for KV verification", reader: gates, gate: v1alpha1.CompletionGateDisabled, wantAfter: gateRefresh},
+		{name: "gate and KV verification disabled: not read", reader: gates, gate: v1alpha1.CompletionGateDisabled, noVerify: true},
 		{name: "nothing answers: no counts, read again later", reader: fakeGates{}, wantAfter: gateRefresh},
 	}
 	for _, tc := range cases {
@@ -85,6 +88,9 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 			r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), GateReader: tc.reader}
 			p := pdc()
 			p.Spec.KVTransfer.CompletionGate = tc.gate
+			if tc.noVerify {
+				p.Spec.KVTransfer.Verification.Mode = v1alpha1.KVVerificationDisabled
+			}
 			// A stale value from an earlier read must not survive a reconcile that reads nothing.
 			p.Status.Decode.Gate = &v1alpha1.PoolGateStatus{GatedCompletions: 1234}
 			in := statusInputs{pdc: p, obs: r.observe(context.Background(), p)}
@@ -92,7 +98,7 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 				t.Fatal(err)
 			}
 			status, _ := computeStatus(in)
-			silent := gateSummary(in.obs.gates, nil).silent
+			silent := gateSummary(gateAnswers(p, in.obs), nil).silent
 			var after time.Duration
 			if in.obs.gatesRead {
 				after = gateRefresh
@@ -312,6 +318,8 @@ func TestComputeStatus(t *testing.T) {
 	decodePod := func(name string) *corev1.Pod {
 		return wrappers.MakeEnginePod("ns", name, "c", v1alpha1.RoleDecode, start).Obj()
 	}
+	recomputing := &kvverify.Verdict{Status: metav1.ConditionFalse, Reason: v1alpha1.ReasonDecodeRecomputing, Message: "d-0 0% external",
+		KV: v1alpha1.KVTransferStatus{ExternalSharePercent: ptr.To[int32](0), LocalComputeTokens: 20000, RecomputingPods: []string{"d-0"}}}
 	for _, tc := range []struct {
 		name       string
 		in         func(p *v1alpha1.PDCluster) statusInputs
@@ -349,6 +357,26 @@ func TestComputeStatus(t *testing.T) {
 				Gate: &v1alpha1.PoolGateStatus{ReportingPods: 1, GatedCompletions: 1, PassedCompletions: 2, FailedPulls: 3}},
 			wantReady:  v1alpha1.ReasonAllReady,
 			wantEvents: []string{"Warning ConnectorRestarted"},
+		},
+		{
+			name: "KV not verified: a condition and a Warning, Ready untouched",
+			in: func(p *v1alpha1.PDCluster) statusInputs {
+				return statusInputs{pdc: p, now: start, obs: observed{deployments: allReady}, kv: recomputing}
+			},
+			wantDecode: v1alpha1.PoolStatus{Replicas: 2, ReadyReplicas: 2, UpdatedReplicas: 2, Ready: "2/2", ConnectorRestarts: 1},
+			wantReady:  v1alpha1.ReasonAllReady,
+			wantEvents: []string{"Warning DecodeRecomputing"},
+		},
+		{
+			name: "KV not verified with requiredForReady: Ready False for it, Degraded",
+			in: func(p *v1alpha1.PDCluster) statusInputs {
+				q := p.DeepCopy() // the spec of this case; computeStatus must not change its input
+				q.Spec.KVTransfer.Verification.RequiredForReady = true
+				return statusInputs{pdc: q, now: start, obs: observed{deployments: allReady}, kv: recomputing}
+			},
+			wantDecode: v1alpha1.PoolStatus{Replicas: 2, ReadyReplicas: 2, UpdatedReplicas: 2, Ready: "2/2", ConnectorRestarts: 1},
+			wantReady:  v1alpha1.ReasonDecodeRecomputing,
+			wantEvents: []string{"Warning DecodeRecomputing", "Warning Degraded"},
 		},
 		{
 			name: "the decode Deployment gone: counts cleared, restarts kept, Degraded",

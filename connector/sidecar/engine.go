@@ -106,7 +106,7 @@ func (e *engineWatch) read(ctx context.Context) (vllm.EngineStats, error) {
 	if resp.StatusCode != http.StatusOK {
 		return vllm.EngineStats{}, fmt.Errorf("GET %s: %s", e.cfg.MetricsURL, resp.Status)
 	}
-	return parseEngineMetrics(resp.Body)
+	return ParseEngineMetrics(resp.Body)
 }
 
 // state is the evidence for GET /gate: the last counts read, their age, and why the read
@@ -128,9 +128,9 @@ func (e *engineWatch) state() *vllm.EngineStats {
 	return &st
 }
 
-// parseEngineMetrics takes vLLM's prompt token sources and connector counters from a /metrics
+// ParseEngineMetrics takes vLLM's prompt token sources and connector counters from a /metrics
 // answer in the text format, summed over the engine's series (data-parallel ranks).
-func parseEngineMetrics(r io.Reader) (vllm.EngineStats, error) {
+func ParseEngineMetrics(r io.Reader) (vllm.EngineStats, error) {
 	lr := &io.LimitedReader{R: r, N: maxEngineMetrics + 1}
 	parser := expfmt.NewTextParser(model.UTF8Validation)
 	families, err := parser.TextToMetricFamilies(lr)

@@ -79,10 +79,10 @@ func TestEngineEvidenceInGateState(t *testing.T) {
 
 func TestEngineMetricsBounded(t *testing.T) {
 	big := strings.Repeat("# padding comment line of the exposition\n", maxEngineMetrics/40+10)
-	if _, err := parseEngineMetrics(strings.NewReader(big)); err == nil || !strings.Contains(err.Error(), "larger than") {
+	if _, err := ParseEngineMetrics(strings.NewReader(big)); err == nil || !strings.Contains(err.Error(), "larger than") {
 		t.Errorf("oversized answer: err = %v, want refused", err)
 	}
-	if _, err := parseEngineMetrics(strings.NewReader("vllm:prompt_tokens_by_source_total{source=\"x\" 1\n")); err == nil {
+	if _, err := ParseEngineMetrics(strings.NewReader("vllm:prompt_tokens_by_source_total{source=\"x\" 1\n")); err == nil {
 		t.Error("malformed answer: want an error")
 	}
 }

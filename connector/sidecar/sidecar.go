@@ -28,7 +28,7 @@ type Config struct {
 	Gate GateConfig
 	// Engine is how it reads its engine's KV evidence (vLLM's /metrics).
 	Engine EngineConfig
-	Log  logr.Logger
+	Log    logr.Logger
 	// Metrics is where the sidecar registers its collectors; nil means a private registry.
 	Metrics prometheus.Registerer
 	// RefusalLogEvery bounds how often refused requests are logged (one line, with the count

@@ -67,6 +67,12 @@ func (w *PDClusterWrapper) Health(h v1alpha1.ConnectorHealthPolicy) *PDClusterWr
 	return w
 }
 
+// Verification sets how KV transfer is verified.
+func (w *PDClusterWrapper) Verification(v v1alpha1.KVVerification) *PDClusterWrapper {
+	w.Spec.KVTransfer.Verification = v
+	return w
+}
+
 // PodWrapper builds an engine pod as the kubelet reports it.
 type PodWrapper struct{ corev1.Pod }
 

@@ -1,0 +1,270 @@
+// Package kvverify decides, from what the engines counted, whether decode receives its prompts'
+// KV from prefill: the verdict behind the KVTransferVerified condition and status.kvTransfer.
+// The evidence is each decode engine's vllm:prompt_tokens_by_source_total (external KV against
+// local compute; a local prefix hit needs no transfer and is left out), over a window, not as an
+// equality: vLLM computes the last prompt token on decode, and a partial last block may be
+// recomputed. Failed pulls and whether the completion gate reports tell why decode recomputes.
+//
+// History keeps the samples (the reconciler owns one); Evaluate is pure.
+package kvverify
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
+)
+
+// MinTokens is the fewest prompt tokens (external plus computed) a window must hold for a
+// verdict, and a pod for its own share to be judged: a handful of short prompts, whose last
+// tokens decode always computes, would otherwise read as recomputing.
+const MinTokens = 256
+
+// Sample is one read of one engine pod's counters (totals since the engine started).
+type Sample struct {
+	At time.Time
+	// HasSources: the engine exports vllm:prompt_tokens_by_source_total.
+	HasSources             bool
+	External, LocalCompute float64
+	// Failed are pulls that failed: the gate's failed pulls with local blocks plus the
+	// connector's failed transfers and receives.
+	Failed float64
+	// Expired are prefill requests whose held KV expired (prefill pods).
+	Expired float64
+}
+
+// SampleOf is the sample in an engine pod's GET /gate answer, read at at; false when the
+// sidecar has no engine counts. Failed pulls are the completion gate's when it reports (it sees
+// every failed pull with local blocks), else the connector's failed transfers and receives.
+func SampleOf(at time.Time, st vllm.State) (Sample, bool) {
+	e := st.Engine
+	if e == nil || (e.Error != "" && !e.HasPromptSources && e.ExternalKVTokens == 0 && e.LocalComputeTokens == 0) {
+		return Sample{}, false
+	}
+	s := Sample{At: at, HasSources: e.HasPromptSources, External: e.ExternalKVTokens, LocalCompute: e.LocalComputeTokens,
+		Failed: e.FailedTransfers + e.FailedReceives, Expired: e.ExpiredRequests}
+	if st.Report != nil {
+		s.Failed = float64(st.Report.Counts.Failed)
+	}
+	return s, true
+}
+
+// Pod is one engine pod's evidence for Evaluate.
+type Pod struct {
+	Name string
+	Role v1alpha1.Role
+	// GateReported: the pod's completion gate has heartbeat at least once.
+	GateReported bool
+	// Samples are the pod's samples in the window, oldest first.
+	Samples []Sample
+}
+
+// delta is what a pod counted between its first and last sample.
+func (p Pod) delta() (d Sample, ok bool) {
+	if len(p.Samples) < 2 {
+		return Sample{}, false
+	}
+	a, b := p.Samples[0], p.Samples[len(p.Samples)-1]
+	return Sample{At: b.At, HasSources: b.HasSources, External: b.External - a.External, LocalCompute: b.LocalCompute - a.LocalCompute,
+		Failed: b.Failed - a.Failed, Expired: b.Expired - a.Expired}, true
+}
+
+// Policy is spec.kvTransfer.verification, defaulted.
+type Policy struct {
+	Window      time.Duration
+	MinSharePct int32
+	// GateEnabled: the engines should run the completion gate (so a gate that never reported
+	// means vLLM runs without the operator's connector).
+	GateEnabled bool
+}
+
+// PolicyOf reads the verification policy of a defaulted PDCluster.
+func PolicyOf(pdc *v1alpha1.PDCluster) Policy {
+	v := pdc.Spec.KVTransfer.Verification
+	return Policy{Window: time.Duration(ptr.Deref(v.WindowSeconds, v1alpha1.DefaultVerificationWindowSeconds)) * time.Second,
+		MinSharePct: ptr.Deref(v.MinExternalSharePercent, v1alpha1.DefaultMinExternalSharePercent),
+		GateEnabled: pdc.Spec.KVTransfer.CompletionGate != v1alpha1.CompletionGateDisabled}
+}
+
+// Verdict is KVTransferVerified and status.kvTransfer.
+type Verdict struct {
+	Status  metav1.ConditionStatus
+	Reason  string
+	Message string
+	KV      v1alpha1.KVTransferStatus
+}
+
+// Evaluate judges the decode pods' evidence over the window.
+func Evaluate(pods []Pod, p Policy) Verdict {
+	var v Verdict
+	readable, decodes := 0, 0
+	var ext, comp, failed float64
+	type judged struct {
+		name      string
+		sharePct  int32
+		failed    float64
+		gateQuiet bool
+	}
+	var low []judged
+	for _, pod := range pods {
+		d, ok := pod.delta()
+		if pod.Role == v1alpha1.RolePrefill {
+			if ok {
+				v.KV.ExpiredRequests += int64(d.Expired)
+			}
+			continue
+		}
+		decodes++
+		if len(pod.Samples) > 0 && pod.Samples[len(pod.Samples)-1].HasSources {
+			readable++
+		}
+		if !ok || !d.HasSources {
+			continue
+		}
+		ext, comp, failed = ext+d.External, comp+d.LocalCompute, failed+d.Failed
+		if total := d.External + d.LocalCompute; total >= MinTokens {
+			if s := sharePct(d.External, total); s < p.MinSharePct {
+				low = append(low, judged{pod.Name, s, d.Failed, p.GateEnabled && !pod.GateReported})
+			}
+		}
+	}
+	v.KV.ExternalTokens, v.KV.LocalComputeTokens, v.KV.FailedPulls = int64(ext), int64(comp), int64(failed)
+	window := p.Window.String()
+	switch {
+	case readable == 0:
+		v.Status, v.Reason = metav1.ConditionUnknown, v1alpha1.ReasonMetricsUnavailable
+		v.Message = fmt.Sprintf("no decode engine's prompt token counts could be read (%d decode pods): the sidecars did not answer, "+
+			"or the engines do not export vllm:prompt_tokens_by_source_total", decodes)
+		return v
+	case ext+comp < MinTokens:
+		v.Status, v.Reason = metav1.ConditionUnknown, v1alpha1.ReasonNoTraffic
+		v.Message = fmt.Sprintf("decode received or computed fewer than %d prompt tokens in the last %s: nothing to judge", MinTokens, window)
+		return v
+	}
+	share := sharePct(ext, ext+comp)
+	v.KV.ExternalSharePercent = ptr.To(share)
+	if len(low) == 0 && share >= p.MinSharePct {
+		v.Status, v.Reason = metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved
+		v.Message = fmt.Sprintf("decode received %d%% of its prompt tokens from prefill in the last %s (at least %d%% required)", share, window, p.MinSharePct)
+		if failed > 0 {
+			v.Message += fmt.Sprintf("; %d pulls failed", int64(failed))
+		}
+		return v
+	}
+	slices.SortFunc(low, func(a, b judged) int { return strings.Compare(a.name, b.name) })
+	var names []string
+	var why []string
+	quiet, failing := 0, 0
+	for _, j := range low {
+		names = append(names, j.name)
+		why = append(why, fmt.Sprintf("%s %d%%", j.name, j.sharePct))
+		if j.gateQuiet {
+			quiet++
+		}
+		if j.failed > 0 {
+			failing++
+		}
+	}
+	if len(names) > 64 {
+		names = names[:64]
+	}
+	v.KV.RecomputingPods = names
+	v.Status = metav1.ConditionFalse
+	named := strings.Join(why, ", ")
+	if len(low) == 0 { // no pod judged alone, but all together, below the minimum
+		named = fmt.Sprintf("%d%% over all decode pods", share)
+	}
+	switch {
+	case quiet > 0:
+		v.Reason = v1alpha1.ReasonConnectorNotLoaded
+		v.Message = fmt.Sprintf("decode computes its prompts instead of receiving them (%s external in the last %s) and its completion gate never reported: "+
+			"vLLM runs without the operator's connector (check the engine log for the kv_connector_module_path import)", named, window)
+	case failed > 0 && (failing > 0 || len(low) == 0):
+		v.Reason = v1alpha1.ReasonTransferFailing
+		v.Message = fmt.Sprintf("decode recomputes prompts because KV pulls fail (%d failed in the last %s; %s external, at least %d%% required): "+
+			"check that decode reaches prefill's bootstrap and transfer ports", int64(failed), window, named, p.MinSharePct)
+	default:
+		v.Reason = v1alpha1.ReasonDecodeRecomputing
+		v.Message = fmt.Sprintf("decode computes its prompts instead of receiving them from prefill (%s external in the last %s, at least %d%% required) "+
+			"and no pull failed: are kv_transfer_params reaching decode (the router, a gateway in front of it)?", named, window, p.MinSharePct)
+	}
+	return v
+}
+
+func sharePct(ext, total float64) int32 {
+	if total <= 0 {
+		return 0
+	}
+	return int32(math.Floor(100 * ext / total))
+}
+
+// History keeps each engine pod's samples over the window. It is safe for concurrent use.
+type History struct {
+	mu   sync.Mutex
+	pods map[types.UID]*series
+}
+
+type series struct {
+	restarts int32
+	samples  []Sample
+}
+
+// Add records a sample of the pod (uid), whose engine container has restarted restarts times:
+// a restart, or a counter that went down, starts the pod's series again (the engine's counters
+// began at 0). Samples older than window are dropped, but the newest of them is kept as the
+// window's start.
+func (h *History) Add(uid types.UID, restarts int32, s Sample, window time.Duration) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.pods == nil {
+		h.pods = map[types.UID]*series{}
+	}
+	ser := h.pods[uid]
+	if ser == nil || ser.restarts != restarts || (len(ser.samples) > 0 && wentDown(ser.samples[len(ser.samples)-1], s)) {
+		ser = &series{restarts: restarts}
+		h.pods[uid] = ser
+	}
+	ser.samples = append(ser.samples, s)
+	cut := s.At.Add(-window)
+	first := 0
+	for i, old := range ser.samples {
+		if !old.At.After(cut) {
+			first = i // the newest at or before the window's start
+		}
+	}
+	ser.samples = slices.Clone(ser.samples[first:])
+}
+
+func wentDown(prev, next Sample) bool {
+	return next.External < prev.External || next.LocalCompute < prev.LocalCompute || next.Failed < prev.Failed || next.Expired < prev.Expired
+}
+
+// Samples are the pod's samples, oldest first.
+func (h *History) Samples(uid types.UID) []Sample {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if ser := h.pods[uid]; ser != nil {
+		return slices.Clone(ser.samples)
+	}
+	return nil
+}
+
+// Keep forgets every pod not in live (deleted pods).
+func (h *History) Keep(live map[types.UID]bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for uid := range h.pods {
+		if !live[uid] {
+			delete(h.pods, uid)
+		}
+	}
+}
