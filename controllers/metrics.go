@@ -2,6 +2,8 @@ package controllers
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -29,6 +31,14 @@ var (
 		Name: "pdcluster_connector_unhealthy_pods",
 		Help: "Running engine pods whose connector sidecar is not ready.",
 	}, []string{"namespace", "name"})
+	kvVerified = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_kv_transfer_verified",
+		Help: "KVTransferVerified: 1 True (decode receives its prompts' KV from prefill), 0 False, -1 Unknown (no traffic, no counts); absent with verification Disabled. reason is the condition's.",
+	}, []string{"namespace", "name", "reason"})
+	kvExternalShare = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_kv_external_share_percent",
+		Help: "Percent of the decode engines' prompt tokens received from prefill over the verification window (status.kvTransfer.externalSharePercent); absent without traffic.",
+	}, []string{"namespace", "name"})
 	poolDesiredReplicas = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdcluster_pool_desired_replicas",
 		Help: "Desired replicas of each PDCluster pool (prefill, decode, router).",
@@ -36,7 +46,7 @@ var (
 )
 
 func init() {
-	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy)
+	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy, kvVerified, kvExternalShare)
 }
 
 // recordStatus exports one PDCluster's readiness, replica counts and unhealthy connectors.
@@ -49,6 +59,22 @@ func recordStatus(pdc *v1alpha1.PDCluster) {
 	}
 	readyGauge.WithLabelValues(pdc.Namespace, pdc.Name).Set(ready)
 	connectorUnhealthy.WithLabelValues(pdc.Namespace, pdc.Name).Set(float64(len(pdc.Status.Connector.UnhealthyPods)))
+	kvVerified.DeletePartialMatch(prometheus.Labels{"namespace": pdc.Namespace, "name": pdc.Name})
+	if c := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionKVTransferVerified); c != nil {
+		v := -1.0 // Unknown
+		switch c.Status {
+		case metav1.ConditionTrue:
+			v = 1
+		case metav1.ConditionFalse:
+			v = 0
+		}
+		kvVerified.WithLabelValues(pdc.Namespace, pdc.Name, c.Reason).Set(v)
+	}
+	if kv := pdc.Status.KVTransfer; kv != nil && kv.ExternalSharePercent != nil {
+		kvExternalShare.WithLabelValues(pdc.Namespace, pdc.Name).Set(float64(*kv.ExternalSharePercent))
+	} else {
+		kvExternalShare.DeleteLabelValues(pdc.Namespace, pdc.Name)
+	}
 	for pool, ps := range map[string]v1alpha1.PoolStatus{"prefill": pdc.Status.Prefill, "decode": pdc.Status.Decode, "router": pdc.Status.Router} {
 		poolReadyReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.ReadyReplicas))
 		poolDesiredReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.Replicas))
@@ -62,4 +88,6 @@ func forgetStatus(namespace, name string) {
 	poolDesiredReplicas.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
 	connectorRestarts.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
 	connectorUnhealthy.DeleteLabelValues(namespace, name)
+	kvVerified.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
+	kvExternalShare.DeleteLabelValues(namespace, name)
 }

@@ -66,6 +66,20 @@ const (
 	SourceLocalCacheHit = "local_cache_hit"
 )
 
+// vLLM's serving metrics the chart's dashboard and the autoscaling examples read.
+const (
+	MetricNumRequestsRunning  = "vllm:num_requests_running"
+	MetricNumRequestsWaiting  = "vllm:num_requests_waiting"
+	MetricKVCacheUsage        = "vllm:kv_cache_usage_perc"
+	MetricTimeToFirstToken    = "vllm:time_to_first_token_seconds"
+	MetricInterTokenLatency   = "vllm:inter_token_latency_seconds"
+	MetricE2ERequestLatency   = "vllm:e2e_request_latency_seconds"
+	MetricMooncakeBytes       = "vllm:mooncake_bytes_transferred"
+	MetricNixlBytes           = "vllm:nixl_bytes_transferred"
+	MetricMooncakeXferSeconds = "vllm:mooncake_xfer_time_seconds"
+	MetricNixlXferSeconds     = "vllm:nixl_xfer_time_seconds"
+)
+
 // The connectors' transfer counters: failed transfers and receives on decode, requests whose
 // held KV expired on prefill (the abort timeout), per connector.
 var (

@@ -433,6 +433,10 @@ func TestRealNode(t *testing.T) {
 		})
 	})
 
+	t.Run("KV verified: True under traffic, False (DecodeRecomputing, the pod named) when decode drops kv_transfer_params, True again", func(t *testing.T) {
+		r.verifiesKV(t)
+	})
+
 	t.Run("a killed prefill connector is restarted by the kubelet and requests succeed again", func(t *testing.T) {
 		prefill := r.pods(v1alpha1.RolePrefill)[0]
 		decode := r.pods(v1alpha1.RoleDecode)[0]

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -78,6 +80,9 @@ func TestKVTransferVerifiedTransitions(t *testing.T) {
 		t.Errorf("status.kvTransfer = %+v, want 99%% of 20000 tokens external", kv)
 	}
 	f.events()
+	if got := kvMetric(t, f.ns, "kv"); got != "ExternalKVObserved=1" {
+		t.Errorf("pdcluster_kv_transfer_verified = %q, want ExternalKVObserved=1", got)
+	}
 
 	// Nothing changes (the same counters, read again later): no write at all.
 	writes.Store(0)
@@ -98,6 +103,9 @@ func TestKVTransferVerifiedTransitions(t *testing.T) {
 	if ev := strings.Join(f.events(), "\n"); !strings.Contains(ev, "Warning "+v1alpha1.ReasonDecodeRecomputing) {
 		t.Errorf("events %q lack the Warning", ev)
 	}
+	if got := kvMetric(t, f.ns, "kv"); got != "DecodeRecomputing=0" {
+		t.Errorf("pdcluster_kv_transfer_verified = %q, want DecodeRecomputing=0 alone", got)
+	}
 
 	// KV moves again: once the window holds only the new traffic, True and a Normal event.
 	step(80*time.Second, 19900, 40100)
@@ -116,4 +124,33 @@ func TestKVTransferVerifiedTransitions(t *testing.T) {
 	if c := condition(&got, v1alpha1.ConditionKVTransferVerified); c.Type != "" || got.Status.KVTransfer != nil {
 		t.Errorf("with verification disabled: condition %+v, status.kvTransfer %+v, want neither", c, got.Status.KVTransfer)
 	}
+	if got := kvMetric(t, f.ns, "kv"); got != "" {
+		t.Errorf("pdcluster_kv_transfer_verified = %q with verification disabled, want no series", got)
+	}
+}
+
+// kvMetric is the operator's pdcluster_kv_transfer_verified series of one PDCluster, as
+// reason=value ("" for none; several joined with commas).
+func kvMetric(t *testing.T, ns, name string) string {
+	t.Helper()
+	mfs, err := metrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, mf := range mfs {
+		if mf.GetName() != "pdcluster_kv_transfer_verified" {
+			continue
+		}
+		for _, m := range mf.Metric {
+			l := map[string]string{}
+			for _, p := range m.Label {
+				l[p.GetName()] = p.GetValue()
+			}
+			if l["namespace"] == ns && l["name"] == name {
+				out = append(out, fmt.Sprintf("%s=%v", l["reason"], m.GetGauge().GetValue()))
+			}
+		}
+	}
+	return strings.Join(out, ",")
 }

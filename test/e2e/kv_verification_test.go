@@ -1,0 +1,78 @@
+package e2e
+
+import (
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+// dropKVParamsEnv is the stand-in engine's knob for a decode engine that never sees its
+// requests' kv_transfer_params (test/sim/cmd/vllm): it recomputes every prompt and answers 200.
+const dropKVParamsEnv = "VLLM_SIM_DROP_KV_TRANSFER_PARAMS"
+
+// kvVerified waits, sending a long request through the router every second, until
+// KVTransferVerified has status and reason, and returns the condition. Every request must
+// succeed: a decode that recomputes still answers.
+func (r realNode) kvVerified(t *testing.T, status metav1.ConditionStatus, reason string) metav1.Condition {
+	t.Helper()
+	var got metav1.Condition
+	last := time.Time{}
+	r.eventually(fmt.Sprintf("KVTransferVerified %s/%s under traffic", status, reason), func() error {
+		if time.Since(last) >= time.Second {
+			last = time.Now()
+			if code, _, err := r.complete(words(3*realBlock+5), 2); err != nil || code != http.StatusOK {
+				t.Fatalf("a request through the router failed: %d %v", code, err)
+			}
+		}
+		c := meta.FindStatusCondition(r.pdc().Status.Conditions, v1alpha1.ConditionKVTransferVerified)
+		if c == nil || c.Status != status || c.Reason != reason {
+			return fmt.Errorf("KVTransferVerified = %+v", c)
+		}
+		got = *c
+		return nil
+	})
+	return got
+}
+
+// verifiesKV: the sample (verification window 30 s) says KV moves under traffic; a decode engine
+// that drops kv_transfer_params (answering 200 all the same) turns the condition False,
+// DecodeRecomputing, with the pod named, and a Warning event; put back, it is True again.
+func (r realNode) verifiesKV(t *testing.T) {
+	c := r.kvVerified(t, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved)
+	kv := r.pdc().Status.KVTransfer
+	if kv == nil || kv.ExternalSharePercent == nil || *kv.ExternalSharePercent < 90 || kv.ExternalTokens == 0 {
+		t.Fatalf("status.kvTransfer = %+v (%s), want at least 90%% external", kv, c.Message)
+	}
+	t.Logf("verified: %s", c.Message)
+
+	r.patchReal(t, `{"decode":{"pod":{"env":[{"name":"`+dropKVParamsEnv+`","value":"1"}]}}}`)
+	decode := r.pods(v1alpha1.RoleDecode)[0]
+	if !slices.ContainsFunc(decode.Spec.Containers[0].Env, func(e corev1.EnvVar) bool { return e.Name == dropKVParamsEnv }) {
+		t.Fatalf("decode pod %s runs without %s", decode.Name, dropKVParamsEnv)
+	}
+	c = r.kvVerified(t, metav1.ConditionFalse, v1alpha1.ReasonDecodeRecomputing)
+	if !strings.Contains(c.Message, decode.Name) {
+		t.Errorf("KVTransferVerified message %q does not name the recomputing decode pod %s", c.Message, decode.Name)
+	}
+	if pods := r.pdc().Status.KVTransfer.RecomputingPods; !slices.Equal(pods, []string{decode.Name}) {
+		t.Errorf("status.kvTransfer.recomputingPods = %q, want %s", pods, decode.Name)
+	}
+	ev := r.run("get", "events", "-n", sampleNS, "--field-selector", "reason="+v1alpha1.ReasonDecodeRecomputing, "-o", "name")
+	if strings.TrimSpace(ev) == "" {
+		t.Error("no DecodeRecomputing event")
+	}
+	t.Logf("recomputing: %s", c.Message)
+
+	r.patchReal(t, `{"decode":{"pod":null}}`)
+	c = r.kvVerified(t, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved)
+	t.Logf("verified again: %s", c.Message)
+}
