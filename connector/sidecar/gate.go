@@ -112,19 +112,26 @@ var (
 	gateLoadedDesc = prometheus.NewDesc("pdcluster_connector_gate_loaded",
 		"1 while the engine's completion gate heartbeats (labels: connector class, vLLM version), else 0.",
 		[]string{"connector", "vllm_version"}, nil)
+	gateRequiredDesc = prometheus.NewDesc("pdcluster_connector_gate_required",
+		"1 when the sidecar is unready without the engine's completion gate (--require-gate), else 0: alert on gate_loaded 0 only where it is 1.", nil, nil)
 	gateAgeDesc = prometheus.NewDesc("pdcluster_connector_gate_heartbeat_age_seconds",
 		"Seconds since the engine's completion gate last reported (absent before the first report).", nil, nil)
 )
 
 // Describe implements prometheus.Collector: the gate's counts as the engine last reported them.
 func (g *gateWatch) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{gateCompletionsDesc, gateFailuresDesc, gateExpiredDesc, gateDroppedDesc, gateLoadedDesc, gateAgeDesc} {
+	for _, d := range []*prometheus.Desc{gateCompletionsDesc, gateFailuresDesc, gateExpiredDesc, gateDroppedDesc, gateLoadedDesc, gateRequiredDesc, gateAgeDesc} {
 		ch <- d
 	}
 }
 
 // Collect implements prometheus.Collector.
 func (g *gateWatch) Collect(ch chan<- prometheus.Metric) {
+	required := 0.0
+	if g.cfg.Required {
+		required = 1
+	}
+	ch <- prometheus.MustNewConstMetric(gateRequiredDesc, prometheus.GaugeValue, required)
 	st := g.state()
 	if st.Report == nil {
 		ch <- prometheus.MustNewConstMetric(gateLoadedDesc, prometheus.GaugeValue, 0, "", "")

@@ -337,3 +337,18 @@ func TestGateTransitionsAreLogged(t *testing.T) {
 		}
 	}
 }
+
+// gate_required says where a silent gate matters: an alert on gate_loaded 0 joins on it.
+func TestGateRequiredMetric(t *testing.T) {
+	for _, required := range []bool{false, true} {
+		reg := prometheus.NewRegistry()
+		reg.MustRegister(newGateWatch(GateConfig{Required: required}))
+		want := map[bool]string{false: "0", true: "1"}[required]
+		if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP pdcluster_connector_gate_required 1 when the sidecar is unready without the engine's completion gate (--require-gate), else 0: alert on gate_loaded 0 only where it is 1.
+# TYPE pdcluster_connector_gate_required gauge
+pdcluster_connector_gate_required `+want+"\n"), "pdcluster_connector_gate_required"); err != nil {
+			t.Errorf("required=%v: %v", required, err)
+		}
+	}
+}

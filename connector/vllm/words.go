@@ -81,9 +81,19 @@ const (
 )
 
 // The connectors' transfer counters: failed transfers and receives on decode, requests whose
-// held KV expired on prefill (the abort timeout), per connector.
+// held KV expired on prefill (the abort timeout).
+const (
+	MetricMooncakeFailedTransfers = "vllm:mooncake_num_failed_transfers_total"
+	MetricMooncakeFailedRecvs     = "vllm:mooncake_num_failed_recvs_total"
+	MetricMooncakeExpired         = "vllm:mooncake_num_kv_expired_reqs_total"
+	MetricNixlFailedTransfers     = "vllm:nixl_num_failed_transfers_total"
+	MetricNixlFailedNotifications = "vllm:nixl_num_failed_notifications_total"
+	MetricNixlExpired             = "vllm:nixl_num_kv_expired_reqs_total"
+)
+
+// The same counters, by what they count, for both connectors.
 var (
-	MetricFailedTransfers = []string{"vllm:mooncake_num_failed_transfers_total", "vllm:nixl_num_failed_transfers_total"}
-	MetricFailedReceives  = []string{"vllm:mooncake_num_failed_recvs_total", "vllm:nixl_num_failed_notifications_total"}
-	MetricExpiredRequests = []string{"vllm:mooncake_num_kv_expired_reqs_total", "vllm:nixl_num_kv_expired_reqs_total"}
+	MetricFailedTransfers = []string{MetricMooncakeFailedTransfers, MetricNixlFailedTransfers}
+	MetricFailedReceives  = []string{MetricMooncakeFailedRecvs, MetricNixlFailedNotifications}
+	MetricExpiredRequests = []string{MetricMooncakeExpired, MetricNixlExpired}
 )

@@ -28,6 +28,7 @@ type exchange struct {
 	body  map[string]json.RawMessage
 	reqID string
 	pools *Pools
+	start time.Time // the request's arrival
 
 	mu       sync.Mutex
 	tried    []string // endpoints that failed in this request
@@ -70,8 +71,15 @@ const (
 	attemptAbandoned
 )
 
-// commit marks the attempt's answer as the client's; false when it was abandoned first.
-func (a *attempt) commit() bool { return a.state.CompareAndSwap(attemptPending, attemptCommitted) }
+// commit marks the attempt's answer as the client's; false when it was abandoned first. The
+// answer's first byte follows at once.
+func (a *attempt) commit() bool {
+	if !a.state.CompareAndSwap(attemptPending, attemptCommitted) {
+		return false
+	}
+	a.x.r.metrics.firstToken.Observe(time.Since(a.x.start).Seconds())
+	return true
+}
 
 // abandon cancels a pending attempt's legs with why; false when it had committed.
 func (a *attempt) abandon(why *legError) bool {

@@ -61,6 +61,8 @@ func (r *Router) mooncake(a *attempt) *legError {
 		default:
 			if derr := drain(resp); derr != nil {
 				lerr = statusError(legPrefill, p.URL, resp.StatusCode, fmt.Sprintf("prefill leg %s: %v", p.URL, derr))
+			} else {
+				r.metrics.prefillLeg.Observe(time.Since(x.start).Seconds())
 			}
 		}
 		if lerr != nil {

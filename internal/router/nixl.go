@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
+	"time"
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/bounded"
@@ -60,6 +61,7 @@ func (r *Router) nixl(a *attempt) *legError {
 	if err := json.Unmarshal(pbody, &pr); err != nil || len(pr.KVTransferParams) == 0 || string(pr.KVTransferParams) == "null" {
 		return &legError{leg: legPrefill, cause: causeAnswer, endpoint: p.URL, status: http.StatusBadGateway, msg: fmt.Sprintf("prefill leg %s returned no kv_transfer_params", p.URL)}
 	}
+	r.metrics.prefillLeg.Observe(time.Since(x.start).Seconds())
 	db := maps.Clone(x.body)
 	db[vllm.KVTransferParams] = pr.KVTransferParams
 	// Past here a failed decode leaves prefill's blocks held until NIXL's abort timeout

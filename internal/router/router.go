@@ -125,7 +125,13 @@ type metrics struct {
 	ejections    *prometheus.CounterVec
 	budgetDenied prometheus.Counter
 	decodeOnly   prometheus.Counter
+	// Latencies as the router sees them, for its flow: the prefill leg (successful ones),
+	// the first byte of the answer to the client (a stream's first token), the whole request.
+	prefillLeg, firstToken, request prometheus.Observer
 }
+
+// latencyBuckets span 5 ms to 40 s.
+var latencyBuckets = prometheus.ExponentialBuckets(0.005, 2, 14)
 
 // New validates cfg and returns a Router; metrics register on reg.
 func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error) {
@@ -177,6 +183,19 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			}),
 		},
 	}
+	flow := prometheus.Labels{"flow": string(cfg.Flow)}
+	histograms := []*prometheus.HistogramVec{
+		prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "pdcluster_router_prefill_leg_seconds", Help: "Prefill legs that succeeded, from the request's arrival to prefill's answer, by flow.", Buckets: latencyBuckets,
+		}, []string{"flow"}),
+		prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "pdcluster_router_first_token_seconds", Help: "From the request's arrival to the first byte of its answer to the client (a stream's first token; a whole answer otherwise), by flow.", Buckets: latencyBuckets,
+		}, []string{"flow"}),
+		prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "pdcluster_router_request_duration_seconds", Help: "From the request's arrival to the end of its answer, by flow.", Buckets: latencyBuckets,
+		}, []string{"flow"}),
+	}
+	r.metrics.prefillLeg, r.metrics.firstToken, r.metrics.request = histograms[0].With(flow), histograms[1].With(flow), histograms[2].With(flow)
 	if reg != nil {
 		m := r.metrics
 		ejected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -185,7 +204,8 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		endpoints := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "pdcluster_router_endpoints", Help: "Engines the router knows now, by pool (ejected ones included).",
 		}, []string{"pool"})
-		for _, c := range []prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected, poolSizes{r, endpoints}} {
+		for _, c := range []prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected, poolSizes{r, endpoints},
+			histograms[0], histograms[1], histograms[2]} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -262,8 +282,12 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 func newID() string { return rand.Text() }
 
 func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
+	start := time.Now()
 	sw := &statusWriter{ResponseWriter: w}
-	defer func() { r.metrics.requests.WithLabelValues(string(r.cfg.Flow), strconv.Itoa(sw.code())).Inc() }()
+	defer func() {
+		r.metrics.requests.WithLabelValues(string(r.cfg.Flow), strconv.Itoa(sw.code())).Inc()
+		r.metrics.request.Observe(time.Since(start).Seconds())
+	}()
 	if n := r.inFlight.Add(1); n > r.cfg.MaxInFlight {
 		r.inFlight.Add(-1)
 		sw.Header().Set("Retry-After", "1")
@@ -309,6 +333,6 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(pools.Prefill), len(pools.Decode)))
 		return
 	}
-	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools}
+	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start}
 	x.run()
 }

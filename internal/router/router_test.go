@@ -10,8 +10,11 @@ import (
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/go-logr/logr"
 	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
@@ -255,5 +258,69 @@ func TestEncodeBodyIsJSON(t *testing.T) {
 	_ = json.Unmarshal(want, &wantV)
 	if diff := cmp.Diff(wantV, gotV); diff != "" {
 		t.Errorf("body (-encoding/json +router):\n%s", diff)
+	}
+}
+
+// The router's latencies, per flow: the prefill leg that succeeded, the first byte to the
+// client, the whole request; one observation each per request, in that order of size.
+func TestLatencyHistograms(t *testing.T) {
+	for _, flow := range []routerconfig.Flow{routerconfig.FlowMooncake, routerconfig.FlowNIXL} {
+		t.Run(string(flow), func(t *testing.T) {
+			p := &fakeEngine{reply: `{"kv_transfer_params":{"do_remote_prefill":true,"transfer_id":"t-1"}}`}
+			slowPrefill := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				time.Sleep(30 * time.Millisecond)
+				p.ServeHTTP(w, r)
+			})
+			d := &fakeEngine{reply: `{"choices":[{"text":"ok"}]}`}
+			reg := bootstrap.NewRegistry()
+			_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://p:1"})
+			boot, ps, ds := httptest.NewServer(reg.Handler()), httptest.NewServer(slowPrefill), httptest.NewServer(d)
+			t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
+			metrics := prometheus.NewRegistry()
+			r, err := New(Config{Flow: flow}, logr.Discard(), metrics)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}); err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(r.Handler(nil))
+			t.Cleanup(srv.Close)
+			if code, body := send(t, srv.URL, `{"prompt":"hi","max_tokens":5}`); code != 200 {
+				t.Fatalf("got %d %s", code, body)
+			}
+			// The Mooncake prefill leg may end after the answer: wait for its observation.
+			got := map[string]*dto.Histogram{}
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+				mfs, err := metrics.Gather()
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, mf := range mfs {
+					if h := mf.GetMetric()[0].GetHistogram(); h != nil {
+						if l := mf.GetMetric()[0].GetLabel(); len(l) != 1 || l[0].GetValue() != string(flow) {
+							t.Fatalf("%s labels %v, want flow=%s", mf.GetName(), l, flow)
+						}
+						got[mf.GetName()] = h
+					}
+				}
+				if h := got["pdcluster_router_prefill_leg_seconds"]; h.GetSampleCount() == 1 || time.Now().After(deadline) {
+					break
+				}
+			}
+			for _, name := range []string{"pdcluster_router_prefill_leg_seconds", "pdcluster_router_first_token_seconds", "pdcluster_router_request_duration_seconds"} {
+				if h := got[name]; h.GetSampleCount() != 1 {
+					t.Errorf("%s: %d observations, want 1", name, h.GetSampleCount())
+				}
+			}
+			prefill, first, whole := got["pdcluster_router_prefill_leg_seconds"].GetSampleSum(),
+				got["pdcluster_router_first_token_seconds"].GetSampleSum(), got["pdcluster_router_request_duration_seconds"].GetSampleSum()
+			if prefill < 0.03 || first > whole {
+				t.Errorf("prefill leg %.3fs (a 30 ms prefill), first byte %.3fs, whole request %.3fs", prefill, first, whole)
+			}
+			if flow == routerconfig.FlowNIXL && first < prefill {
+				t.Errorf("NIXL's first byte (%.3fs) came before its prefill leg ended (%.3fs)", first, prefill)
+			}
+		})
 	}
 }

@@ -29,7 +29,7 @@ func (r realNode) kvVerified(t *testing.T, status metav1.ConditionStatus, reason
 	r.eventually(fmt.Sprintf("KVTransferVerified %s/%s under traffic", status, reason), func() error {
 		if time.Since(last) >= time.Second {
 			last = time.Now()
-			if code, _, err := r.complete(words(3*realBlock+5), 2); err != nil || code != http.StatusOK {
+			if code, _, err := r.complete(words(8*realBlock+5), 2); err != nil || code != http.StatusOK {
 				t.Fatalf("a request through the router failed: %d %v", code, err)
 			}
 		}

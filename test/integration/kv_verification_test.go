@@ -53,6 +53,12 @@ func TestKVTransferVerifiedTransitions(t *testing.T) {
 	if err := f.c.Create(f.ctx, pdc); err != nil {
 		t.Fatal(err)
 	}
+	// Deleted at the end, so its series leave the operator's metrics that other tests read.
+	t.Cleanup(func() {
+		if err := f.c.Delete(f.ctx, pdc); err == nil {
+			f.reconcile("kv")
+		}
+	})
 	f.enginePodWithConnector("kv", "kv-prefill-a", v1alpha1.RolePrefill, true, now.Add(-time.Hour))
 	f.enginePodWithConnector("kv", "kv-decode-a", v1alpha1.RoleDecode, true, now.Add(-time.Hour))
 	src.set("kv-prefill-a", 0, 50000)

@@ -58,7 +58,10 @@ type Config struct {
 	// DropKVTransferParams makes a decode engine ignore every request's kv_transfer_params, as
 	// behind a router that drops them (fault injection): it recomputes every prompt.
 	DropKVTransferParams bool
-	Log                  logr.Logger
+	// Connector names the connector whose vLLM transfer counters the engine exports
+	// ("mooncake", "nixl"; "" none): failed receives on decode, expired held requests on prefill.
+	Connector string
+	Log       logr.Logger
 }
 
 // Engine is one simulated vLLM engine.
@@ -77,6 +80,9 @@ type Engine struct {
 	rmu     sync.Mutex
 	reports []kvtransfer.Completion
 	gate    *gate
+
+	// failedRecvs and expired are the connector's counters (Collector).
+	failedRecvs, expired atomic.Uint64
 
 	mu     sync.Mutex
 	reqs   map[kvtransfer.RequestID]*request
@@ -439,6 +445,9 @@ func (e *Engine) onDrop(transfer kvtransfer.TransferID, req kvtransfer.RequestID
 
 // finishedReceiving is the worker's report of a pull: held until the scheduler's next step.
 func (e *Engine) finishedReceiving(c kvtransfer.Completion) {
+	if c.Err != nil {
+		e.failedRecvs.Add(1)
+	}
 	e.rmu.Lock()
 	e.reports = append(e.reports, c)
 	e.rmu.Unlock()
@@ -477,6 +486,9 @@ func (e *Engine) deliverReports() bool {
 }
 
 func (e *Engine) finishedSending(rel kvtransfer.Release) {
+	if rel.Reason == kvtransfer.ReleaseExpired {
+		e.expired.Add(1)
+	}
 	e.sched.FinishedSending(rel)
 	e.kick()
 }

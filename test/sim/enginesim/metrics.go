@@ -12,17 +12,38 @@ import (
 var promptTokensDesc = prometheus.NewDesc(vllm.MetricPromptTokensBySource, "Number of prompt tokens by source.",
 	[]string{"model_name", "engine", vllm.MetricSourceLabel}, nil)
 
-// Collector exports what the engine's scheduler counted under vLLM's metric names: the prompt
-// tokens by source as the scheduler model counted them when each prefill ran.
+// connectorCounters are the connector's vLLM counters the stand-in keeps: failed receives
+// (decode) and expired held requests (prefill), by connector.
+var connectorCounters = map[string][2]*prometheus.Desc{
+	"mooncake": {prometheus.NewDesc(vllm.MetricMooncakeFailedRecvs, "Number of failed Mooncake KV Cache receives.", []string{"model_name", "engine"}, nil),
+		prometheus.NewDesc(vllm.MetricMooncakeExpired, "Number of requests that had their KV expire.", []string{"model_name", "engine"}, nil)},
+	"nixl": {prometheus.NewDesc(vllm.MetricNixlFailedTransfers, "Number of failed NIXL KV Cache transfers.", []string{"model_name", "engine"}, nil),
+		prometheus.NewDesc(vllm.MetricNixlExpired, "Number of requests that had their KV expire.", []string{"model_name", "engine"}, nil)},
+}
+
+// Collector exports what the engine counted under vLLM's metric names: the prompt tokens by
+// source as the scheduler model counted them when each prefill ran, and the connector's
+// failed receives and expired requests as its transfer engine reported them.
 func (e *Engine) Collector() prometheus.Collector { return engineCollector{e} }
 
 type engineCollector struct{ e *Engine }
 
-func (c engineCollector) Describe(ch chan<- *prometheus.Desc) { ch <- promptTokensDesc }
+func (c engineCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- promptTokensDesc
+	if ds, ok := connectorCounters[c.e.cfg.Connector]; ok {
+		for _, d := range ds {
+			ch <- d
+		}
+	}
+}
 
 func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 	t := c.e.sched.Stats().Tokens
 	for source, n := range map[string]uint64{vllm.SourceLocalCompute: t.LocalCompute, vllm.SourceLocalCacheHit: t.LocalCacheHit, vllm.SourceExternalKV: t.ExternalKV} {
 		ch <- prometheus.MustNewConstMetric(promptTokensDesc, prometheus.CounterValue, float64(n), c.e.cfg.Model, "0", source)
+	}
+	if d, ok := connectorCounters[c.e.cfg.Connector]; ok {
+		ch <- prometheus.MustNewConstMetric(d[0], prometheus.CounterValue, float64(c.e.failedRecvs.Load()), c.e.cfg.Model, "0")
+		ch <- prometheus.MustNewConstMetric(d[1], prometheus.CounterValue, float64(c.e.expired.Load()), c.e.cfg.Model, "0")
 	}
 }

@@ -185,6 +185,7 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 		cfg.Capacity = 4096
 	}
 	cfg.DropKVTransferParams = getenv(dropKVParamsEnv) == "1"
+	cfg.Connector = map[vllmcli.Flow]string{vllmcli.FlowMooncake: "mooncake", vllmcli.FlowNixl: "nixl"}[conn.Flow]
 	e, err := enginesim.New(cfg)
 	if err != nil {
 		return err

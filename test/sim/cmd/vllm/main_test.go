@@ -269,3 +269,33 @@ func TestPromptTokensBySourceAndDroppedKVParams(t *testing.T) {
 		}
 	}
 }
+
+// A pull that cannot reach its prefill fails the request (kv_load_failure_policy fail) and is
+// counted as vLLM's Mooncake connector counts it, so the operator's verdict can say
+// TransferFailing from the engine's own counters.
+func TestFailedPullCountedAsVLLMDoes(t *testing.T) {
+	api := freePort(t)
+	_, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), "--block-size=16",
+		`--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}`}, podEnv(t))
+	url := fmt.Sprintf("http://127.0.0.1:%d", api)
+	waitHealthy(t, url, errc)
+	body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("word ", 40) + `","kv_transfer_params":{"do_remote_prefill":true,` +
+		`"transfer_id":"t1","remote_engine_id":"gone","remote_bootstrap_addr":"http://127.0.0.1:1"}}`
+	r, err := (&http.Client{Timeout: 20 * time.Second}).Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Body.Close()
+	if r.StatusCode != http.StatusInternalServerError {
+		t.Fatalf("POST = %s, want 500 (the pull failed, policy fail)", r.Status)
+	}
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	scrape, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if want := `vllm:mooncake_num_failed_recvs_total{engine="0",model_name="m"} 1`; !strings.Contains(string(scrape), want) {
+		t.Errorf("GET /metrics lacks %s:\n%s", want, scrape)
+	}
+}
