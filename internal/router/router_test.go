@@ -66,12 +66,18 @@ func newRouter(t *testing.T, flow routerconfig.Flow, p, d *fakeEngine) *httptest
 // decode engine d, with cfg's flow and limits.
 func routerWith(t *testing.T, cfg Config, p, d http.Handler) *httptest.Server {
 	t.Helper()
+	return routerMetered(t, cfg, p, d, nil)
+}
+
+// routerMetered is routerWith registering the router's metrics in metrics (nil: none).
+func routerMetered(t *testing.T, cfg Config, p, d http.Handler, metrics prometheus.Registerer) *httptest.Server {
+	t.Helper()
 	reg := bootstrap.NewRegistry()
 	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://p:1"})
 	boot := httptest.NewServer(reg.Handler())
 	ps, ds := httptest.NewServer(p), httptest.NewServer(d)
 	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
-	r, err := New(cfg, logr.Discard(), nil)
+	r, err := New(cfg, logr.Discard(), metrics)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,20 +278,8 @@ func TestLatencyHistograms(t *testing.T) {
 				p.ServeHTTP(w, r)
 			})
 			d := &fakeEngine{reply: `{"choices":[{"text":"ok"}]}`}
-			reg := bootstrap.NewRegistry()
-			_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://p:1"})
-			boot, ps, ds := httptest.NewServer(reg.Handler()), httptest.NewServer(slowPrefill), httptest.NewServer(d)
-			t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
 			metrics := prometheus.NewRegistry()
-			r, err := New(Config{Flow: flow}, logr.Discard(), metrics)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}); err != nil {
-				t.Fatal(err)
-			}
-			srv := httptest.NewServer(r.Handler(nil))
-			t.Cleanup(srv.Close)
+			srv := routerMetered(t, Config{Flow: flow}, slowPrefill, d, metrics)
 			if code, body := send(t, srv.URL, `{"prompt":"hi","max_tokens":5}`); code != 200 {
 				t.Fatalf("got %d %s", code, body)
 			}
