@@ -245,6 +245,7 @@ type KVTransferSpec struct {
 	// verification is how the operator checks that KV really moves from prefill to decode
 	// (a cluster can be healthy and answer 200 while decode recomputes every prompt): it
 	// reports the evidence in status.kvTransfer and the KVTransferVerified condition.
+	// +kubebuilder:default={}
 	// +optional
 	Verification KVVerification `json:"verification,omitempty"`
 
