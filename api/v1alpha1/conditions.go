@@ -15,6 +15,19 @@ const (
 	// ConditionKVTransferVerified says whether decode receives its prompts' KV from prefill,
 	// from what the engines counted over the verification window.
 	ConditionKVTransferVerified = "KVTransferVerified"
+	// ConditionProgressing is True while the engine pods do not all serve the spec's KV
+	// revision (status.updateRevision).
+	ConditionProgressing = "Progressing"
+)
+
+// Reasons of Progressing.
+const (
+	// ReasonKVRevisionRollingOut (True): engine pods of an older KV revision still run beside
+	// pods of status.updateRevision; the message counts them per pool.
+	ReasonKVRevisionRollingOut = "KVRevisionRollingOut"
+	// ReasonRolloutComplete (False): every engine pod of both pools serves
+	// status.updateRevision and the pools are ready.
+	ReasonRolloutComplete = "RolloutComplete"
 )
 
 // Reasons of KVTransferVerified.

@@ -14,6 +14,9 @@ const (
 	LabelCluster = "serving.pdcluster.dev/cluster"
 	// LabelRole is the Role of the object's pods.
 	LabelRole = "serving.pdcluster.dev/role"
+	// LabelKVRevision on an engine pod is the KV revision it serves (status.updateRevision
+	// when it was created): pods with different values must not exchange KV.
+	LabelKVRevision = "serving.pdcluster.dev/kv-revision"
 
 	// AnnotationConfigHash on a pod template changes whenever the pod spec does, so a spec
 	// change rolls exactly the pool whose pods it affects.

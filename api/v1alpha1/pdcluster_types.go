@@ -91,6 +91,16 @@ type ModelSpec struct {
 	// +kubebuilder:validation:MaxLength=256
 	ServedModelName string `json:"servedModelName,omitempty"`
 
+	// revision names the weights at path. Without pvc or hostPath it is passed to vLLM as
+	// --revision (a Hugging Face branch, tag or commit). With pvc or hostPath it is a label
+	// only: change it whenever the weights at the same path change, so the KV revision
+	// (status.updateRevision) changes with them, the engines restart and the rollout is
+	// reported; KV computed from other weights reads as valid KV and gives plausible but wrong
+	// output.
+	// +optional
+	// +kubebuilder:validation:MaxLength=256
+	Revision string `json:"revision,omitempty"`
+
 	// pvc holds the weights on a PersistentVolumeClaim, mounted read-only at /models in every
 	// engine container.
 	// +optional
@@ -861,7 +871,7 @@ type PDClusterStatus struct {
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
 
 	// conditions: Ready, PrefillReady, DecodeReady, RouterReady, ConnectorHealthy, CompletionGated,
-	// KVTransferVerified.
+	// KVTransferVerified, Progressing.
 	// +optional
 	// +listType=map
 	// +listMapKey=type
@@ -889,6 +899,20 @@ type PDClusterStatus struct {
 	// kvTransfer.verification.windowSeconds; absent when verification is Disabled.
 	// +optional
 	KVTransfer *KVTransferStatus `json:"kvTransfer,omitempty"`
+
+	// updateRevision is the KV revision of the current spec: a hash of only what decides
+	// whether decode can read prefill's KV (both pools' images, the model, its path and
+	// revision, block size, dtype and KV-cache dtype, the kvTransfer stanza, both pools'
+	// tensor and pipeline parallelism, the completion gate plugin). The engine pods carry it
+	// in the serving.pdcluster.dev/kv-revision label.
+	// +optional
+	UpdateRevision string `json:"updateRevision,omitempty"`
+
+	// currentRevision is the KV revision every engine pod of both pools served when the last
+	// rollout completed. While it differs from updateRevision (condition Progressing), pods of
+	// both revisions run.
+	// +optional
+	CurrentRevision string `json:"currentRevision,omitempty"`
 }
 
 // KVTransferStatus is what the decode engines counted over the verification window.
@@ -938,6 +962,8 @@ type KVTransferStatus struct {
 // +kubebuilder:printcolumn:name="KV",type=string,JSONPath=`.status.conditions[?(@.type=="KVTransferVerified")].status`,description="whether decode receives its prompts' KV from prefill (KVTransferVerified)"
 // +kubebuilder:printcolumn:name="External",type=integer,JSONPath=`.status.kvTransfer.externalSharePercent`,priority=1,description="percent of decode's prompt tokens received from prefill over the verification window"
 // +kubebuilder:printcolumn:name="Gated",type=integer,JSONPath=`.status.decode.gate.gatedCompletions`,priority=1,description="empty pulls the decode engines' completion gate kept from the scheduler"
+// +kubebuilder:printcolumn:name="Revision",type=string,JSONPath=`.status.currentRevision`,priority=1,description="the KV revision every engine pod served when the last rollout completed"
+// +kubebuilder:printcolumn:name="Rollout",type=string,JSONPath=`.status.conditions[?(@.type=="Progressing")].reason`,priority=1,description="RollingOut while engine pods of two KV revisions run (Progressing)"
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type PDCluster struct {

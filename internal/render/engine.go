@@ -51,6 +51,9 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 		"--data-parallel-size", strconv.Itoa(int(*p.Parallelism.Data)),
 		"--pipeline-parallel-size", strconv.Itoa(int(*p.Parallelism.Pipeline)),
 	}
+	if r := spec.Model.Revision; r != "" && spec.Model.PVC == nil && spec.Model.HostPath == nil {
+		args = append(args, "--revision", r)
+	}
 	if p.Parallelism.Expert {
 		args = append(args, "--enable-expert-parallel")
 	}
@@ -148,6 +151,11 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	tmpl := &dep.Spec.Template.ObjectMeta
 	tmpl.Labels = mergeMaps(nodeSelector(settings.Labels), tmpl.Labels)
 	tmpl.Annotations = mergeMaps(settings.Annotations, tmpl.Annotations)
+	rev, err := KVRevision(pdc)
+	if err != nil {
+		return nil, err
+	}
+	tmpl.Labels[v1alpha1.LabelKVRevision] = rev
 	if gate {
 		tmpl.Annotations[v1alpha1.AnnotationGateHash] = vllm.Hash()
 	}

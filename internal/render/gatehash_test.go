@@ -126,12 +126,15 @@ func roundTrip(t *testing.T, r gateRender) gateRender {
 }
 
 // withHash is r with its hash, and the annotation of each template, set to hash.
-func withHash(r gateRender, hash string) gateRender {
+// The plugin is part of the KV revision, so the revision label follows it: kvRevision is that
+// of the render with the new plugin.
+func withHash(r gateRender, hash, kvRevision string) gateRender {
 	r.Hash = hash
 	tmpls := map[v1alpha1.Role]corev1.PodTemplateSpec{}
 	for role, tmpl := range r.Templates {
 		tmpl = *tmpl.DeepCopy()
 		tmpl.Annotations[v1alpha1.AnnotationGateHash] = hash
+		tmpl.Labels[v1alpha1.LabelKVRevision] = kvRevision
 		tmpls[role] = tmpl
 	}
 	r.Templates = tmpls
@@ -193,8 +196,13 @@ func TestGateHashFollowsThePluginContent(t *testing.T) {
 			}
 			seen[got.Hash] = v.name
 			// Everything else is as before: the ConfigMap carries the new file, and the pod
-			// templates differ by the annotation alone, which is the new hash.
-			want := withHash(base, got.Hash)
+			// templates differ by the annotation, which is the new hash, and by a new KV
+			// revision (decode must not read KV that a prefill with the old plugin made).
+			rev := got.Templates[v1alpha1.RoleDecode].Labels[v1alpha1.LabelKVRevision]
+			if rev == base.Templates[v1alpha1.RoleDecode].Labels[v1alpha1.LabelKVRevision] {
+				t.Errorf("KV revision %q unchanged by a new plugin", rev)
+			}
+			want := withHash(base, got.Hash, rev)
 			want.Files = maps.Clone(base.Files)
 			want.Files[v.file] = v.content
 			if d := cmp.Diff(want, got); d != "" {
