@@ -67,6 +67,7 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 		events = append(events, connectorStatus(&status, in)...)
 		events = append(events, kvStatus(&status, in.pdc, in.kv)...)
 		poolStatuses(&status, in, gates)
+		events = append(events, revisionStatus(&status, in)...)
 		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
 	}
 	events = append(events, poolProblemEvents(in.pdc.Status.Conditions, &status)...)

@@ -128,6 +128,12 @@ func (w *PodWrapper) Deleting(at time.Time) *PodWrapper {
 	return w
 }
 
+// KVRevision sets the KV revision label the pod was created with.
+func (w *PodWrapper) KVRevision(rev string) *PodWrapper {
+	w.Labels[v1alpha1.LabelKVRevision] = rev
+	return w
+}
+
 // WithoutConnector drops the connector's status, as for a pod rendered before the sidecar.
 func (w *PodWrapper) WithoutConnector() *PodWrapper {
 	w.Status.ContainerStatuses = w.Status.ContainerStatuses[:1]

@@ -1,0 +1,94 @@
+package controllers
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// revisionStatus writes status.updateRevision, status.currentRevision and Progressing from the
+// KV revision render put on the engine pod templates and the revisions the engine pods carry.
+// It runs after the pool conditions: a rollout completes when every engine pod serves the
+// update revision and both pools are ready.
+func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
+	pdc := in.pdc
+	update := appliedRevision(in.applied)
+	if update == "" || in.obs.podsErr != nil {
+		return nil // nothing rendered, or the pods unknown: keep what was known
+	}
+	status.UpdateRevision = update
+	// Engine pods per revision and pool; a pod being deleted no longer serves.
+	counts := map[string]map[v1alpha1.Role]int{}
+	for _, p := range in.obs.pods {
+		role := v1alpha1.Role(p.Labels[v1alpha1.LabelRole])
+		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || p.DeletionTimestamp != nil || podFinished(&p) {
+			continue
+		}
+		rev := p.Labels[v1alpha1.LabelKVRevision]
+		if counts[rev] == nil {
+			counts[rev] = map[v1alpha1.Role]int{}
+		}
+		counts[rev][role]++
+	}
+	old := slices.DeleteFunc(slices.Sorted(maps.Keys(counts)), func(r string) bool { return r == update })
+	ready := meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionPrefillReady) &&
+		meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionDecodeReady)
+	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionProgressing)
+	wasRolling := before != nil && before.Status == metav1.ConditionTrue
+	// Once a revision has rolled out, a pod of it that is not ready is a pool problem
+	// (PrefillReady, DecodeReady), not a rollout.
+	if len(old) == 0 && (ready || pdc.Status.CurrentRevision == update) {
+		status.CurrentRevision = update
+		msg := fmt.Sprintf("every engine pod serves KV revision %s", update)
+		setCondition(status, pdc, v1alpha1.ConditionProgressing, metav1.ConditionFalse, v1alpha1.ReasonRolloutComplete, msg)
+		// The events tell of a change of revision, not of a PDCluster's first pods (Created
+		// and Ready do).
+		if wasRolling && pdc.Status.CurrentRevision != "" {
+			return []event{{corev1.EventTypeNormal, v1alpha1.ReasonRolloutComplete, "Observe", msg}}
+		}
+		return nil
+	}
+	var parts []string
+	for _, rev := range append(old, update) {
+		name := rev
+		if name == "" {
+			name = "unlabelled"
+		}
+		parts = append(parts, fmt.Sprintf("%s: %d prefill, %d decode", name, counts[rev][v1alpha1.RolePrefill], counts[rev][v1alpha1.RoleDecode]))
+	}
+	msg := fmt.Sprintf("rolling out KV revision %s (engine pods by revision: %s)", update, strings.Join(parts, "; "))
+	if len(old) == 0 {
+		msg = fmt.Sprintf("waiting for the engine pods of KV revision %s to be ready", update)
+	}
+	setCondition(status, pdc, v1alpha1.ConditionProgressing, metav1.ConditionTrue, v1alpha1.ReasonKVRevisionRollingOut, msg)
+	if len(old) > 0 && (!wasRolling || pdc.Status.UpdateRevision != update) {
+		return []event{{corev1.EventTypeNormal, v1alpha1.ReasonKVRevisionRollingOut, "Render", msg}}
+	}
+	return nil
+}
+
+// appliedRevision is the KV revision on the engine pod templates render produced.
+func appliedRevision(applied []render.Object) string {
+	for _, o := range applied {
+		if dep, ok := o.(*appsv1.Deployment); ok {
+			if rev := dep.Spec.Template.Labels[v1alpha1.LabelKVRevision]; rev != "" {
+				return rev
+			}
+		}
+	}
+	return ""
+}
+
+// podFinished: a pod that succeeded or failed runs no engine.
+func podFinished(p *corev1.Pod) bool {
+	return p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed
+}

@@ -1,0 +1,126 @@
+package render
+
+import (
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/utils/ptr"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+func revisionBase() *v1alpha1.PDCluster {
+	pdc := &v1alpha1.PDCluster{Spec: v1alpha1.PDClusterSpec{
+		Model:      v1alpha1.ModelSpec{Path: "Qwen/Qwen3-8B"},
+		Engine:     v1alpha1.EngineSpec{Image: "vllm/vllm-openai:v0.11.0", BlockSize: ptr.To[int32](64)},
+		KVTransfer: v1alpha1.KVTransferSpec{RDMADevices: []string{"mlx5_0"}},
+		Prefill:    v1alpha1.PoolSpec{Replicas: ptr.To[int32](2)},
+		Decode:     v1alpha1.PoolSpec{Replicas: ptr.To[int32](1)},
+	}}
+	pdc.Name, pdc.Namespace = "pd", "ns"
+	pdc.SetDefaults()
+	return pdc
+}
+
+// TestKVRevision: the KV revision changes with what decides whether decode can read prefill's
+// KV, and with nothing else.
+func TestKVRevision(t *testing.T) {
+	base, err := KVRevision(revisionBase())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(base) != 10 {
+		t.Fatalf("KV revision %q: want 10 characters (a label value)", base)
+	}
+	cases := []struct {
+		name    string
+		change  func(*v1alpha1.PDCluster)
+		changes bool
+	}{
+		// Outside the revision: they roll the pods within one revision.
+		{"resources", func(p *v1alpha1.PDCluster) {
+			p.Spec.Decode.Resources.Limits = corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Gi")}
+		}, false},
+		{"replicas", func(p *v1alpha1.PDCluster) { p.Spec.Prefill.Replicas = ptr.To[int32](5) }, false},
+		{"tolerations", func(p *v1alpha1.PDCluster) {
+			p.Spec.Prefill.Tolerations = []corev1.Toleration{{Key: "gpu", Operator: corev1.TolerationOpExists}}
+		}, false},
+		{"env", func(p *v1alpha1.PDCluster) {
+			p.Spec.Decode.Pod = &v1alpha1.PodSettings{Env: []corev1.EnvVar{{Name: "VLLM_LOGGING_LEVEL", Value: "DEBUG"}}}
+		}, false},
+		{"a flag outside the KV format", func(p *v1alpha1.PDCluster) { p.Spec.Engine.Args = []string{"--max-num-seqs=64"} }, false},
+		{"data parallelism", func(p *v1alpha1.PDCluster) { p.Spec.Decode.Parallelism.Data = ptr.To[int32](2) }, false},
+		{"verification", func(p *v1alpha1.PDCluster) { p.Spec.KVTransfer.Verification.Mode = v1alpha1.KVVerificationDisabled }, false},
+		// Inside it.
+		{"engine image", func(p *v1alpha1.PDCluster) { p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0" }, true},
+		{"one pool's image", func(p *v1alpha1.PDCluster) { p.Spec.Prefill.Image = "vllm/vllm-openai:v0.12.0" }, true},
+		{"block size", func(p *v1alpha1.PDCluster) { p.Spec.Engine.BlockSize = ptr.To[int32](16) }, true},
+		{"model path", func(p *v1alpha1.PDCluster) { p.Spec.Model.Path = "Qwen/Qwen3-14B" }, true},
+		{"model revision", func(p *v1alpha1.PDCluster) { p.Spec.Model.Revision = "a1b2c3" }, true},
+		{"quantization", func(p *v1alpha1.PDCluster) { p.Spec.Engine.Args = []string{"--quantization", "fp8"} }, true},
+		{"quantization as -q", func(p *v1alpha1.PDCluster) { p.Spec.Prefill.Args = []string{"-q=fp8"} }, true},
+		{"KV-cache dtype", func(p *v1alpha1.PDCluster) { p.Spec.Decode.Args = []string{"--kv-cache-dtype", "fp8"} }, true},
+		{"dtype", func(p *v1alpha1.PDCluster) { p.Spec.Engine.Args = []string{"--dtype=bfloat16"} }, true},
+		{"tensor parallelism", func(p *v1alpha1.PDCluster) { p.Spec.Decode.Parallelism.Tensor = ptr.To[int32](2) }, true},
+		{"pipeline parallelism", func(p *v1alpha1.PDCluster) { p.Spec.Prefill.Parallelism.Pipeline = ptr.To[int32](2) }, true},
+		{"transfer protocol", func(p *v1alpha1.PDCluster) { p.Spec.KVTransfer.Protocol = v1alpha1.ProtocolTCP }, true},
+		{"completion gate off", func(p *v1alpha1.PDCluster) { p.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled }, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			pdc := revisionBase()
+			c.change(pdc)
+			got, err := KVRevision(pdc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if changed := got != base; changed != c.changes {
+				t.Errorf("KV revision %s -> %s: changed = %v, want %v", base, got, changed, c.changes)
+			}
+		})
+	}
+}
+
+// TestKVRevisionSameFlagSpelledTwoWays: -q fp8, --quantization=fp8 and --quantization fp8 are
+// one KV format, as argparse reads them.
+func TestKVRevisionSameFlagSpelledTwoWays(t *testing.T) {
+	var revs []string
+	for _, args := range [][]string{{"-q", "fp8"}, {"--quantization=fp8"}, {"--quantization", "int8", "--quantization", "fp8"}} {
+		pdc := revisionBase()
+		pdc.Spec.Engine.Args = args
+		rev, err := KVRevision(pdc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		revs = append(revs, rev)
+	}
+	if revs[0] != revs[1] || revs[1] != revs[2] {
+		t.Errorf("revisions %v: want one", revs)
+	}
+}
+
+func TestFlagValues(t *testing.T) {
+	cases := []struct {
+		name string
+		args []string
+		want map[string]string
+	}{
+		{"separate value", []string{"--dtype", "half"}, map[string]string{"--dtype": "half"}},
+		{"joined value", []string{"--dtype=half"}, map[string]string{"--dtype": "half"}},
+		{"alias", []string{"-q", "awq"}, map[string]string{"--quantization": "awq"}},
+		{"last wins", []string{"--dtype=half", "--max-num-seqs", "8", "--dtype", "float32"}, map[string]string{"--dtype": "float32"}},
+		{"no value before the next flag", []string{"--dtype", "--enforce-eager"}, map[string]string{"--dtype": ""}},
+		{"no value at the end", []string{"--dtype"}, map[string]string{"--dtype": ""}},
+		{"other flags only", []string{"--max-num-seqs", "8", "--enforce-eager"}, map[string]string{}},
+		{"a prefix is not the flag", []string{"--dtypes=half"}, map[string]string{}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if d := cmp.Diff(c.want, flagValues(c.args, kvFormatFlags)); d != "" {
+				t.Errorf("flagValues(%q) (-want +got):\n%s", c.args, d)
+			}
+		})
+	}
+}
