@@ -44,8 +44,10 @@ func (h healthOutcome) requeueAfter() time.Duration {
 
 // decideConnectorHealth judges the observed engine pods' connectors (see
 // controllers/connectorhealth for the rules) and restarts the pods whose connector has been
-// unready too long. It writes no status: computeStatus records the round.
-func (r *PDClusterReconciler) decideConnectorHealth(ctx context.Context, pdc *v1alpha1.PDCluster, o observed, now time.Time) healthOutcome {
+// unready too long. It writes no status: computeStatus records the round. desired is how many
+// engine pods the pools run (what the scale decision set on the Deployments, not spec's
+// replicas: an External pool's count is its PoolScale's).
+func (r *PDClusterReconciler) decideConnectorHealth(ctx context.Context, pdc *v1alpha1.PDCluster, o observed, now time.Time, desired int) healthOutcome {
 	if o.podsErr != nil {
 		return healthOutcome{}
 	}
@@ -56,7 +58,6 @@ func (r *PDClusterReconciler) decideConnectorHealth(ctx context.Context, pdc *v1
 		}
 	}
 	h := healthOutcome{decided: true, policy: connectorhealth.PolicyFrom(pdc.Spec.Connector.Health)}
-	desired := int(*pdc.Spec.Prefill.Replicas + *pdc.Spec.Decode.Replicas)
 	h.decision = connectorhealth.Decide(now, h.policy, pdc.Status.Connector, pods, desired)
 	if len(h.decision.Restart) == 0 {
 		return h

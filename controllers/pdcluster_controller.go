@@ -36,6 +36,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/scaling"
 )
 
 // PDClusterReconciler reconciles PDCluster objects.
@@ -90,13 +91,13 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	// Apply, observe once, act on connector health, then compute the whole status from what
 	// was learned and write it once; events go out after the write.
 	in := statusInputs{pdc: &pdc, now: r.now()}
-	applied, events, err := r.reconcileChildren(ctx, &pdc)
-	in.applied, in.childrenErr = applied, err
+	applied, scale, events, err := r.reconcileChildren(ctx, &pdc)
+	in.applied, in.scale, in.childrenErr = applied, scale, err
 	reconcileErr := err // every step's error: apply, observe, restarts
 	var requeueAfter time.Duration
 	if err == nil {
 		in.obs = r.observe(ctx, &pdc)
-		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now)
+		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now, int(scale.effective.Prefill+scale.effective.Decode))
 		in.kv = r.verifyKV(&pdc, in.obs, in.now)
 		reconcileErr = errors.Join(in.obs.err(), in.health.err)
 		requeueAfter = in.health.requeueAfter()
@@ -154,23 +155,27 @@ func isPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
-// reconcileChildren renders the desired objects and applies the ones that differ from the
-// cluster. Nothing is written when everything already matches. It returns what it applied (as
-// rendered, not as the server answered), for the pool status, and the events of what it did.
-func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster) ([]render.Object, []event, error) {
+// reconcileChildren decides what each pool runs, renders the desired objects and applies the
+// ones that differ from the cluster. Nothing is written when everything already matches. It
+// returns what it applied (as rendered, not as the server answered) and the scale decision,
+// for the pool status, and the events of what it did.
+func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster) ([]render.Object, *scaleDecision, []event, error) {
 	// What the CRD cannot check, in the PDCluster's field names, before anything is applied.
 	if err := pdc.Validate().ToAggregate(); err != nil {
-		return nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
+		return nil, nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
 	}
-	objs, err := render.Render(pdc, r.Options)
+	scale, events, err := r.decideScale(ctx, pdc)
 	if err != nil {
-		return nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
+		return nil, nil, events, err
+	}
+	objs, err := render.Render(scaling.Scaled(pdc, scale.effective), r.Options)
+	if err != nil {
+		return nil, nil, events, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
 	}
 	// One event per action for all the children it touched: the events library merges events
 	// of one reason and action into a series that keeps only the first note, so one event per
 	// child named a single child (and cost a write each).
 	var created, updated []string
-	var events []event
 	summarize := func() {
 		for _, e := range []struct {
 			reason, action string
@@ -184,13 +189,13 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	for _, obj := range objs {
 		if err := controllerutil.SetControllerReference(pdc, obj, r.Scheme); err != nil {
 			summarize()
-			return nil, events, fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
+			return nil, nil, events, fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
 		}
 		action, err := r.reconcileObject(ctx, obj)
 		if err != nil {
 			summarize()
 			msg := fmt.Sprintf("apply %T %s: %v", obj, obj.GetName(), err)
-			return nil, events, &readyError{v1alpha1.ReasonApplyFailed, "Apply", msg, fmt.Errorf("apply %s: %w", obj.GetName(), err)}
+			return nil, nil, events, &readyError{v1alpha1.ReasonApplyFailed, "Apply", msg, fmt.Errorf("apply %s: %w", obj.GetName(), err)}
 		}
 		name := obj.GetObjectKind().GroupVersionKind().Kind + " " + obj.GetName()
 		switch action {
@@ -202,7 +207,11 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	}
 	summarize()
 	deleted, err := r.deleteUnusedChildren(ctx, pdc)
-	return objs, append(events, deleted...), err
+	events = append(events, deleted...)
+	if err != nil {
+		return objs, &scale, events, err
+	}
+	return objs, &scale, events, r.writeScaleStatus(ctx, pdc, scale)
 }
 
 // deleteUnusedChildren removes the children render leaves out depending on the spec once the
@@ -346,6 +355,8 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Owns(&corev1.ConfigMap{}).
 		Owns(&policyv1.PodDisruptionBudget{}).
 		Owns(&networkingv1.NetworkPolicy{}).
+		// An autoscaler or `kubectl scale` writing an External pool's count.
+		Owns(&v1alpha1.PoolScale{}).
 		// Engine pods belong to ReplicaSets, not to the PDCluster: map them by label.
 		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(podToPDCluster)).
 		WithOptions(controller.Options{MaxConcurrentReconciles: r.MaxConcurrentReconciles}).

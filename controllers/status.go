@@ -36,6 +36,8 @@ type statusInputs struct {
 	applied []render.Object
 	obs     observed
 	health  healthOutcome
+	// scale is what each pool's scaler asked and what the pools run; nil when undecided.
+	scale *scaleDecision
 	// kv is the KV transfer verdict; nil when verification is off or nothing was read.
 	kv *kvverify.Verdict
 }
@@ -67,6 +69,7 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 		events = append(events, connectorStatus(&status, in)...)
 		events = append(events, kvStatus(&status, in.pdc, in.kv)...)
 		poolStatuses(&status, in, gates)
+		events = append(events, scaleStatus(&status, in.pdc, in.scale)...)
 		events = append(events, revisionStatus(&status, in)...)
 		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
 	}

@@ -18,6 +18,24 @@ const (
 	// ConditionProgressing is True while the engine pods do not all serve the spec's KV
 	// revision (status.updateRevision).
 	ConditionProgressing = "Progressing"
+	// ConditionRatioConstrained is True while a pool runs another count than its scaler asked,
+	// brought within spec.scaling's bounds or P:D ratio. Set only when spec.scaling bounds
+	// something (a pool in External mode, or a ratio).
+	ConditionRatioConstrained = "RatioConstrained"
+)
+
+// Reasons of RatioConstrained.
+const (
+	// ReasonAsRequested (False): each pool runs what its scaler asked.
+	ReasonAsRequested = "AsRequested"
+	// ReasonReplicaBounds (True): a request outside minReplicas/maxReplicas was brought inside.
+	ReasonReplicaBounds = "ReplicaBounds"
+	// ReasonRatioBounds (True): a pool was raised into the ratio (or lowered, past the other
+	// pool's maxReplicas).
+	ReasonRatioBounds = "RatioBounds"
+	// ReasonRatioUnsatisfiable (True): no counts within both pools' bounds meet the ratio; the
+	// pools run their requests within the bounds.
+	ReasonRatioUnsatisfiable = "RatioUnsatisfiable"
 )
 
 // Reasons of Progressing.

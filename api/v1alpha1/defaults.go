@@ -10,6 +10,7 @@ import "k8s.io/utils/ptr"
 const (
 	DefaultBlockSize        int32 = 16
 	DefaultReplicas         int32 = 1
+	DefaultMinReplicas      int32 = 1
 	DefaultParallelism      int32 = 1
 	DefaultRDMAResourceName       = "rdma/hca"
 	DefaultRDMACount        int32 = 1
@@ -51,8 +52,14 @@ func (in *PDCluster) SetDefaults() {
 	setPtr(&kv.Verification.WindowSeconds, DefaultVerificationWindowSeconds)
 	setPtr(&kv.Verification.MinExternalSharePercent, DefaultMinExternalSharePercent)
 
+	for _, p := range []*PoolScalingSpec{&s.Scaling.Prefill, &s.Scaling.Decode} {
+		setString(&p.Mode, ScalingStatic)
+		setPtr(&p.MinReplicas, DefaultMinReplicas)
+	}
+	// The pools' replicas have no default (scaling.SpecReplicas reads unset as 1): with
+	// spec.scaling.<pool>.mode External a value written in Git is warned of, which a default
+	// would hide.
 	for _, p := range []*PoolSpec{&s.Prefill, &s.Decode} {
-		setPtr(&p.Replicas, DefaultReplicas)
 		setPtr(&p.Parallelism.Tensor, DefaultParallelism)
 		setPtr(&p.Parallelism.Data, DefaultParallelism)
 		setPtr(&p.Parallelism.Pipeline, DefaultParallelism)

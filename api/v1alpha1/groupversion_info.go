@@ -16,7 +16,7 @@ var (
 	// SchemeBuilder registers the types of this group with a scheme. apimachinery's, not
 	// controller-runtime's: the connector sidecar and the simulators import this package for its vocabulary.
 	SchemeBuilder = runtime.NewSchemeBuilder(func(s *runtime.Scheme) error {
-		s.AddKnownTypes(GroupVersion, &PDCluster{}, &PDClusterList{})
+		s.AddKnownTypes(GroupVersion, &PDCluster{}, &PDClusterList{}, &PoolScale{}, &PoolScaleList{})
 		metav1.AddToGroupVersion(s, GroupVersion)
 		return nil
 	})

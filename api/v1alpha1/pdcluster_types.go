@@ -361,8 +361,10 @@ type RDMASpec struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.resources) || !has(self.resources.limits) || !('nvidia.com/gpu' in self.resources.limits)",message="resources.limits may not set nvidia.com/gpu: the operator requests parallelism.tensor*data*pipeline GPUs"
 // +kubebuilder:validation:XValidation:rule="!has(self.resources) || !has(self.resources.requests) || !('nvidia.com/gpu' in self.resources.requests)",message="resources.requests may not set nvidia.com/gpu: the operator requests parallelism.tensor*data*pipeline GPUs"
 type PoolSpec struct {
-	// replicas is the number of engine replicas in the pool.
-	// +kubebuilder:default=1
+	// replicas is the number of engine replicas in the pool (unset: 1) while
+	// spec.scaling.<pool>.mode is Static. With External it is ignored, the pool's PoolScale
+	// sets the count, and a value still written here draws an admission warning (it has no
+	// default, so a value in Git can be told from none).
 	// +kubebuilder:validation:Minimum=0
 	// +optional
 	Replicas *int32 `json:"replicas,omitempty"`
@@ -736,6 +738,12 @@ type PDClusterSpec struct {
 	// +optional
 	Decode PoolSpec `json:"decode,omitempty"`
 
+	// scaling says who sets each pool's replica count (spec.<pool>.replicas or an autoscaler)
+	// and bounds the counts and their P:D ratio.
+	// +kubebuilder:default={}
+	// +optional
+	Scaling ScalingSpec `json:"scaling,omitempty"`
+
 	// router is the P/D proxy in front of both pools.
 	// +kubebuilder:default={}
 	// +optional
@@ -786,9 +794,14 @@ type NetworkPolicySpec struct {
 
 // PoolStatus is the observed state of one pool.
 type PoolStatus struct {
-	// replicas is the desired number of replicas.
+	// replicas is the number of replicas the pool runs (its Deployment's): requestedReplicas
+	// within spec.scaling's bounds and ratio.
 	// +optional
 	Replicas int32 `json:"replicas"`
+	// requestedReplicas is what the pool's scaler asks: spec.<pool>.replicas, or the PoolScale's
+	// spec.replicas with spec.scaling.<pool>.mode External. Absent for the router.
+	// +optional
+	RequestedReplicas *int32 `json:"requestedReplicas,omitempty"`
 	// readyReplicas is the number of replicas whose pods are ready.
 	// +optional
 	ReadyReplicas int32 `json:"readyReplicas"`

@@ -27,6 +27,24 @@ var ReservedExtraConfigKeys = map[string]string{
 	"device_name":       "spec.kvTransfer.rdmaDevices",
 }
 
+// Warnings are what a PDCluster says that the operator ignores: admitted, and said back. The
+// operator's ValidatingAdmissionPolicy (config/admission/scaling-warnings.yaml) warns of the
+// same in the same words, and `pdctl validate` prints them.
+func (p *PDCluster) Warnings() []string {
+	var out []string
+	for _, pool := range []struct {
+		name    string
+		spec    *PoolSpec
+		scaling PoolScalingSpec
+	}{{"prefill", &p.Spec.Prefill, p.Spec.Scaling.Prefill}, {"decode", &p.Spec.Decode, p.Spec.Scaling.Decode}} {
+		if pool.scaling.Mode == ScalingExternal && pool.spec.Replicas != nil {
+			out = append(out, "spec."+pool.name+".replicas ("+strconv.Itoa(int(*pool.spec.Replicas))+") is ignored: spec.scaling."+
+				pool.name+".mode is External, so PoolScale "+p.Name+"-"+pool.name+" sets the count")
+		}
+	}
+	return out
+}
+
 // Validate checks what the CRD's schema and CEL cannot: Kubernetes' own rules for the core/v1
 // values a PDCluster carries into its pods (which the API server would otherwise report only
 // when the operator applies the Deployment, in the Deployment's words), and rules that need

@@ -10,7 +10,9 @@ import (
 
 	"github.com/spf13/cobra"
 
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/scaling"
 	"pdcluster.dev/pdcluster-operator/internal/validation"
 )
 
@@ -85,9 +87,16 @@ func newValidateCommand(stdin io.Reader) *cobra.Command {
 					errs = append(errs, fmt.Errorf("PDCluster %q is invalid: %w", d.PDCluster.Name, err))
 					continue
 				}
+				if _, err := scaling.Initial(d.PDCluster); err != nil {
+					errs = append(errs, fmt.Errorf("PDCluster %q is invalid: %w", d.PDCluster.Name, err))
+					continue
+				}
 				if _, err := render.Render(d.PDCluster, render.DefaultOptions()); err != nil {
 					errs = append(errs, fmt.Errorf("PDCluster %q is invalid: %w", d.PDCluster.Name, err))
 					continue
+				}
+				for _, w := range d.PDCluster.Warnings() {
+					fmt.Fprintf(cmd.ErrOrStderr(), "warning: %s/%s: %s\n", d.PDCluster.Namespace, d.PDCluster.Name, w)
 				}
 				fmt.Fprintf(cmd.OutOrStdout(), "pdcluster/%s (namespace %s) is valid\n", d.PDCluster.Name, d.PDCluster.Namespace)
 			}
@@ -115,11 +124,23 @@ func newRenderCommand(stdin io.Reader) *cobra.Command {
 			}
 			var objs []render.Object
 			for _, d := range docs {
-				o, err := render.Render(d.PDCluster, opts)
+				// What the operator creates first: each pool at its seed (an External pool's
+				// PoolScale, which its scaler then writes, at the same count).
+				pdc := d.PDCluster
+				initial, err := scaling.Initial(pdc)
 				if err != nil {
-					return fmt.Errorf("PDCluster %q: %w", d.PDCluster.Name, err)
+					return fmt.Errorf("PDCluster %q: %w", pdc.Name, err)
+				}
+				o, err := render.Render(scaling.Scaled(pdc, initial), opts)
+				if err != nil {
+					return fmt.Errorf("PDCluster %q: %w", pdc.Name, err)
 				}
 				objs = append(objs, o...)
+				for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+					if scaling.External(pdc, role) {
+						objs = append(objs, render.PoolScale(pdc, role, scaling.Seed(pdc, role, nil)))
+					}
+				}
 			}
 			var out []byte
 			if output == "json" {

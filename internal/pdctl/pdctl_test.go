@@ -64,6 +64,27 @@ func TestRenderYAMLFromStdin(t *testing.T) {
 	}
 }
 
+// TestRenderExternalPool: pdctl render prints the PoolScale the operator creates for an
+// External pool, seeded from spec, and the Deployment at the same count.
+func TestRenderExternalPool(t *testing.T) {
+	in := "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp}, " +
+		"prefill: {replicas: 9}, decode: {replicas: 2}, scaling: {prefill: {mode: External, maxReplicas: 3}, ratio: {max: \"1\"}}}\n"
+	code, out, stderr := run(in, "render", "-f", "-")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	for _, want := range []string{"kind: PoolScale\nmetadata:\n  labels:", "name: a-prefill\n  namespace: default\nspec:\n  replicas: 3\n"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q", want)
+		}
+	}
+	// The prefill Deployment runs the seed, 3 (9 within maxReplicas); decode is raised from 2
+	// to 3 by ratio max 1.
+	if n := strings.Count(out, "  replicas: 3\n"); n != 3 {
+		t.Errorf("%d objects at 3 replicas, want 3 (the PoolScale and both engine Deployments):\n%s", n, out)
+	}
+}
+
 func TestValidate(t *testing.T) {
 	const head = "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp}, "
 	cases := []struct {
@@ -122,6 +143,18 @@ func TestValidate(t *testing.T) {
 			stdin: "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp}, prefil: {}}\n",
 			args:  []string{"validate", "-f", "-"}, code: 0,
 			out: "pdcluster/a (namespace default) is valid", err: `unknown field "spec.prefil" would be dropped`,
+		},
+		{
+			name:  "replicas of an External pool warn but pass",
+			stdin: head + "prefill: {replicas: 3}, scaling: {prefill: {mode: External}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 0,
+			out: "pdcluster/a (namespace default) is valid", err: "warning: default/a: spec.prefill.replicas (3) is ignored: spec.scaling.prefill.mode is External, so PoolScale a-prefill sets the count",
+		},
+		{
+			name:  "a ratio pdctl cannot read",
+			stdin: head + "scaling: {ratio: {min: \"2\", max: \"1\"}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: "ratio.min may not exceed ratio.max",
 		},
 		{name: "missing file", args: []string{"validate", "-f", "/nonexistent.yaml"}, code: 1, err: "no such file"},
 		{name: "missing -f", args: []string{"validate"}, code: 1, err: "-f FILE is required"},

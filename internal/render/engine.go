@@ -15,6 +15,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/scaling"
 )
 
 // drain is the preStop hook of the engine pods' containers (the engine and its connector alike:
@@ -142,7 +143,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	}
 	settings := mergePodSettings(pdc.Spec.Engine.Pod, p.Pod)
 	applyPodSettings(&podSpec, settings)
-	dep, err := deployment(pdc, role, *p.Replicas, podSpec)
+	dep, err := deployment(pdc, role, scaling.SpecReplicas(pdc, role), podSpec)
 	if err != nil {
 		return nil, err
 	}

@@ -38,8 +38,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defaultPool := v1alpha1.PoolSpec{
-		Replicas: ptr.To(v1alpha1.DefaultReplicas),
+	defaultPool := v1alpha1.PoolSpec{ // replicas has no default: see SetDefaults
 		Parallelism: v1alpha1.Parallelism{
 			Tensor: ptr.To(v1alpha1.DefaultParallelism), Data: ptr.To(v1alpha1.DefaultParallelism), Pipeline: ptr.To(v1alpha1.DefaultParallelism),
 		},
@@ -60,6 +59,10 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		},
 		Prefill: defaultPool,
 		Decode:  defaultPool,
+		Scaling: v1alpha1.ScalingSpec{
+			Prefill: v1alpha1.PoolScalingSpec{Mode: v1alpha1.ScalingStatic, MinReplicas: ptr.To(v1alpha1.DefaultMinReplicas)},
+			Decode:  v1alpha1.PoolScalingSpec{Mode: v1alpha1.ScalingStatic, MinReplicas: ptr.To(v1alpha1.DefaultMinReplicas)},
+		},
 		Router: v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas), Balance: v1alpha1.RouterBalanceLeastInFlight,
 			FailurePolicy: v1alpha1.RouterFailurePolicy{
 				Retries: ptr.To(v1alpha1.DefaultRouterRetries), RetryBudgetPercent: ptr.To(v1alpha1.DefaultRouterRetryBudgetPercent),
@@ -108,6 +111,31 @@ var invalidSpecs = []struct {
 		name: "decode-only fallback with a load failure policy that forbids recompute",
 		doc:  minimal + "  router: {failurePolicy: {onPrefillFailure: DecodeOnly}}\n",
 		want: []string{"spec.router.failurePolicy.onPrefillFailure", "DecodeOnly lets decode recompute prompts"},
+	},
+	{
+		name: "minReplicas above maxReplicas",
+		doc:  minimal + "  scaling: {prefill: {mode: External, minReplicas: 5, maxReplicas: 2}}\n",
+		want: []string{"spec.scaling.prefill", "minReplicas may not exceed maxReplicas"},
+	},
+	{
+		name: "ratio min above max",
+		doc:  minimal + "  scaling: {ratio: {min: \"2\", max: \"0.5\"}}\n",
+		want: []string{"spec.scaling.ratio", "ratio.min may not exceed ratio.max"},
+	},
+	{
+		name: "ratio of 0",
+		doc:  minimal + "  scaling: {ratio: {min: \"0\"}}\n",
+		want: []string{"spec.scaling.ratio.min", "ratio.min must be above 0"},
+	},
+	{
+		name: "ratio with three decimals",
+		doc:  minimal + "  scaling: {ratio: {max: \"0.125\"}}\n",
+		want: []string{"spec.scaling.ratio.max", "should match"},
+	},
+	{
+		name: "unknown scaling mode",
+		doc:  minimal + "  scaling: {decode: {mode: HPA}}\n",
+		want: []string{"spec.scaling.decode.mode", "Unsupported value"},
 	},
 	{
 		name: "retry budget past 100%",

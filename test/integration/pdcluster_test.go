@@ -70,7 +70,10 @@ func TestMain(m *testing.M) {
 	_ = clientgoscheme.AddToScheme(scheme)
 	_ = v1alpha1.AddToScheme(scheme)
 	testEnv = &envtest.Environment{
-		CRDDirectoryPaths:     []string{filepath.Join("..", "..", "config", "crd", "bases", "serving.pdcluster.dev_pdclusters.yaml")},
+		CRDDirectoryPaths: []string{
+			filepath.Join("..", "..", "config", "crd", "bases", "serving.pdcluster.dev_pdclusters.yaml"),
+			filepath.Join("..", "..", "config", "crd", "bases", "serving.pdcluster.dev_poolscales.yaml"),
+		},
 		ErrorIfCRDPathMissing: true,
 	}
 	// envtest's default Service range, a /24, runs out near 250 router Services: the operator

@@ -83,4 +83,21 @@ rules:
   - get
   - patch
   - update
+- apiGroups:
+  - serving.pdcluster.dev
+  resources:
+  - poolscales
+  verbs:
+  - create
+  - delete
+  - get
+  - list
+  - watch
+- apiGroups:
+  - serving.pdcluster.dev
+  resources:
+  - poolscales/status
+  verbs:
+  - get
+  - update
 {{- end }}
