@@ -51,6 +51,8 @@ type attempt struct {
 	d          string
 	decodeOnly bool
 	pp, dp     picked
+	// decodeSent is set once the decode leg was sent: it counts in flight until release.
+	decodeSent bool
 
 	state atomic.Int32 // attemptPending, attemptCommitted, attemptAbandoned
 	// ctx is the decode leg's (and NIXL's prefill leg's): the client's, cancelled with the
@@ -110,6 +112,9 @@ func (a *attempt) cancelPrefill() {
 }
 
 func (a *attempt) release() {
+	if a.decodeSent {
+		a.x.r.decodeLegs.Add(-1)
+	}
 	if !a.decodeOnly {
 		a.x.r.prefill.done(a.pp)
 	}
@@ -359,6 +364,10 @@ func (x *exchange) record(e *legError) {
 // are then pulled, not left held): the attempt moves on to it within the budgets.
 func (r *Router) decodeLeg(a *attempt, body map[string]json.RawMessage) (*http.Response, *legError) {
 	x := a.x
+	if !a.decodeSent {
+		a.decodeSent = true
+		r.decodeLegs.Add(1)
+	}
 	for {
 		resp, err := r.post(a.ctx, a.d+x.req.URL.Path, body, x.reqID, nil)
 		if err == nil {

@@ -667,3 +667,102 @@ func TestEndpointsMetricFollowsThePools(t *testing.T) {
 		t.Errorf("endpoints after a resolution with one prefill = %v, want 1", p)
 	}
 }
+
+// pdcluster_router_in_flight_requests counts, per pool, the legs on its engines now: NIXL's
+// prefill legs until prefill answers, then the decode legs until the answer ends; failed legs
+// leave nothing counted. It is the per-pool signal a scaler reads.
+func TestInFlightMetricPerPool(t *testing.T) {
+	gated := func(gate chan struct{}, then func(*testEngine, http.ResponseWriter, *http.Request, map[string]any)) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+		return func(e *testEngine, w http.ResponseWriter, r *http.Request, params map[string]any) {
+			select {
+			case <-gate:
+			case <-r.Context().Done():
+				return
+			}
+			then(e, w, r, params)
+		}
+	}
+	inFlight := func(t *testing.T, f *pdFixture) [2]float64 {
+		return [2]float64{f.counter(t, "pdcluster_router_in_flight_requests", "pool", "prefill"), f.counter(t, "pdcluster_router_in_flight_requests", "pool", "decode")}
+	}
+	waitFor := func(t *testing.T, f *pdFixture, want [2]float64) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for inFlight(t, f) != want && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		if got := inFlight(t, f); got != want {
+			t.Fatalf("in flight [prefill decode] = %v, want %v", got, want)
+		}
+	}
+	const n = 3
+	sendAll := func(f *pdFixture) chan int {
+		codes := make(chan int, n)
+		for range n {
+			go func() {
+				resp, err := http.Post(f.url+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"hi"}`))
+				if err != nil {
+					codes <- 0
+					return
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				codes <- resp.StatusCode
+			}()
+		}
+		return codes
+	}
+	expectOK := func(t *testing.T, codes chan int) {
+		t.Helper()
+		for range n {
+			if code := <-codes; code != http.StatusOK {
+				t.Errorf("a request got %d, want 200", code)
+			}
+		}
+	}
+
+	t.Run("nixl: prefill legs, then decode legs", func(t *testing.T) {
+		kv := newLedger()
+		prefillGate, decodeGate := make(chan struct{}), make(chan struct{})
+		prefill, decode := engines("p0", "p1"), engines("d0")
+		prefill[0].do, prefill[1].do = gated(prefillGate, prefillOK(kv)), gated(prefillGate, prefillOK(kv))
+		decode[0].do = gated(decodeGate, decodeOK(kv))
+		f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
+		waitFor(t, f, [2]float64{0, 0})
+		codes := sendAll(f)
+		waitFor(t, f, [2]float64{n, 0})
+		close(prefillGate)
+		waitFor(t, f, [2]float64{0, n})
+		close(decodeGate)
+		expectOK(t, codes)
+		waitFor(t, f, [2]float64{0, 0})
+	})
+
+	t.Run("mooncake: both legs at once", func(t *testing.T) {
+		kv := newLedger()
+		gate := make(chan struct{})
+		prefill, decode := engines("p0"), engines("d0")
+		prefill[0].do, decode[0].do = gated(gate, prefillOK(kv)), decodeOK(kv)
+		f := newPD(t, routerconfig.FlowMooncake, DefaultFailurePolicy(), prefill, decode)
+		codes := sendAll(f)
+		waitFor(t, f, [2]float64{n, n})
+		close(gate)
+		expectOK(t, codes)
+		waitFor(t, f, [2]float64{0, 0})
+	})
+
+	t.Run("failed legs leave nothing counted", func(t *testing.T) {
+		// p0 is not there (retried on p1); d0 is not there either, after p1's leg: the
+		// request fails with both a prefill and a decode leg sent.
+		kv := newLedger()
+		prefill, decode := engines("p0", "p1"), engines("d0")
+		prefill[1].do = prefillOK(kv)
+		f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
+		for range 4 {
+			if code, body := f.send(t, `{"prompt":"hi"}`); code < 400 {
+				t.Fatalf("got %d %s, want a failure", code, body)
+			}
+		}
+		waitFor(t, f, [2]float64{0, 0})
+	})
+}

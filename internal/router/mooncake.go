@@ -49,6 +49,7 @@ func (r *Router) mooncake(a *attempt) *legError {
 	pctx, pcancel := context.WithTimeout(context.WithoutCancel(a.ctx), r.cfg.PrefillTimeout)
 	a.prefillCancel = pcancel
 	prefillErr := make(chan *legError, 1)
+	r.prefillLegs.Add(1)
 	go func() {
 		defer pcancel()
 		resp, err := r.post(pctx, p.URL+x.req.URL.Path, pb, x.reqID, map[string]string{vllm.DataParallelRankHeader: dp})
@@ -65,6 +66,7 @@ func (r *Router) mooncake(a *attempt) *legError {
 				r.metrics.prefillLeg.Observe(time.Since(x.start).Seconds())
 			}
 		}
+		r.prefillLegs.Add(-1)
 		if lerr != nil {
 			r.log.Info("prefill leg failed", "request", x.reqID, "prefill", p.URL, "err", lerr.msg)
 			r.boot.Invalidate(p.Bootstrap)

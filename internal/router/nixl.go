@@ -27,8 +27,10 @@ func (r *Router) nixl(a *attempt) *legError {
 	})
 	ctx, cancel := context.WithTimeout(a.ctx, r.cfg.PrefillTimeout)
 	defer cancel()
+	r.prefillLegs.Add(1)
 	presp, err := r.post(ctx, p.URL+x.req.URL.Path, pb, x.reqID, nil)
 	if err != nil {
+		r.prefillLegs.Add(-1)
 		if a.ctx.Err() != nil {
 			return a.ended()
 		}
@@ -36,6 +38,7 @@ func (r *Router) nixl(a *attempt) *legError {
 	}
 	pbody, err := bounded.ReadAll(presp.Body, maxResponseBytes)
 	presp.Body.Close()
+	r.prefillLegs.Add(-1)
 	switch {
 	case err != nil && a.ctx.Err() != nil:
 		return a.ended()

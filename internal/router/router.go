@@ -109,6 +109,9 @@ type Router struct {
 	// flow runs one request's legs: mooncake or nixl, chosen once by Config.Flow.
 	flow     flowFunc
 	inFlight atomic.Int64
+	// prefillLegs counts prefill legs sent and not yet answered in full; decodeLegs, decode
+	// legs sent whose attempt has not ended (the answer is relayed until then).
+	prefillLegs, decodeLegs atomic.Int64
 	log      logr.Logger
 	policy   FailurePolicy
 	budget   *retryBudget
@@ -204,7 +207,11 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		endpoints := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "pdcluster_router_endpoints", Help: "Engines the router knows now, by pool (ejected ones included).",
 		}, []string{"pool"})
-		for _, c := range []prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected, poolSizes{r, endpoints},
+		inFlight := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "pdcluster_router_in_flight_requests",
+			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
+		}, []string{"pool"})
+		for _, c := range []prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected, poolGauges{r, endpoints, inFlight},
 			histograms[0], histograms[1], histograms[2]} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
@@ -216,19 +223,26 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	return r, nil
 }
 
-// poolSizes collects pdcluster_router_endpoints from the pools at each scrape.
-type poolSizes struct {
-	r   *Router
-	vec *prometheus.GaugeVec
+// poolGauges collects pdcluster_router_endpoints and pdcluster_router_in_flight_requests at
+// each scrape, from what the request path counts anyway.
+type poolGauges struct {
+	r                   *Router
+	endpoints, inFlight *prometheus.GaugeVec
 }
 
-func (p poolSizes) Describe(ch chan<- *prometheus.Desc) { p.vec.Describe(ch) }
+func (p poolGauges) Describe(ch chan<- *prometheus.Desc) {
+	p.endpoints.Describe(ch)
+	p.inFlight.Describe(ch)
+}
 
-func (p poolSizes) Collect(ch chan<- prometheus.Metric) {
+func (p poolGauges) Collect(ch chan<- prometheus.Metric) {
 	pools := p.r.pools.Load()
-	p.vec.WithLabelValues(string(legPrefill)).Set(float64(len(pools.Prefill)))
-	p.vec.WithLabelValues(string(legDecode)).Set(float64(len(pools.Decode)))
-	p.vec.Collect(ch)
+	p.endpoints.WithLabelValues(string(legPrefill)).Set(float64(len(pools.Prefill)))
+	p.endpoints.WithLabelValues(string(legDecode)).Set(float64(len(pools.Decode)))
+	p.inFlight.WithLabelValues(string(legPrefill)).Set(float64(p.r.prefillLegs.Load()))
+	p.inFlight.WithLabelValues(string(legDecode)).Set(float64(p.r.decodeLegs.Load()))
+	p.endpoints.Collect(ch)
+	p.inFlight.Collect(ch)
 }
 
 // SetPools replaces the engines requests go to; requests in flight keep theirs.

@@ -236,16 +236,51 @@ func TestLocalCluster(t *testing.T) {
 		}
 	})
 
-	t.Run("a decode image change rolls only decode", func(t *testing.T) {
+	t.Run("a decode env change (outside the KV revision) rolls only decode", func(t *testing.T) {
 		prefill := uids(e.pods(v1alpha1.RolePrefill))
+		revision := e.pdc().Status.CurrentRevision
 		var router appsv1.Deployment
 		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: sampleName + "-router"}, &router); err != nil {
 			t.Fatal(err)
 		}
-		e.patch(`{"decode":{"image":"vllm/vllm-openai:v0.12.0"}}`)
-		e.eventually("decode rolled to the new image", func() error {
+		e.patch(`{"decode":{"pod":{"env":[{"name":"VLLM_LOGGING_LEVEL","value":"DEBUG"}]}}}`)
+		e.eventually("decode rolled with the new env", func() error {
 			if err := e.ready(2, 3); err != nil {
 				return err
+			}
+			for _, p := range e.pods(v1alpha1.RoleDecode) {
+				if !slices.ContainsFunc(p.Spec.Containers[0].Env, func(v corev1.EnvVar) bool { return v.Name == "VLLM_LOGGING_LEVEL" && v.Value == "DEBUG" }) {
+					return fmt.Errorf("decode pod %s has no VLLM_LOGGING_LEVEL=DEBUG", p.Name)
+				}
+			}
+			return nil
+		})
+		if got := uids(e.pods(v1alpha1.RolePrefill)); !slices.Equal(prefill, got) {
+			t.Errorf("prefill pods changed: %v -> %v", prefill, got)
+		}
+		if got := e.pdc().Status.CurrentRevision; got != revision || revision == "" {
+			t.Errorf("status.currentRevision %q -> %q: an env change is not a new KV revision", revision, got)
+		}
+		var after appsv1.Deployment
+		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: sampleName + "-router"}, &after); err != nil {
+			t.Fatal(err)
+		}
+		if after.Generation != router.Generation {
+			t.Errorf("router Deployment generation %d -> %d: it was rolled", router.Generation, after.Generation)
+		}
+	})
+
+	t.Run("a decode image change is a new KV revision: both pools roll to it", func(t *testing.T) {
+		prefill := uids(e.pods(v1alpha1.RolePrefill))
+		revision := e.pdc().Status.CurrentRevision
+		e.patch(`{"decode":{"image":"vllm/vllm-openai:v0.12.0"}}`)
+		e.eventually("both pools on the new revision", func() error {
+			if err := e.ready(2, 3); err != nil {
+				return err
+			}
+			p := e.pdc()
+			if p.Status.CurrentRevision == revision || p.Status.CurrentRevision != p.Status.UpdateRevision {
+				return fmt.Errorf("currentRevision %q, updateRevision %q (was %q)", p.Status.CurrentRevision, p.Status.UpdateRevision, revision)
 			}
 			for _, p := range e.pods(v1alpha1.RoleDecode) {
 				if p.Spec.Containers[0].Image != "vllm/vllm-openai:v0.12.0" {
@@ -254,15 +289,11 @@ func TestLocalCluster(t *testing.T) {
 			}
 			return nil
 		})
-		if got := uids(e.pods(v1alpha1.RolePrefill)); !slices.Equal(prefill, got) {
-			t.Errorf("prefill pods changed: %v -> %v", prefill, got)
-		}
-		var after appsv1.Deployment
-		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: sampleName + "-router"}, &after); err != nil {
-			t.Fatal(err)
-		}
-		if after.Generation != router.Generation {
-			t.Errorf("router Deployment generation %d -> %d: it was rolled", router.Generation, after.Generation)
+		// Prefill's KV must be read by decode of the same revision: its pods are new too.
+		for _, uid := range uids(e.pods(v1alpha1.RolePrefill)) {
+			if slices.Contains(prefill, uid) {
+				t.Errorf("prefill pod %s of revision %s still runs", uid, revision)
+			}
 		}
 	})
 
