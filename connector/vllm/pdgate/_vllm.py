@@ -6,7 +6,7 @@ import importlib
 import logging
 from typing import Any, Callable, Iterable, Optional
 
-from .gate import Gate, Reporter, socket_path_from_env, ttl_from_env
+from .gate import Gate, HeldSends, Reporter, socket_path_from_env, ttl_from_env
 
 logger = logging.getLogger("pdgate")
 
@@ -118,13 +118,15 @@ def gated(base: type, name: str, flow: str,
         else:
             base.__init__(self, vllm_config, role, kv_cache_config)
         self._pdgate = Gate(ttl_seconds=ttl_from_env())
+        self._pdgate_held = HeldSends()
         self._pdgate_reporter = None
         role_name = str(getattr(role, "name", role))
         logger.info("pdgate: %s loaded on vLLM %s (role %s): pulls with no local block are not "
                     "reported to the scheduler", name, vllm_version(), role_name)
         path = socket_path_from_env()
         if "SCHEDULER" in role_name.upper() and path:
-            self._pdgate_reporter = Reporter(path, self._pdgate.counts, name, vllm_version(), role_name)
+            self._pdgate_reporter = Reporter(path, self._pdgate.counts, name, vllm_version(), role_name,
+                                             held=self._pdgate_held)
             self._pdgate_reporter.start()
 
     def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
@@ -134,12 +136,28 @@ def gated(base: type, name: str, flow: str,
 
     def update_connector_output(self: Any, connector_output: Any) -> None:
         base.update_connector_output(self, connector_output)
+        self._pdgate_held.sent(getattr(connector_output, "finished_sending", None))
         self._pdgate.filter_output(connector_output)
 
-    return type(name, (base,), {
+    # The scheduler calls one of the two, by whether the model has one KV-cache group or many.
+    def request_finished(self: Any, request: Any, block_ids: Any) -> Any:
+        delay_free, params = base.request_finished(self, request, block_ids)
+        self._pdgate_held.finished(request.request_id, bool(delay_free))
+        return delay_free, params
+
+    def request_finished_all_groups(self: Any, request: Any, block_ids: Any) -> Any:
+        delay_free, params = base.request_finished_all_groups(self, request, block_ids)
+        self._pdgate_held.finished(request.request_id, bool(delay_free))
+        return delay_free, params
+
+    methods: dict[str, Any] = {
         "__init__": __init__,
         "build_connector_meta": build_connector_meta,
         "update_connector_output": update_connector_output,
+        "request_finished": request_finished,
         "__doc__": f"{base.__name__} whose scheduler never hears of a {flow} pull with no local block.",
         "__module__": f"pdgate.{flow}",
-    })
+    }
+    if callable(getattr(base, "request_finished_all_groups", None)):
+        methods["request_finished_all_groups"] = request_finished_all_groups
+    return type(name, (base,), methods)

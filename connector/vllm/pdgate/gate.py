@@ -64,6 +64,50 @@ class Counts:
         return dict(self.__dict__)
 
 
+class HeldSends:
+    """A producer's requests whose blocks vLLM holds for a consumer's pull not made yet: a
+    request_finished that delayed the free, until the step's finished_sending names it (a
+    pull, or vLLM's abort timeout). What a drain waits for, and why a busy prefill pod must
+    not be the one a scale-down deletes.
+
+    The scheduler's loop adds and removes; the reporter thread only reads ``len``. An entry
+    the engine never reports goes after ``ttl_seconds`` (past vLLM's abort timeout), so the
+    count cannot stay above 0 for a report that was lost.
+    """
+
+    def __init__(self, ttl_seconds: float = DEFAULT_TTL_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl = ttl_seconds
+        self._clock = clock
+        self._held: dict[str, float] = {}  # request id -> deadline, oldest first
+        self.count = 0  # len(self._held), as the reporter thread reads it
+
+    def finished(self, req_id: str, delay_free: bool) -> None:
+        """request_finished's answer: delay_free means the blocks wait for a pull."""
+        self._held.pop(req_id, None)
+        if delay_free:
+            self._held[req_id] = self._clock() + self._ttl
+        self._expire()
+
+    def sent(self, finished_sending: Optional[Iterable[str]]) -> None:
+        """A step's finished_sending: those blocks are free."""
+        for req_id in finished_sending or ():
+            self._held.pop(req_id, None)
+        self._expire()
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._held:
+            req_id, deadline = next(iter(self._held.items()))
+            if deadline > now:
+                break
+            del self._held[req_id]
+        self.count = len(self._held)
+
+    def __len__(self) -> int:
+        return self.count
+
+
 class Gate:
     """Remembers empty pulls and strips them from the connector output. Not thread-safe by
     itself: vLLM's scheduler calls both hooks from its one loop.
@@ -173,9 +217,11 @@ class Reporter:
     and counted, and the next heartbeat carries the totals."""
 
     def __init__(self, socket_path: str, counts: Counts, connector: str, vllm_version: str,
-                 role: str, interval_seconds: float = 5.0, timeout_seconds: float = 1.0) -> None:
+                 role: str, interval_seconds: float = 5.0, timeout_seconds: float = 1.0,
+                 held: Optional[HeldSends] = None) -> None:
         self._path = socket_path
         self._counts = counts
+        self._held = held
         self._interval = interval_seconds
         self._timeout = timeout_seconds
         self._static = {"connector": connector, "vllm_version": vllm_version, "role": role,
@@ -196,8 +242,10 @@ class Reporter:
             self._stop.wait(self._interval)
 
     def payload(self) -> bytes:
-        body = dict(self._static)
+        body: dict[str, Any] = dict(self._static)
         body["counts"] = self._counts.as_dict()
+        if self._held is not None:
+            body["held_sends"] = len(self._held)
         return json.dumps(body).encode()
 
     def send_once(self) -> bool:

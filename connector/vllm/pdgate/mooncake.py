@@ -19,6 +19,7 @@ _found = _vllm.import_first(
 _Stock = _found["MooncakeConnector"]
 _vllm.require_method(_Stock, "build_connector_meta")
 _vllm.require_method(_Stock, "update_connector_output")
+_vllm.require_method(_Stock, "request_finished")
 _vllm.require_metadata(_found["MooncakeConnectorMetadata"], "reqs_to_recv")
 _vllm.require_field(_found["PullReqMeta"], "local_block_ids")
 

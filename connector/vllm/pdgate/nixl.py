@@ -17,6 +17,7 @@ _Stock = _vllm.import_first([f"{_BASE}.connector"], ["NixlConnector"])["NixlConn
 _meta = _vllm.import_first([f"{_BASE}.metadata"], ["NixlConnectorMetadata", "ReqMeta"])
 _vllm.require_method(_Stock, "build_connector_meta")
 _vllm.require_method(_Stock, "update_connector_output")
+_vllm.require_method(_Stock, "request_finished")
 _vllm.require_metadata(_meta["NixlConnectorMetadata"], "reqs_to_recv")
 _vllm.require_field(_meta["ReqMeta"], "local_block_ids")
 

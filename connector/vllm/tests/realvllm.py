@@ -291,7 +291,7 @@ class Engine:
 
 
 def _empty(kv: Any) -> bool:
-    return not (kv.finished_recving or getattr(kv, "failed_recving", None) or kv.invalid_block_ids)
+    return not (kv.finished_recving or kv.finished_sending or getattr(kv, "failed_recving", None) or kv.invalid_block_ids)
 
 
 _hasher = None

@@ -196,6 +196,41 @@ class NoVLLMTest(unittest.TestCase):
                 self.assertIn("completionGate: Disabled", p.stderr)
 
 
+class HeldSendsTest(unittest.TestCase):
+    def test_held_until_sent(self) -> None:
+        h = gatemod.HeldSends(ttl_seconds=100, clock=Clock())
+        h.finished("a", True)
+        h.finished("b", True)
+        h.finished("c", False)  # nothing waits for a pull: freed at once
+        self.assertEqual(len(h), 2)
+        h.sent({"a", "unknown"})
+        self.assertEqual(len(h), 1)
+        h.sent(None)
+        h.sent({"b"})
+        self.assertEqual(len(h), 0)
+
+    def test_a_lost_report_goes_after_the_ttl(self) -> None:
+        clock = Clock()
+        h = gatemod.HeldSends(ttl_seconds=100, clock=clock)
+        h.finished("a", True)
+        clock.now += 60
+        h.finished("b", True)
+        clock.now += 50
+        h.sent(None)  # a's deadline passed; b's did not
+        self.assertEqual(len(h), 1)
+        clock.now += 60
+        h.sent(None)
+        self.assertEqual(len(h), 0)
+
+    def test_finished_again_keeps_one_entry(self) -> None:
+        h = gatemod.HeldSends(ttl_seconds=100, clock=Clock())
+        h.finished("a", True)
+        h.finished("a", True)
+        self.assertEqual(len(h), 1)
+        h.finished("a", False)
+        self.assertEqual(len(h), 0)
+
+
 class ReporterTest(unittest.TestCase):
     def serve_once(self, answer: bytes) -> tuple[str, list[bytes], threading.Thread, socket.socket]:
         d = tempfile.mkdtemp()
@@ -225,7 +260,19 @@ class ReporterTest(unittest.TestCase):
         srv.close()
         self.assertIn(b"POST /v1/gate HTTP/1.1", got[0])
         self.assertIn(b'"gated": 3', got[0])
+        self.assertNotIn(b"held_sends", got[0])  # no tracker: the field is left out, not 0
         self.assertEqual(counts.send_failures, 0)
+
+    def test_heartbeat_carries_held_sends(self) -> None:
+        path, got, t, srv = self.serve_once(b"HTTP/1.1 204 No Content\r\n\r\n")
+        held = gatemod.HeldSends(ttl_seconds=100, clock=Clock())
+        held.finished("a", True)
+        held.finished("b", True)
+        r = gatemod.Reporter(path, gatemod.Counts(), "GatedNixlConnector", "0.33.0", "SCHEDULER", held=held)
+        self.assertTrue(r.send_once())
+        t.join(5)
+        srv.close()
+        self.assertIn(b'"held_sends": 2', got[0])
 
     def test_an_error_answer_is_not_delivered(self) -> None:
         path, _, t, srv = self.serve_once(b"HTTP/1.1 500 Internal Server Error\r\n\r\n")

@@ -290,6 +290,42 @@ class NixlTest(unittest.TestCase):
                     self.assertIsNotNone(scheduler_assert(e.process))
 
 
+class HeldSendsTest(unittest.TestCase):
+    """On a prefill (kv_producer) engine the gate counts the requests whose blocks vLLM holds
+    for decode's pull: what vLLM's own drain (--shutdown-timeout) waits for, and what the
+    operator's pod-deletion-cost and the sidecar's preStop read. The count follows the real
+    scheduler's own: a finished request kept in scheduler.requests until finished_sending."""
+
+    def held_by_vllm(self, e: rv.Engine) -> int:
+        s = e.scheduler
+        return len([r for r in s.requests.values() if r.is_finished()])
+
+    def test_held_until_the_pull_and_counted_as_vllm_holds_them(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        for flow, configs, params in (
+                ("mooncake", MOONCAKE, lambda i: {"do_remote_decode": True, "transfer_id": f"xfer-{i}"}),
+                ("nixl", NIXL, lambda i: {"do_remote_decode": True})):
+            with self.subTest(flow):
+                e = rv.Engine(configs["kv_producer"])
+                reqs = [e.request(max_tokens=1, kv_transfer_params=params(i)) for i in range(3)]
+                local = e.request(max_tokens=1, remote=False)  # not for decode: freed at once
+                for _ in range(4):
+                    e.step()
+                for r in reqs + [local]:
+                    self.assertTrue(e.status(r) is None or e.status(r).name.startswith("FINISHED"), e.status(r))
+                self.assertEqual(self.held_by_vllm(e), 3, "vLLM does not hold the blocks of requests for decode")
+                self.assertEqual(len(e.connector._pdgate_held), 3)
+                self.assertTrue(e.scheduler.has_requests(), "vLLM's drain would not wait for these")
+                # Decode pulled the first two: the worker reports finished_sending.
+                e.in_flight.append((e.schedule(), [KVConnectorOutput(finished_sending={reqs[0].request_id, reqs[1].request_id})]))
+                e.process()
+                self.assertEqual((self.held_by_vllm(e), len(e.connector._pdgate_held)), (1, 1))
+                e.in_flight.append((e.schedule(), [KVConnectorOutput(finished_sending={reqs[2].request_id})]))
+                e.process()
+                self.assertEqual((self.held_by_vllm(e), len(e.connector._pdgate_held)), (0, 0))
+
+
 class ContractTest(unittest.TestCase):
     """vLLM's own factory loads the gated classes from the exact kv_transfer_config JSON the
     operator renders (read from the render golden files), for both roles and connectors."""
