@@ -29,6 +29,8 @@ const (
 
 	DefaultVerificationWindowSeconds int32 = 300
 	DefaultMinExternalSharePercent   int32 = 90
+
+	DefaultDrainTimeoutSeconds int32 = 120
 )
 
 // SetDefaults fills every unset field that has a default, as the API server would. It is the
@@ -65,6 +67,7 @@ func (in *PDCluster) SetDefaults() {
 		setPtr(&p.Parallelism.Pipeline, DefaultParallelism)
 		setString(&p.RDMA.ResourceName, DefaultRDMAResourceName)
 		setPtr(&p.RDMA.Count, DefaultRDMACount)
+		setPtr(&p.Drain.TimeoutSeconds, DefaultDrainTimeoutSeconds)
 	}
 
 	setPtr(&s.Router.Replicas, DefaultReplicas)

@@ -410,6 +410,27 @@ type PoolSpec struct {
 	// (and one the operator made before is deleted).
 	// +optional
 	DisruptionBudget *DisruptionBudget `json:"disruptionBudget,omitempty"`
+
+	// drain is how a pod of this pool that is deleted (scale-down, rollout, eviction) finishes
+	// what it holds before it stops: prefill the KV blocks decode has not pulled yet, decode
+	// the requests it is answering.
+	// +kubebuilder:default={}
+	// +optional
+	Drain DrainSpec `json:"drain,omitempty"`
+}
+
+// DrainSpec bounds a deleted engine pod's drain.
+type DrainSpec struct {
+	// timeoutSeconds is how long a deleted pod's engine may keep working after the router
+	// stopped sending it requests: vLLM's --shutdown-timeout, for which it finishes running
+	// requests and keeps a prefill's KV blocks until decode pulled them. The sidecar's preStop
+	// waits as long for the held KV sends to reach 0, and the pod's grace period covers it.
+	// 0 stops the engine at once (vLLM aborts what it holds: decode's pulls of it fail).
+	// +kubebuilder:default=120
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=3600
+	// +optional
+	TimeoutSeconds *int32 `json:"timeoutSeconds,omitempty"`
 }
 
 // DisruptionBudget is a pool's PodDisruptionBudget: exactly one of maxUnavailable and
@@ -505,7 +526,9 @@ type PodSettings struct {
 	// +optional
 	TopologySpreadConstraints []corev1.TopologySpreadConstraint `json:"topologySpreadConstraints,omitempty"`
 
-	// terminationGracePeriodSeconds of the pods; at least the 15 s the engines drain for.
+	// terminationGracePeriodSeconds of the pods; at least the 15 s the router takes to stop
+	// sending to a deleted pod. Unset: that, plus the pool's drain.timeoutSeconds and a margin.
+	// A value set here wins, and a drain longer than it is cut short.
 	// +kubebuilder:validation:Minimum=15
 	// +kubebuilder:validation:Maximum=86400
 	// +optional

@@ -1,6 +1,7 @@
 // Command connector is the connector sidecar run beside each vLLM engine (see connector/sidecar):
 // it hears the completion gate's heartbeat on the pod-local socket, answers the kubelet's probes
 // and the operator's GET /gate, and exports the gate's counts. It moves no KV: vLLM does.
+// `connector drain` is its preStop hook: it asks the running sidecar to drain and waits.
 package main
 
 import (
@@ -65,6 +66,9 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "drain" {
+		os.Exit(drainMain(os.Args[2:], os.Stdout, os.Stderr))
+	}
 	cfg, o, err := parseFlags(os.Args[1:])
 	if err != nil {
 		if !errors.Is(err, flag.ErrHelp) {

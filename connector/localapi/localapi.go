@@ -67,3 +67,8 @@ const maxIdleConns = 256
 // PathGate is POST /v1/gate: the engine's completion-gate plugin (pdgate) reports that it is
 // loaded, with its counts so far, every few seconds (body: connector/vllm.Report).
 const PathGate = "/v1/gate"
+
+// PathDrain is POST /v1/drain?min=15s&timeout=135s: the pod is being deleted (the sidecar's
+// preStop hook, `connector drain`). The sidecar turns unready and answers once its engine holds
+// no KV for a pull not made yet and min has passed, or at timeout.
+const PathDrain = "/v1/drain"

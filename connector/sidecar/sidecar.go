@@ -6,12 +6,14 @@
 package sidecar
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -34,6 +36,8 @@ type Config struct {
 	// RefusalLogEvery bounds how often refused requests are logged (one line, with the count
 	// since the last): a misbehaving client cannot flood the log. Zero is 10 s.
 	RefusalLogEvery time.Duration
+	// DrainPoll is how often a drain looks at the engine's held sends again; zero is 1 s.
+	DrainPoll time.Duration
 }
 
 // Sidecar watches one engine's completion gate.
@@ -42,11 +46,14 @@ type Sidecar struct {
 	engine   *engineWatch
 	log      logr.Logger
 	refusals refusalLog
+	// draining is set once the pod is being deleted (POST /v1/drain): unready from then on.
+	draining  atomic.Bool
+	drainPoll time.Duration
 }
 
 // New builds a sidecar from cfg.
 func New(cfg Config) (*Sidecar, error) {
-	s := &Sidecar{gate: newGateWatch(cfg.Gate), engine: newEngineWatch(cfg.Engine, cfg.Log), log: cfg.Log}
+	s := &Sidecar{gate: newGateWatch(cfg.Gate), engine: newEngineWatch(cfg.Engine, cfg.Log), log: cfg.Log, drainPoll: cmp.Or(cfg.DrainPoll, time.Second)}
 	s.gate.log = cfg.Log
 	s.refusals = refusalLog{every: cfg.RefusalLogEvery, log: cfg.Log, clock: s.gate.cfg.Clock}
 	if s.refusals.every <= 0 {
@@ -56,8 +63,10 @@ func New(cfg Config) (*Sidecar, error) {
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
-	if err := reg.Register(s.gate); err != nil {
-		return nil, fmt.Errorf("sidecar: metrics: %w", err)
+	for _, c := range []prometheus.Collector{s.gate, drainCollector{s}} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("sidecar: metrics: %w", err)
+		}
 	}
 	return s, nil
 }
@@ -78,6 +87,7 @@ func (s *Sidecar) LocalHandler(gatherer prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
 	s.handlePublic(mux, gatherer)
 	mux.HandleFunc("POST "+localapi.PathGate, s.handleGate)
+	mux.HandleFunc("POST "+localapi.PathDrain, s.handleDrain)
 	return mux
 }
 
@@ -93,6 +103,10 @@ func (s *Sidecar) handlePublic(mux *http.ServeMux, gatherer prometheus.Gatherer)
 	mux.HandleFunc("GET "+vllm.StatePath, func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, s.State()) })
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if s.draining.Load() {
+			http.Error(w, "draining: the pod is being deleted", http.StatusServiceUnavailable)
+			return
+		}
 		if why := s.gate.unready(); why != "" {
 			http.Error(w, why, http.StatusServiceUnavailable)
 			return

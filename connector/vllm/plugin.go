@@ -81,6 +81,9 @@ type Report struct {
 	Role          string `json:"role"`
 	PID           int    `json:"pid"`
 	Counts        Counts `json:"counts"`
+	// HeldSends is how many requests' KV blocks a producer holds for pulls not made yet (a
+	// consumer's are 0); nil from a plugin that does not count them.
+	HeldSends *int64 `json:"held_sends,omitempty"`
 }
 
 // Counts is what the gate did: finished_recving reports suppressed (gated) and passed, failed

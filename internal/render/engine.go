@@ -18,10 +18,21 @@ import (
 	"pdcluster.dev/pdcluster-operator/internal/scaling"
 )
 
-// drain is the preStop hook of the engine pods' containers (the engine and its connector alike:
-// a connector that left first would fail the engine's last transfers).
+// drain is the preStop hook of the engine container: it serves on while the routers learn the
+// pod is gone; then SIGTERM starts vLLM's own drain (--shutdown-timeout).
 func drain() *corev1.Lifecycle {
 	return &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: drainSeconds}}}
+}
+
+// drainTimeout is role's drain.timeoutSeconds.
+func drainTimeout(pdc *v1alpha1.PDCluster, role v1alpha1.Role) int32 {
+	return *pool(pdc, role).Drain.TimeoutSeconds
+}
+
+// gracePeriod is a pod's default terminationGracePeriodSeconds: the router's window, the
+// pool's drain, and the engine's teardown.
+func gracePeriod(pdc *v1alpha1.PDCluster, role v1alpha1.Role) int64 {
+	return int64(drainSeconds + drainTimeout(pdc, role) + graceMarginSeconds)
 }
 
 // gpusPerReplica is tensor*data*pipeline of a pool.
@@ -64,6 +75,9 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 		args = append(args, "--no-enable-prefix-caching")
 	}
 	args = append(args, "--kv-transfer-config", kvcfg)
+	// SIGTERM drains (finish running requests, keep KV blocks until decode pulled them) for
+	// this long; 0 aborts at once, vLLM's default.
+	args = append(args, "--shutdown-timeout", strconv.Itoa(int(drainTimeout(pdc, role))))
 	args = append(args, spec.Engine.Args...)
 	args = append(args, p.Args...)
 	return args, nil
@@ -143,6 +157,9 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	}
 	settings := mergePodSettings(pdc.Spec.Engine.Pod, p.Pod)
 	applyPodSettings(&podSpec, settings)
+	if podSpec.TerminationGracePeriodSeconds == nil {
+		podSpec.TerminationGracePeriodSeconds = ptr.To(gracePeriod(pdc, role))
+	}
 	dep, err := deployment(pdc, role, scaling.SpecReplicas(pdc, role), podSpec)
 	if err != nil {
 		return nil, err

@@ -44,7 +44,15 @@ const (
 	// drainSeconds keeps a deleted engine pod's containers serving before they get SIGTERM:
 	// routers resolve the pools every 5 s through DNS (cached up to 5 s more), so a pod gone at
 	// once would still get requests and fail them ("no route to host") during every rollout.
+	// The pool's drain.timeoutSeconds follows, for vLLM's own drain.
 	drainSeconds = 15
+	// graceMarginSeconds is the default grace period's room past the drain, for the engine's
+	// teardown after its last request (vLLM frees GPU memory and joins its workers).
+	graceMarginSeconds = 15
+
+	// ConnectorBinary is where the connector image keeps the sidecar's command: its preStop
+	// hook runs `connector drain` there. An image set in spec.connector.image must keep it.
+	ConnectorBinary = "/usr/local/bin/connector"
 )
 
 // ObjectName is the name of the child object of cluster for role.

@@ -62,7 +62,19 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
 		// It writes only its socket, on its volume (the engine, which may run as root, connects).
 		SecurityContext:          nonRoot(readOnlyRoot(hardened())),
-		Lifecycle:                drain(),
+		Lifecycle:                connectorDrain(pdc, role),
 		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
 	}
+}
+
+// connectorDrain is the sidecar's preStop hook: unready at once, and serving (metrics, the
+// gate's heartbeat) through the engine's drain: at least the routers' window, then until the
+// engine holds no KV for a pull not made yet, within the pool's drain timeout.
+func connectorDrain(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Lifecycle {
+	return &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{Command: []string{
+		ConnectorBinary, "drain",
+		"--listen=" + ConnectorSocket,
+		fmt.Sprintf("--min=%ds", drainSeconds),
+		fmt.Sprintf("--timeout=%ds", drainSeconds+drainTimeout(pdc, role)),
+	}}}}
 }

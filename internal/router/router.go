@@ -112,10 +112,10 @@ type Router struct {
 	// prefillLegs counts prefill legs sent and not yet answered in full; decodeLegs, decode
 	// legs sent whose attempt has not ended (the answer is relayed until then).
 	prefillLegs, decodeLegs atomic.Int64
-	log      logr.Logger
-	policy   FailurePolicy
-	budget   *retryBudget
-	eject    *ejector
+	log                     logr.Logger
+	policy                  FailurePolicy
+	budget                  *retryBudget
+	eject                   *ejector
 	// probeEvery is how often an ejected endpoint is asked whether it is back (tests shorten it).
 	probeEvery time.Duration
 	metrics    metrics

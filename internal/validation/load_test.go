@@ -42,7 +42,8 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		Parallelism: v1alpha1.Parallelism{
 			Tensor: ptr.To(v1alpha1.DefaultParallelism), Data: ptr.To(v1alpha1.DefaultParallelism), Pipeline: ptr.To(v1alpha1.DefaultParallelism),
 		},
-		RDMA: v1alpha1.RDMASpec{ResourceName: v1alpha1.DefaultRDMAResourceName, Count: ptr.To(v1alpha1.DefaultRDMACount)},
+		RDMA:  v1alpha1.RDMASpec{ResourceName: v1alpha1.DefaultRDMAResourceName, Count: ptr.To(v1alpha1.DefaultRDMACount)},
+		Drain: v1alpha1.DrainSpec{TimeoutSeconds: ptr.To(v1alpha1.DefaultDrainTimeoutSeconds)},
 	}
 	want := v1alpha1.PDClusterSpec{
 		Model: v1alpha1.ModelSpec{Path: "facebook/opt-125m"},

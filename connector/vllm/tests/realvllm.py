@@ -80,6 +80,24 @@ def stock(raw: str) -> str:
     return json.dumps(cfg)
 
 
+def serve_parser() -> Any:
+    """vLLM's `vllm serve` argument parser, as its CLI builds it. Building it instantiates the
+    device config, which cannot infer a device here: the platform says cpu, nothing else
+    changes (the parser is what is tested, not a device)."""
+    import vllm.platforms as platforms
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    type(platforms.current_platform).device_type = "cpu"
+    for name in ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args",
+                 "vllm.entrypoints.openai.cli_args"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        return mod.make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    raise AssertionError("no vLLM module defines make_arg_parser")
+
+
 _model_dir: Optional[str] = None
 
 

@@ -345,6 +345,34 @@ class ContractTest(unittest.TestCase):
                     self.assertIs(type(e.connector), cls)
                     self.assertIsNotNone(e.gate, "the connector the scheduler built is not gated")
 
+    def test_vllms_parser_takes_the_rendered_engine_commands(self) -> None:
+        # vLLM's own `vllm serve` parser, as its CLI builds it, reads every rendered command
+        # line: a flag vLLM does not define, or a value it refuses, exits 2 as in a pod.
+        import yaml
+
+        parser = rv.serve_parser()
+        commands = 0
+        for golden in sorted(rv.GOLDEN.glob("*.golden.yaml")):
+            for doc in yaml.safe_load_all(golden.read_text()):
+                if not doc or doc.get("kind") != "Deployment":
+                    continue
+                for c in doc["spec"]["template"]["spec"]["containers"]:
+                    if c.get("command") != ["vllm"]:
+                        continue
+                    args = list(c["args"])
+                    self.assertEqual(args[0], "serve")
+                    with self.subTest(golden=golden.name, deployment=doc["metadata"]["name"]):
+                        commands += 1
+                        try:
+                            ns = parser.parse_args(args[1:])
+                        except SystemExit as e:
+                            self.fail(f"vLLM {VERSION} refuses {args}: exit {e.code}")
+                        i = args.index("--shutdown-timeout")
+                        self.assertEqual(ns.shutdown_timeout, int(args[i + 1]))
+        self.assertGreater(commands, 10)
+        with self.assertRaises(SystemExit):
+            parser.parse_args(["m", "--no-such-flag"])
+
     def test_stock_name_with_the_plugin_module_fails_loudly(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         import json

@@ -31,7 +31,11 @@ type Serve struct {
 	// NumGPUBlocksOverride is vLLM's --num-gpu-blocks-override: the KV-cache capacity in
 	// blocks instead of what GPU memory allows (0: unset).
 	NumGPUBlocksOverride int
-	KVTransfer           *KVTransferConfig
+	// ShutdownTimeout is vLLM's --shutdown-timeout in seconds: on SIGTERM, 0 aborts what the
+	// engine holds at once; more drains (running requests end, a producer's KV blocks wait
+	// for their pulls) for up to that long.
+	ShutdownTimeout int
+	KVTransfer      *KVTransferConfig
 }
 
 // KVTransferConfig is the subset of vLLM's KVTransferConfig the simulator reads.
@@ -71,7 +75,7 @@ var flags = map[string]kind{
 	"--enable-chunked-prefill": optional, "--disable-log-requests": boolean, "--disable-log-stats": boolean,
 	"--uvicorn-log-level": value, "--api-server-count": value, "--distributed-executor-backend": value,
 	"--generation-config": value, "--chat-template": value, "--max-logprobs": value,
-	"--num-gpu-blocks-override": value,
+	"--num-gpu-blocks-override": value, "--shutdown-timeout": value,
 }
 
 // short are vLLM's short aliases.
@@ -147,7 +151,7 @@ func Parse(args []string) (*Serve, error) {
 		dst  *int
 	}{{"--port", &s.Port}, {"--block-size", &s.BlockSize}, {"--tensor-parallel-size", &s.TensorParallel},
 		{"--data-parallel-size", &s.DataParallel}, {"--pipeline-parallel-size", &s.PipelineParallel}, {"--max-model-len", &s.MaxModelLen},
-		{"--num-gpu-blocks-override", &s.NumGPUBlocksOverride}}
+		{"--num-gpu-blocks-override", &s.NumGPUBlocksOverride}, {"--shutdown-timeout", &s.ShutdownTimeout}}
 	for _, f := range ints {
 		v, ok := vals[f.flag]
 		if !ok {

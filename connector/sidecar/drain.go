@@ -1,0 +1,110 @@
+package sidecar
+
+import (
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// engineGone is how long the gate may be silent before a drain stops waiting for it: two of
+// its 5 s heartbeats and a margin. An engine that finished its drain (or died) reports no more,
+// and its last count of held sends is then no reason to wait.
+const engineGone = 11 * time.Second
+
+// DrainResult is the answer to POST /v1/drain.
+type DrainResult struct {
+	// HeldSends is what the engine held when the drain ended (-1: it never said).
+	HeldSends int64 `json:"heldSends"`
+	// WaitedSeconds is how long the drain took.
+	WaitedSeconds float64 `json:"waitedSeconds"`
+	// Reason is why it ended: "drained", "engine silent", "timeout" or "cancelled".
+	Reason string `json:"reason"`
+}
+
+// heldSends is what the engine's gate last said it holds, and whether that is current.
+func (g *gateWatch) heldSends() (n int64, known, current bool) {
+	last, age := g.snapshot()
+	if last == nil || last.HeldSends == nil {
+		return 0, false, last != nil && age <= engineGone
+	}
+	return *last.HeldSends, true, age <= engineGone
+}
+
+// handleDrain is POST /v1/drain: unready from now on, and an answer once the engine holds no
+// KV for a pull not made yet and min has passed, or at timeout. Only the pod reaches it (the
+// local API).
+func (s *Sidecar) handleDrain(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	minWait, err1 := time.ParseDuration(q.Get("min"))
+	timeout, err2 := time.ParseDuration(q.Get("timeout"))
+	if err1 != nil || err2 != nil || minWait < 0 || timeout < minWait {
+		s.refuse(w, r, http.StatusBadRequest, fmt.Sprintf("bad drain: want min and timeout durations with 0 <= min <= timeout, got min=%q timeout=%q", q.Get("min"), q.Get("timeout")))
+		return
+	}
+	// The server's write timeout is for heartbeats and probes, not for a drain.
+	_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(timeout + 10*time.Second))
+	clk := s.gate.cfg.Clock
+	start := clk.Now()
+	if s.draining.CompareAndSwap(false, true) {
+		s.log.Info("draining: the pod is being deleted", "min", minWait, "timeout", timeout)
+	}
+	res := DrainResult{HeldSends: -1}
+	for {
+		held, known, current := s.gate.heldSends()
+		if known {
+			res.HeldSends = held
+		}
+		waited := clk.Since(start)
+		switch {
+		case waited >= timeout:
+			res.Reason = "timeout"
+		case waited < minWait:
+		case !current:
+			res.Reason = "engine silent"
+		case held == 0:
+			res.Reason = "drained"
+		}
+		if res.Reason != "" {
+			break
+		}
+		select {
+		case <-r.Context().Done():
+			res.Reason = "cancelled"
+		case <-time.After(s.drainPoll):
+		}
+		if res.Reason != "" {
+			break
+		}
+	}
+	res.WaitedSeconds = clk.Since(start).Seconds()
+	s.log.Info("drain ended", "reason", res.Reason, "heldSends", res.HeldSends, "waited", clk.Since(start).Round(time.Millisecond))
+	writeJSON(w, res)
+}
+
+var (
+	heldSendsDesc = prometheus.NewDesc("pdcluster_connector_held_kv_sends",
+		"Requests whose KV blocks the engine holds for a pull not made yet, as its completion gate last reported (a prefill pod deleted now would fail those pulls; absent until reported).", nil, nil)
+	drainingDesc = prometheus.NewDesc("pdcluster_connector_draining",
+		"1 once the pod is being deleted and the sidecar drains, else 0.", nil, nil)
+)
+
+// drainCollector exports the drain's state.
+type drainCollector struct{ s *Sidecar }
+
+func (d drainCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- heldSendsDesc
+	ch <- drainingDesc
+}
+
+func (d drainCollector) Collect(ch chan<- prometheus.Metric) {
+	if held, known, _ := d.s.gate.heldSends(); known {
+		ch <- prometheus.MustNewConstMetric(heldSendsDesc, prometheus.GaugeValue, float64(held))
+	}
+	draining := 0.0
+	if d.s.draining.Load() {
+		draining = 1
+	}
+	ch <- prometheus.MustNewConstMetric(drainingDesc, prometheus.GaugeValue, draining)
+}
