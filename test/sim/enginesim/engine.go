@@ -166,6 +166,13 @@ func (e *Engine) GateCounts() vllm.Counts {
 	return e.gate.counts
 }
 
+// HeldSends is how many requests' KV blocks a producer holds for pulls not made yet.
+func (e *Engine) HeldSends() int { return e.sched.HeldSends() }
+
+// HasWork is vLLM's EngineCore.has_work: requests running, waiting, or holding blocks for a
+// pull. A draining engine exits once it is false.
+func (e *Engine) HasWork() bool { return e.sched.HasRequests() }
+
 // Stats returns the engine's counters.
 func (e *Engine) Stats() Stats {
 	e.mu.Lock()

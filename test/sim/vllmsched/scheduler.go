@@ -419,6 +419,23 @@ func (s *Scheduler) HasRequests() bool {
 	return len(s.requests) > 0
 }
 
+// HeldSends is how many finished requests a producer keeps blocks of for a pull not made yet
+// (the scheduler's requests waiting on delayed free, which vLLM's drain waits for).
+func (s *Scheduler) HeldSends() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cfg.Role != vllm.KVProducer {
+		return 0
+	}
+	n := 0
+	for _, r := range s.requests {
+		if r.Status.Finished() && r.delayFree {
+			n++
+		}
+	}
+	return n
+}
+
 // Stats is a snapshot for tests and metrics.
 type Stats struct {
 	Requests    int

@@ -88,8 +88,14 @@ func envOr(getenv func(string) string, key, def string) string {
 	return def
 }
 
-// run starts the engine of s and serves until ctx ends.
-func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log logr.Logger) error {
+// run starts the engine of s and serves until shutdown ends (SIGTERM). Then, as vLLM does,
+// the API server stops taking requests and, with --shutdown-timeout above 0, the engine drains
+// for up to that long: running requests end, and a producer keeps its KV blocks (its transfer
+// engine, bootstrap and side channels serving) until decode pulled them. With 0 it stops at
+// once, and whatever it held is lost to its consumers.
+func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string, log logr.Logger) error {
+	ctx, stopEngine := context.WithCancel(context.WithoutCancel(shutdown))
+	defer stopEngine()
 	cfg := enginesim.Config{Model: s.ServedModelName, BlockSize: s.BlockSize, MaxModelLen: s.MaxModelLen,
 		PrefixCaching: s.PrefixCaching, Policy: vllmsched.PolicyFail, StepTime: 2 * time.Millisecond, Log: log}
 	var conn vllmcli.Connector
@@ -206,19 +212,39 @@ func run(ctx context.Context, s *vllmcli.Serve, getenv func(string) string, log 
 	mux.Handle("/", h)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
 	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role)
-	serveHTTP(ctx, api, mux)
+	drain := time.Duration(s.ShutdownTimeout) * time.Second
+	serveHTTPFor(shutdown, api, mux, drain)
+	if drain > 0 {
+		log.Info("[shutdown] EngineCore: start mode=drain", "timeout", drain, "heldSends", e.HeldSends())
+		deadline := time.Now().Add(drain)
+		for e.HasWork() && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		log.Info("[shutdown] EngineCore: drain ended", "heldSends", e.HeldSends(), "work left", e.HasWork())
+	} else {
+		log.Info("[shutdown] EngineCore: start mode=abort", "heldSends", e.HeldSends())
+	}
 	return nil
 }
 
 func serveHTTP(ctx context.Context, l net.Listener, h http.Handler) {
+	serveHTTPFor(ctx, l, h, 5*time.Second)
+}
+
+// serveHTTPFor serves until ctx ends, then closes l and gives the requests in progress up to
+// grace to end.
+func serveHTTPFor(ctx context.Context, l net.Listener, h http.Handler, grace time.Duration) {
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	done := make(chan struct{})
 	go func() {
+		defer close(done)
 		<-ctx.Done()
-		c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		c, cancel := context.WithTimeout(context.Background(), max(grace, time.Second))
 		defer cancel()
 		_ = srv.Shutdown(c)
 	}()
 	_ = srv.Serve(l)
+	<-done
 }
 
 // defaultKVBlocks is the stand-in's KV capacity without --num-gpu-blocks-override, and
@@ -253,8 +279,9 @@ func heartbeat(ctx context.Context, agent string, conn vllmcli.Connector, role s
 	c := newSidecar(agent)
 	for ctx.Err() == nil {
 		counts := e.GateCounts()
+		held := int64(e.HeldSends())
 		_ = c.gate(ctx, vllm.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllm.Hash(), Role: role, PID: os.Getpid(),
-			Counts: counts})
+			Counts: counts, HeldSends: &held})
 		select {
 		case <-ctx.Done():
 		case <-time.After(5 * time.Second):

@@ -299,3 +299,74 @@ func TestFailedPullCountedAsVLLMDoes(t *testing.T) {
 		t.Errorf("GET /metrics lacks %s:\n%s", want, scrape)
 	}
 }
+
+// As vLLM with --shutdown-timeout: on SIGTERM the API stops taking requests, and a prefill
+// engine keeps the KV it holds (transfer engine and bootstrap serving) until decode pulled it,
+// then exits. With 0 (vLLM's default) it exits at once and decode's pull of that KV fails, so
+// a test of an undrained scale-down can fail.
+func TestShutdownTimeoutKeepsHeldKVForItsPull(t *testing.T) {
+	for _, tc := range []struct {
+		timeout    int
+		wantDecode int
+	}{{30, http.StatusOK}, {0, http.StatusInternalServerError}} {
+		t.Run(fmt.Sprintf("--shutdown-timeout=%d", tc.timeout), func(t *testing.T) {
+			env := podEnv(t)
+			api, boot := freePort(t), freePort(t)
+			env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(boot)
+			stop, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), "--block-size=16",
+				fmt.Sprintf("--shutdown-timeout=%d", tc.timeout), mooncakeProducer}, env)
+			prefill := fmt.Sprintf("http://127.0.0.1:%d", api)
+			waitHealthy(t, prefill, errc)
+			engineID := query(t, fmt.Sprintf("http://127.0.0.1:%d/query", boot))["0"].EngineID
+			dapi := freePort(t)
+			_, derrc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", dapi), "--block-size=16",
+				`--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}`}, podEnv(t))
+			decode := fmt.Sprintf("http://127.0.0.1:%d", dapi)
+			waitHealthy(t, decode, derrc)
+
+			client := &http.Client{Timeout: 20 * time.Second}
+			post := func(url, params string) (int, string) {
+				body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("word ", 40) + `","kv_transfer_params":` + params + `}`
+				r, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+				if err != nil {
+					return 0, err.Error()
+				}
+				defer r.Body.Close()
+				b, _ := io.ReadAll(r.Body)
+				return r.StatusCode, string(b)
+			}
+			if code, body := post(prefill, `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"t1"}`); code != http.StatusOK {
+				t.Fatalf("prefill: %d %s", code, body)
+			}
+			stop() // SIGTERM
+			exited := func(within time.Duration) bool {
+				select {
+				case err := <-errc:
+					errc <- err
+					return true
+				case <-time.After(within):
+					return false
+				}
+			}
+			if tc.timeout == 0 {
+				if !exited(5 * time.Second) {
+					t.Fatal("the engine did not exit at once with --shutdown-timeout=0")
+				}
+			} else {
+				if exited(500 * time.Millisecond) {
+					t.Fatal("the engine exited while it held KV for a pull not made yet")
+				}
+				if code, _ := post(prefill, `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"t2"}`); code != 0 {
+					t.Errorf("a draining engine took a new request: %d", code)
+				}
+			}
+			code, body := post(decode, fmt.Sprintf(`{"do_remote_prefill":true,"do_remote_decode":false,"transfer_id":"t1","remote_engine_id":%q,"remote_bootstrap_addr":"http://127.0.0.1:%d"}`, engineID, boot))
+			if code != tc.wantDecode {
+				t.Errorf("decode after the prefill engine's SIGTERM: %d %s, want %d", code, body, tc.wantDecode)
+			}
+			if tc.timeout > 0 && !exited(5*time.Second) {
+				t.Error("the engine did not exit once its held KV was pulled")
+			}
+		})
+	}
+}
