@@ -99,7 +99,8 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		in.obs = r.observe(ctx, &pdc)
 		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now, int(scale.effective.Prefill+scale.effective.Decode))
 		in.kv = r.verifyKV(&pdc, in.obs, in.now)
-		reconcileErr = errors.Join(in.obs.err(), in.health.err)
+		costErr := r.setDeletionCosts(ctx, in.obs)
+		reconcileErr = errors.Join(in.obs.err(), in.health.err, costErr)
 		requeueAfter = in.health.requeueAfter()
 		if in.obs.gatesRead {
 			requeueAfter = sooner(requeueAfter, countsRefresh(&pdc))

@@ -1,0 +1,47 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+)
+
+// podDeletionCost is the annotation a ReplicaSet reads when it scales down: it deletes the
+// pods of lowest cost first.
+const podDeletionCost = "controller.kubernetes.io/pod-deletion-cost"
+
+// +kubebuilder:rbac:groups="",resources=pods,verbs=patch
+
+// setDeletionCosts gives each prefill pod a deletion cost of the KV sends its engine holds (as
+// its sidecar last heard from the gate), so a scale-down deletes idle prefill pods first and
+// not one whose KV decode has still to pull. A pod whose count is unknown is left as it is;
+// a pod whose annotation already says the count is not written.
+func (r *PDClusterReconciler) setDeletionCosts(ctx context.Context, o observed) error {
+	var errs []error
+	for _, g := range o.gates {
+		if g.role != v1alpha1.RolePrefill || !g.st.Loaded || g.st.Report == nil || g.st.Report.HeldSends == nil {
+			continue
+		}
+		want := strconv.FormatInt(min(max(*g.st.Report.HeldSends, 0), math.MaxInt32), 10)
+		if g.pod.Annotations[podDeletionCost] == want {
+			continue
+		}
+		pod := g.pod.DeepCopy()
+		patch := client.MergeFrom(g.pod)
+		if pod.Annotations == nil {
+			pod.Annotations = map[string]string{}
+		}
+		pod.Annotations[podDeletionCost] = want
+		if err := r.Patch(ctx, pod, patch); client.IgnoreNotFound(err) != nil {
+			errs = append(errs, fmt.Errorf("set %s of pod %s: %w", podDeletionCost, pod.Name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
