@@ -44,4 +44,3 @@ func (r *PDClusterReconciler) setDeletionCosts(ctx context.Context, o observed) 
 	}
 	return errors.Join(errs...)
 }
-

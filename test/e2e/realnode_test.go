@@ -479,6 +479,9 @@ func TestRealNode(t *testing.T) {
 		r.prefillKilledUnderLoad(t)
 	})
 
+	t.Run("prefill 2 -> 1 under load fails nothing and removes the idle pod; a deleted prefill keeps its KV for late pulls, and loses it with drain.timeoutSeconds 0", func(t *testing.T) {
+		r.drainsPrefill(t)
+	})
 	t.Run("the decode engine's gate: notify-only pulls gated, an idle engine's held report too", func(t *testing.T) {
 		r.gatesIdleEngine(t)
 	})
