@@ -58,6 +58,9 @@ const (
 	ReasonDecodeRecomputing = "DecodeRecomputing"
 	// ReasonTransferFailing (False): decode recomputed and pulls failed in the window.
 	ReasonTransferFailing = "TransferFailing"
+	// ReasonSlowTransport (False): KV moved, slower than verification.minTransferMBps (an
+	// RDMA path that fell back to TCP).
+	ReasonSlowTransport = "SlowTransport"
 	// ReasonConnectorNotLoaded (False): decode recomputed and its completion gate never
 	// reported, so vLLM runs without the operator's connector.
 	ReasonConnectorNotLoaded = "ConnectorNotLoaded"

@@ -305,6 +305,15 @@ type KVVerification struct {
 	// +optional
 	MinExternalSharePercent *int32 `json:"minExternalSharePercent,omitempty"`
 
+	// minTransferMBps is the slowest KV transfer rate (MB/s: bytes moved over the engines'
+	// transfer time, vllm:<connector>_bytes_transferred and _xfer_time_seconds, over the
+	// window) that still counts as verified. Set it for protocol rdma well above what TCP
+	// reaches on your network: an RDMA path that fell back to TCP then reads SlowTransport.
+	// Unset: no floor.
+	// +kubebuilder:validation:Minimum=1
+	// +optional
+	MinTransferMBps *int32 `json:"minTransferMBps,omitempty"`
+
 	// requiredForReady makes Ready False while KVTransferVerified is False. By default a failed
 	// verification is a condition and a Warning event only: the cluster still serves (slower).
 	// +optional
@@ -975,6 +984,11 @@ type KVTransferStatus struct {
 	// (vLLM's abort timeout), in the window.
 	// +optional
 	ExpiredRequests int64 `json:"expiredRequests,omitempty"`
+
+	// transferMBps is the KV transfer rate the engines measured in the window: bytes moved
+	// over their transfer time, in MB/s; absent when no transfer was timed.
+	// +optional
+	TransferMBps *int64 `json:"transferMBps,omitempty"`
 
 	// recomputingPods are the decode pods whose own share was below the minimum.
 	// +listType=set

@@ -291,6 +291,11 @@ func (in *KVTransferStatus) DeepCopyInto(out *KVTransferStatus) {
 		*out = new(int32)
 		**out = **in
 	}
+	if in.TransferMBps != nil {
+		in, out := &in.TransferMBps, &out.TransferMBps
+		*out = new(int64)
+		**out = **in
+	}
 	if in.RecomputingPods != nil {
 		in, out := &in.RecomputingPods, &out.RecomputingPods
 		*out = make([]string, len(*in))
@@ -318,6 +323,11 @@ func (in *KVVerification) DeepCopyInto(out *KVVerification) {
 	}
 	if in.MinExternalSharePercent != nil {
 		in, out := &in.MinExternalSharePercent, &out.MinExternalSharePercent
+		*out = new(int32)
+		**out = **in
+	}
+	if in.MinTransferMBps != nil {
+		in, out := &in.MinTransferMBps, &out.MinTransferMBps
 		*out = new(int32)
 		**out = **in
 	}

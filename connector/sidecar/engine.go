@@ -178,6 +178,19 @@ func ParseEngineMetrics(r io.Reader) (vllm.EngineStats, error) {
 		return total
 	}
 	st.FailedTransfers, st.FailedReceives, st.ExpiredRequests = sum(vllm.MetricFailedTransfers), sum(vllm.MetricFailedReceives), sum(vllm.MetricExpiredRequests)
+	histogramSum := func(names ...string) float64 {
+		var total float64
+		for _, n := range names {
+			if f := families[n]; f != nil {
+				for _, m := range f.GetMetric() {
+					total += m.GetHistogram().GetSampleSum()
+				}
+			}
+		}
+		return total
+	}
+	st.TransferBytes = histogramSum(vllm.MetricMooncakeBytes, vllm.MetricNixlBytes)
+	st.TransferSeconds = histogramSum(vllm.MetricMooncakeXferSeconds, vllm.MetricNixlXferSeconds)
 	return st, nil
 }
 

@@ -51,7 +51,7 @@ func TestEngineEvidenceInGateState(t *testing.T) {
 	s.engine.readOnce(t.Context())
 	clk.SetTime(gateT0.Add(20 * time.Second))
 	want := &vllm.EngineStats{ExternalKVTokens: 13500, LocalComputeTokens: 60, LocalCacheHitTokens: 200,
-		FailedTransfers: 2, FailedReceives: 1, HasPromptSources: true, AgeSeconds: 20}
+		FailedTransfers: 2, FailedReceives: 1, HasPromptSources: true, TransferBytes: 2e7, TransferSeconds: 0.01, AgeSeconds: 20}
 	if d := cmp.Diff(want, gateState(t, s).Engine); d != "" {
 		t.Errorf("GET /gate engine (-want +got):\n%s", d)
 	}

@@ -128,6 +128,11 @@ type EngineStats struct {
 	ExpiredRequests float64 `json:"expiredRequests,omitempty"`
 	// HasPromptSources is whether the engine exports vllm:prompt_tokens_by_source_total at all.
 	HasPromptSources bool `json:"hasPromptSources"`
+	// TransferBytes and TransferSeconds are the connector's per-transfer histograms' sums
+	// (vllm:<connector>_bytes_transferred, _xfer_time_seconds): their ratio is the rate the
+	// engine moved KV at.
+	TransferBytes   float64 `json:"transferBytes,omitempty"`
+	TransferSeconds float64 `json:"transferSeconds,omitempty"`
 	// AgeSeconds is how old the scrape is; Error says why the last scrape failed (the counts
 	// are then from the one before, if any).
 	AgeSeconds float64 `json:"ageSeconds"`

@@ -40,6 +40,8 @@ type Sample struct {
 	Failed float64
 	// Expired are prefill requests whose held KV expired (prefill pods).
 	Expired float64
+	// Bytes and Seconds are the KV the engine moved and the time its transfers took.
+	Bytes, Seconds float64
 }
 
 // SampleOf is the sample in an engine pod's GET /gate answer, read at at; false when the
@@ -51,7 +53,7 @@ func SampleOf(at time.Time, st vllm.State) (Sample, bool) {
 		return Sample{}, false
 	}
 	s := Sample{At: at, HasSources: e.HasPromptSources, External: e.ExternalKVTokens, LocalCompute: e.LocalComputeTokens,
-		Failed: e.FailedTransfers + e.FailedReceives, Expired: e.ExpiredRequests}
+		Failed: e.FailedTransfers + e.FailedReceives, Expired: e.ExpiredRequests, Bytes: e.TransferBytes, Seconds: e.TransferSeconds}
 	if st.Report != nil {
 		s.Failed = float64(st.Report.Counts.Failed)
 	}
@@ -75,7 +77,7 @@ func (p Pod) delta() (d Sample, ok bool) {
 	}
 	a, b := p.Samples[0], p.Samples[len(p.Samples)-1]
 	return Sample{At: b.At, HasSources: b.HasSources, External: b.External - a.External, LocalCompute: b.LocalCompute - a.LocalCompute,
-		Failed: b.Failed - a.Failed, Expired: b.Expired - a.Expired}, true
+		Failed: b.Failed - a.Failed, Expired: b.Expired - a.Expired, Bytes: b.Bytes - a.Bytes, Seconds: b.Seconds - a.Seconds}, true
 }
 
 // Policy is spec.kvTransfer.verification, defaulted.
@@ -85,6 +87,8 @@ type Policy struct {
 	// GateEnabled: the engines should run the completion gate (so a gate that never reported
 	// means vLLM runs without the operator's connector).
 	GateEnabled bool
+	// MinMBps is the transfer rate floor (0: none).
+	MinMBps int64
 }
 
 // PolicyOf reads the verification policy of a defaulted PDCluster.
@@ -92,8 +96,13 @@ func PolicyOf(pdc *v1alpha1.PDCluster) Policy {
 	v := pdc.Spec.KVTransfer.Verification
 	return Policy{Window: time.Duration(ptr.Deref(v.WindowSeconds, v1alpha1.DefaultVerificationWindowSeconds)) * time.Second,
 		MinSharePct: ptr.Deref(v.MinExternalSharePercent, v1alpha1.DefaultMinExternalSharePercent),
-		GateEnabled: pdc.Spec.KVTransfer.CompletionGate != v1alpha1.CompletionGateDisabled}
+		GateEnabled: pdc.Spec.KVTransfer.CompletionGate != v1alpha1.CompletionGateDisabled,
+		MinMBps:     int64(ptr.Deref(v.MinTransferMBps, 0))}
 }
+
+// MinTimedBytes is the fewest bytes the window's timed transfers must hold for a rate to be
+// reported and judged: a few small transfers are all latency.
+const MinTimedBytes = 256 << 10
 
 // Verdict is KVTransferVerified and status.kvTransfer.
 type Verdict struct {
@@ -107,7 +116,7 @@ type Verdict struct {
 func Evaluate(pods []Pod, p Policy) Verdict {
 	var v Verdict
 	readable, decodes := 0, 0
-	var ext, comp, failed float64
+	var ext, comp, failed, bytes, secs float64
 	type judged struct {
 		name      string
 		sharePct  int32
@@ -117,6 +126,9 @@ func Evaluate(pods []Pod, p Policy) Verdict {
 	var low []judged
 	for _, pod := range pods {
 		d, ok := pod.delta()
+		if ok { // either pool may time the transfers (Mooncake's prefill writes, NIXL's decode reads)
+			bytes, secs = bytes+d.Bytes, secs+d.Seconds
+		}
 		if pod.Role == v1alpha1.RolePrefill {
 			if ok {
 				v.KV.ExpiredRequests += int64(d.Expired)
@@ -138,6 +150,12 @@ func Evaluate(pods []Pod, p Policy) Verdict {
 		}
 	}
 	v.KV.ExternalTokens, v.KV.LocalComputeTokens, v.KV.FailedPulls = int64(ext), int64(comp), int64(failed)
+	var mbps int64
+	timed := bytes >= MinTimedBytes && secs > 0
+	if timed {
+		mbps = int64(bytes / secs / 1e6)
+		v.KV.TransferMBps = ptr.To(mbps)
+	}
 	window := p.Window.String()
 	switch {
 	case readable == 0:
@@ -152,9 +170,19 @@ func Evaluate(pods []Pod, p Policy) Verdict {
 	}
 	share := sharePct(ext, ext+comp)
 	v.KV.ExternalSharePercent = ptr.To(share)
+	if len(low) == 0 && share >= p.MinSharePct && timed && p.MinMBps > 0 && mbps < p.MinMBps {
+		v.Status, v.Reason = metav1.ConditionFalse, v1alpha1.ReasonSlowTransport
+		v.Message = fmt.Sprintf("decode receives its prompts' KV from prefill (%d%% in the last %s), but at %d MB/s, below the %d MB/s floor "+
+			"(verification.minTransferMBps): has the RDMA path fallen back to TCP (the engines' transfer engine log, the pods' RDMA devices)?",
+			share, window, mbps, p.MinMBps)
+		return v
+	}
 	if len(low) == 0 && share >= p.MinSharePct {
 		v.Status, v.Reason = metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved
 		v.Message = fmt.Sprintf("decode received %d%% of its prompt tokens from prefill in the last %s (at least %d%% required)", share, window, p.MinSharePct)
+		if timed {
+			v.Message += fmt.Sprintf(", at %d MB/s", mbps)
+		}
 		if failed > 0 {
 			v.Message += fmt.Sprintf("; %d pulls failed", int64(failed))
 		}
@@ -245,7 +273,8 @@ func (h *History) Add(uid types.UID, restarts int32, s Sample, window time.Durat
 }
 
 func wentDown(prev, next Sample) bool {
-	return next.External < prev.External || next.LocalCompute < prev.LocalCompute || next.Failed < prev.Failed || next.Expired < prev.Expired
+	return next.External < prev.External || next.LocalCompute < prev.LocalCompute || next.Failed < prev.Failed || next.Expired < prev.Expired ||
+		next.Bytes < prev.Bytes || next.Seconds < prev.Seconds
 }
 
 // Samples are the pod's samples, oldest first.

@@ -152,6 +152,84 @@ func TestEvaluate(t *testing.T) {
 	}
 }
 
+// transferScrape is an engine's /metrics with the connector's per-transfer histograms (their
+// sums: bytes moved and seconds spent), as vLLM's prometheus_client writes them, for flow.
+func transferScrape(flow string, bytes, seconds float64) string {
+	return fmt.Sprintf(`# HELP vllm:%[1]s_bytes_transferred Histogram of bytes transferred per KV Cache transfer.
+# TYPE vllm:%[1]s_bytes_transferred histogram
+vllm:%[1]s_bytes_transferred_bucket{engine="0",le="+Inf",model_name="tiny"} 1
+vllm:%[1]s_bytes_transferred_count{engine="0",model_name="tiny"} 1
+vllm:%[1]s_bytes_transferred_sum{engine="0",model_name="tiny"} %[2]v
+# HELP vllm:%[1]s_xfer_time_seconds Histogram of transfer duration for KV Cache transfers.
+# TYPE vllm:%[1]s_xfer_time_seconds histogram
+vllm:%[1]s_xfer_time_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} 1
+vllm:%[1]s_xfer_time_seconds_count{engine="0",model_name="tiny"} 1
+vllm:%[1]s_xfer_time_seconds_sum{engine="0",model_name="tiny"} %[3]v
+`, flow, bytes, seconds)
+}
+
+// The transfer rate is bytes over transfer time, summed over both pools (Mooncake's prefill
+// times its writes, NIXL's decode its reads), over the window. Below the floor the verdict is
+// SlowTransport even though the KV arrives; without a floor, or with too few bytes timed, the
+// rate is not judged.
+func TestEvaluateTransferRate(t *testing.T) {
+	healthy := func(t *testing.T) (Sample, Sample) {
+		return sampleOf(t, 0, scrape(0, 0, 0, 0), 0), sampleOf(t, time.Minute, scrape(19900, 100, 0, 0), 0)
+	}
+	mooncakePrefill := func(t *testing.T, bytes, secs float64) Pod {
+		return Pod{Name: "p-0", Role: v1alpha1.RolePrefill, Samples: []Sample{sampleOf(t, 0, transferScrape("mooncake", 1e9, 1), 0),
+			sampleOf(t, time.Minute, transferScrape("mooncake", 1e9+bytes, 1+secs), 0)}}
+	}
+	cases := []struct {
+		name       string
+		pods       func(t *testing.T) []Pod
+		floor      int64
+		wantStatus metav1.ConditionStatus
+		wantReason string
+		wantMBps   *int64
+		wantInMsg  string
+	}{
+		{"mooncake on prefill, above the floor", func(t *testing.T) []Pod {
+			a, b := healthy(t)
+			return []Pod{mooncakePrefill(t, 4e9, 0.5), decode("d-0", true, a, b)}
+		}, 5000, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved, ptr.To[int64](8000), "at 8000 MB/s"},
+		{"mooncake on prefill, a TCP fallback below the floor", func(t *testing.T) []Pod {
+			a, b := healthy(t)
+			return []Pod{mooncakePrefill(t, 4e9, 4), decode("d-0", true, a, b)}
+		}, 5000, metav1.ConditionFalse, v1alpha1.ReasonSlowTransport, ptr.To[int64](1000), "at 1000 MB/s, below the 5000 MB/s floor"},
+		{"nixl on decode, below the floor", func(t *testing.T) []Pod {
+			a := sampleOf(t, 0, scrape(0, 0, 0, 0)+transferScrape("nixl", 0, 0), 0)
+			b := sampleOf(t, time.Minute, scrape(19900, 100, 0, 0)+transferScrape("nixl", 3e8, 1), 0)
+			return []Pod{decode("d-0", true, a, b)}
+		}, 1000, metav1.ConditionFalse, v1alpha1.ReasonSlowTransport, ptr.To[int64](300), "300 MB/s"},
+		{"no floor: the rate is reported, not judged", func(t *testing.T) []Pod {
+			a, b := healthy(t)
+			return []Pod{mooncakePrefill(t, 4e9, 4), decode("d-0", true, a, b)}
+		}, 0, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved, ptr.To[int64](1000), ""},
+		{"too few bytes timed to judge", func(t *testing.T) []Pod {
+			a, b := healthy(t)
+			return []Pod{mooncakePrefill(t, 1000, 1), decode("d-0", true, a, b)}
+		}, 5000, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved, nil, ""},
+		{"recomputing wins over slow", func(t *testing.T) []Pod {
+			return []Pod{mooncakePrefill(t, 4e9, 4), decode("d-0", true, sampleOf(t, 0, scrape(0, 0, 0, 0), 0), sampleOf(t, time.Minute, scrape(0, 20000, 0, 0), 0))}
+		}, 5000, metav1.ConditionFalse, v1alpha1.ReasonDecodeRecomputing, ptr.To[int64](1000), ""},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			v := Evaluate(tc.pods(t), Policy{Window: 5 * time.Minute, MinSharePct: 90, GateEnabled: true, MinMBps: tc.floor})
+			if v.Status != tc.wantStatus || v.Reason != tc.wantReason {
+				t.Errorf("verdict %s/%s (%s), want %s/%s", v.Status, v.Reason, v.Message, tc.wantStatus, tc.wantReason)
+			}
+			if d := cmp.Diff(tc.wantMBps, v.KV.TransferMBps); d != "" {
+				t.Errorf("transferMBps (-want +got):\n%s", d)
+			}
+			if !strings.Contains(v.Message, tc.wantInMsg) {
+				t.Errorf("message %q, want it to contain %q", v.Message, tc.wantInMsg)
+			}
+		})
+	}
+}
+
 // Prefill pods count the requests whose held KV expired.
 func TestEvaluateCountsExpiredOnPrefill(t *testing.T) {
 	pods := []Pod{

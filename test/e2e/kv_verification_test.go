@@ -45,7 +45,8 @@ func (r realNode) kvVerified(t *testing.T, status metav1.ConditionStatus, reason
 
 // verifiesKV: the sample (verification window 30 s) says KV moves under traffic; a decode engine
 // that drops kv_transfer_params (answering 200 all the same) turns the condition False,
-// DecodeRecomputing, with the pod named, and a Warning event; put back, it is True again.
+// DecodeRecomputing, with the pod named, and a Warning event; put back, it is True again; a
+// transfer-rate floor above what the node moves makes it False, SlowTransport.
 func (r realNode) verifiesKV(t *testing.T) {
 	c := r.kvVerified(t, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved)
 	kv := r.pdc().Status.KVTransfer
@@ -75,4 +76,16 @@ func (r realNode) verifiesKV(t *testing.T) {
 	r.patchReal(t, `{"decode":{"pod":null}}`)
 	c = r.kvVerified(t, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved)
 	t.Logf("verified again: %s", c.Message)
+
+	// A floor above what the node's TCP moves: the KV still arrives, but too slowly, as on an
+	// RDMA path that fell back to TCP.
+	r.patchReal(t, `{"kvTransfer":{"verification":{"minTransferMBps":1000000}}}`)
+	c = r.kvVerified(t, metav1.ConditionFalse, v1alpha1.ReasonSlowTransport)
+	if kv := r.pdc().Status.KVTransfer; kv == nil || kv.TransferMBps == nil || !strings.Contains(c.Message, "below the 1000000 MB/s floor") {
+		t.Errorf("SlowTransport: status.kvTransfer %+v, message %q", kv, c.Message)
+	}
+	t.Logf("slow: %s", c.Message)
+	r.patchReal(t, `{"kvTransfer":{"verification":{"minTransferMBps":null}}}`)
+	c = r.kvVerified(t, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved)
+	t.Logf("verified without a floor: %s", c.Message)
 }

@@ -139,9 +139,14 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 			blocks = defaultKVBlocks
 		}
 		host := hostIP(getenv)
+		onTransfer, err := transferHistograms(metrics, conn.Flow, s.ServedModelName)
+		if err != nil {
+			return err
+		}
 		transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{
 			Role: cfg.Role, Log: log.WithName("transfer"),
 			Blocks: blocks, BlockBytes: blockBytes, DataListen: net.JoinHostPort(host, "0"),
+			Consumer: agent.ConsumerConfig{OnTransfer: onTransfer},
 		}, metrics)
 		if err != nil {
 			return err
@@ -225,6 +230,34 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 		log.Info("[shutdown] EngineCore: start mode=abort", "heldSends", e.HeldSends())
 	}
 	return nil
+}
+
+// transferHistograms registers vLLM's per-transfer histograms of the connector (duration and
+// bytes, by model_name and engine) and returns what records a transfer in them. The stand-in
+// records on decode, which pulls; vLLM's Mooncake records on the prefill that writes, NIXL on
+// the decode that reads: the operator sums both pools, so only the names and units matter.
+func transferHistograms(reg prometheus.Registerer, flow vllmcli.Flow, model string) (func(time.Duration, int), error) {
+	names := map[vllmcli.Flow][2]string{
+		vllmcli.FlowMooncake: {vllm.MetricMooncakeXferSeconds, vllm.MetricMooncakeBytes},
+		vllmcli.FlowNixl:     {vllm.MetricNixlXferSeconds, vllm.MetricNixlBytes},
+	}[flow]
+	if names[0] == "" {
+		return nil, nil
+	}
+	secs := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: names[0], Help: "Histogram of transfer duration for KV Cache transfers.",
+		Buckets: prometheus.ExponentialBuckets(0.0001, 4, 10)}, []string{"model_name", "engine"})
+	bytes := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: names[1], Help: "Histogram of bytes transferred per KV Cache transfer.",
+		Buckets: prometheus.ExponentialBuckets(4096, 4, 10)}, []string{"model_name", "engine"})
+	for _, c := range []prometheus.Collector{secs, bytes} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	s, b := secs.WithLabelValues(model, "0"), bytes.WithLabelValues(model, "0")
+	return func(d time.Duration, n int) {
+		s.Observe(d.Seconds())
+		b.Observe(float64(n))
+	}, nil
 }
 
 func serveHTTP(ctx context.Context, l net.Listener, h http.Handler) {

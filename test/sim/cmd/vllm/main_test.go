@@ -367,6 +367,21 @@ func TestShutdownTimeoutKeepsHeldKVForItsPull(t *testing.T) {
 			if tc.timeout > 0 && !exited(5*time.Second) {
 				t.Error("the engine did not exit once its held KV was pulled")
 			}
+			// The pull that moved blocks is in vLLM's per-transfer histograms (the sidecar reads
+			// their sums for the transfer rate); a failed one is not.
+			resp, err := http.Get(decode + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			scrape, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			want := map[bool]string{true: "1", false: "0"}[tc.wantDecode == http.StatusOK]
+			for _, name := range []string{"vllm:mooncake_xfer_time_seconds_count", "vllm:mooncake_bytes_transferred_count"} {
+				line := name + `{engine="0",model_name="m"} ` + want + "\n"
+				if !strings.Contains(string(scrape), line) {
+					t.Errorf("decode /metrics lacks %s:\n%s", line, scrape)
+				}
+			}
 		})
 	}
 }

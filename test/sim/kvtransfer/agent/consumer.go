@@ -31,6 +31,10 @@ type ConsumerConfig struct {
 	// UngatedCompletions reproduces the seed bug: drained notify-only pulls are reported to the
 	// scheduler as finished receiving (fault injection, to demonstrate the failure).
 	UngatedCompletions bool
+	// OnTransfer, when set, hears each pull task that moved blocks: how long the blocks took
+	// from the first to the result, and how many bytes (vLLM's connectors record the same
+	// per transfer in vllm:<connector>_xfer_time_seconds and _bytes_transferred).
+	OnTransfer func(d time.Duration, bytes int)
 }
 
 // Consumer is the decode engine's half: it pulls the blocks of each request from its

@@ -153,6 +153,7 @@ func (c *Consumer) pullOn(conn *peerConn, meta kvtransfer.PullMeta, rank kvtrans
 		want[id] = true
 	}
 	written := 0
+	var first time.Time // the first block's arrival: the transfer, not the wait for prefill
 	peerErr := func(err error) error {
 		if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
 			return fmt.Errorf("%w: waiting for producer %s", kvtransfer.ErrTimeout, addr)
@@ -173,6 +174,9 @@ func (c *Consumer) pullOn(conn *peerConn, meta kvtransfer.PullMeta, rank kvtrans
 			f, err := readBlockHeader(r, kind, n)
 			if err != nil {
 				return false, peerErr(err)
+			}
+			if first.IsZero() {
+				first = time.Now()
 			}
 			if !want[f.dst] {
 				return false, fmt.Errorf("producer wrote block %d, which the pull did not ask for", f.dst)
@@ -218,6 +222,9 @@ func (c *Consumer) pullOn(conn *peerConn, meta kvtransfer.PullMeta, rank kvtrans
 			}
 			if len(want) > 0 {
 				return true, fmt.Errorf("producer finished after %d blocks, %d missing", written, len(want))
+			}
+			if written > 0 && c.cfg.OnTransfer != nil {
+				c.cfg.OnTransfer(time.Since(first), written*c.cfg.KV.BlockBytes())
 			}
 			return true, nil
 		default:
