@@ -97,7 +97,7 @@ func (r *PDClusterReconciler) verifyKV(pdc *v1alpha1.PDCluster, o observed, now 
 		pods = append(pods, kvverify.Pod{Name: pod.Name, Role: role, GateReported: !answered || st.Report != nil, Samples: h.Samples(pod.UID)})
 	}
 	h.Keep(live)
-	v := kvverify.Evaluate(pods, policy)
+	v := kvverify.Evaluate(pods, policy, kvverify.CanaryOf(o.canary, policy, now))
 	return &v
 }
 

@@ -30,6 +30,8 @@ type observed struct {
 	// whether they were asked at all (a reader is set, the gate is enabled, the pods are known).
 	gates     []gateRead
 	gatesRead bool
+	// canary is the newest canary the routers reported (verification mode Canary), or nil.
+	canary *v1alpha1.CanaryResult
 }
 
 // gateRead is one engine pod's answer to GET /gate.
@@ -73,6 +75,9 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 	// wanted.
 	if r.GateReader != nil && (render.GateEnabled(pdc.Spec.KVTransfer) || verificationOn(pdc)) && o.podsErr == nil {
 		o.gates, o.gatesRead = r.readGates(ctx, o.pods), true
+	}
+	if r.CanaryReader != nil && pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary && o.podsErr == nil {
+		o.canary = r.readCanary(ctx, o.pods)
 	}
 	return o
 }

@@ -50,6 +50,9 @@ type PDClusterReconciler struct {
 	// GateReader reads the completion gate's counts from the engine pods' sidecars for
 	// status; nil leaves them out.
 	GateReader GateReader
+	// CanaryReader reads each router's newest canary (verification mode Canary); nil leaves
+	// it out.
+	CanaryReader CanaryReader
 	// APIReader reads past the cache: a restart round first checks that the cached PDCluster
 	// (and the restart record in its status) is current. nil skips the check.
 	APIReader client.Reader

@@ -29,6 +29,7 @@ const (
 
 	DefaultVerificationWindowSeconds int32 = 300
 	DefaultMinExternalSharePercent   int32 = 90
+	DefaultCanaryIntervalSeconds     int32 = 60
 
 	DefaultDrainTimeoutSeconds int32 = 120
 )
@@ -53,6 +54,7 @@ func (in *PDCluster) SetDefaults() {
 	setString(&kv.Verification.Mode, KVVerificationPassive)
 	setPtr(&kv.Verification.WindowSeconds, DefaultVerificationWindowSeconds)
 	setPtr(&kv.Verification.MinExternalSharePercent, DefaultMinExternalSharePercent)
+	setPtr(&kv.Verification.CanaryIntervalSeconds, DefaultCanaryIntervalSeconds)
 
 	for _, p := range []*PoolScalingSpec{&s.Scaling.Prefill, &s.Scaling.Decode} {
 		setString(&p.Mode, ScalingStatic)

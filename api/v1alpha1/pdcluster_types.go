@@ -268,7 +268,7 @@ type KVTransferSpec struct {
 }
 
 // KVVerificationMode is how KV transfer is verified.
-// +kubebuilder:validation:Enum=Passive;Disabled
+// +kubebuilder:validation:Enum=Passive;Canary;Disabled
 type KVVerificationMode string
 
 const (
@@ -276,6 +276,11 @@ const (
 	// source (vllm:prompt_tokens_by_source_total, read by each sidecar from its engine) and the
 	// completion gate's failed pulls.
 	KVVerificationPassive KVVerificationMode = "Passive"
+	// KVVerificationCanary is Passive plus a canary: every router sends a never-cached prompt
+	// of a few blocks with max_tokens 1 through the P/D path at an interval and reads, from the
+	// decode engine that answered, how many of its tokens came from prefill. An idle cluster is
+	// judged too, and a single request's path is proven end to end.
+	KVVerificationCanary KVVerificationMode = "Canary"
 	// KVVerificationDisabled reads nothing and sets no KVTransferVerified condition.
 	KVVerificationDisabled KVVerificationMode = "Disabled"
 )
@@ -283,10 +288,18 @@ const (
 // KVVerification is how the operator checks that decode receives its prompts' KV from
 // prefill instead of recomputing them.
 type KVVerification struct {
-	// mode is Passive (read the engines' own counts) or Disabled.
+	// mode is Passive (read the engines' own counts), Canary (Passive, and the routers send a
+	// canary request at canaryIntervalSeconds) or Disabled.
 	// +kubebuilder:default=Passive
 	// +optional
 	Mode KVVerificationMode `json:"mode,omitempty"`
+
+	// canaryIntervalSeconds is how often each router sends its canary request (mode Canary).
+	// +kubebuilder:default=60
+	// +kubebuilder:validation:Minimum=5
+	// +kubebuilder:validation:Maximum=3600
+	// +optional
+	CanaryIntervalSeconds *int32 `json:"canaryIntervalSeconds,omitempty"`
 
 	// windowSeconds is how far back the evidence reaches: the change of the engines' counters
 	// over this many seconds. The first verdict comes once a window has passed with traffic.
@@ -990,12 +1003,50 @@ type KVTransferStatus struct {
 	// +optional
 	TransferMBps *int64 `json:"transferMBps,omitempty"`
 
+	// lastCanary is the newest canary request a router reported (mode Canary).
+	// +optional
+	LastCanary *CanaryResult `json:"lastCanary,omitempty"`
+
 	// recomputingPods are the decode pods whose own share was below the minimum.
 	// +listType=set
 	// +kubebuilder:validation:MaxItems=64
 	// +optional
 	RecomputingPods []string `json:"recomputingPods,omitempty"`
 }
+
+// CanaryResult is one canary request a router sent through the P/D path.
+type CanaryResult struct {
+	// time is when the canary's answer came.
+	Time metav1.Time `json:"time"`
+
+	// router is the router pod that sent it.
+	Router string `json:"router"`
+
+	// result is External (decode received the prompt's KV from prefill), Recomputed (decode
+	// computed it) or Failed (the request did not succeed, or decode's counts could not be read).
+	// +kubebuilder:validation:Enum=External;Recomputed;Failed
+	Result CanaryOutcome `json:"result"`
+
+	// promptTokens and externalTokens are the canary's prompt tokens and how many of them the
+	// decode engine counted as received from prefill while it answered.
+	// +optional
+	PromptTokens int64 `json:"promptTokens,omitempty"`
+	// +optional
+	ExternalTokens int64 `json:"externalTokens,omitempty"`
+
+	// message says what happened (the error of a failed canary).
+	// +optional
+	Message string `json:"message,omitempty"`
+}
+
+// CanaryOutcome is a canary request's result.
+type CanaryOutcome string
+
+const (
+	CanaryExternal   CanaryOutcome = "External"
+	CanaryRecomputed CanaryOutcome = "Recomputed"
+	CanaryFailed     CanaryOutcome = "Failed"
+)
 
 // PDCluster runs one model as disaggregated prefill and decode pools with a P/D router
 // and a completion-gated KV connector.

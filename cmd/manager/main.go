@@ -109,6 +109,7 @@ func main() {
 	}
 	if readGate {
 		reconciler.GateReader = controllers.NewHTTPGateReader()
+		reconciler.CanaryReader = controllers.NewHTTPCanaryReader()
 	}
 	if err := reconciler.SetupWithManager(mgr); err != nil {
 		setupLog.Error(err, "set up controller")

@@ -127,6 +127,9 @@ func main() {
 		log.Error(err, "configure router")
 		os.Exit(1)
 	}
+	if fc.Canary != nil {
+		go r.RunCanary(ctx, *fc.Canary)
+	}
 	srv := router.NewServer(o.listen, r.Handler(reg), router.ServerLimits{})
 	go func() {
 		<-ctx.Done()
@@ -134,7 +137,7 @@ func main() {
 		defer cancel()
 		_ = srv.Shutdown(c)
 	}()
-	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "balance", cfg.Balance, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String())
+	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "balance", cfg.Balance, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String(), "canary", fc.Canary != nil)
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		log.Error(err, "serve")
 		os.Exit(1)

@@ -89,15 +89,36 @@ type Policy struct {
 	GateEnabled bool
 	// MinMBps is the transfer rate floor (0: none).
 	MinMBps int64
+	// CanaryInterval is how often the routers send a canary (0: mode is not Canary).
+	CanaryInterval time.Duration
+}
+
+// Canary is the routers' newest canary for Evaluate.
+type Canary struct {
+	Result v1alpha1.CanaryResult
+	// Fresh: it came within three intervals, so it says how the path is now.
+	Fresh bool
+}
+
+// CanaryOf is the evidence of the newest canary at now (nil without one).
+func CanaryOf(c *v1alpha1.CanaryResult, p Policy, now time.Time) *Canary {
+	if c == nil || p.CanaryInterval == 0 {
+		return nil
+	}
+	return &Canary{Result: *c, Fresh: now.Sub(c.Time.Time) <= 3*p.CanaryInterval}
 }
 
 // PolicyOf reads the verification policy of a defaulted PDCluster.
 func PolicyOf(pdc *v1alpha1.PDCluster) Policy {
 	v := pdc.Spec.KVTransfer.Verification
-	return Policy{Window: time.Duration(ptr.Deref(v.WindowSeconds, v1alpha1.DefaultVerificationWindowSeconds)) * time.Second,
+	p := Policy{Window: time.Duration(ptr.Deref(v.WindowSeconds, v1alpha1.DefaultVerificationWindowSeconds)) * time.Second,
 		MinSharePct: ptr.Deref(v.MinExternalSharePercent, v1alpha1.DefaultMinExternalSharePercent),
 		GateEnabled: pdc.Spec.KVTransfer.CompletionGate != v1alpha1.CompletionGateDisabled,
 		MinMBps:     int64(ptr.Deref(v.MinTransferMBps, 0))}
+	if v.Mode == v1alpha1.KVVerificationCanary {
+		p.CanaryInterval = time.Duration(ptr.Deref(v.CanaryIntervalSeconds, v1alpha1.DefaultCanaryIntervalSeconds)) * time.Second
+	}
+	return p
 }
 
 // MinTimedBytes is the fewest bytes the window's timed transfers must hold for a rate to be
@@ -112,8 +133,35 @@ type Verdict struct {
 	KV      v1alpha1.KVTransferStatus
 }
 
-// Evaluate judges the decode pods' evidence over the window.
-func Evaluate(pods []Pod, p Policy) Verdict {
+// Evaluate judges the decode pods' evidence over the window. The canary (nil without one) is
+// reported, and decides when the window holds too little traffic to judge: an idle cluster
+// is verified by its canaries alone.
+func Evaluate(pods []Pod, p Policy, canary *Canary) Verdict {
+	v := evaluatePassive(pods, p)
+	if canary == nil {
+		return v
+	}
+	c := canary.Result
+	v.KV.LastCanary = &c
+	if !canary.Fresh || v.Status != metav1.ConditionUnknown || v.Reason != v1alpha1.ReasonNoTraffic {
+		return v
+	}
+	what := fmt.Sprintf("the canary request of %s at %s", c.Router, c.Time.UTC().Format(time.RFC3339))
+	switch c.Result {
+	case v1alpha1.CanaryExternal:
+		v.Status, v.Reason = metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved
+		v.Message = fmt.Sprintf("%s received %d of its %d prompt tokens from prefill (too little other traffic in the last %s to judge a share)", what, c.ExternalTokens, c.PromptTokens, p.Window)
+	case v1alpha1.CanaryRecomputed:
+		v.Status, v.Reason = metav1.ConditionFalse, v1alpha1.ReasonDecodeRecomputing
+		v.Message = fmt.Sprintf("%s was computed on decode: %s; are kv_transfer_params reaching decode?", what, c.Message)
+	default:
+		v.Status, v.Reason = metav1.ConditionFalse, v1alpha1.ReasonTransferFailing
+		v.Message = fmt.Sprintf("%s failed: %s", what, c.Message)
+	}
+	return v
+}
+
+func evaluatePassive(pods []Pod, p Policy) Verdict {
 	var v Verdict
 	readable, decodes := 0, 0
 	var ext, comp, failed, bytes, secs float64

@@ -138,7 +138,7 @@ func TestEvaluate(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			v := Evaluate(tc.pods, policy)
+			v := Evaluate(tc.pods, policy, nil)
 			if v.Status != tc.wantStatus || v.Reason != tc.wantReason {
 				t.Errorf("verdict %s/%s (%s), want %s/%s", v.Status, v.Reason, v.Message, tc.wantStatus, tc.wantReason)
 			}
@@ -216,7 +216,7 @@ func TestEvaluateTransferRate(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			v := Evaluate(tc.pods(t), Policy{Window: 5 * time.Minute, MinSharePct: 90, GateEnabled: true, MinMBps: tc.floor})
+			v := Evaluate(tc.pods(t), Policy{Window: 5 * time.Minute, MinSharePct: 90, GateEnabled: true, MinMBps: tc.floor}, nil)
 			if v.Status != tc.wantStatus || v.Reason != tc.wantReason {
 				t.Errorf("verdict %s/%s (%s), want %s/%s", v.Status, v.Reason, v.Message, tc.wantStatus, tc.wantReason)
 			}
@@ -236,7 +236,7 @@ func TestEvaluateCountsExpiredOnPrefill(t *testing.T) {
 		{Name: "p-0", Role: v1alpha1.RolePrefill, Samples: []Sample{{At: t0, Expired: 3}, {At: t0.Add(time.Minute), Expired: 7}}},
 		decode("d-0", true, Sample{At: t0, HasSources: true}, Sample{At: t0.Add(time.Minute), HasSources: true, External: 1000, LocalCompute: 10}),
 	}
-	if v := Evaluate(pods, Policy{Window: time.Minute, MinSharePct: 90}); v.KV.ExpiredRequests != 4 || v.Status != metav1.ConditionTrue {
+	if v := Evaluate(pods, Policy{Window: time.Minute, MinSharePct: 90}, nil); v.KV.ExpiredRequests != 4 || v.Status != metav1.ConditionTrue {
 		t.Errorf("verdict %+v, want True with 4 expired requests", v)
 	}
 }
@@ -254,7 +254,7 @@ func TestHistoryRestartsTheSeries(t *testing.T) {
 	h.Add("u", 0, at(time.Minute, 20000, 200), window)
 	h.Add("u", 0, at(2*time.Minute, 50, 5000), window) // counters went down: the engine restarted
 	h.Add("u", 0, at(3*time.Minute, 60, 9000), window)
-	v := Evaluate([]Pod{decode("d-0", true, h.Samples("u")...)}, Policy{Window: window, MinSharePct: 90})
+	v := Evaluate([]Pod{decode("d-0", true, h.Samples("u")...)}, Policy{Window: window, MinSharePct: 90}, nil)
 	if v.KV.ExternalTokens != 10 || v.KV.LocalComputeTokens != 4000 || v.Reason != v1alpha1.ReasonDecodeRecomputing {
 		t.Errorf("after a counter reset: %+v, want the new run's 10 external and 4000 computed tokens, recomputing", v)
 	}

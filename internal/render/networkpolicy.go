@@ -26,7 +26,8 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //     (Mooncake, NIXL over UCX) listen on ports they pick at run time, besides the declared
 //     bootstrap and side-channel ports.
 //   - the connector sidecars' port: the operator's namespace (it reads /gate) and monitoring.
-//   - the router's port: routerClients, or everyone when none is set.
+//   - the router's port: routerClients, or everyone when none is set (then also monitoring, and
+//     the operator's namespace with verification mode Canary: it reads GET /canary).
 //
 // Kubelet probes come from the node, which a NetworkPolicy always admits.
 func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
@@ -68,6 +69,10 @@ func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 	routerRules := []networkingv1.NetworkPolicyIngressRule{{From: np.RouterClients, Ports: tcp(RouterPort)}}
 	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
 		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(RouterPort)})
+	}
+	if len(np.RouterClients) > 0 && len(operator) > 0 && pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary {
+		// The operator reads each router's newest canary (GET /canary).
+		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(RouterPort)})
 	}
 	return append(out, networkPolicy(pdc, v1alpha1.RoleRouter, routerRules))
 }

@@ -149,6 +149,23 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 }
 
 // spec.networkPolicy: disabled renders none; the client lists widen the rules they name.
+// With routerClients narrowing the router's port, the operator still reads each router's
+// canary (GET /canary) in verification mode Canary, and only then.
+func TestNetworkPolicyAdmitsTheOperatorToTheCanary(t *testing.T) {
+	pdc := load(t, filepath.Join("testdata", "minimal.yaml"))
+	opts := render.DefaultOptions()
+	opts.OperatorNamespace = "pdcluster-system"
+	operator := peer{name: "operator", labels: map[string]string{"app": "manager"}, nsLabels: map[string]string{corev1.LabelMetadataName: "pdcluster-system"}}
+	pdc.Spec.NetworkPolicy.RouterClients = []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "bench"}}}}
+	for mode, want := range map[v1alpha1.KVVerificationMode]bool{v1alpha1.KVVerificationPassive: false, v1alpha1.KVVerificationCanary: true} {
+		p := pdc.DeepCopy()
+		p.Spec.KVTransfer.Verification.Mode = mode
+		if got := admits(t, render.NetworkPolicies(p, opts), render.Labels(p.Name, v1alpha1.RoleRouter), render.RouterPort, operator); got != want {
+			t.Errorf("mode %s: the operator reaches the router's port: %v, want %v", mode, got, want)
+		}
+	}
+}
+
 func TestNetworkPolicySettings(t *testing.T) {
 	pdc := load(t, filepath.Join("testdata", "minimal.yaml"))
 	prom := peer{name: "prometheus", labels: map[string]string{"app": "prometheus"}, nsLabels: map[string]string{corev1.LabelMetadataName: "monitoring"}}

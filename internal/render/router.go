@@ -3,6 +3,7 @@
 package render
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"strconv"
@@ -39,6 +40,12 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 	// and so the router's pods, stay as they were before the field existed.
 	if fp := RouterFailurePolicy(pdc); fp != routerconfig.DefaultFailurePolicy() {
 		cfg.FailurePolicy = &fp
+	}
+	if v := pdc.Spec.KVTransfer.Verification; v.Mode == v1alpha1.KVVerificationCanary {
+		served := cmp.Or(pdc.Spec.Model.ServedModelName, pdc.Spec.Model.Path)
+		// Four blocks of words: at least four blocks of tokens, whatever the tokenizer, so the
+		// canary moves whole blocks from prefill.
+		cfg.Canary = &routerconfig.Canary{IntervalSeconds: *v.CanaryIntervalSeconds, Model: served, PromptWords: 4 * *pdc.Spec.Engine.BlockSize}
 	}
 	if connector == v1alpha1.ConnectorMooncake {
 		cfg.BootstrapPort = vllm.MooncakeBootstrapPort

@@ -139,3 +139,28 @@ func TestRouterJSONCarriesTheFailurePolicy(t *testing.T) {
 		t.Errorf("the router refuses the rendered policy: %v", err)
 	}
 }
+
+// verification mode Canary reaches the router through router.json: its interval, the served
+// model and a prompt of four blocks of words; other modes write no canary.
+func TestRouterJSONCarriesTheCanary(t *testing.T) {
+	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	cm, _ := renderRouter(t, pdc)
+	if fc := loadRouterJSON(t, cm); fc.Canary != nil {
+		t.Errorf("mode %q wrote a canary: %+v", pdc.Spec.KVTransfer.Verification.Mode, *fc.Canary)
+	}
+	pdc.Spec.KVTransfer.Verification.Mode = v1alpha1.KVVerificationCanary
+	pdc.Spec.KVTransfer.Verification.CanaryIntervalSeconds = ptr.To[int32](15)
+	cm, _ = renderRouter(t, pdc)
+	fc := loadRouterJSON(t, cm)
+	served := pdc.Spec.Model.ServedModelName
+	if served == "" {
+		served = pdc.Spec.Model.Path
+	}
+	want := &routerconfig.Canary{IntervalSeconds: 15, Model: served, PromptWords: 4 * *pdc.Spec.Engine.BlockSize}
+	if d := cmp.Diff(want, fc.Canary); d != "" {
+		t.Errorf("router.json canary (-want +got):\n%s", d)
+	}
+	if err := fc.Validate(); err != nil {
+		t.Errorf("the router refuses the rendered canary: %v", err)
+	}
+}

@@ -368,6 +368,11 @@ func (r *Router) decodeLeg(a *attempt, body map[string]json.RawMessage) (*http.R
 		a.decodeSent = true
 		r.decodeLegs.Add(1)
 	}
+	defer func() {
+		if seen, ok := x.req.Context().Value(decodeSeenKey{}).(*string); ok {
+			*seen = a.d // the canary's: the decode engine that got its last attempt
+		}
+	}()
 	for {
 		resp, err := r.post(a.ctx, a.d+x.req.URL.Path, body, x.reqID, nil)
 		if err == nil {

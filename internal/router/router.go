@@ -119,6 +119,7 @@ type Router struct {
 	// probeEvery is how often an ejected endpoint is asked whether it is back (tests shorten it).
 	probeEvery time.Duration
 	metrics    metrics
+	canary     *canaryState
 }
 
 type metrics struct {
@@ -165,6 +166,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		prefill: newBalancer(cfg.Balance), decode: newBalancer(cfg.Balance),
 		policy: policy, budget: &retryBudget{percent: int64(policy.RetryBudgetPercent), clock: clk}, eject: newEjector(clk),
 		probeEvery: probeEvery,
+		canary:     newCanaryState(),
 		metrics: metrics{
 			requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
@@ -211,8 +213,8 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			Name: "pdcluster_router_in_flight_requests",
 			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
 		}, []string{"pool"})
-		for _, c := range []prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected, poolGauges{r, endpoints, inFlight},
-			histograms[0], histograms[1], histograms[2]} {
+		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected, poolGauges{r, endpoints, inFlight},
+			histograms[0], histograms[1], histograms[2]}, r.canary.collectors()...) {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -284,6 +286,7 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 		defer resp.Body.Close()
 		copyResponse(w, resp)
 	})
+	mux.HandleFunc("GET "+routerconfig.CanaryPath, r.serveCanary)
 	if gatherer != nil {
 		mux.Handle("GET /metrics", promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{}))
 	}

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"time"
 )
 
 // FileName is router.json's key in the router's ConfigMap and its name in the mount.
@@ -65,6 +66,43 @@ type File struct {
 	Balance Balance `json:"balance,omitempty"`
 	// FailurePolicy is what the router does when a leg fails; nil: DefaultFailurePolicy.
 	FailurePolicy *FailurePolicy `json:"failurePolicy,omitempty"`
+	// Canary makes the router send a canary request through the P/D path at an interval
+	// (spec.kvTransfer.verification.mode Canary); nil: none.
+	Canary *Canary `json:"canary,omitempty"`
+}
+
+// Canary is router.json's canary: a never-cached prompt of PromptWords words, max_tokens 1,
+// for Model, every IntervalSeconds.
+type Canary struct {
+	IntervalSeconds int32  `json:"intervalSeconds"`
+	Model           string `json:"model"`
+	PromptWords     int32  `json:"promptWords"`
+}
+
+// CanaryPath is GET /canary on the router's port: its newest canary, for the operator.
+const CanaryPath = "/canary"
+
+// CanaryOutcome is a canary's result: CanaryExternal, CanaryRecomputed or CanaryFailed (the
+// words of the PDCluster's status.kvTransfer.lastCanary.result).
+type CanaryOutcome string
+
+const (
+	CanaryExternal   CanaryOutcome = "External"
+	CanaryRecomputed CanaryOutcome = "Recomputed"
+	CanaryFailed     CanaryOutcome = "Failed"
+)
+
+// CanaryResult is the answer to GET /canary: the router's newest canary.
+type CanaryResult struct {
+	Time   time.Time     `json:"time"`
+	Result CanaryOutcome `json:"result"`
+	// PromptTokens is the canary's prompt length (decode's usage.prompt_tokens);
+	// ExternalTokens how many prompt tokens the decode engine that answered counted as
+	// received from prefill while it did (its vllm:prompt_tokens_by_source_total).
+	PromptTokens   int64  `json:"promptTokens,omitempty"`
+	ExternalTokens int64  `json:"externalTokens,omitempty"`
+	Decode         string `json:"decode,omitempty"`
+	Message        string `json:"message,omitempty"`
 }
 
 // OnPrefillFailure is what the router does once a request's prefill cannot be served.
@@ -141,6 +179,9 @@ func (f File) Validate() error {
 	}
 	if err := f.Failure().Validate(); err != nil {
 		return err
+	}
+	if c := f.Canary; c != nil && (c.IntervalSeconds < 1 || c.Model == "" || c.PromptWords < 1) {
+		return fmt.Errorf("canary needs intervalSeconds, model and promptWords, got %+v", *c)
 	}
 	if !f.HasPools() {
 		// Pools given elsewhere (the sandbox's loopback engines, by flag): all or none here.

@@ -54,7 +54,8 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 			Connector: v1alpha1.ConnectorMooncake, Protocol: v1alpha1.ProtocolTCP,
 			BufferDevice: v1alpha1.BufferDeviceCUDA, LoadFailurePolicy: v1alpha1.LoadFailurePolicyFail, CompletionGate: v1alpha1.CompletionGateEnabled,
 			Verification: v1alpha1.KVVerification{
-				Mode: v1alpha1.KVVerificationPassive, WindowSeconds: ptr.To(v1alpha1.DefaultVerificationWindowSeconds),
+				Mode: v1alpha1.KVVerificationPassive, CanaryIntervalSeconds: ptr.To(v1alpha1.DefaultCanaryIntervalSeconds),
+				WindowSeconds:           ptr.To(v1alpha1.DefaultVerificationWindowSeconds),
 				MinExternalSharePercent: ptr.To(v1alpha1.DefaultMinExternalSharePercent),
 			},
 		},

@@ -89,3 +89,36 @@ func (r realNode) verifiesKV(t *testing.T) {
 	c = r.kvVerified(t, metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved)
 	t.Logf("verified without a floor: %s", c.Message)
 }
+
+// canaryVerifies: with verification mode Canary and no client traffic at all, the router's
+// canary requests prove the path (status.kvTransfer.lastCanary External, KVTransferVerified
+// True); a decode engine that drops kv_transfer_params makes the canary Recomputed and the
+// condition False, still without a client request.
+func (r realNode) canaryVerifies(t *testing.T) {
+	canary := func(result v1alpha1.CanaryOutcome, reason string) *v1alpha1.CanaryResult {
+		var last *v1alpha1.CanaryResult
+		r.eventually(fmt.Sprintf("the routers' canary %s and KVTransferVerified %s, without client traffic", result, reason), func() error {
+			p := r.pdc()
+			c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionKVTransferVerified)
+			if p.Status.KVTransfer == nil || p.Status.KVTransfer.LastCanary == nil {
+				return fmt.Errorf("no lastCanary in status.kvTransfer (%+v)", p.Status.KVTransfer)
+			}
+			last = p.Status.KVTransfer.LastCanary
+			if last.Result != result || c == nil || c.Reason != reason {
+				return fmt.Errorf("lastCanary %+v, KVTransferVerified %+v", last, c)
+			}
+			return nil
+		})
+		return last
+	}
+	r.patchReal(t, `{"kvTransfer":{"verification":{"mode":"Canary","canaryIntervalSeconds":5}}}`)
+	defer r.patchReal(t, `{"kvTransfer":{"verification":{"mode":"Passive","canaryIntervalSeconds":null}},"decode":{"pod":null}}`)
+	got := canary(v1alpha1.CanaryExternal, v1alpha1.ReasonExternalKVObserved)
+	if got.ExternalTokens == 0 || got.PromptTokens < 4*realBlock || !strings.HasPrefix(got.Router, realName+"-router-") {
+		t.Errorf("lastCanary %+v: want external tokens of a four-block prompt from a router pod", got)
+	}
+	t.Logf("canary: %+v", *got)
+	r.patchReal(t, `{"decode":{"pod":{"env":[{"name":"`+dropKVParamsEnv+`","value":"1"}]}}}`)
+	got = canary(v1alpha1.CanaryRecomputed, v1alpha1.ReasonDecodeRecomputing)
+	t.Logf("canary recomputed: %+v", *got)
+}

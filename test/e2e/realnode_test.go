@@ -130,13 +130,15 @@ func restarts(pod corev1.Pod, container string) int32 {
 }
 
 // complete sends a completion of prompt through the router's Service and returns the HTTP
-// status and the number of tokens generated.
+// status and the number of tokens generated: maxTokens unless the request failed (ignore_eos:
+// the stand-in, like a model, may otherwise stop early on an end-of-sequence token, which a
+// load loop would count as a failure).
 func (r realNode) complete(prompt string, maxTokens int) (int, int, error) {
 	var svc corev1.Service
 	if err := r.c.Get(r.ctx, client.ObjectKey{Namespace: sampleNS, Name: realName + "-router"}, &svc); err != nil {
 		return 0, 0, err
 	}
-	body, _ := json.Marshal(map[string]any{"model": realModel, "prompt": prompt, "max_tokens": maxTokens})
+	body, _ := json.Marshal(map[string]any{"model": realModel, "prompt": prompt, "max_tokens": maxTokens, "ignore_eos": true})
 	hc := &http.Client{Timeout: 30 * time.Second}
 	resp, err := hc.Post("http://"+svc.Spec.ClusterIP+"/v1/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
@@ -435,6 +437,10 @@ func TestRealNode(t *testing.T) {
 
 	t.Run("KV verified: True under traffic, False (DecodeRecomputing, the pod named) when decode drops kv_transfer_params, True again", func(t *testing.T) {
 		r.verifiesKV(t)
+	})
+
+	t.Run("canary: an idle cluster is verified by the router's canary requests, and a recomputing decode is caught without client traffic", func(t *testing.T) {
+		r.canaryVerifies(t)
 	})
 
 	t.Run("a killed prefill connector is restarted by the kubelet and requests succeed again", func(t *testing.T) {

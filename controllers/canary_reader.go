@@ -1,0 +1,112 @@
+package controllers
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/log"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/bounded"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// CanaryReader reads a router pod's newest canary (verification mode Canary).
+type CanaryReader interface {
+	ReadCanary(ctx context.Context, pod *corev1.Pod) (routerconfig.CanaryResult, error)
+}
+
+// errNoCanary: the router has sent no canary yet.
+var errNoCanary = errors.New("no canary yet")
+
+// HTTPCanaryReader reads GET /canary on the router's port at the pod's IP.
+type HTTPCanaryReader struct {
+	Client *http.Client
+	Port   int32
+	// Addr overrides host:port for a pod (tests); nil: the pod IP and Port.
+	Addr func(*corev1.Pod) string
+}
+
+// NewHTTPCanaryReader reads the routers this operator renders, with a short timeout.
+func NewHTTPCanaryReader() *HTTPCanaryReader {
+	return &HTTPCanaryReader{Client: &http.Client{Timeout: 2 * time.Second, CheckRedirect: bounded.NoRedirect}, Port: render.RouterPort}
+}
+
+// ReadCanary implements CanaryReader.
+func (h *HTTPCanaryReader) ReadCanary(ctx context.Context, pod *corev1.Pod) (routerconfig.CanaryResult, error) {
+	addr := ""
+	if h.Addr != nil {
+		addr = h.Addr(pod)
+	} else if pod.Status.PodIP != "" {
+		addr = net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(h.Port)))
+	}
+	if addr == "" {
+		return routerconfig.CanaryResult{}, errors.New("pod has no IP yet")
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+routerconfig.CanaryPath, nil)
+	if err != nil {
+		return routerconfig.CanaryResult{}, err
+	}
+	resp, err := h.Client.Do(req)
+	if err != nil {
+		return routerconfig.CanaryResult{}, err
+	}
+	defer resp.Body.Close()
+	switch resp.StatusCode {
+	case http.StatusOK:
+	case http.StatusNotFound:
+		return routerconfig.CanaryResult{}, errNoCanary
+	default:
+		return routerconfig.CanaryResult{}, fmt.Errorf("GET %s: %s", routerconfig.CanaryPath, resp.Status)
+	}
+	b, err := bounded.ReadAll(resp.Body, maxGateAnswer)
+	if err != nil {
+		return routerconfig.CanaryResult{}, fmt.Errorf("read %s: %w", routerconfig.CanaryPath, err)
+	}
+	var res routerconfig.CanaryResult
+	if err := json.Unmarshal(b, &res); err != nil {
+		return routerconfig.CanaryResult{}, fmt.Errorf("decode %s: %w", routerconfig.CanaryPath, err)
+	}
+	return res, nil
+}
+
+// readCanary is the newest canary of the PDCluster's running router pods, or nil. Routers are
+// few (spec.router.replicas); each read is bounded by the reader's timeout.
+func (r *PDClusterReconciler) readCanary(ctx context.Context, pods []corev1.Pod) *v1alpha1.CanaryResult {
+	var newest *v1alpha1.CanaryResult
+	for i := range pods {
+		pod := &pods[i]
+		if pod.Labels[v1alpha1.LabelRole] != string(v1alpha1.RoleRouter) || pod.Status.Phase != corev1.PodRunning || pod.DeletionTimestamp != nil {
+			continue
+		}
+		res, err := r.CanaryReader.ReadCanary(ctx, pod)
+		if err != nil {
+			if !errors.Is(err, errNoCanary) {
+				log.FromContext(ctx).V(1).Info("canary not read", "pod", pod.Name, "error", err.Error())
+			}
+			continue
+		}
+		c := canaryStatus(pod.Name, res)
+		if newest == nil || c.Time.After(newest.Time.Time) {
+			newest = &c
+		}
+	}
+	return newest
+}
+
+// canaryStatus is a router's canary in the PDCluster's words.
+func canaryStatus(router string, res routerconfig.CanaryResult) v1alpha1.CanaryResult {
+	return v1alpha1.CanaryResult{Time: metav1Time(res.Time), Router: router, Result: v1alpha1.CanaryOutcome(res.Result),
+		PromptTokens: res.PromptTokens, ExternalTokens: res.ExternalTokens, Message: res.Message}
+}
+
+func metav1Time(t time.Time) metav1.Time { return metav1.NewTime(t.Truncate(time.Second)) }
