@@ -42,6 +42,31 @@ func (p *PDCluster) Warnings() []string {
 				pool.name+".mode is External, so PoolScale "+p.Name+"-"+pool.name+" sets the count")
 		}
 	}
+	// A grace period set by hand that ends before the drain: the kubelet kills the engine
+	// while it still holds KV decode has not pulled (or answers it has not finished).
+	for _, pool := range []struct {
+		name string
+		spec *PoolSpec
+	}{{"prefill", &p.Spec.Prefill}, {"decode", &p.Spec.Decode}} {
+		field, grace := "", int64(0)
+		switch {
+		case pool.spec.Pod != nil && pool.spec.Pod.TerminationGracePeriodSeconds != nil:
+			field, grace = "spec."+pool.name+".pod.terminationGracePeriodSeconds", *pool.spec.Pod.TerminationGracePeriodSeconds
+		case p.Spec.Engine.Pod != nil && p.Spec.Engine.Pod.TerminationGracePeriodSeconds != nil:
+			field, grace = "spec.engine.pod.terminationGracePeriodSeconds", *p.Spec.Engine.Pod.TerminationGracePeriodSeconds
+		default:
+			continue
+		}
+		drain := int64(DefaultDrainTimeoutSeconds)
+		if t := pool.spec.Drain.TimeoutSeconds; t != nil {
+			drain = int64(*t)
+		}
+		if need := 15 + drain; grace < need {
+			out = append(out, field+" ("+strconv.FormatInt(grace, 10)+") is shorter than the "+pool.name+" pods' drain (15 s router window + spec."+
+				pool.name+".drain.timeoutSeconds "+strconv.FormatInt(drain, 10)+" = "+strconv.FormatInt(need, 10)+
+				" s): the kubelet stops a deleted "+pool.name+" pod before it finishes what it holds")
+		}
+	}
 	return out
 }
 

@@ -3,16 +3,11 @@ package sidecar
 import (
 	"context"
 	"fmt"
-	"io"
 	"net/http"
-	"slices"
 	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 	"k8s.io/utils/clock"
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -30,10 +25,6 @@ type EngineConfig struct {
 	// Clock ages the last read; nil is the wall clock.
 	Clock clock.PassiveClock
 }
-
-// maxEngineMetrics bounds an engine's /metrics answer: vLLM's is a few hundred KiB with
-// its histograms.
-const maxEngineMetrics = 16 << 20
 
 // engineWatch keeps the last KV evidence read from the engine.
 type engineWatch struct {
@@ -106,7 +97,7 @@ func (e *engineWatch) read(ctx context.Context) (vllm.EngineStats, error) {
 	if resp.StatusCode != http.StatusOK {
 		return vllm.EngineStats{}, fmt.Errorf("GET %s: %s", e.cfg.MetricsURL, resp.Status)
 	}
-	return ParseEngineMetrics(resp.Body)
+	return vllm.ParseEngineMetrics(resp.Body)
 }
 
 // state is the evidence for GET /gate: the last counts read, their age, and why the read
@@ -126,97 +117,4 @@ func (e *engineWatch) state() *vllm.EngineStats {
 		st.AgeSeconds, st.Error = e.cfg.Clock.Since(e.lastAt).Seconds(), e.err
 	}
 	return &st
-}
-
-// ParseEngineMetrics takes vLLM's prompt token sources and connector counters from a /metrics
-// answer in the text format, summed over the engine's series (data-parallel ranks).
-func ParseEngineMetrics(r io.Reader) (vllm.EngineStats, error) {
-	lr := &io.LimitedReader{R: r, N: maxEngineMetrics + 1}
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(lr)
-	if lr.N <= 0 {
-		return vllm.EngineStats{}, fmt.Errorf("engine metrics larger than %d bytes", maxEngineMetrics)
-	}
-	if err != nil {
-		return vllm.EngineStats{}, fmt.Errorf("parse engine metrics: %w", err)
-	}
-	var st vllm.EngineStats
-	// The parser names a counter family without its _total (as OpenMetrics does); older
-	// parsers keep it. Both are looked up.
-	family := func(name string) *dto.MetricFamily {
-		if f, ok := families[name]; ok {
-			return f
-		}
-		if base, ok := cutSuffix(name, "_total"); ok {
-			return families[base]
-		}
-		return nil
-	}
-	if f := family(vllm.MetricPromptTokensBySource); f != nil {
-		st.HasPromptSources = true
-		for _, m := range f.GetMetric() {
-			v := value(m)
-			switch label(m, vllm.MetricSourceLabel) {
-			case vllm.SourceExternalKV:
-				st.ExternalKVTokens += v
-			case vllm.SourceLocalCompute:
-				st.LocalComputeTokens += v
-			case vllm.SourceLocalCacheHit:
-				st.LocalCacheHitTokens += v
-			}
-		}
-	}
-	sum := func(names []string) float64 {
-		var total float64
-		for _, n := range names {
-			if f := family(n); f != nil {
-				for _, m := range f.GetMetric() {
-					total += value(m)
-				}
-			}
-		}
-		return total
-	}
-	st.FailedTransfers, st.FailedReceives, st.ExpiredRequests = sum(vllm.MetricFailedTransfers), sum(vllm.MetricFailedReceives), sum(vllm.MetricExpiredRequests)
-	histogramSum := func(names ...string) float64 {
-		var total float64
-		for _, n := range names {
-			if f := families[n]; f != nil {
-				for _, m := range f.GetMetric() {
-					total += m.GetHistogram().GetSampleSum()
-				}
-			}
-		}
-		return total
-	}
-	st.TransferBytes = histogramSum(vllm.MetricMooncakeBytes, vllm.MetricNixlBytes)
-	st.TransferSeconds = histogramSum(vllm.MetricMooncakeXferSeconds, vllm.MetricNixlXferSeconds)
-	return st, nil
-}
-
-func cutSuffix(s, suffix string) (string, bool) {
-	if len(s) < len(suffix) || s[len(s)-len(suffix):] != suffix {
-		return s, false
-	}
-	return s[:len(s)-len(suffix)], true
-}
-
-func value(m *dto.Metric) float64 {
-	switch {
-	case m.GetCounter() != nil:
-		return m.GetCounter().GetValue()
-	case m.GetUntyped() != nil:
-		return m.GetUntyped().GetValue()
-	case m.GetGauge() != nil:
-		return m.GetGauge().GetValue()
-	}
-	return 0
-}
-
-func label(m *dto.Metric, name string) string {
-	i := slices.IndexFunc(m.GetLabel(), func(l *dto.LabelPair) bool { return l.GetName() == name })
-	if i < 0 {
-		return ""
-	}
-	return m.GetLabel()[i].GetValue()
 }

@@ -78,11 +78,11 @@ func TestEngineEvidenceInGateState(t *testing.T) {
 }
 
 func TestEngineMetricsBounded(t *testing.T) {
-	big := strings.Repeat("# padding comment line of the exposition\n", maxEngineMetrics/40+10)
-	if _, err := ParseEngineMetrics(strings.NewReader(big)); err == nil || !strings.Contains(err.Error(), "larger than") {
+	big := strings.Repeat("# padding comment line of the exposition\n", vllm.MaxEngineMetrics/40+10)
+	if _, err := vllm.ParseEngineMetrics(strings.NewReader(big)); err == nil || !strings.Contains(err.Error(), "larger than") {
 		t.Errorf("oversized answer: err = %v, want refused", err)
 	}
-	if _, err := ParseEngineMetrics(strings.NewReader("vllm:prompt_tokens_by_source_total{source=\"x\" 1\n")); err == nil {
+	if _, err := vllm.ParseEngineMetrics(strings.NewReader("vllm:prompt_tokens_by_source_total{source=\"x\" 1\n")); err == nil {
 		t.Error("malformed answer: want an error")
 	}
 }

@@ -12,7 +12,6 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/sidecar"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
@@ -36,7 +35,7 @@ vllm:mooncake_num_failed_recvs_total{engine="0",model_name="tiny"} %v
 // when gateFailed >= 0 (-1: the gate does not report), into the sample the reconciler takes.
 func sampleOf(t *testing.T, at time.Duration, text string, gateFailed float64) Sample {
 	t.Helper()
-	eng, err := sidecar.ParseEngineMetrics(strings.NewReader(text))
+	eng, err := vllm.ParseEngineMetrics(strings.NewReader(text))
 	if err != nil {
 		t.Fatal(err)
 	}

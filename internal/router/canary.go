@@ -17,7 +17,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"pdcluster.dev/pdcluster-operator/connector/sidecar"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/bounded"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
@@ -146,7 +146,7 @@ func (r *Router) externalTokens(ctx context.Context, engine string) (float64, er
 	if resp.StatusCode != http.StatusOK {
 		return 0, fmt.Errorf("GET /metrics: %s", resp.Status)
 	}
-	st, err := sidecar.ParseEngineMetrics(resp.Body)
+	st, err := vllm.ParseEngineMetrics(resp.Body)
 	if err != nil {
 		return 0, err
 	}

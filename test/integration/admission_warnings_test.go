@@ -80,6 +80,17 @@ func TestAdmissionWarningsMatchPdctl(t *testing.T) {
 		p.Spec.Scaling.Decode.Mode = v1alpha1.ScalingExternal
 		return p
 	}
+	// graced sets engine.pod.terminationGracePeriodSeconds, prefill.pod's when prefill > 0, and
+	// decode's drain timeout when set.
+	graced := func(name string, engine, prefill int64, decodeDrain *int32) *v1alpha1.PDCluster {
+		p := wrappers.MakePDCluster(f.ns, name).Obj()
+		p.Spec.Engine.Pod = &v1alpha1.PodSettings{TerminationGracePeriodSeconds: ptr.To(engine)}
+		if prefill > 0 {
+			p.Spec.Prefill.Pod = &v1alpha1.PodSettings{TerminationGracePeriodSeconds: ptr.To(prefill)}
+		}
+		p.Spec.Decode.Drain.TimeoutSeconds = decodeDrain
+		return p
+	}
 	cases := []struct {
 		name string
 		pdc  *v1alpha1.PDCluster
@@ -88,6 +99,9 @@ func TestAdmissionWarningsMatchPdctl(t *testing.T) {
 		{"External pools with replicas in Git", external("git", ptr.To[int32](3), ptr.To[int32](0)), 2},
 		{"External pools without", external("clean", nil, nil), 0},
 		{"Static pools with replicas", wrappers.MakePDCluster(f.ns, "static").Replicas(2, 2).Obj(), 0},
+		{"a grace period shorter than both pools' drains", graced("short", 60, 0, nil), 2},
+		{"a grace period that covers the drains", graced("covers", 200, 0, nil), 0},
+		{"the pool's grace period wins; decode's drain is longer than the engine's", graced("pool", 30, 300, ptr.To[int32](60)), 1},
 	}
 	for _, tc := range cases {
 		// Gone after the test: the manager test reads every PDCluster's metrics.
