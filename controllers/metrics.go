@@ -39,6 +39,10 @@ var (
 		Name: "pdcluster_kv_external_share_percent",
 		Help: "Percent of the decode engines' prompt tokens received from prefill over the verification window (status.kvTransfer.externalSharePercent); absent without traffic.",
 	}, []string{"namespace", "name"})
+	kvTransferMBps = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_kv_transfer_mbps",
+		Help: "The KV transfer rate the engines measured over the verification window, MB/s (status.kvTransfer.transferMBps); absent when no transfer was timed.",
+	}, []string{"namespace", "name"})
 	poolDesiredReplicas = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdcluster_pool_desired_replicas",
 		Help: "Desired replicas of each PDCluster pool (prefill, decode, router).",
@@ -46,7 +50,7 @@ var (
 )
 
 func init() {
-	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy, kvVerified, kvExternalShare)
+	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy, kvVerified, kvExternalShare, kvTransferMBps)
 }
 
 // recordStatus exports one PDCluster's readiness, replica counts and unhealthy connectors.
@@ -75,6 +79,11 @@ func recordStatus(pdc *v1alpha1.PDCluster) {
 	} else {
 		kvExternalShare.DeleteLabelValues(pdc.Namespace, pdc.Name)
 	}
+	if kv := pdc.Status.KVTransfer; kv != nil && kv.TransferMBps != nil {
+		kvTransferMBps.WithLabelValues(pdc.Namespace, pdc.Name).Set(float64(*kv.TransferMBps))
+	} else {
+		kvTransferMBps.DeleteLabelValues(pdc.Namespace, pdc.Name)
+	}
 	for pool, ps := range map[string]v1alpha1.PoolStatus{"prefill": pdc.Status.Prefill, "decode": pdc.Status.Decode, "router": pdc.Status.Router} {
 		poolReadyReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.ReadyReplicas))
 		poolDesiredReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.Replicas))
@@ -90,4 +99,5 @@ func forgetStatus(namespace, name string) {
 	connectorUnhealthy.DeleteLabelValues(namespace, name)
 	kvVerified.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
 	kvExternalShare.DeleteLabelValues(namespace, name)
+	kvTransferMBps.DeleteLabelValues(namespace, name)
 }
