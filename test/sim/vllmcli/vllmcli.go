@@ -36,6 +36,9 @@ type Serve struct {
 	// for their pulls) for up to that long.
 	ShutdownTimeout int
 	KVTransfer      *KVTransferConfig
+	// Dtype, KVCacheDtype, Quantization and Revision are vLLM's flags of those names ("" when
+	// not given): with the model, block size and sharding they decide the engine's KV format.
+	Dtype, KVCacheDtype, Quantization, Revision string
 }
 
 // KVTransferConfig is the subset of vLLM's KVTransferConfig the simulator reads.
@@ -164,6 +167,7 @@ func Parse(args []string) (*Serve, error) {
 		*f.dst = n
 	}
 	s.ExpertParallel = vals["--enable-expert-parallel"] == "true"
+	s.Dtype, s.KVCacheDtype, s.Quantization, s.Revision = vals["--dtype"], vals["--kv-cache-dtype"], vals["--quantization"], vals["--revision"]
 	if v, ok := vals["--enable-prefix-caching"]; ok {
 		s.PrefixCaching = v == "true"
 	}

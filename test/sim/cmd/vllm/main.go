@@ -30,6 +30,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -38,6 +40,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -144,7 +147,7 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 			return err
 		}
 		transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{
-			Role: cfg.Role, Log: log.WithName("transfer"),
+			Role: cfg.Role, Log: log.WithName("transfer"), KVFormat: kvFormat(s, getenv),
 			Blocks: blocks, BlockBytes: blockBytes, DataListen: net.JoinHostPort(host, "0"),
 			Consumer: agent.ConsumerConfig{OnTransfer: onTransfer},
 		}, metrics)
@@ -216,7 +219,7 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 	mux := http.NewServeMux()
 	mux.Handle("/", h)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
-	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role)
+	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role, "kvFormat", kvFormat(s, getenv))
 	drain := time.Duration(s.ShutdownTimeout) * time.Second
 	serveHTTPFor(shutdown, api, mux, drain)
 	if drain > 0 {
@@ -230,6 +233,20 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 		log.Info("[shutdown] EngineCore: start mode=abort", "heldSends", e.HeldSends())
 	}
 	return nil
+}
+
+// kvLayoutEnv stands for what an engine image's vLLM release decides of the KV layout (the
+// stand-in's one image cannot change it otherwise): engines with different values cannot read
+// each other's KV.
+const kvLayoutEnv = "VLLM_SIM_KV_LAYOUT"
+
+// kvFormat is the engine's KV format: a hash of what decides whether another engine can read
+// its blocks (the model and its revision, dtypes, quantization, block size, tensor and
+// pipeline sharding, and the release's layout). A pull across formats fails loudly.
+func kvFormat(s *vllmcli.Serve, getenv func(string) string) string {
+	h := sha256.Sum256([]byte(strings.Join([]string{s.Model, s.Revision, s.Dtype, s.KVCacheDtype, s.Quantization,
+		strconv.Itoa(s.BlockSize), strconv.Itoa(s.TensorParallel), strconv.Itoa(s.PipelineParallel), envOr(getenv, kvLayoutEnv, "sim-1")}, "\x00")))
+	return hex.EncodeToString(h[:6])
 }
 
 // transferHistograms registers vLLM's per-transfer histograms of the connector (duration and

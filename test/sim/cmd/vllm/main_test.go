@@ -385,3 +385,61 @@ func TestShutdownTimeoutKeepsHeldKVForItsPull(t *testing.T) {
 		})
 	}
 }
+
+// Engines of two KV formats (here --dtype; a model revision, block size, sharding or release
+// layout alike) never read each other's KV: the pull is refused, decode fails the request
+// (kv_load_failure_policy fail) instead of continuing from foreign KV, and the producer counts
+// it. Engines of one format pull as before.
+func TestPullAcrossKVFormatsFailsLoudly(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		prefill, dec string
+		want         int
+		wantMismatch string
+	}{
+		{"same format", "--dtype=float16", "--dtype=float16", http.StatusOK, "0"},
+		{"another dtype", "--dtype=float16", "--dtype=bfloat16", http.StatusInternalServerError, "1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := podEnv(t)
+			api, boot := freePort(t), freePort(t)
+			env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(boot)
+			_, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), "--block-size=16", tc.prefill, mooncakeProducer}, env)
+			prefill := fmt.Sprintf("http://127.0.0.1:%d", api)
+			waitHealthy(t, prefill, errc)
+			engineID := query(t, fmt.Sprintf("http://127.0.0.1:%d/query", boot))["0"].EngineID
+			dapi := freePort(t)
+			_, derrc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", dapi), "--block-size=16", tc.dec,
+				`--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}`}, podEnv(t))
+			decode := fmt.Sprintf("http://127.0.0.1:%d", dapi)
+			waitHealthy(t, decode, derrc)
+			client := &http.Client{Timeout: 20 * time.Second}
+			post := func(url, params string) (int, string) {
+				body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("word ", 40) + `","kv_transfer_params":` + params + `}`
+				r, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+				if err != nil {
+					return 0, err.Error()
+				}
+				defer r.Body.Close()
+				b, _ := io.ReadAll(r.Body)
+				return r.StatusCode, string(b)
+			}
+			if code, body := post(prefill, `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"t1"}`); code != http.StatusOK {
+				t.Fatalf("prefill: %d %s", code, body)
+			}
+			code, body := post(decode, fmt.Sprintf(`{"do_remote_prefill":true,"do_remote_decode":false,"transfer_id":"t1","remote_engine_id":%q,"remote_bootstrap_addr":"http://127.0.0.1:%d"}`, engineID, boot))
+			if code != tc.want {
+				t.Errorf("decode: %d %s, want %d", code, body, tc.want)
+			}
+			resp, err := http.Get(prefill + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			scrape, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if want := "vllm_sim_kv_format_mismatches_total " + tc.wantMismatch + "\n"; !strings.Contains(string(scrape), want) {
+				t.Errorf("prefill /metrics lacks %q", want)
+			}
+		})
+	}
+}

@@ -31,6 +31,10 @@ type Config struct {
 	Log         logr.Logger
 	// Metrics is where the half registers its collectors; nil means a private registry.
 	Metrics prometheus.Registerer
+	// KVFormat names the layout of the engine's KV (model, dtypes, block size, sharding, the
+	// engine's version): a consumer of another format cannot read this one's blocks, and a
+	// pull across formats fails loudly. Empty: not checked.
+	KVFormat string
 }
 
 // complete checks c and fills its defaults.

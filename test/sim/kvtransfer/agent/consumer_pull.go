@@ -107,7 +107,7 @@ func (c *Consumer) pullFrom(meta kvtransfer.PullMeta, rank kvtransfer.ProducerRa
 	pf := pullFrame{
 		Transfer: meta.Transfer, Request: meta.Request, Engine: meta.RemoteEngine,
 		Consumer: c.cfg.Rank, Consumers: c.cfg.Consumers, Blocks: meta.LocalBlock, BlockSize: c.cfg.KV.BlockBytes(),
-		ChecksumTrailer: true,
+		ChecksumTrailer: true, Format: c.cfg.KVFormat,
 	}
 	conn, err := c.conns.get(ctx, &c.dialer, addr)
 	var clean bool

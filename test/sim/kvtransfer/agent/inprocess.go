@@ -62,6 +62,8 @@ type InProcessConfig struct {
 	// DataListen is where a producer's data plane binds (host:port; port 0 picks one, as
 	// vLLM's transfer engine does), on the address consumers dial.
 	DataListen string
+	// KVFormat is the engine's KV format (Config.KVFormat).
+	KVFormat string
 }
 
 // StartInProcess starts the half of cfg.Role for one engine process; Close stops it and frees
@@ -87,7 +89,7 @@ func StartInProcess(ctx context.Context, cfg InProcessConfig, reg prometheus.Reg
 	if p.KV, err = kvfile.Open(filepath.Join(dir, "kv.blocks"), cfg.Blocks, cfg.BlockBytes); err != nil {
 		return nil, err
 	}
-	common := Config{KV: p.KV, Log: cfg.Log, Metrics: reg}
+	common := Config{KV: p.KV, Log: cfg.Log, Metrics: reg, KVFormat: cfg.KVFormat}
 	var handler http.Handler
 	var serve func(context.Context) error
 	switch cfg.Role {

@@ -14,6 +14,7 @@ type producerMetrics struct {
 	peerConnsRefused prometheus.Counter
 	releases         *prometheus.CounterVec
 	bytesSent        prometheus.Counter
+	formatMismatches prometheus.Counter
 }
 
 func newProducerMetrics(p *Producer, reg prometheus.Registerer) (*producerMetrics, error) {
@@ -41,8 +42,11 @@ func newProducerMetrics(p *Producer, reg prometheus.Registerer) (*producerMetric
 		bytesSent: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "pdcluster_connector_transfer_bytes_sent_total", Help: "KV bytes sent to consumers.",
 		}),
+		formatMismatches: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vllm_sim_kv_format_mismatches_total", Help: "Pulls refused because the consumer reads another KV format (engines of two KV revisions paired).",
+		}),
 	}
-	err := register(reg, m.pullsServed, m.earlyPulls, m.peerConns, m.peerConnsRefused, m.releases, m.bytesSent,
+	err := register(reg, m.pullsServed, m.earlyPulls, m.peerConns, m.peerConnsRefused, m.releases, m.bytesSent, m.formatMismatches,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "pdcluster_connector_producer_blocks_pinned", Help: "KV blocks the producer holds for consumers now.",
 		}, func() float64 { return float64(p.core.Stats().BlocksPinned) }),

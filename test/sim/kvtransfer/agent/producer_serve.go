@@ -108,6 +108,13 @@ func (p *Producer) servePull(ctx context.Context, conn net.Conn, w *bufio.Writer
 	if pf.Engine != p.cfg.EngineID {
 		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "engine_mismatch", Error: fmt.Sprintf("this producer is %s, not %s", p.cfg.EngineID, pf.Engine)}) == nil
 	}
+	if pf.Format != "" && p.cfg.KVFormat != "" && pf.Format != p.cfg.KVFormat {
+		// Engines of two KV revisions paired: the bytes would read as KV and decode would
+		// continue from another model's (or layout's) cache. Refused, and said loudly.
+		p.metrics.formatMismatches.Inc()
+		p.cfg.Log.Error(nil, "KV format mismatch: refused a pull across KV formats", "producer", p.cfg.KVFormat, "consumer", pf.Format, "request", pf.Request)
+		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: fmt.Sprintf("KV format mismatch: this producer's KV is format %s, the consumer reads format %s (engines of different KV revisions paired)", p.cfg.KVFormat, pf.Format)}) == nil
+	}
 	if pf.Blocks.HasLocal() && pf.BlockSize != p.cfg.KV.BlockBytes() {
 		return writeJSONFrame(w, frameKindResult, resultFrame{Code: "error", Error: fmt.Sprintf("block size mismatch: producer %d bytes, consumer %d", p.cfg.KV.BlockBytes(), pf.BlockSize)}) == nil
 	}

@@ -56,6 +56,8 @@ type pullFrame struct {
 	BlockSize int                     `json:"block_bytes"`
 	// ChecksumTrailer: the consumer reads frameKindBlockTrailer frames.
 	ChecksumTrailer bool `json:"checksum_trailer,omitempty"`
+	// Format is the consumer's KV format (Config.KVFormat).
+	Format string `json:"kv_format,omitempty"`
 }
 
 // resultFrame ends a pull: OK, or the producer's error with a code the consumer maps back.
