@@ -2,19 +2,40 @@ package router
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"slices"
 	"strconv"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
-// Pools are the engines requests are spread over.
+// Pools are the engines requests are spread over. With Revisions, a request goes to the pools
+// of one KV revision, never across two: Prefill and Decode are then every revision's engines
+// together (what /ready and the metrics count), and a revision serves only with both pools.
 type Pools struct {
 	Prefill []Prefill
 	Decode  []string
+	// Revisions are the engines by KV revision (router.json's revisions); empty: one set.
+	Revisions []Revision
 }
+
+// Revision is one KV revision's engines.
+type Revision struct {
+	Name    string
+	Prefill []Prefill
+	Decode  []string
+
+	// Set by SetPools: the revision's pools as a request uses them, and its request counter.
+	pools    *Pools
+	requests prometheus.Counter
+}
+
+// serves reports whether the revision has an engine in both pools.
+func (r *Revision) serves() bool { return len(r.Prefill) > 0 && len(r.Decode) > 0 }
 
 // Lookup resolves a host name to addresses (net.DefaultResolver.LookupHost in production).
 type Lookup func(ctx context.Context, host string) ([]string, error)
@@ -34,20 +55,54 @@ func ResolvePools(ctx context.Context, fc routerconfig.File, lookup Lookup) (Poo
 		}
 		return out, ips, nil
 	}
-	var p Pools
-	prefill, ips, err := urls(fc.PrefillHost, fc.EnginePort)
-	if err != nil {
-		return Pools{}, err
-	}
-	for i, u := range prefill {
-		pf := Prefill{URL: u}
-		if fc.BootstrapPort > 0 {
-			pf.Bootstrap = "http://" + net.JoinHostPort(ips[i], strconv.Itoa(int(fc.BootstrapPort)))
+	prefillOf := func(host string) ([]Prefill, error) {
+		prefill, ips, err := urls(host, fc.EnginePort)
+		if err != nil {
+			return nil, err
 		}
-		p.Prefill = append(p.Prefill, pf)
+		var out []Prefill
+		for i, u := range prefill {
+			pf := Prefill{URL: u}
+			if fc.BootstrapPort > 0 {
+				pf.Bootstrap = "http://" + net.JoinHostPort(ips[i], strconv.Itoa(int(fc.BootstrapPort)))
+			}
+			out = append(out, pf)
+		}
+		return out, nil
 	}
-	if p.Decode, _, err = urls(fc.DecodeHost, fc.EnginePort); err != nil {
-		return Pools{}, err
+	decodeOf := func(host string) ([]string, error) {
+		d, _, err := urls(host, fc.EnginePort)
+		return d, err
 	}
-	return p, nil
+	if len(fc.Revisions) == 0 {
+		var p Pools
+		var err error
+		if p.Prefill, err = prefillOf(fc.PrefillHost); err != nil {
+			return Pools{}, err
+		}
+		if p.Decode, err = decodeOf(fc.DecodeHost); err != nil {
+			return Pools{}, err
+		}
+		return p, nil
+	}
+	// By revision. A revision's Service without a ready pod has no DNS name (a new revision
+	// starting, an old one drained): that pool of the revision is empty. Any other failure
+	// keeps the last pools (the caller's), as with one set.
+	notFound := func(err error) bool {
+		dnsErr, ok := errors.AsType[*net.DNSError](err)
+		return ok && dnsErr.IsNotFound
+	}
+	var out Pools
+	for _, rh := range fc.Revisions {
+		rev := Revision{Name: rh.Revision}
+		var err error
+		if rev.Prefill, err = prefillOf(rh.PrefillHost); err != nil && !notFound(err) {
+			return Pools{}, err
+		}
+		if rev.Decode, err = decodeOf(rh.DecodeHost); err != nil && !notFound(err) {
+			return Pools{}, err
+		}
+		out.Revisions = append(out.Revisions, rev)
+	}
+	return out, nil
 }

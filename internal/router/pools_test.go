@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"errors"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
@@ -88,5 +90,40 @@ func TestRouterServesThePoolsItIsGiven(t *testing.T) {
 	}
 	if err := moon.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL}}, Decode: []string{ds.URL}}); err == nil {
 		t.Error("mooncake pools without a bootstrap registry were accepted")
+	}
+}
+
+// With revisions each revision's pair of Services is resolved on its own; one whose Service
+// has no ready pod (NXDOMAIN) is empty in that pool, while any other DNS failure fails the
+// resolution (the router keeps its last pools).
+func TestResolvePoolsByRevision(t *testing.T) {
+	fc := mooncakeFile
+	fc.Revisions = []routerconfig.RevisionHosts{
+		{Revision: "r1", PrefillHost: "c-prefill-r1.ns.svc", DecodeHost: "c-decode-r1.ns.svc"},
+		{Revision: "r2", PrefillHost: "c-prefill-r2.ns.svc", DecodeHost: "c-decode-r2.ns.svc"},
+	}
+	answers := map[string][]string{"c-prefill-r1.ns.svc": {"10.0.0.1"}, "c-decode-r1.ns.svc": {"10.0.0.2"}, "c-prefill-r2.ns.svc": {"10.0.0.3"}}
+	lookup := func(ctx context.Context, host string) ([]string, error) {
+		if ips, ok := answers[host]; ok {
+			return ips, nil
+		}
+		return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+	}
+	got, err := ResolvePools(context.Background(), fc, lookup)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Pools{Revisions: []Revision{
+		{Name: "r1", Prefill: []Prefill{{URL: "http://10.0.0.1:8000", Bootstrap: "http://10.0.0.1:8998"}}, Decode: []string{"http://10.0.0.2:8000"}},
+		{Name: "r2", Prefill: []Prefill{{URL: "http://10.0.0.3:8000", Bootstrap: "http://10.0.0.3:8998"}}},
+	}}
+	if d := cmp.Diff(want, got, cmpopts.IgnoreUnexported(Revision{})); d != "" {
+		t.Errorf("pools (-want +got):\n%s", d)
+	}
+	failing := func(ctx context.Context, host string) ([]string, error) {
+		return nil, &net.DNSError{Err: "server misbehaving", Name: host, IsTemporary: true}
+	}
+	if _, err := ResolvePools(context.Background(), fc, failing); err == nil {
+		t.Error("a DNS failure other than not found emptied the revisions")
 	}
 }

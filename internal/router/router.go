@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -129,6 +130,7 @@ type metrics struct {
 	ejections    *prometheus.CounterVec
 	budgetDenied prometheus.Counter
 	decodeOnly   prometheus.Counter
+	byRevision   *prometheus.CounterVec
 	// Latencies as the router sees them, for its flow: the prefill leg (successful ones),
 	// the first byte of the answer to the client (a stream's first token), the whole request.
 	prefillLeg, firstToken, request prometheus.Observer
@@ -183,6 +185,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			budgetDenied: prometheus.NewCounter(prometheus.CounterOpts{
 				Name: "pdcluster_router_retries_denied_total", Help: "Retries not made because the router's retry budget (failurePolicy.retryBudgetPercent) was spent.",
 			}),
+			byRevision: prometheus.NewCounterVec(byRevisionOpts, []string{"revision"}),
 			decodeOnly: prometheus.NewCounter(prometheus.CounterOpts{
 				Name: "pdcluster_router_decode_only_total", Help: "Requests sent to decode alone, which computes the prompt itself, after prefill could not serve them (onPrefillFailure: DecodeOnly).",
 			}),
@@ -213,7 +216,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			Name: "pdcluster_router_in_flight_requests",
 			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
 		}, []string{"pool"})
-		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, ejected, poolGauges{r, endpoints, inFlight},
+		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, m.byRevision, ejected, poolGauges{r, endpoints, inFlight},
 			histograms[0], histograms[1], histograms[2]}, r.canary.collectors()...) {
 			if err := reg.Register(c); err != nil {
 				return nil, err
@@ -249,6 +252,17 @@ func (p poolGauges) Collect(ch chan<- prometheus.Metric) {
 
 // SetPools replaces the engines requests go to; requests in flight keep theirs.
 func (r *Router) SetPools(p Pools) error {
+	if len(p.Revisions) > 0 {
+		p.Prefill, p.Decode = nil, nil
+		p.Revisions = slices.Clone(p.Revisions)
+		for i := range p.Revisions {
+			rev := &p.Revisions[i]
+			p.Prefill = append(p.Prefill, rev.Prefill...)
+			p.Decode = append(p.Decode, rev.Decode...)
+			rev.pools = &Pools{Prefill: rev.Prefill, Decode: rev.Decode}
+			rev.requests = r.metrics.byRevision.WithLabelValues(rev.Name)
+		}
+	}
 	if err := validatePrefill(r.cfg.Flow, p.Prefill); err != nil {
 		return fmt.Errorf("router: %w", err)
 	}
@@ -346,7 +360,13 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		return
 	}
 	pools := r.pools.Load()
-	if len(pools.Prefill) == 0 || len(pools.Decode) == 0 {
+	if len(pools.Revisions) > 0 {
+		var why string
+		if pools, why = r.pickRevision(pools); pools == nil {
+			writeError(sw, http.StatusServiceUnavailable, why)
+			return
+		}
+	} else if len(pools.Prefill) == 0 || len(pools.Decode) == 0 {
 		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(pools.Prefill), len(pools.Decode)))
 		return
 	}

@@ -69,6 +69,16 @@ type File struct {
 	// Canary makes the router send a canary request through the P/D path at an interval
 	// (spec.kvTransfer.verification.mode Canary); nil: none.
 	Canary *Canary `json:"canary,omitempty"`
+	// Revisions are the pools by KV revision, each a pair of headless Services: a request's
+	// prefill and decode come from one revision. Empty: PrefillHost and DecodeHost, as one.
+	Revisions []RevisionHosts `json:"revisions,omitempty"`
+}
+
+// RevisionHosts are one KV revision's headless Services.
+type RevisionHosts struct {
+	Revision    string `json:"revision"`
+	PrefillHost string `json:"prefillHost"`
+	DecodeHost  string `json:"decodeHost"`
 }
 
 // Canary is router.json's canary: a never-cached prompt of PromptWords words, max_tokens 1,
@@ -179,6 +189,11 @@ func (f File) Validate() error {
 	}
 	if err := f.Failure().Validate(); err != nil {
 		return err
+	}
+	for _, r := range f.Revisions {
+		if r.Revision == "" || r.PrefillHost == "" || r.DecodeHost == "" {
+			return fmt.Errorf("each of revisions needs revision, prefillHost and decodeHost, got %+v", r)
+		}
 	}
 	if c := f.Canary; c != nil && (c.IntervalSeconds < 1 || c.Model == "" || c.PromptWords < 1) {
 		return fmt.Errorf("canary needs intervalSeconds, model and promptWords, got %+v", *c)

@@ -49,3 +49,16 @@ func TestLoad(t *testing.T) {
 		})
 	}
 }
+
+// Each revision of router.json names its revision and both Services.
+func TestRevisionsValidate(t *testing.T) {
+	f := File{Flow: FlowNIXL, PrefillHost: "p", DecodeHost: "d", EnginePort: 8000,
+		Revisions: []RevisionHosts{{Revision: "r1", PrefillHost: "p1", DecodeHost: "d1"}}}
+	if err := f.Validate(); err != nil {
+		t.Errorf("valid revisions refused: %v", err)
+	}
+	f.Revisions = append(f.Revisions, RevisionHosts{Revision: "r2", PrefillHost: "p2"})
+	if err := f.Validate(); err == nil || !strings.Contains(err.Error(), "decodeHost") {
+		t.Errorf("a revision without decodeHost: %v", err)
+	}
+}

@@ -1,0 +1,53 @@
+// KV revisions: a request's prefill and decode come from one revision, never two.
+
+package router
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// byRevision counts the requests sent to each KV revision.
+var byRevisionOpts = prometheus.CounterOpts{
+	Name: "pdcluster_router_revision_requests_total",
+	Help: "Requests sent to the engines of each KV revision (a request's prefill and decode always share one).",
+}
+
+// pickRevision chooses the KV revision a request goes to, among those with an engine in both
+// pools, at random weighted by their engines (so traffic follows the ready pods as a rollout
+// moves them), and returns its pools. nil, with the reason, when no revision has both.
+func (r *Router) pickRevision(all *Pools) (*Pools, string) {
+	if len(all.Revisions) == 1 && all.Revisions[0].serves() {
+		all.Revisions[0].requests.Inc()
+		return all.Revisions[0].pools, ""
+	}
+	total := 0
+	for i := range all.Revisions {
+		if rev := &all.Revisions[i]; rev.serves() {
+			total += len(rev.Prefill) + len(rev.Decode)
+		}
+	}
+	if total == 0 {
+		var parts []string
+		for _, rev := range all.Revisions {
+			parts = append(parts, fmt.Sprintf("%s: %d prefill, %d decode", rev.Name, len(rev.Prefill), len(rev.Decode)))
+		}
+		return nil, "no KV revision has a ready engine in both pools (" + strings.Join(parts, "; ") +
+			"): a request's prefill and decode must share one, so it is not sent across revisions"
+	}
+	n := rand.IntN(total)
+	for i := range all.Revisions {
+		rev := &all.Revisions[i]
+		if !rev.serves() {
+			continue
+		}
+		if n -= len(rev.Prefill) + len(rev.Decode); n < 0 {
+			rev.requests.Inc()
+			return rev.pools, ""
+		}
+	}
+	return nil, "unreachable"
+}
