@@ -108,7 +108,9 @@ func (r realNode) loadLoop(d time.Duration, during func()) (ok int, failed []str
 // pulls (vLLM's --shutdown-timeout, the sidecar's preStop); with drain.timeoutSeconds 0 the
 // same pulls fail, so the test can fail.
 func (r realNode) drainsPrefill(t *testing.T) {
-	r.patchReal(t, `{"prefill":{"replicas":2}}`)
+	// A 30 s drain: long enough for the late pulls below, and it bounds how long a deleted pod
+	// waits for KV that earlier tests left held for pulls that never come.
+	r.patchReal(t, `{"prefill":{"replicas":2,"drain":{"timeoutSeconds":30}}}`)
 	defer r.patchReal(t, `{"prefill":{"replicas":1,"drain":{"timeoutSeconds":120}}}`)
 	r.eventually("the router knows both prefill pods", r.routerKnows(2))
 
@@ -172,8 +174,8 @@ func (r realNode) drainsPrefill(t *testing.T) {
 	for _, tc := range []struct {
 		timeout  int
 		wantCode int
-	}{{120, http.StatusOK}, {0, http.StatusInternalServerError}} {
-		if tc.timeout != 120 {
+	}{{30, http.StatusOK}, {0, http.StatusInternalServerError}} {
+		if tc.timeout != 30 {
 			r.patchReal(t, fmt.Sprintf(`{"prefill":{"drain":{"timeoutSeconds":%d}}}`, tc.timeout))
 		}
 		pod := r.pods(v1alpha1.RolePrefill)[0]
