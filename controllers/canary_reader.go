@@ -2,12 +2,8 @@ package controllers
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
-	"fmt"
-	"net"
 	"net/http"
-	"strconv"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -43,38 +39,13 @@ func NewHTTPCanaryReader() *HTTPCanaryReader {
 
 // ReadCanary implements CanaryReader.
 func (h *HTTPCanaryReader) ReadCanary(ctx context.Context, pod *corev1.Pod) (routerconfig.CanaryResult, error) {
-	addr := ""
-	if h.Addr != nil {
-		addr = h.Addr(pod)
-	} else if pod.Status.PodIP != "" {
-		addr = net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(h.Port)))
-	}
-	if addr == "" {
-		return routerconfig.CanaryResult{}, errors.New("pod has no IP yet")
-	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+routerconfig.CanaryPath, nil)
-	if err != nil {
-		return routerconfig.CanaryResult{}, err
-	}
-	resp, err := h.Client.Do(req)
-	if err != nil {
-		return routerconfig.CanaryResult{}, err
-	}
-	defer resp.Body.Close()
-	switch resp.StatusCode {
-	case http.StatusOK:
-	case http.StatusNotFound:
-		return routerconfig.CanaryResult{}, errNoCanary
-	default:
-		return routerconfig.CanaryResult{}, fmt.Errorf("GET %s: %s", routerconfig.CanaryPath, resp.Status)
-	}
-	b, err := bounded.ReadAll(resp.Body, maxGateAnswer)
-	if err != nil {
-		return routerconfig.CanaryResult{}, fmt.Errorf("read %s: %w", routerconfig.CanaryPath, err)
-	}
 	var res routerconfig.CanaryResult
-	if err := json.Unmarshal(b, &res); err != nil {
-		return routerconfig.CanaryResult{}, fmt.Errorf("decode %s: %w", routerconfig.CanaryPath, err)
+	code, err := getJSON(ctx, h.Client, podAddr(pod, h.Port, h.Addr), routerconfig.CanaryPath, &res, http.StatusOK)
+	switch {
+	case code == http.StatusNotFound:
+		return routerconfig.CanaryResult{}, errNoCanary
+	case err != nil:
+		return routerconfig.CanaryResult{}, err
 	}
 	return res, nil
 }

@@ -47,34 +47,48 @@ const maxGateAnswer = 64 << 10
 
 // ReadGate implements GateReader.
 func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.State, error) {
-	addr := ""
-	if h.Addr != nil {
-		addr = h.Addr(pod)
-	} else if pod.Status.PodIP != "" {
-		addr = net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(h.Port)))
+	var st vllm.State
+	if _, err := getJSON(ctx, h.Client, podAddr(pod, h.Port, h.Addr), vllm.StatePath, &st, http.StatusOK); err != nil {
+		return vllm.State{}, err
 	}
+	return st, nil
+}
+
+// podAddr is host:port of pod's port, or addr(pod) when addr is set (tests); "" without an IP.
+func podAddr(pod *corev1.Pod, port int32, addr func(*corev1.Pod) string) string {
+	if addr != nil {
+		return addr(pod)
+	}
+	if pod.Status.PodIP == "" {
+		return ""
+	}
+	return net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(port)))
+}
+
+// getJSON decodes GET http://addr+path into v (at most maxGateAnswer bytes) when the status is
+// want, and returns the status; any other status is an error naming it.
+func getJSON(ctx context.Context, c *http.Client, addr, path string, v any, want int) (int, error) {
 	if addr == "" {
-		return vllm.State{}, errors.New("pod has no IP yet")
+		return 0, errors.New("pod has no IP yet")
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+vllm.StatePath, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+path, nil)
 	if err != nil {
-		return vllm.State{}, err
+		return 0, err
 	}
-	resp, err := h.Client.Do(req)
+	resp, err := c.Do(req)
 	if err != nil {
-		return vllm.State{}, err
+		return 0, err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return vllm.State{}, fmt.Errorf("GET %s: %s", vllm.StatePath, resp.Status)
+	if resp.StatusCode != want {
+		return resp.StatusCode, fmt.Errorf("GET %s: %s", path, resp.Status)
 	}
 	b, err := bounded.ReadAll(resp.Body, maxGateAnswer)
 	if err != nil {
-		return vllm.State{}, fmt.Errorf("read %s: %w", vllm.StatePath, err)
+		return resp.StatusCode, fmt.Errorf("read %s: %w", path, err)
 	}
-	var st vllm.State
-	if err := json.Unmarshal(b, &st); err != nil {
-		return vllm.State{}, fmt.Errorf("decode %s: %w", vllm.StatePath, err)
+	if err := json.Unmarshal(b, v); err != nil {
+		return resp.StatusCode, fmt.Errorf("decode %s: %w", path, err)
 	}
-	return st, nil
+	return resp.StatusCode, nil
 }

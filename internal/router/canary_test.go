@@ -69,6 +69,24 @@ func canaryPrefill() http.Handler {
 	})
 }
 
+// canaryRouter is a NIXL router over a prefill that always answers and decode d.
+func canaryRouter(t *testing.T, d *canaryDecode) (*Router, *prometheus.Registry, string) {
+	t.Helper()
+	prefill := httptest.NewServer(canaryPrefill())
+	t.Cleanup(prefill.Close)
+	decode := httptest.NewServer(d)
+	t.Cleanup(decode.Close)
+	reg := prometheus.NewRegistry()
+	r, err := New(Config{Flow: routerconfig.FlowNIXL}, logr.Discard(), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: prefill.URL}}, Decode: []string{decode.URL}}); err != nil {
+		t.Fatal(err)
+	}
+	return r, reg, decode.URL
+}
+
 // The canary goes through the router's own P/D path and is judged by the external tokens the
 // decode engine that answered counted meanwhile; GET /canary and the metrics report it.
 func TestCanary(t *testing.T) {
@@ -86,25 +104,14 @@ func TestCanary(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			prefill := httptest.NewServer(canaryPrefill())
-			defer prefill.Close()
 			d := tc.decode()
-			decode := httptest.NewServer(d)
-			defer decode.Close()
-			reg := prometheus.NewRegistry()
-			r, err := New(Config{Flow: routerconfig.FlowNIXL}, logr.Discard(), reg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := r.SetPools(Pools{Prefill: []Prefill{{URL: prefill.URL}}, Decode: []string{decode.URL}}); err != nil {
-				t.Fatal(err)
-			}
+			r, _, decodeURL := canaryRouter(t, d)
 			res := r.Canary(context.Background(), cfg)
 			if res.Result != tc.want || !strings.Contains(res.Message, tc.wantMessage) {
 				t.Fatalf("canary = %+v, want %s with %q", res, tc.want, tc.wantMessage)
 			}
-			if tc.want == routerconfig.CanaryExternal && (res.ExternalTokens != 63 || res.PromptTokens != 64 || res.Decode != decode.URL) {
-				t.Errorf("canary = %+v, want 63 of 64 tokens external from %s", res, decode.URL)
+			if tc.want == routerconfig.CanaryExternal && (res.ExternalTokens != 63 || res.PromptTokens != 64 || res.Decode != decodeURL) {
+				t.Errorf("canary = %+v, want 63 of 64 tokens external from %s", res, decodeURL)
 			}
 			if tc.want != routerconfig.CanaryFailed && d.prompts.Load() != 1 {
 				t.Errorf("decode answered %d requests, want the one canary", d.prompts.Load())
@@ -116,19 +123,7 @@ func TestCanary(t *testing.T) {
 // RunCanary sends canaries at the interval and serves the newest on GET /canary (404 before
 // the first), with its result counted.
 func TestRunCanaryServesTheNewest(t *testing.T) {
-	prefill := httptest.NewServer(canaryPrefill())
-	defer prefill.Close()
-	d := &canaryDecode{receives: true, metrics: true}
-	decode := httptest.NewServer(d)
-	defer decode.Close()
-	reg := prometheus.NewRegistry()
-	r, err := New(Config{Flow: routerconfig.FlowNIXL}, logr.Discard(), reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: prefill.URL}}, Decode: []string{decode.URL}}); err != nil {
-		t.Fatal(err)
-	}
+	r, reg, _ := canaryRouter(t, &canaryDecode{receives: true, metrics: true})
 	srv := httptest.NewServer(r.Handler(reg))
 	defer srv.Close()
 	get := func() (int, routerconfig.CanaryResult) {

@@ -300,6 +300,53 @@ func TestFailedPullCountedAsVLLMDoes(t *testing.T) {
 	}
 }
 
+// pdPair is a Mooncake prefill stand-in (prefillArgs added) and a decode one (decodeArgs
+// added) on loopback.
+type pdPair struct {
+	prefill, decode, engineID string
+	boot                      int
+	stopPrefill               context.CancelFunc
+	prefillErr                chan error
+}
+
+func startPair(t *testing.T, prefillArgs, decodeArgs []string) pdPair {
+	t.Helper()
+	env := podEnv(t)
+	api, boot := freePort(t), freePort(t)
+	env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(boot)
+	stop, errc := serve(t, append([]string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), "--block-size=16", mooncakeProducer}, prefillArgs...), env)
+	p := pdPair{prefill: fmt.Sprintf("http://127.0.0.1:%d", api), boot: boot, stopPrefill: stop, prefillErr: errc}
+	waitHealthy(t, p.prefill, errc)
+	p.engineID = query(t, fmt.Sprintf("http://127.0.0.1:%d/query", boot))["0"].EngineID
+	dapi := freePort(t)
+	_, derrc := serve(t, append([]string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", dapi), "--block-size=16",
+		`--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}`}, decodeArgs...), podEnv(t))
+	p.decode = fmt.Sprintf("http://127.0.0.1:%d", dapi)
+	waitHealthy(t, p.decode, derrc)
+	return p
+}
+
+// complete posts a 40-word completion with params as kv_transfer_params to url.
+func complete(url, params string) (int, string) {
+	body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("word ", 40) + `","kv_transfer_params":` + params + `}`
+	r, err := (&http.Client{Timeout: 20 * time.Second}).Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer r.Body.Close()
+	b, _ := io.ReadAll(r.Body)
+	return r.StatusCode, string(b)
+}
+
+// prefillLeg and decodeLeg are the Mooncake flow's two legs of transfer.
+func (p pdPair) prefillLeg(transfer string) (int, string) {
+	return complete(p.prefill, fmt.Sprintf(`{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":%q}`, transfer))
+}
+
+func (p pdPair) decodeLeg(transfer string) (int, string) {
+	return complete(p.decode, fmt.Sprintf(`{"do_remote_prefill":true,"do_remote_decode":false,"transfer_id":%q,"remote_engine_id":%q,"remote_bootstrap_addr":"http://127.0.0.1:%d"}`, transfer, p.engineID, p.boot))
+}
+
 // As vLLM with --shutdown-timeout: on SIGTERM the API stops taking requests, and a prefill
 // engine keeps the KV it holds (transfer engine and bootstrap serving) until decode pulled it,
 // then exits. With 0 (vLLM's default) it exits at once and decode's pull of that KV fails, so
@@ -310,34 +357,12 @@ func TestShutdownTimeoutKeepsHeldKVForItsPull(t *testing.T) {
 		wantDecode int
 	}{{30, http.StatusOK}, {0, http.StatusInternalServerError}} {
 		t.Run(fmt.Sprintf("--shutdown-timeout=%d", tc.timeout), func(t *testing.T) {
-			env := podEnv(t)
-			api, boot := freePort(t), freePort(t)
-			env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(boot)
-			stop, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), "--block-size=16",
-				fmt.Sprintf("--shutdown-timeout=%d", tc.timeout), mooncakeProducer}, env)
-			prefill := fmt.Sprintf("http://127.0.0.1:%d", api)
-			waitHealthy(t, prefill, errc)
-			engineID := query(t, fmt.Sprintf("http://127.0.0.1:%d/query", boot))["0"].EngineID
-			dapi := freePort(t)
-			_, derrc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", dapi), "--block-size=16",
-				`--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}`}, podEnv(t))
-			decode := fmt.Sprintf("http://127.0.0.1:%d", dapi)
-			waitHealthy(t, decode, derrc)
-
-			client := &http.Client{Timeout: 20 * time.Second}
-			post := func(url, params string) (int, string) {
-				body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("word ", 40) + `","kv_transfer_params":` + params + `}`
-				r, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
-				if err != nil {
-					return 0, err.Error()
-				}
-				defer r.Body.Close()
-				b, _ := io.ReadAll(r.Body)
-				return r.StatusCode, string(b)
-			}
-			if code, body := post(prefill, `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"t1"}`); code != http.StatusOK {
+			p := startPair(t, []string{fmt.Sprintf("--shutdown-timeout=%d", tc.timeout)}, nil)
+			decode, errc := p.decode, p.prefillErr
+			if code, body := p.prefillLeg("t1"); code != http.StatusOK {
 				t.Fatalf("prefill: %d %s", code, body)
 			}
+			stop := p.stopPrefill
 			stop() // SIGTERM
 			exited := func(within time.Duration) bool {
 				select {
@@ -356,11 +381,11 @@ func TestShutdownTimeoutKeepsHeldKVForItsPull(t *testing.T) {
 				if exited(500 * time.Millisecond) {
 					t.Fatal("the engine exited while it held KV for a pull not made yet")
 				}
-				if code, _ := post(prefill, `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"t2"}`); code != 0 {
+				if code, _ := p.prefillLeg("t2"); code != 0 {
 					t.Errorf("a draining engine took a new request: %d", code)
 				}
 			}
-			code, body := post(decode, fmt.Sprintf(`{"do_remote_prefill":true,"do_remote_decode":false,"transfer_id":"t1","remote_engine_id":%q,"remote_bootstrap_addr":"http://127.0.0.1:%d"}`, engineID, boot))
+			code, body := p.decodeLeg("t1")
 			if code != tc.wantDecode {
 				t.Errorf("decode after the prefill engine's SIGTERM: %d %s, want %d", code, body, tc.wantDecode)
 			}
@@ -401,36 +426,14 @@ func TestPullAcrossKVFormatsFailsLoudly(t *testing.T) {
 		{"another dtype", "--dtype=float16", "--dtype=bfloat16", http.StatusInternalServerError, "1"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			env := podEnv(t)
-			api, boot := freePort(t), freePort(t)
-			env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(boot)
-			_, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", api), "--block-size=16", tc.prefill, mooncakeProducer}, env)
-			prefill := fmt.Sprintf("http://127.0.0.1:%d", api)
-			waitHealthy(t, prefill, errc)
-			engineID := query(t, fmt.Sprintf("http://127.0.0.1:%d/query", boot))["0"].EngineID
-			dapi := freePort(t)
-			_, derrc := serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", dapi), "--block-size=16", tc.dec,
-				`--kv-transfer-config={"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}`}, podEnv(t))
-			decode := fmt.Sprintf("http://127.0.0.1:%d", dapi)
-			waitHealthy(t, decode, derrc)
-			client := &http.Client{Timeout: 20 * time.Second}
-			post := func(url, params string) (int, string) {
-				body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("word ", 40) + `","kv_transfer_params":` + params + `}`
-				r, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
-				if err != nil {
-					return 0, err.Error()
-				}
-				defer r.Body.Close()
-				b, _ := io.ReadAll(r.Body)
-				return r.StatusCode, string(b)
-			}
-			if code, body := post(prefill, `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"t1"}`); code != http.StatusOK {
+			p := startPair(t, []string{tc.prefill}, []string{tc.dec})
+			if code, body := p.prefillLeg("t1"); code != http.StatusOK {
 				t.Fatalf("prefill: %d %s", code, body)
 			}
-			code, body := post(decode, fmt.Sprintf(`{"do_remote_prefill":true,"do_remote_decode":false,"transfer_id":"t1","remote_engine_id":%q,"remote_bootstrap_addr":"http://127.0.0.1:%d"}`, engineID, boot))
-			if code != tc.want {
+			if code, body := p.decodeLeg("t1"); code != tc.want {
 				t.Errorf("decode: %d %s, want %d", code, body, tc.want)
 			}
+			prefill := p.prefill
 			resp, err := http.Get(prefill + "/metrics")
 			if err != nil {
 				t.Fatal(err)
