@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -115,11 +116,22 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		procs []proc
 	)
 	st.Prefill, st.Decode = make([]Node, cfg.Prefill), make([]Node, cfg.Decode)
-	addNode := func(role string, i int, n *Node) error {
-		p, err := freePorts(3)
+	// Not the router's port either: the caller picked it (and let it go) before.
+	_, routerPort, _ := net.SplitHostPort(cfg.Listen)
+	ports, err := nodePorts(cfg.Prefill+cfg.Decode, func(n int) ([]int, error) {
+		all, err := freePorts(n + 1)
 		if err != nil {
-			return err
+			return nil, err
 		}
+		all = slices.DeleteFunc(all, func(p int) bool { return strconv.Itoa(p) == routerPort })
+		return all[:n], nil
+	})
+	if err != nil {
+		return err
+	}
+	addNode := func(role string, i int, n *Node) error {
+		p := ports[0]
+		ports = ports[1:]
 		name := fmt.Sprintf("%s-%d", role, i)
 		kvRole := map[string]string{"prefill": "kv_producer", "decode": "kv_consumer"}[role]
 		n.Sidecar = fmt.Sprintf("http://127.0.0.1:%d", p[0])
@@ -311,6 +323,21 @@ func waitHealthy(ctx context.Context, st State) error {
 
 // freePorts reserves n loopback ports by binding them, then releases them for the children.
 func freePorts(n int) ([]int, error) { return FreePorts(n) }
+
+// nodePorts are three ports for each of n nodes (sidecar, engine, bootstrap), picked in one
+// call: each call's ports are free only while it holds them, so ports picked node by node
+// could repeat (a decode sidecar was once given a prefill's bootstrap port).
+func nodePorts(n int, pick func(int) ([]int, error)) ([][]int, error) {
+	all, err := pick(3 * n)
+	if err != nil {
+		return nil, err
+	}
+	out := make([][]int, n)
+	for i := range out {
+		out[i] = all[3*i : 3*i+3]
+	}
+	return out, nil
+}
 
 // FreePorts returns n free loopback ports below the kernel's ephemeral range. A port the
 // kernel hands out for ":0" is in that range, where any process's outgoing connection may take
