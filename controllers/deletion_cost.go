@@ -7,7 +7,11 @@ import (
 	"math"
 	"strconv"
 
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	crevent "sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
@@ -44,3 +48,23 @@ func (r *PDClusterReconciler) setDeletionCosts(ctx context.Context, o observed) 
 	}
 	return errors.Join(errs...)
 }
+
+// ignoreOwnDeletionCost drops the pod updates that change nothing but the deletion cost: the
+// operator's own write must not reconcile again (and read every sidecar again, and write the
+// next count, in a loop as fast as the API server answers).
+var ignoreOwnDeletionCost = predicate.Funcs{UpdateFunc: func(e crevent.UpdateEvent) bool {
+	old, okOld := e.ObjectOld.(*corev1.Pod)
+	cur, okCur := e.ObjectNew.(*corev1.Pod)
+	if !okOld || !okCur || old.Annotations[podDeletionCost] == cur.Annotations[podDeletionCost] {
+		return true
+	}
+	o, c := old.DeepCopy(), cur.DeepCopy()
+	for _, p := range []*corev1.Pod{o, c} {
+		delete(p.Annotations, podDeletionCost)
+		if len(p.Annotations) == 0 {
+			p.Annotations = nil
+		}
+		p.ResourceVersion, p.ManagedFields = "", nil
+	}
+	return !equality.Semantic.DeepEqual(o, c)
+}}

@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+	crevent "sigs.k8s.io/controller-runtime/pkg/event"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -102,5 +103,33 @@ func TestDeletionCostWriteErrorNamesThePod(t *testing.T) {
 	err := r.setDeletionCosts(context.Background(), r.observe(context.Background(), pdc()))
 	if err == nil || !cmp.Equal(err.Error(), "set controller.kubernetes.io/pod-deletion-cost of pod p-0: forbidden") {
 		t.Errorf("err = %v", err)
+	}
+}
+
+// The operator's own deletion-cost write does not reconcile the PDCluster again; any other
+// change of the pod, with or without a new cost, does.
+func TestOwnDeletionCostWriteIsNotAnEvent(t *testing.T) {
+	pod := wrappers.MakeEnginePod("ns", "p-0", "c", v1alpha1.RolePrefill, start).Obj()
+	pod.ResourceVersion = "1"
+	costed := pod.DeepCopy()
+	costed.ResourceVersion = "2"
+	costed.Annotations = map[string]string{podDeletionCost: "3"}
+	statusToo := costed.DeepCopy()
+	statusToo.Status.Phase = corev1.PodFailed
+	recosted := costed.DeepCopy()
+	recosted.Annotations[podDeletionCost] = "0"
+	for _, tc := range []struct {
+		name     string
+		old, cur *corev1.Pod
+		want     bool
+	}{
+		{"the cost alone", pod, costed, false},
+		{"the cost changed again", costed, recosted, false},
+		{"the cost and the status", pod, statusToo, true},
+		{"the status alone", costed, statusToo, true},
+	} {
+		if got := ignoreOwnDeletionCost.Update(crevent.UpdateEvent{ObjectOld: tc.old, ObjectNew: tc.cur}); got != tc.want {
+			t.Errorf("%s: reconcile %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }

@@ -26,6 +26,7 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
@@ -362,7 +363,7 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		// An autoscaler or `kubectl scale` writing an External pool's count.
 		Owns(&v1alpha1.PoolScale{}).
 		// Engine pods belong to ReplicaSets, not to the PDCluster: map them by label.
-		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(podToPDCluster)).
+		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(podToPDCluster), builder.WithPredicates(ignoreOwnDeletionCost)).
 		WithOptions(controller.Options{MaxConcurrentReconciles: r.MaxConcurrentReconciles}).
 		Named("pdcluster").
 		Complete(r)
