@@ -27,7 +27,7 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 	}
 	status.UpdateRevision = update
 	// Engine pods per revision and pool; a pod being deleted no longer serves.
-	counts := map[string]map[v1alpha1.Role]int{}
+	counts, ready := map[string]map[v1alpha1.Role]int{}, map[string]map[v1alpha1.Role]int{}
 	for _, p := range in.obs.pods {
 		role := v1alpha1.Role(p.Labels[v1alpha1.LabelRole])
 		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || p.DeletionTimestamp != nil || podFinished(&p) {
@@ -35,18 +35,33 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 		}
 		rev := p.Labels[v1alpha1.LabelKVRevision]
 		if counts[rev] == nil {
-			counts[rev] = map[v1alpha1.Role]int{}
+			counts[rev], ready[rev] = map[v1alpha1.Role]int{}, map[v1alpha1.Role]int{}
 		}
 		counts[rev][role]++
+		if podReady(&p) {
+			ready[rev][role]++
+		}
 	}
 	old := slices.DeleteFunc(slices.Sorted(maps.Keys(counts)), func(r string) bool { return r == update })
-	ready := meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionPrefillReady) &&
+	status.Revisions = nil
+	for _, rev := range append(slices.Clone(old), update) {
+		if _, ok := counts[rev]; !ok {
+			continue // the update revision before its first pod
+		}
+		status.Revisions = append(status.Revisions, v1alpha1.RevisionStatus{Revision: rev,
+			Prefill: v1alpha1.RevisionPods{Pods: int32(counts[rev][v1alpha1.RolePrefill]), Ready: int32(ready[rev][v1alpha1.RolePrefill])},
+			Decode:  v1alpha1.RevisionPods{Pods: int32(counts[rev][v1alpha1.RoleDecode]), Ready: int32(ready[rev][v1alpha1.RoleDecode])}})
+	}
+	if len(status.Revisions) > 16 {
+		status.Revisions = status.Revisions[len(status.Revisions)-16:] // the newest, with updateRevision
+	}
+	poolsReady := meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionPrefillReady) &&
 		meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionDecodeReady)
 	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionProgressing)
 	wasRolling := before != nil && before.Status == metav1.ConditionTrue
 	// Once a revision has rolled out, a pod of it that is not ready is a pool problem
 	// (PrefillReady, DecodeReady), not a rollout.
-	if len(old) == 0 && (ready || pdc.Status.CurrentRevision == update) {
+	if len(old) == 0 && (poolsReady || pdc.Status.CurrentRevision == update) {
 		status.CurrentRevision = update
 		msg := fmt.Sprintf("every engine pod serves KV revision %s", update)
 		setCondition(status, pdc, v1alpha1.ConditionProgressing, metav1.ConditionFalse, v1alpha1.ReasonRolloutComplete, msg)
@@ -91,4 +106,14 @@ func appliedRevision(applied []render.Object) string {
 // podFinished: a pod that succeeded or failed runs no engine.
 func podFinished(p *corev1.Pod) bool {
 	return p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed
+}
+
+// podReady reports the pod's Ready condition.
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }

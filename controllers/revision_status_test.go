@@ -190,3 +190,33 @@ func TestRevisionNotReadyPoolsKeepRolling(t *testing.T) {
 		t.Errorf("current %q, Progressing %+v: want old and True", status.CurrentRevision, meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionProgressing))
 	}
 }
+
+// status.revisions lists the revisions the engine pods run, older first and the update
+// revision last, with each pool's pods and ready pods; pods being deleted or finished are left
+// out.
+func TestRevisionsInStatus(t *testing.T) {
+	p := pdc()
+	status := p.Status.DeepCopy()
+	dep := &appsv1.Deployment{}
+	dep.Spec.Template.Labels = map[string]string{v1alpha1.LabelKVRevision: "b-new"}
+	pod := func(name string, role v1alpha1.Role, rev string) *wrappers.PodWrapper {
+		return wrappers.MakeEnginePod("ns", name, "c", role, start).KVRevision(rev)
+	}
+	in := statusInputs{pdc: p, applied: []render.Object{dep}}
+	for _, w := range []*wrappers.PodWrapper{
+		pod("p-0", v1alpha1.RolePrefill, "c-old").Ready(), pod("p-1", v1alpha1.RolePrefill, "c-old").Ready(), pod("d-0", v1alpha1.RoleDecode, "c-old").Ready(),
+		pod("d-1", v1alpha1.RoleDecode, "c-old").Deleting(start),
+		pod("p-2", v1alpha1.RolePrefill, "b-new").Ready(), pod("d-2", v1alpha1.RoleDecode, "b-new"),
+		pod("d-3", v1alpha1.RoleDecode, "b-new").Phase(corev1.PodFailed),
+	} {
+		in.obs.pods = append(in.obs.pods, *w.Obj())
+	}
+	revisionStatus(status, in)
+	want := []v1alpha1.RevisionStatus{
+		{Revision: "c-old", Prefill: v1alpha1.RevisionPods{Pods: 2, Ready: 2}, Decode: v1alpha1.RevisionPods{Pods: 1, Ready: 1}},
+		{Revision: "b-new", Prefill: v1alpha1.RevisionPods{Pods: 1, Ready: 1}, Decode: v1alpha1.RevisionPods{Pods: 1, Ready: 0}},
+	}
+	if d := cmp.Diff(want, status.Revisions); d != "" {
+		t.Errorf("status.revisions (-want +got):\n%s", d)
+	}
+}

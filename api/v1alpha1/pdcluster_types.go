@@ -971,6 +971,31 @@ type PDClusterStatus struct {
 	// both revisions run.
 	// +optional
 	CurrentRevision string `json:"currentRevision,omitempty"`
+
+	// revisions are the KV revisions the engine pods run now, older first and updateRevision
+	// last, with each pool's pods and ready pods: during a rollout, how far it has come.
+	// +listType=map
+	// +listMapKey=revision
+	// +kubebuilder:validation:MaxItems=16
+	// +optional
+	Revisions []RevisionStatus `json:"revisions,omitempty"`
+}
+
+// RevisionStatus is one KV revision's engine pods.
+type RevisionStatus struct {
+	// revision is the KV revision (the pods' serving.pdcluster.dev/kv-revision label; empty for
+	// pods made before the label existed).
+	Revision string `json:"revision"`
+	// prefill and decode count the pool's pods of this revision.
+	Prefill RevisionPods `json:"prefill"`
+	Decode  RevisionPods `json:"decode"`
+}
+
+// RevisionPods counts one pool's pods of a revision.
+type RevisionPods struct {
+	// pods are the running pods (not being deleted); ready those that are ready.
+	Pods  int32 `json:"pods"`
+	Ready int32 `json:"ready"`
 }
 
 // KVTransferStatus is what the decode engines counted over the verification window.

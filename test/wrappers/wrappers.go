@@ -128,6 +128,12 @@ func (w *PodWrapper) Deleting(at time.Time) *PodWrapper {
 	return w
 }
 
+// Ready sets the pod's Ready condition True, as the kubelet does once every container is ready.
+func (w *PodWrapper) Ready() *PodWrapper {
+	w.Status.Conditions = append(w.Status.Conditions, corev1.PodCondition{Type: corev1.PodReady, Status: corev1.ConditionTrue})
+	return w
+}
+
 // KVRevision sets the KV revision label the pod was created with.
 func (w *PodWrapper) KVRevision(rev string) *PodWrapper {
 	w.Labels[v1alpha1.LabelKVRevision] = rev
