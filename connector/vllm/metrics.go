@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strings"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -33,7 +34,7 @@ func ParseEngineMetrics(r io.Reader) (EngineStats, error) {
 		if f, ok := families[name]; ok {
 			return f
 		}
-		if base, ok := cutSuffix(name, "_total"); ok {
+		if base, ok := strings.CutSuffix(name, "_total"); ok {
 			return families[base]
 		}
 		return nil
@@ -52,39 +53,24 @@ func ParseEngineMetrics(r io.Reader) (EngineStats, error) {
 			}
 		}
 	}
-	sum := func(names []string) float64 {
+	// sum adds get over every series of the families named.
+	sum := func(get func(*dto.Metric) float64, names ...string) float64 {
 		var total float64
 		for _, n := range names {
 			if f := family(n); f != nil {
 				for _, m := range f.GetMetric() {
-					total += value(m)
+					total += get(m)
 				}
 			}
 		}
 		return total
 	}
-	st.FailedTransfers, st.FailedReceives, st.ExpiredRequests = sum(MetricFailedTransfers), sum(MetricFailedReceives), sum(MetricExpiredRequests)
-	histogramSum := func(names ...string) float64 {
-		var total float64
-		for _, n := range names {
-			if f := families[n]; f != nil {
-				for _, m := range f.GetMetric() {
-					total += m.GetHistogram().GetSampleSum()
-				}
-			}
-		}
-		return total
-	}
-	st.TransferBytes = histogramSum(MetricMooncakeBytes, MetricNixlBytes)
-	st.TransferSeconds = histogramSum(MetricMooncakeXferSeconds, MetricNixlXferSeconds)
+	st.FailedTransfers, st.FailedReceives = sum(value, MetricFailedTransfers...), sum(value, MetricFailedReceives...)
+	st.ExpiredRequests = sum(value, MetricExpiredRequests...)
+	histogramSum := func(m *dto.Metric) float64 { return m.GetHistogram().GetSampleSum() }
+	st.TransferBytes = sum(histogramSum, MetricMooncakeBytes, MetricNixlBytes)
+	st.TransferSeconds = sum(histogramSum, MetricMooncakeXferSeconds, MetricNixlXferSeconds)
 	return st, nil
-}
-
-func cutSuffix(s, suffix string) (string, bool) {
-	if len(s) < len(suffix) || s[len(s)-len(suffix):] != suffix {
-		return s, false
-	}
-	return s[:len(s)-len(suffix)], true
 }
 
 func value(m *dto.Metric) float64 {
