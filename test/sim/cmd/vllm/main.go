@@ -102,6 +102,7 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 	cfg := enginesim.Config{Model: s.ServedModelName, BlockSize: s.BlockSize, MaxModelLen: s.MaxModelLen,
 		PrefixCaching: s.PrefixCaching, Policy: vllmsched.PolicyFail, StepTime: 2 * time.Millisecond, Log: log}
 	var conn vllmcli.Connector
+	var format string // the KV format, with a connector
 	var listeners []net.Listener
 	defer func() {
 		for _, l := range listeners {
@@ -142,12 +143,13 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 			blocks = defaultKVBlocks
 		}
 		host := hostIP(getenv)
+		format = kvFormat(s, getenv)
 		onTransfer, err := transferHistograms(metrics, conn.Flow, s.ServedModelName)
 		if err != nil {
 			return err
 		}
 		transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{
-			Role: cfg.Role, Log: log.WithName("transfer"), KVFormat: kvFormat(s, getenv),
+			Role: cfg.Role, Log: log.WithName("transfer"), KVFormat: format,
 			Blocks: blocks, BlockBytes: blockBytes, DataListen: net.JoinHostPort(host, "0"),
 			Consumer: agent.ConsumerConfig{OnTransfer: onTransfer},
 		}, metrics)
@@ -219,7 +221,7 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 	mux := http.NewServeMux()
 	mux.Handle("/", h)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
-	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role, "kvFormat", kvFormat(s, getenv))
+	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role, "kvFormat", format)
 	drain := time.Duration(s.ShutdownTimeout) * time.Second
 	serveHTTPFor(shutdown, api, mux, drain)
 	if drain > 0 {
