@@ -51,7 +51,7 @@ func (s *Sidecar) handleDrain(w http.ResponseWriter, r *http.Request) {
 		s.log.Info("draining: the pod is being deleted", "min", minWait, "timeout", timeout)
 	}
 	res := DrainResult{HeldSends: -1}
-	for {
+	for res.Reason == "" {
 		held, known, current := s.gate.heldSends()
 		if known {
 			res.HeldSends = held
@@ -73,9 +73,6 @@ func (s *Sidecar) handleDrain(w http.ResponseWriter, r *http.Request) {
 		case <-r.Context().Done():
 			res.Reason = "cancelled"
 		case <-time.After(s.drainPoll):
-		}
-		if res.Reason != "" {
-			break
 		}
 	}
 	res.WaitedSeconds = clk.Since(start).Seconds()
