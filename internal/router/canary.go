@@ -9,7 +9,6 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -197,4 +196,5 @@ func (r *Router) serveCanary(w http.ResponseWriter, _ *http.Request) {
 	_ = json.NewEncoder(w).Encode(last)
 }
 
-var _ io.Writer = (*recorder)(nil)
+// The relay flushes a streamed answer as it goes.
+var _ http.Flusher = (*recorder)(nil)
