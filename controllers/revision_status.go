@@ -27,30 +27,33 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 	}
 	status.UpdateRevision = update
 	// Engine pods per revision and pool; a pod being deleted no longer serves.
-	counts, ready := map[string]map[v1alpha1.Role]int{}, map[string]map[v1alpha1.Role]int{}
+	byRev := map[string]*v1alpha1.RevisionStatus{}
 	for _, p := range in.obs.pods {
 		role := v1alpha1.Role(p.Labels[v1alpha1.LabelRole])
 		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || p.DeletionTimestamp != nil || podFinished(&p) {
 			continue
 		}
 		rev := p.Labels[v1alpha1.LabelKVRevision]
-		if counts[rev] == nil {
-			counts[rev], ready[rev] = map[v1alpha1.Role]int{}, map[v1alpha1.Role]int{}
+		rs := byRev[rev]
+		if rs == nil {
+			rs = &v1alpha1.RevisionStatus{Revision: rev}
+			byRev[rev] = rs
 		}
-		counts[rev][role]++
+		pods := &rs.Prefill
+		if role == v1alpha1.RoleDecode {
+			pods = &rs.Decode
+		}
+		pods.Pods++
 		if podReady(&p) {
-			ready[rev][role]++
+			pods.Ready++
 		}
 	}
-	old := slices.DeleteFunc(slices.Sorted(maps.Keys(counts)), func(r string) bool { return r == update })
+	old := slices.DeleteFunc(slices.Sorted(maps.Keys(byRev)), func(r string) bool { return r == update })
 	status.Revisions = nil
 	for _, rev := range append(slices.Clone(old), update) {
-		if _, ok := counts[rev]; !ok {
-			continue // the update revision before its first pod
+		if rs := byRev[rev]; rs != nil { // the update revision has none before its first pod
+			status.Revisions = append(status.Revisions, *rs)
 		}
-		status.Revisions = append(status.Revisions, v1alpha1.RevisionStatus{Revision: rev,
-			Prefill: v1alpha1.RevisionPods{Pods: int32(counts[rev][v1alpha1.RolePrefill]), Ready: int32(ready[rev][v1alpha1.RolePrefill])},
-			Decode:  v1alpha1.RevisionPods{Pods: int32(counts[rev][v1alpha1.RoleDecode]), Ready: int32(ready[rev][v1alpha1.RoleDecode])}})
 	}
 	if len(status.Revisions) > 16 {
 		status.Revisions = status.Revisions[len(status.Revisions)-16:] // the newest, with updateRevision
@@ -78,7 +81,11 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 		if name == "" {
 			name = "unlabelled"
 		}
-		parts = append(parts, fmt.Sprintf("%s: %d prefill, %d decode", name, counts[rev][v1alpha1.RolePrefill], counts[rev][v1alpha1.RoleDecode]))
+		rs := byRev[rev]
+		if rs == nil {
+			rs = &v1alpha1.RevisionStatus{} // the update revision before its first pod
+		}
+		parts = append(parts, fmt.Sprintf("%s: %d prefill, %d decode", name, rs.Prefill.Pods, rs.Decode.Pods))
 	}
 	msg := fmt.Sprintf("rolling out KV revision %s (engine pods by revision: %s)", update, strings.Join(parts, "; "))
 	if len(old) == 0 {
