@@ -11,7 +11,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/internal/bounded"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
@@ -24,23 +23,16 @@ type CanaryReader interface {
 // errNoCanary: the router has sent no canary yet.
 var errNoCanary = errors.New("no canary yet")
 
-// HTTPCanaryReader reads GET /canary on the router's port at the pod's IP.
-type HTTPCanaryReader struct {
-	Client *http.Client
-	Port   int32
-	// Addr overrides host:port for a pod (tests); nil: the pod IP and Port.
-	Addr func(*corev1.Pod) string
-}
+// HTTPCanaryReader reads GET /canary on the router's port (render.RouterPort) at the pod's IP.
+type HTTPCanaryReader struct{ podHTTP }
 
-// NewHTTPCanaryReader reads the routers this operator renders, with a short timeout.
-func NewHTTPCanaryReader() *HTTPCanaryReader {
-	return &HTTPCanaryReader{Client: &http.Client{Timeout: 2 * time.Second, CheckRedirect: bounded.NoRedirect}, Port: render.RouterPort}
-}
+// NewHTTPCanaryReader reads the routers this operator renders.
+func NewHTTPCanaryReader() *HTTPCanaryReader { return &HTTPCanaryReader{newPodHTTP(render.RouterPort)} }
 
 // ReadCanary implements CanaryReader.
 func (h *HTTPCanaryReader) ReadCanary(ctx context.Context, pod *corev1.Pod) (routerconfig.CanaryResult, error) {
 	var res routerconfig.CanaryResult
-	code, err := getJSON(ctx, h.Client, podAddr(pod, h.Port, h.Addr), routerconfig.CanaryPath, &res, http.StatusOK)
+	code, err := h.getJSON(ctx, pod, routerconfig.CanaryPath, &res)
 	switch {
 	case code == http.StatusNotFound:
 		return routerconfig.CanaryResult{}, errNoCanary

@@ -26,21 +26,27 @@ type GateReader interface {
 	ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.State, error)
 }
 
-// HTTPGateReader reads GET /gate on the sidecar's public port at the pod's IP.
-type HTTPGateReader struct {
+// podHTTP reads JSON answers from one port of a pod, at the pod's own IP.
+type podHTTP struct {
 	Client *http.Client
-	// Port is the sidecar's public port (render.ConnectorPort).
+	// Port is the pod's port read.
 	Port int32
 	// Addr overrides host:port for a pod (tests); nil: the pod IP and Port.
 	Addr func(*corev1.Pod) string
 }
 
-// NewHTTPGateReader reads the sidecars rendered by this operator, with a short timeout: a pod
-// that does not answer is left out of the counts, not waited for.
-func NewHTTPGateReader() *HTTPGateReader {
-	// A pod is read at its own IP only: its redirects are not followed.
-	return &HTTPGateReader{Client: &http.Client{Timeout: 2 * time.Second, CheckRedirect: bounded.NoRedirect}, Port: render.ConnectorPort}
+// newPodHTTP reads port with a short timeout: a pod that does not answer is left out, not
+// waited for. A pod is read at its own IP only: its redirects are not followed.
+func newPodHTTP(port int32) podHTTP {
+	return podHTTP{Client: &http.Client{Timeout: 2 * time.Second, CheckRedirect: bounded.NoRedirect}, Port: port}
 }
+
+// HTTPGateReader reads GET /gate on the sidecar's public port (render.ConnectorPort) at the
+// pod's IP.
+type HTTPGateReader struct{ podHTTP }
+
+// NewHTTPGateReader reads the sidecars rendered by this operator.
+func NewHTTPGateReader() *HTTPGateReader { return &HTTPGateReader{newPodHTTP(render.ConnectorPort)} }
 
 // maxGateAnswer bounds a sidecar's /gate answer (a few hundred bytes of counts).
 const maxGateAnswer = 64 << 10
@@ -48,26 +54,22 @@ const maxGateAnswer = 64 << 10
 // ReadGate implements GateReader.
 func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.State, error) {
 	var st vllm.State
-	if _, err := getJSON(ctx, h.Client, podAddr(pod, h.Port, h.Addr), vllm.StatePath, &st, http.StatusOK); err != nil {
+	if _, err := h.getJSON(ctx, pod, vllm.StatePath, &st); err != nil {
 		return vllm.State{}, err
 	}
 	return st, nil
 }
 
-// podAddr is host:port of pod's port, or addr(pod) when addr is set (tests); "" without an IP.
-func podAddr(pod *corev1.Pod, port int32, addr func(*corev1.Pod) string) string {
-	if addr != nil {
-		return addr(pod)
+// getJSON decodes the pod's answer to GET path into v (at most maxGateAnswer bytes) when it is
+// 200, and returns the status; any other status is an error naming it.
+func (h podHTTP) getJSON(ctx context.Context, pod *corev1.Pod, path string, v any) (int, error) {
+	addr := ""
+	switch {
+	case h.Addr != nil:
+		addr = h.Addr(pod)
+	case pod.Status.PodIP != "":
+		addr = net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(h.Port)))
 	}
-	if pod.Status.PodIP == "" {
-		return ""
-	}
-	return net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(port)))
-}
-
-// getJSON decodes GET http://addr+path into v (at most maxGateAnswer bytes) when the status is
-// want, and returns the status; any other status is an error naming it.
-func getJSON(ctx context.Context, c *http.Client, addr, path string, v any, want int) (int, error) {
 	if addr == "" {
 		return 0, errors.New("pod has no IP yet")
 	}
@@ -75,12 +77,12 @@ func getJSON(ctx context.Context, c *http.Client, addr, path string, v any, want
 	if err != nil {
 		return 0, err
 	}
-	resp, err := c.Do(req)
+	resp, err := h.Client.Do(req)
 	if err != nil {
 		return 0, err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != want {
+	if resp.StatusCode != http.StatusOK {
 		return resp.StatusCode, fmt.Errorf("GET %s: %s", path, resp.Status)
 	}
 	b, err := bounded.ReadAll(resp.Body, maxGateAnswer)
