@@ -48,8 +48,8 @@ type HTTPGateReader struct{ podHTTP }
 // NewHTTPGateReader reads the sidecars rendered by this operator.
 func NewHTTPGateReader() *HTTPGateReader { return &HTTPGateReader{newPodHTTP(render.ConnectorPort)} }
 
-// maxGateAnswer bounds a sidecar's /gate answer (a few hundred bytes of counts).
-const maxGateAnswer = 64 << 10
+// maxPodAnswer bounds a pod's answer: a sidecar's /gate or a router's /canary is a few hundred bytes.
+const maxPodAnswer = 64 << 10
 
 // ReadGate implements GateReader.
 func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.State, error) {
@@ -60,7 +60,7 @@ func (h *HTTPGateReader) ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.St
 	return st, nil
 }
 
-// getJSON decodes the pod's answer to GET path into v (at most maxGateAnswer bytes) when it is
+// getJSON decodes the pod's answer to GET path into v (at most maxPodAnswer bytes) when it is
 // 200, and returns the status; any other status is an error naming it.
 func (h podHTTP) getJSON(ctx context.Context, pod *corev1.Pod, path string, v any) (int, error) {
 	addr := ""
@@ -85,7 +85,7 @@ func (h podHTTP) getJSON(ctx context.Context, pod *corev1.Pod, path string, v an
 	if resp.StatusCode != http.StatusOK {
 		return resp.StatusCode, fmt.Errorf("GET %s: %s", path, resp.Status)
 	}
-	b, err := bounded.ReadAll(resp.Body, maxGateAnswer)
+	b, err := bounded.ReadAll(resp.Body, maxPodAnswer)
 	if err != nil {
 		return resp.StatusCode, fmt.Errorf("read %s: %w", path, err)
 	}
