@@ -81,13 +81,13 @@ func TestObserveReadsTheNewestCanary(t *testing.T) {
 		"r-0": {Time: at, Result: routerconfig.CanaryExternal, PromptTokens: 256, ExternalTokens: 255},
 		"r-1": {Time: at.Add(time.Minute), Result: routerconfig.CanaryRecomputed, PromptTokens: 256, Message: "m"},
 	}}
-	o := r.observe(context.Background(), p)
+	o := r.observe(context.Background(), p, nil)
 	want := &v1alpha1.CanaryResult{Time: metav1.NewTime(at.Add(time.Minute).Truncate(time.Second)), Router: "r-1", Result: v1alpha1.CanaryRecomputed, PromptTokens: 256, Message: "m"}
 	if d := cmp.Diff(want, o.canary); d != "" {
 		t.Errorf("observed canary (-want +got):\n%s", d)
 	}
 	p.Spec.KVTransfer.Verification.Mode = v1alpha1.KVVerificationPassive
-	if o := r.observe(context.Background(), p); o.canary != nil {
+	if o := r.observe(context.Background(), p, nil); o.canary != nil {
 		t.Errorf("mode Passive read a canary: %+v", o.canary)
 	}
 	var _ client.Object = p

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
@@ -22,10 +25,12 @@ type observed struct {
 	// pods are the PDCluster's pods, every role; podsErr says why they are unknown.
 	pods    []corev1.Pod
 	podsErr error
-	// deployments are the pools' Deployments by role (a missing one is absent); depsErr says
-	// why they are unknown.
-	deployments map[v1alpha1.Role]*appsv1.Deployment
-	depsErr     error
+	// deployments are the pools' Deployments by role (a missing one is absent): the router's,
+	// and each engine pool's of the update revision; olderDeployments each engine pool's of
+	// older revisions. depsErr says why they are unknown.
+	deployments      map[v1alpha1.Role]*appsv1.Deployment
+	olderDeployments map[v1alpha1.Role][]*appsv1.Deployment
+	depsErr          error
 	// gates are the completion gate states the engine pods' sidecars answered; gatesRead says
 	// whether they were asked at all (a reader is set, the gate is enabled, the pods are known).
 	gates     []gateRead
@@ -49,7 +54,7 @@ const gateReads = 16
 // observe lists the PDCluster's pods and Deployments (from the cache) and reads the gate
 // counts of its running engine pods. A part that cannot be read is left unknown, with its
 // error; the others are still observed.
-func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDCluster) observed {
+func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDCluster, applied []render.Object) observed {
 	var o observed
 	inCluster := []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
 	var pods corev1.PodList
@@ -63,11 +68,15 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 		o.depsErr = fmt.Errorf("list deployments: %w", err)
 	} else {
 		o.deployments = map[v1alpha1.Role]*appsv1.Deployment{}
-		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
-			for i := range deps.Items {
-				if deps.Items[i].Name == render.ObjectName(pdc.Name, role) {
-					o.deployments[role] = &deps.Items[i]
-				}
+		for i := range deps.Items {
+			if deps.Items[i].Name == render.ObjectName(pdc.Name, v1alpha1.RoleRouter) {
+				o.deployments[v1alpha1.RoleRouter] = &deps.Items[i]
+			}
+		}
+		o.olderDeployments = map[v1alpha1.Role][]*appsv1.Deployment{}
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+			if d, old := poolDeployments(pdc, deps.Items, role, applied); d != nil {
+				o.deployments[role], o.olderDeployments[role] = d, old
 			}
 		}
 	}
@@ -80,6 +89,58 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 		o.canary = r.readCanary(ctx, o.pods)
 	}
 	return o
+}
+
+// poolDeployments are role's Deployments: the update revision's (the one this reconcile
+// applied; an empty one asking for no pod when it is not there yet) and the older revisions'.
+// update is nil when the pool has none.
+func poolDeployments(pdc *v1alpha1.PDCluster, deps []appsv1.Deployment, role v1alpha1.Role, applied []render.Object) (update *appsv1.Deployment, old []*appsv1.Deployment) {
+	var name string
+	for _, o := range applied {
+		if d, ok := o.(*appsv1.Deployment); ok && d.Labels[v1alpha1.LabelRole] == string(role) {
+			name = d.Name
+		}
+	}
+	var mine []*appsv1.Deployment
+	for i := range deps {
+		if d := &deps[i]; d.Labels[v1alpha1.LabelRole] == string(role) {
+			mine = append(mine, d)
+		}
+	}
+	if name == "" && len(mine) > 0 {
+		// Nothing applied (the reconcile failed before): the newest is the update revision's.
+		slices.SortFunc(mine, func(a, b *appsv1.Deployment) int { return a.CreationTimestamp.Compare(b.CreationTimestamp.Time) })
+		name = mine[len(mine)-1].Name
+	}
+	for _, d := range mine {
+		if d.Name == name {
+			update = d
+		} else {
+			old = append(old, d)
+		}
+	}
+	if update == nil && len(old) > 0 {
+		update = &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: pdc.Namespace},
+			Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](0)}}
+	}
+	return update, old
+}
+
+// withOlder is a pool's update-revision Deployment with the older revisions' pods added to
+// its counts: a pool in a lockstep rollout reads as rolling out until only the update
+// revision's pods run.
+func withOlder(update *appsv1.Deployment, old []*appsv1.Deployment) *appsv1.Deployment {
+	if len(old) == 0 {
+		return update
+	}
+	pool := update.DeepCopy()
+	for _, d := range old {
+		*pool.Spec.Replicas += ptr.Deref(d.Spec.Replicas, 1)
+		pool.Status.Replicas += d.Status.Replicas
+		pool.Status.ReadyReplicas += d.Status.ReadyReplicas
+		pool.Status.AvailableReplicas += d.Status.AvailableReplicas
+	}
+	return pool
 }
 
 // readGates asks the sidecars of the running engine pods for their gate's state, a few at a

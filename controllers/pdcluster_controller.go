@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -100,7 +101,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	reconcileErr := err // every step's error: apply, observe, restarts
 	var requeueAfter time.Duration
 	if err == nil {
-		in.obs = r.observe(ctx, &pdc)
+		in.obs = r.observe(ctx, &pdc, applied)
 		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now, int(scale.effective.Prefill+scale.effective.Decode))
 		in.kv = r.verifyKV(&pdc, in.obs, in.now)
 		costErr := r.setDeletionCosts(ctx, in.obs)
@@ -169,13 +170,34 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	if err := pdc.Validate().ToAggregate(); err != nil {
 		return nil, nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
 	}
-	scale, events, err := r.decideScale(ctx, pdc)
+	update, err := render.KVRevision(pdc)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("KV revision: %w", err)
+	}
+	revs, err := r.observeEngineRevisions(ctx, pdc, update)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	scale, events, err := r.decideScale(ctx, pdc, revs)
 	if err != nil {
 		return nil, nil, events, err
 	}
-	objs, err := render.Render(scaling.Scaled(pdc, scale.effective), r.Options)
+	objs, err := render.RenderServing(scaling.Scaled(pdc, scale.effective), r.Options, revs.serving(pdc))
 	if err != nil {
 		return nil, nil, events, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
+	}
+	// A new KV revision steps in lockstep with the older ones: the update revision's
+	// Deployments get the step's replicas, the older ones are scaled after the apply.
+	step := planRollout(pdc, revs, scale.effective, r.routerCurrent(ctx, pdc, objs))
+	for _, o := range objs {
+		if dep, ok := o.(*appsv1.Deployment); ok {
+			switch v1alpha1.Role(dep.Labels[v1alpha1.LabelRole]) {
+			case v1alpha1.RolePrefill:
+				dep.Spec.Replicas = ptrTo(step.update.Prefill)
+			case v1alpha1.RoleDecode:
+				dep.Spec.Replicas = ptrTo(step.update.Decode)
+			}
+		}
 	}
 	// One event per action for all the children it touched: the events library merges events
 	// of one reason and action into a series that keeps only the first note, so one event per
@@ -211,6 +233,11 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 		}
 	}
 	summarize()
+	stepped, err := r.stepOldRevisions(ctx, pdc, revs, step)
+	events = append(events, stepped...)
+	if err != nil {
+		return objs, &scale, events, err
+	}
 	deleted, err := r.deleteUnusedChildren(ctx, pdc)
 	events = append(events, deleted...)
 	if err != nil {
@@ -304,6 +331,10 @@ func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired clien
 	case err != nil:
 		return actionNone, fmt.Errorf("get: %w", err)
 	}
+	if owner := metav1.GetControllerOf(existing); owner == nil || owner.UID != ownerUID(desired) {
+		// Never taken over: another PDCluster's (or a user's) object of the same name.
+		return actionNone, fmt.Errorf("%s %s exists and is not this PDCluster's: delete or rename it", kind, desired.GetName())
+	}
 	if upToDate(desired, existing) {
 		return actionNone, nil
 	}
@@ -313,6 +344,32 @@ func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired clien
 	}
 	appliesTotal.WithLabelValues(kind, "update", "ok").Inc()
 	return actionUpdated, nil
+}
+
+// ownerUID is the UID of obj's controller.
+func ownerUID(obj client.Object) types.UID {
+	if o := metav1.GetControllerOf(obj); o != nil {
+		return o.UID
+	}
+	return ""
+}
+
+// routerCurrent reports whether the router's pods all run the rendered router Deployment.
+func (r *PDClusterReconciler) routerCurrent(ctx context.Context, pdc *v1alpha1.PDCluster, objs []render.Object) bool {
+	var desired *appsv1.Deployment
+	for _, o := range objs {
+		if d, ok := o.(*appsv1.Deployment); ok && d.Name == render.ObjectName(pdc.Name, v1alpha1.RoleRouter) {
+			desired = d
+		}
+	}
+	if desired == nil {
+		return false
+	}
+	var observed appsv1.Deployment
+	if err := r.Get(ctx, client.ObjectKeyFromObject(desired), &observed); err != nil {
+		return false
+	}
+	return routerCurrent(desired, &observed)
 }
 
 // derivative is equality.Semantic, except that an unset (zero) desired metav1.Time matches any

@@ -32,16 +32,19 @@ import (
 func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 	p := pdc()
 	p.Status.Connector.UnhealthyPods = []v1alpha1.UnhealthyPod{{Name: "d-0", Since: metav1.NewTime(start.Add(-time.Minute))}}
-	deleted := false
+	deleted, depLists := false, 0
 	funcs := interceptor.Funcs{
 		Delete: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
 			deleted = true
 			return c.Delete(ctx, obj, opts...)
 		},
-		// The Deployments cannot be observed (the pool status is unknown); the pods can.
+		// The Deployments can be read for the apply, then not for the status (the pool status
+		// is unknown); the pods can.
 		List: func(ctx context.Context, c client.WithWatch, list client.ObjectList, opts ...client.ListOption) error {
 			if _, ok := list.(*appsv1.DeploymentList); ok {
-				return errors.New("apiserver unavailable")
+				if depLists++; depLists > 1 {
+					return errors.New("apiserver unavailable")
+				}
 			}
 			return c.List(ctx, list, opts...)
 		},

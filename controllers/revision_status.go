@@ -55,6 +55,19 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 			status.Revisions = append(status.Revisions, *rs)
 		}
 	}
+	// Traffic follows the router: among the revisions with a ready pod in both pools, by
+	// their ready pods.
+	var serving int32
+	for _, rs := range status.Revisions {
+		if rs.Prefill.Ready > 0 && rs.Decode.Ready > 0 {
+			serving += rs.Prefill.Ready + rs.Decode.Ready
+		}
+	}
+	for i := range status.Revisions {
+		if rs := &status.Revisions[i]; serving > 0 && rs.Prefill.Ready > 0 && rs.Decode.Ready > 0 {
+			rs.TrafficPercent = (rs.Prefill.Ready + rs.Decode.Ready) * 100 / serving
+		}
+	}
 	if len(status.Revisions) > 16 {
 		status.Revisions = status.Revisions[len(status.Revisions)-16:] // the newest, with updateRevision
 	}

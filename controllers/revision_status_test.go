@@ -213,10 +213,18 @@ func TestRevisionsInStatus(t *testing.T) {
 	}
 	revisionStatus(status, in)
 	want := []v1alpha1.RevisionStatus{
-		{Revision: "c-old", Prefill: v1alpha1.RevisionPods{Pods: 2, Ready: 2}, Decode: v1alpha1.RevisionPods{Pods: 1, Ready: 1}},
+		{Revision: "c-old", Prefill: v1alpha1.RevisionPods{Pods: 2, Ready: 2}, Decode: v1alpha1.RevisionPods{Pods: 1, Ready: 1}, TrafficPercent: 100},
+		// No ready decode: the router sends it nothing.
 		{Revision: "b-new", Prefill: v1alpha1.RevisionPods{Pods: 1, Ready: 1}, Decode: v1alpha1.RevisionPods{Pods: 1, Ready: 0}},
 	}
 	if d := cmp.Diff(want, status.Revisions); d != "" {
 		t.Errorf("status.revisions (-want +got):\n%s", d)
+	}
+	// Its decode ready: traffic by ready pods, 3 to 2.
+	in.obs.pods[5] = *pod("d-2", v1alpha1.RoleDecode, "b-new").Ready().Obj()
+	revisionStatus(status, in)
+	want[0].TrafficPercent, want[1].Decode.Ready, want[1].TrafficPercent = 60, 1, 40
+	if d := cmp.Diff(want, status.Revisions); d != "" {
+		t.Errorf("status.revisions with both serving (-want +got):\n%s", d)
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -39,7 +38,7 @@ func (d scaleDecision) runs(role v1alpha1.Role) int32 {
 // decideScale reads what each pool's scaler asks (spec.<pool>.replicas, or the PoolScale of an
 // External pool, created seeded when missing; a Static pool's is deleted) and decides what the
 // pools run within spec.scaling.
-func (r *PDClusterReconciler) decideScale(ctx context.Context, pdc *v1alpha1.PDCluster) (scaleDecision, []event, error) {
+func (r *PDClusterReconciler) decideScale(ctx context.Context, pdc *v1alpha1.PDCluster, revs engineRevisions) (scaleDecision, []event, error) {
 	d := scaleDecision{requested: map[v1alpha1.Role]int32{}, scales: map[v1alpha1.Role]*v1alpha1.PoolScale{}}
 	var events []event
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
@@ -56,7 +55,7 @@ func (r *PDClusterReconciler) decideScale(ctx context.Context, pdc *v1alpha1.PDC
 			}
 			continue
 		}
-		ps, created, err := r.poolScale(ctx, pdc, role)
+		ps, created, err := r.poolScale(ctx, pdc, role, revs.running(role))
 		if err != nil {
 			return d, events, err
 		}
@@ -76,7 +75,7 @@ func (r *PDClusterReconciler) decideScale(ctx context.Context, pdc *v1alpha1.PDC
 }
 
 // poolScale reads role's PoolScale, creating it seeded when it is missing.
-func (r *PDClusterReconciler) poolScale(ctx context.Context, pdc *v1alpha1.PDCluster, role v1alpha1.Role) (*v1alpha1.PoolScale, bool, error) {
+func (r *PDClusterReconciler) poolScale(ctx context.Context, pdc *v1alpha1.PDCluster, role v1alpha1.Role, running *int32) (*v1alpha1.PoolScale, bool, error) {
 	key := client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}
 	ps := &v1alpha1.PoolScale{}
 	err := r.Get(ctx, key, ps)
@@ -91,14 +90,6 @@ func (r *PDClusterReconciler) poolScale(ctx context.Context, pdc *v1alpha1.PDClu
 		return nil, false, fmt.Errorf("get PoolScale %s: %w", key.Name, err)
 	}
 	// Seeded with what the pool runs now, so switching to External moves nothing.
-	var running *int32
-	var dep appsv1.Deployment
-	switch err := r.Get(ctx, key, &dep); {
-	case err == nil:
-		running = dep.Spec.Replicas
-	case !apierrors.IsNotFound(err):
-		return nil, false, fmt.Errorf("get Deployment %s: %w", key.Name, err)
-	}
 	ps = render.PoolScale(pdc, role, scaling.Seed(pdc, role, running))
 	if err := controllerutil.SetControllerReference(pdc, ps, r.Scheme); err != nil {
 		return nil, false, fmt.Errorf("set owner of PoolScale %s: %w", key.Name, err)

@@ -168,7 +168,7 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 			notReady = append(notReady, string(c.role))
 			continue
 		}
-		counts, condStatus, reason, msg := poolStatus(dep)
+		counts, condStatus, reason, msg := poolStatus(withOlder(dep, in.obs.olderDeployments[c.role]))
 		if want, ok := desired[dep.Name]; ok && !upToDate(want, dep) {
 			condStatus, reason, msg = metav1.ConditionFalse, v1alpha1.ReasonRollingOut, "applying the new spec"
 		}

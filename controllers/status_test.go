@@ -17,6 +17,7 @@ import (
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -30,7 +31,7 @@ import (
 // reconcile's apply.
 func poolStatusOf(t *testing.T, r *PDClusterReconciler, p *v1alpha1.PDCluster, applied []render.Object) *v1alpha1.PDClusterStatus {
 	t.Helper()
-	in := statusInputs{pdc: p, applied: applied, obs: r.observe(context.Background(), p)}
+	in := statusInputs{pdc: p, applied: applied, obs: r.observe(context.Background(), p, applied)}
 	if err := in.obs.err(); err != nil {
 		t.Fatal(err)
 	}
@@ -93,7 +94,7 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 			}
 			// A stale value from an earlier read must not survive a reconcile that reads nothing.
 			p.Status.Decode.Gate = &v1alpha1.PoolGateStatus{GatedCompletions: 1234}
-			in := statusInputs{pdc: p, obs: r.observe(context.Background(), p)}
+			in := statusInputs{pdc: p, obs: r.observe(context.Background(), p, nil)}
 			if err := in.obs.err(); err != nil {
 				t.Fatal(err)
 			}
@@ -185,11 +186,16 @@ func TestUnschedulableDecodeIsTheReadyReason(t *testing.T) {
 			Status:     appsv1.DeploymentStatus{ObservedGeneration: 1, UpdatedReplicas: 1, ReadyReplicas: ready},
 		})
 	}
+	for _, d := range deps {
+		if err := controllerutil.SetControllerReference(p, d, newFakeClient(t).Build().Scheme()); err != nil {
+			t.Fatal(err)
+		}
+	}
 	c := newFakeClient(t).WithObjects(p, unschedulable(pod("d-0", v1alpha1.RoleDecode, 0)), pod("p-0", v1alpha1.RolePrefill, 0)).
 		WithObjects(deps...).WithStatusSubresource(&v1alpha1.PDCluster{}).Build()
 	rec := events.NewFakeRecorder(100)
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: rec, Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start)}
-	in := statusInputs{pdc: p, obs: r.observe(context.Background(), p)}
+	in := statusInputs{pdc: p, obs: r.observe(context.Background(), p, nil)}
 	if err := in.obs.err(); err != nil {
 		t.Fatal(err)
 	}

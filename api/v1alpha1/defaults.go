@@ -1,6 +1,9 @@
 package v1alpha1
 
-import "k8s.io/utils/ptr"
+import (
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+)
 
 // Defaults. The CRD carries the same values in its +kubebuilder:default markers, and the API
 // server applies them; SetDefaults is their Go image, for the readers of a PDCluster that did
@@ -32,6 +35,10 @@ const (
 	DefaultCanaryIntervalSeconds     int32 = 60
 
 	DefaultDrainTimeoutSeconds int32 = 120
+
+	// A Deployment's own defaults.
+	DefaultMaxSurge       = "25%"
+	DefaultMaxUnavailable = "25%"
 )
 
 // SetDefaults fills every unset field that has a default, as the API server would. It is the
@@ -71,6 +78,9 @@ func (in *PDCluster) SetDefaults() {
 		setPtr(&p.RDMA.Count, DefaultRDMACount)
 		setPtr(&p.Drain.TimeoutSeconds, DefaultDrainTimeoutSeconds)
 	}
+
+	setPtr(&s.Rollout.MaxSurge, intstr.FromString(DefaultMaxSurge))
+	setPtr(&s.Rollout.MaxUnavailable, intstr.FromString(DefaultMaxUnavailable))
 
 	setPtr(&s.Router.Replicas, DefaultReplicas)
 	setString(&s.Router.Balance, RouterBalanceLeastInFlight)

@@ -789,6 +789,12 @@ type PDClusterSpec struct {
 	// +optional
 	Scaling ScalingSpec `json:"scaling,omitempty"`
 
+	// rollout paces the rollouts of both pools: a new KV revision in lockstep, other changes in
+	// place.
+	// +kubebuilder:default={}
+	// +optional
+	Rollout RolloutSpec `json:"rollout,omitempty"`
+
 	// router is the P/D proxy in front of both pools.
 	// +kubebuilder:default={}
 	// +optional
@@ -989,6 +995,10 @@ type RevisionStatus struct {
 	// prefill and decode count the pool's pods of this revision.
 	Prefill RevisionPods `json:"prefill"`
 	Decode  RevisionPods `json:"decode"`
+	// trafficPercent is the share of new requests the routers send to this revision: its
+	// ready pods' share of the ready pods of the revisions that have one in both pools
+	// (a revision missing a pool serves nothing).
+	TrafficPercent int32 `json:"trafficPercent"`
 }
 
 // RevisionPods counts one pool's pods of a revision.

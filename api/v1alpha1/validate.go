@@ -92,6 +92,7 @@ func (p *PDCluster) Validate() field.ErrorList {
 			errs = append(errs, validateBudgetValue(path.Child("disruptionBudget", "minAvailable"), b.MinAvailable)...)
 		}
 	}
+	errs = append(errs, validateRollout(spec.Child("rollout"), p.Spec.Rollout)...)
 	errs = append(errs, validateTolerations(spec.Child("router", "tolerations"), p.Spec.Router.Tolerations)...)
 	errs = append(errs, validateExtraConfig(spec.Child("kvTransfer", "extraConfig"), p.Spec.KVTransfer.ExtraConfig)...)
 	// An engine-wide mount missing its volume in both pools is one mistake, said once.
@@ -305,6 +306,20 @@ func validateExtraConfig(path *field.Path, raw *apiextensionsv1.JSON) field.Erro
 		if from, ok := ReservedExtraConfigKeys[k]; ok {
 			errs = append(errs, field.Forbidden(path.Key(k), "set by the operator from "+from+"; remove it"))
 		}
+	}
+	return errs
+}
+
+// validateRollout: the bounds may not be negative nor percentages past 100%, and not both 0
+// (no pod could move, which a Deployment refuses too).
+func validateRollout(path *field.Path, r RolloutSpec) field.ErrorList {
+	errs := append(validateBudgetValue(path.Child("maxSurge"), r.MaxSurge), validateBudgetValue(path.Child("maxUnavailable"), r.MaxUnavailable)...)
+	zero := func(v *intstr.IntOrString) bool {
+		return v != nil && ((v.Type == intstr.Int && v.IntVal == 0) || (v.Type == intstr.String && strings.TrimSpace(v.StrVal) == "0%"))
+	}
+	if len(errs) == 0 && zero(r.MaxSurge) && zero(r.MaxUnavailable) {
+		errs = append(errs, field.Invalid(path.Child("maxUnavailable"), r.MaxUnavailable.String(),
+			"may not be 0 when maxSurge is 0: no pod could be replaced (set maxSurge 1 where an accelerator is free, else maxUnavailable 1)"))
 	}
 	return errs
 }

@@ -21,7 +21,7 @@ import (
 func TestAcceptsTheRenderedArguments(t *testing.T) {
 	pdc := &v1alpha1.PDCluster{Spec: v1alpha1.PDClusterSpec{Router: v1alpha1.RouterSpec{Replicas: ptr.To[int32](1)}}}
 	pdc.Name, pdc.Namespace = "c", "ns"
-	cm, err := render.RouterConfigMap(pdc)
+	cm, err := render.RouterConfigMap(pdc, render.Serving{})
 	if err != nil {
 		t.Fatal(err)
 	}

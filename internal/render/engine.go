@@ -174,10 +174,24 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 		return nil, err
 	}
 	tmpl.Labels[v1alpha1.LabelKVRevision] = rev
+	// A Deployment holds one KV revision for its life: a new one gets its own (the selector
+	// cannot change), which the reconciler steps in lockstep with the other pool's.
+	dep.Spec.Selector = &metav1.LabelSelector{MatchLabels: RevisionLabels(pdc.Name, role, rev)}
+	dep.Labels[v1alpha1.LabelKVRevision] = rev
+	dep.Spec.Strategy = rolloutStrategy(pdc)
 	if gate {
 		tmpl.Annotations[v1alpha1.AnnotationGateHash] = vllm.Hash()
 	}
 	return dep, nil
+}
+
+// rolloutStrategy is spec.rollout as a Deployment's: the pods of one KV revision roll in place
+// within the same bounds as a new revision's lockstep.
+func rolloutStrategy(pdc *v1alpha1.PDCluster) appsv1.DeploymentStrategy {
+	r := pdc.Spec.Rollout
+	return appsv1.DeploymentStrategy{Type: appsv1.RollingUpdateDeploymentStrategyType, RollingUpdate: &appsv1.RollingUpdateDeployment{
+		MaxSurge: ptr.To(*r.MaxSurge), MaxUnavailable: ptr.To(*r.MaxUnavailable),
+	}}
 }
 
 // enginePorts are the ports vLLM binds in role's engine container: the OpenAI API, and the

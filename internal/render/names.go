@@ -3,6 +3,8 @@
 package render
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"net"
 	"strconv"
 
@@ -58,10 +60,39 @@ const (
 // ObjectName is the name of the child object of cluster for role.
 func ObjectName(cluster string, role v1alpha1.Role) string { return cluster + "-" + string(role) }
 
+// EngineObjectName is the name of the Deployment and the headless Service of role's engines of
+// KV revision rev in cluster: <cluster>-<role> in the base slot, else <cluster>-<role>-<rev>.
+// Where that passes 63 characters (a Service name is a DNS label; a PDCluster's name may take
+// 55) its end is a hash of the whole name instead, which keeps two PDClusters' names apart.
+func EngineObjectName(cluster string, role v1alpha1.Role, rev string, base bool) string {
+	name := ObjectName(cluster, role)
+	if base {
+		return name
+	}
+	full := name + "-" + rev
+	if len(full) <= maxNameLength {
+		return full
+	}
+	sum := sha256.Sum256([]byte(full))
+	h := hex.EncodeToString(sum[:])[:10]
+	return name[:maxNameLength-len(h)-1] + "-" + h
+}
+
+// maxNameLength is a DNS label's.
+const maxNameLength = 63
+
 // Labels are the selector labels of role's pods in cluster.
 func Labels(cluster string, role v1alpha1.Role) map[string]string {
 	l := componentLabels(cluster, string(role))
 	l[v1alpha1.LabelRole] = string(role)
+	return l
+}
+
+// RevisionLabels are the selector labels of role's pods of KV revision rev in cluster: an
+// engine Deployment's and its Service's.
+func RevisionLabels(cluster string, role v1alpha1.Role, rev string) map[string]string {
+	l := Labels(cluster, role)
+	l[v1alpha1.LabelKVRevision] = rev
 	return l
 }
 

@@ -72,7 +72,11 @@ func TestPodSettingsMerge(t *testing.T) {
 					t.Errorf("pod label %s = %q, want %q", k, dep.Spec.Template.Labels[k], v)
 				}
 			}
-			if d := cmp.Diff(render.Labels(pdc.Name, tc.role), dep.Spec.Selector.MatchLabels); d != "" {
+			rev, err := render.KVRevision(pdc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d := cmp.Diff(render.RevisionLabels(pdc.Name, tc.role, rev), dep.Spec.Selector.MatchLabels); d != "" {
 				t.Errorf("selector changed (-want +got):\n%s", d)
 			}
 			if dep.Spec.Template.Annotations["k8s.v1.cni.cncf.io/networks"] != "rdma-net" || dep.Spec.Template.Annotations[v1alpha1.AnnotationConfigHash] == "" {

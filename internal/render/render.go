@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // Options are the operator-wide settings that are not part of a PDCluster.
@@ -33,12 +34,36 @@ func DefaultOptions() Options {
 	return Options{RouterImage: "ghcr.io/pdcluster/router:v0.1.0", ConnectorImage: "ghcr.io/pdcluster/connector:v0.1.0", OperatorNamespace: "pdcluster-system"}
 }
 
-// Render returns every object the operator creates for pdc, in a stable order.
+// Render returns every object the operator creates for pdc, in a stable order, with nothing
+// running yet (what pdctl prints): RenderServing with the zero Serving.
 func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
+	return RenderServing(pdc, opts, Serving{})
+}
+
+// Serving is what runs now that the rendered objects depend on; the reconciler reads it from
+// the cluster.
+type Serving struct {
+	// Suffixed puts the update revision's Deployments and Services under
+	// <pdc>-<pool>-<revision> (EngineObjectName): an older revision still holds the base names.
+	Suffixed bool
+	// Old are the older KV revisions still running, oldest first, each with its Services:
+	// router.json lists them beside the update revision, and a request goes to one revision's
+	// prefill and decode.
+	Old []routerconfig.RevisionHosts
+}
+
+// RenderServing returns every object the operator creates for pdc while serving runs, in a
+// stable order. The engine objects are the update revision's; an older revision's Deployments
+// are the reconciler's to scale down and delete, not render's.
+func RenderServing(pdc *v1alpha1.PDCluster, opts Options, serving Serving) ([]Object, error) {
 	pdc = defaulted(pdc)
 	// The checks the CRD cannot make, each naming the PDCluster field (the API server would
 	// otherwise refuse the Deployment in its own words).
 	if err := pdc.Validate().ToAggregate(); err != nil {
+		return nil, err
+	}
+	rev, err := KVRevision(pdc)
+	if err != nil {
 		return nil, err
 	}
 	var objs []Object
@@ -47,7 +72,8 @@ func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
 		if err != nil {
 			return nil, fmt.Errorf("render %s pool: %w", role, err)
 		}
-		objs = append(objs, dep, EngineService(pdc, role))
+		dep.Name = EngineObjectName(pdc.Name, role, rev, !serving.Suffixed)
+		objs = append(objs, dep, EngineService(pdc, role, rev, dep.Name))
 		if pdb := DisruptionBudget(pdc, role); pdb != nil {
 			objs = append(objs, pdb)
 		}
@@ -55,7 +81,7 @@ func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
 	if GateEnabled(pdc.Spec.KVTransfer) {
 		objs = append(objs, GateConfigMap(pdc))
 	}
-	cm, err := RouterConfigMap(pdc)
+	cm, err := RouterConfigMap(pdc, serving)
 	if err != nil {
 		return nil, fmt.Errorf("render router config: %w", err)
 	}

@@ -1,14 +1,19 @@
 package render
 
 import (
+	"encoding/json"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 func revisionBase() *v1alpha1.PDCluster {
@@ -122,5 +127,83 @@ func TestFlagValues(t *testing.T) {
 				t.Errorf("flagValues(%q) (-want +got):\n%s", c.args, d)
 			}
 		})
+	}
+}
+
+// TestEngineObjectName: a revision's objects carry its name where it fits a DNS label, else a
+// hash of the whole name; never longer than 63, never the same for two PDClusters.
+func TestEngineObjectName(t *testing.T) {
+	long := strings.Repeat("a", 54) + "x" // 55: the longest a PDCluster may be
+	longToo := strings.Repeat("a", 54) + "y"
+	cases := []struct {
+		cluster, rev string
+		base         bool
+		want         string
+	}{
+		{"pd", "28489f6979", true, "pd-prefill"},
+		{"pd", "28489f6979", false, "pd-prefill-28489f6979"},
+		{long, "28489f6979", true, long + "-prefill"},
+	}
+	for _, tc := range cases {
+		if got := EngineObjectName(tc.cluster, v1alpha1.RolePrefill, tc.rev, tc.base); got != tc.want {
+			t.Errorf("EngineObjectName(%q, %q, %v) = %q, want %q", tc.cluster, tc.rev, tc.base, got, tc.want)
+		}
+	}
+	a := EngineObjectName(long, v1alpha1.RolePrefill, "28489f6979", false)
+	b := EngineObjectName(longToo, v1alpha1.RolePrefill, "28489f6979", false)
+	c := EngineObjectName(long, v1alpha1.RolePrefill, "0000000000", false)
+	for _, n := range []string{a, b, c} {
+		if errs := validation.IsDNS1035Label(n); len(errs) > 0 {
+			t.Errorf("%q is not a Service name: %v", n, errs)
+		}
+	}
+	if a == b || a == c {
+		t.Errorf("names %q, %q, %q: two clusters or two revisions share one", a, b, c)
+	}
+}
+
+// TestRenderServing: with an older revision running, router.json lists both revisions'
+// Services and the update revision's objects take the suffixed names; the old revision's are
+// not rendered (the reconciler scales and deletes them).
+func TestRenderServing(t *testing.T) {
+	pdc := revisionBase()
+	rev, err := KVRevision(pdc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := routerconfig.RevisionHosts{Revision: "0123456789", PrefillHost: "pd-prefill.ns.svc", DecodeHost: "pd-decode.ns.svc"}
+	objs, err := RenderServing(pdc, DefaultOptions(), Serving{Suffixed: true, Old: []routerconfig.RevisionHosts{old}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	var file routerconfig.File
+	for _, o := range objs {
+		switch x := o.(type) {
+		case *appsv1.Deployment:
+			names = append(names, "Deployment "+x.Name)
+		case *corev1.Service:
+			names = append(names, "Service "+x.Name)
+			if x.Name != "pd-router" && x.Spec.Selector[v1alpha1.LabelKVRevision] != rev {
+				t.Errorf("Service %s selects %v, want revision %s only", x.Name, x.Spec.Selector, rev)
+			}
+		case *corev1.ConfigMap:
+			if data, ok := x.Data[routerconfig.FileName]; ok {
+				if err := json.Unmarshal([]byte(data), &file); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	want := []string{"Deployment pd-prefill-" + rev, "Service pd-prefill-" + rev, "Deployment pd-decode-" + rev, "Service pd-decode-" + rev, "Deployment pd-router", "Service pd-router"}
+	if d := cmp.Diff(want, names); d != "" {
+		t.Errorf("rendered (-want +got):\n%s", d)
+	}
+	update := routerconfig.RevisionHosts{Revision: rev, PrefillHost: "pd-prefill-" + rev + ".ns.svc", DecodeHost: "pd-decode-" + rev + ".ns.svc"}
+	if d := cmp.Diff([]routerconfig.RevisionHosts{old, update}, file.Revisions); d != "" {
+		t.Errorf("router.json revisions (-want +got):\n%s", d)
+	}
+	if file.PrefillHost != update.PrefillHost || file.DecodeHost != update.DecodeHost {
+		t.Errorf("router.json hosts %s, %s: want the update revision's", file.PrefillHost, file.DecodeHost)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"cmp"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strconv"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -21,15 +22,28 @@ import (
 )
 
 // RouterConfigMap carries the router's view of the pools: router.json, which cmd/router reads
-// with --config.
-func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
+// with --config. The pools are the update revision's Services; while older revisions run
+// (serving.Old) it lists every revision with its pair of Services.
+func RouterConfigMap(pdc *v1alpha1.PDCluster, serving Serving) (*corev1.ConfigMap, error) {
 	pdc = defaulted(pdc)
 	connector := pdc.Spec.KVTransfer.Connector
+	rev, err := KVRevision(pdc)
+	if err != nil {
+		return nil, err
+	}
+	update := routerconfig.RevisionHosts{
+		Revision:    rev,
+		PrefillHost: ServiceHost(pdc.Namespace, EngineObjectName(pdc.Name, v1alpha1.RolePrefill, rev, !serving.Suffixed)),
+		DecodeHost:  ServiceHost(pdc.Namespace, EngineObjectName(pdc.Name, v1alpha1.RoleDecode, rev, !serving.Suffixed)),
+	}
 	cfg := routerconfig.File{
 		Flow:        routerconfig.FlowMooncake,
-		PrefillHost: fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RolePrefill), pdc.Namespace),
-		DecodeHost:  fmt.Sprintf("%s.%s.svc", ObjectName(pdc.Name, v1alpha1.RoleDecode), pdc.Namespace),
+		PrefillHost: update.PrefillHost,
+		DecodeHost:  update.DecodeHost,
 		EnginePort:  vllm.APIPort,
+	}
+	if len(serving.Old) > 0 {
+		cfg.Revisions = append(slices.Clone(serving.Old), update)
 	}
 	// Only round robin is written: least-in-flight is the router's default, and leaving it
 	// out keeps router.json (and so the router's pods) as they were before the field existed.
@@ -62,6 +76,9 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, error) {
 		Data:       map[string]string{routerconfig.FileName: string(b)},
 	}, nil
 }
+
+// ServiceHost is the DNS name of Service name in namespace.
+func ServiceHost(namespace, name string) string { return fmt.Sprintf("%s.%s.svc", name, namespace) }
 
 // RouterFailurePolicy is spec.router.failurePolicy in router.json's words.
 func RouterFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {

@@ -23,7 +23,7 @@ import (
 // renderRouter is the router's ConfigMap and Deployment for pdc.
 func renderRouter(t *testing.T, pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, *appsv1.Deployment) {
 	t.Helper()
-	cm, err := render.RouterConfigMap(pdc)
+	cm, err := render.RouterConfigMap(pdc, render.Serving{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,9 +10,11 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
 
-// EngineService is the headless Service of a pool: the router needs each pod's address (the
-// Mooncake bootstrap server runs per prefill pod), not a load-balanced VIP.
-func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Service {
+// EngineService is the headless Service, named name, of a pool's engines of KV revision rev:
+// the router needs each pod's address (the Mooncake bootstrap server runs per prefill pod), not
+// a load-balanced VIP, and only the pods of one revision behind one name, so that it never
+// pairs a prefill and a decode of two.
+func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string) *corev1.Service {
 	pdc = defaulted(pdc)
 	// Every port the pod's containers declare, under the same name: the pods are reached by
 	// their own addresses, so the Service publishes the set for discovery and DNS SRV records.
@@ -21,12 +23,15 @@ func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Service 
 	for _, p := range declared {
 		ports = append(ports, corev1.ServicePort{Name: p.Name, Port: p.ContainerPort, TargetPort: intstr.FromString(p.Name), Protocol: p.Protocol})
 	}
+	meta := objectMeta(pdc, role)
+	meta.Name = name
+	meta.Labels[v1alpha1.LabelKVRevision] = rev
 	return &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
-		ObjectMeta: objectMeta(pdc, role),
+		ObjectMeta: meta,
 		Spec: corev1.ServiceSpec{
 			ClusterIP:                corev1.ClusterIPNone,
-			Selector:                 Labels(pdc.Name, role),
+			Selector:                 RevisionLabels(pdc.Name, role, rev),
 			Ports:                    ports,
 			PublishNotReadyAddresses: false,
 		},

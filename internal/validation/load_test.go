@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -65,6 +66,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 			Prefill: v1alpha1.PoolScalingSpec{Mode: v1alpha1.ScalingStatic, MinReplicas: ptr.To(v1alpha1.DefaultMinReplicas)},
 			Decode:  v1alpha1.PoolScalingSpec{Mode: v1alpha1.ScalingStatic, MinReplicas: ptr.To(v1alpha1.DefaultMinReplicas)},
 		},
+		Rollout: v1alpha1.RolloutSpec{MaxSurge: ptr.To(intstr.FromString("25%")), MaxUnavailable: ptr.To(intstr.FromString("25%"))},
 		Router: v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas), Balance: v1alpha1.RouterBalanceLeastInFlight,
 			FailurePolicy: v1alpha1.RouterFailurePolicy{
 				Retries: ptr.To(v1alpha1.DefaultRouterRetries), RetryBudgetPercent: ptr.To(v1alpha1.DefaultRouterRetryBudgetPercent),

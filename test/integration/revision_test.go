@@ -1,9 +1,12 @@
 package integration
 
 import (
+	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -11,6 +14,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
@@ -43,35 +47,68 @@ func (f *fixture) deletePods(names ...string) {
 	}
 }
 
-func (f *fixture) poolsReady(cluster string) {
+// settle stands in for the Deployment controller: every Deployment of the namespace is ready
+// at what it asks.
+func (f *fixture) settle() {
 	f.t.Helper()
-	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
-		var d appsv1.Deployment
-		f.get(&d, render.ObjectName(cluster, role))
+	var deps appsv1.DeploymentList
+	if err := f.c.List(f.ctx, &deps, client.InNamespace(f.ns)); err != nil {
+		f.t.Fatal(err)
+	}
+	for _, d := range deps.Items {
 		f.setDeploymentStatus(d.Name, *d.Spec.Replicas, *d.Spec.Replicas)
 	}
 }
 
-// TestKVRevisionRollout: an image change is a new KV revision; status and Progressing follow
-// the engine pods' revisions until every pod serves the new one, and then nothing is written.
+// engines are the engine Deployments' replicas by name.
+func (f *fixture) engines() map[string]int32 {
+	f.t.Helper()
+	var deps appsv1.DeploymentList
+	if err := f.c.List(f.ctx, &deps, client.InNamespace(f.ns)); err != nil {
+		f.t.Fatal(err)
+	}
+	out := map[string]int32{}
+	for _, d := range deps.Items {
+		if d.Labels[v1alpha1.LabelRole] != string(v1alpha1.RoleRouter) {
+			out[d.Name] = *d.Spec.Replicas
+		}
+	}
+	return out
+}
+
+func (f *fixture) routerRevisions(cluster string) []routerconfig.RevisionHosts {
+	f.t.Helper()
+	var cm corev1.ConfigMap
+	f.get(&cm, render.ObjectName(cluster, v1alpha1.RoleRouter))
+	var file routerconfig.File
+	if err := json.Unmarshal([]byte(cm.Data[routerconfig.FileName]), &file); err != nil {
+		f.t.Fatal(err)
+	}
+	return file.Revisions
+}
+
+// TestKVRevisionRollout: an image change is a new KV revision with Deployments and Services of
+// its own, which router.json lists beside the old ones; the rollout steps as readiness
+// arrives, the old revision's objects go once drained, status and Progressing follow the
+// engine pods' revisions, and then nothing is written.
 func TestKVRevisionRollout(t *testing.T) {
 	f := newFixture(t)
-	if err := f.c.Create(f.ctx, wrappers.MakePDCluster(f.ns, "rev").Replicas(1, 1).Obj()); err != nil {
+	if err := f.c.Create(f.ctx, wrappers.MakePDCluster(f.ns, "rev").Replicas(2, 2).Obj()); err != nil {
 		t.Fatal(err)
 	}
 	f.reconcile("rev")
-	templateRevision := func(role v1alpha1.Role) string {
+	templateRevision := func(name string) string {
 		var d appsv1.Deployment
-		f.get(&d, render.ObjectName("rev", role))
+		f.get(&d, name)
 		return d.Spec.Template.Labels[v1alpha1.LabelKVRevision]
 	}
-	first := templateRevision(v1alpha1.RolePrefill)
-	if first == "" || templateRevision(v1alpha1.RoleDecode) != first {
-		t.Fatalf("engine templates at KV revisions %q and %q: want one", first, templateRevision(v1alpha1.RoleDecode))
+	first := templateRevision("rev-prefill")
+	if first == "" || templateRevision("rev-decode") != first {
+		t.Fatalf("engine templates at KV revisions %q and %q: want one", first, templateRevision("rev-decode"))
 	}
-	f.enginePods("rev", v1alpha1.RolePrefill, first, "rev-prefill-a")
-	f.enginePods("rev", v1alpha1.RoleDecode, first, "rev-decode-a")
-	f.poolsReady("rev")
+	f.enginePods("rev", v1alpha1.RolePrefill, first, "rev-prefill-a", "rev-prefill-a2")
+	f.enginePods("rev", v1alpha1.RoleDecode, first, "rev-decode-a", "rev-decode-a2")
+	f.settle()
 	f.reconcile("rev")
 	var pdc v1alpha1.PDCluster
 	f.get(&pdc, "rev")
@@ -86,25 +123,87 @@ func TestKVRevisionRollout(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.reconcile("rev")
-	second := templateRevision(v1alpha1.RoleDecode)
-	if second == first || templateRevision(v1alpha1.RolePrefill) != second {
-		t.Fatalf("after an image change: templates at %q and %q, want one new revision (was %q)", templateRevision(v1alpha1.RolePrefill), second, first)
+	f.get(&pdc, "rev")
+	second := pdc.Status.UpdateRevision
+	newPrefill, newDecode := "rev-prefill-"+second, "rev-decode-"+second
+	if second == first || templateRevision(newPrefill) != second || templateRevision(newDecode) != second {
+		t.Fatalf("after an image change: update revision %q (was %q), want new Deployments %s and %s at it", second, first, newPrefill, newDecode)
+	}
+	// maxSurge 25% of 2 is 1 pod per pool; the router still runs the old router.json, so the
+	// old revision keeps its pods.
+	if d := cmp.Diff(map[string]int32{"rev-prefill": 2, "rev-decode": 2, newPrefill: 1, newDecode: 1}, f.engines()); d != "" {
+		t.Errorf("first step (-want +got):\n%s", d)
+	}
+	wantHosts := []routerconfig.RevisionHosts{
+		{Revision: first, PrefillHost: "rev-prefill." + f.ns + ".svc", DecodeHost: "rev-decode." + f.ns + ".svc"},
+		{Revision: second, PrefillHost: newPrefill + "." + f.ns + ".svc", DecodeHost: newDecode + "." + f.ns + ".svc"},
+	}
+	if d := cmp.Diff(wantHosts, f.routerRevisions("rev")); d != "" {
+		t.Errorf("router.json revisions (-want +got):\n%s", d)
+	}
+	for name, rev := range map[string]string{"rev-prefill": first, newDecode: second} {
+		var svc corev1.Service
+		f.get(&svc, name)
+		if svc.Spec.Selector[v1alpha1.LabelKVRevision] != rev {
+			t.Errorf("Service %s selects %v, want the pods of revision %s only", name, svc.Spec.Selector, rev)
+		}
 	}
 	f.enginePods("rev", v1alpha1.RolePrefill, second, "rev-prefill-b")
 	f.reconcile("rev")
 	f.get(&pdc, "rev")
 	c := condition(&pdc, v1alpha1.ConditionProgressing)
 	if pdc.Status.UpdateRevision != second || pdc.Status.CurrentRevision != first || c.Status != metav1.ConditionTrue || c.Reason != v1alpha1.ReasonKVRevisionRollingOut ||
-		!strings.Contains(c.Message, first+": 1 prefill, 1 decode") || !strings.Contains(c.Message, second+": 1 prefill, 0 decode") {
+		!strings.Contains(c.Message, first+": 2 prefill, 2 decode") || !strings.Contains(c.Message, second+": 1 prefill, 0 decode") {
 		t.Errorf("mid-rollout: update %q current %q Progressing %+v", pdc.Status.UpdateRevision, pdc.Status.CurrentRevision, c)
 	}
 	if ev := f.events(); !containsPrefix(ev, "Normal KVRevisionRollingOut rolling out KV revision "+second) {
 		t.Errorf("events %q: want KVRevisionRollingOut", ev)
 	}
 
-	f.deletePods("rev-prefill-a", "rev-decode-a")
-	f.enginePods("rev", v1alpha1.RoleDecode, second, "rev-decode-b")
-	f.poolsReady("rev")
+	// Readiness arrives step by step; some revision serves both pools at every step.
+	var steps []map[string]int32
+	for range 10 {
+		f.settle()
+		f.reconcile("rev")
+		e := f.engines()
+		steps = append(steps, e)
+		if e["rev-prefill"]+e["rev-decode"] > 0 && (e["rev-prefill"] == 0 || e["rev-decode"] == 0) {
+			t.Fatalf("the old revision left with one pool: %v", e)
+		}
+		if (e["rev-prefill"] == 0 || e["rev-decode"] == 0) && (e[newPrefill] == 0 || e[newDecode] == 0) {
+			t.Fatalf("no revision serves: %v", e)
+		}
+		if len(e) == 2 {
+			break
+		}
+	}
+	if d := cmp.Diff(map[string]int32{newPrefill: 2, newDecode: 2}, steps[len(steps)-1]); d != "" {
+		t.Fatalf("after the steps %v (-want +got):\n%s", steps, d)
+	}
+	if len(steps) < 3 {
+		t.Errorf("steps %v: a surge of 1 per pool takes more than two", steps)
+	}
+	var svcs corev1.ServiceList
+	if err := f.c.List(f.ctx, &svcs, client.InNamespace(f.ns)); err != nil {
+		t.Fatal(err)
+	}
+	for _, svc := range svcs.Items {
+		if svc.Name == "rev-prefill" || svc.Name == "rev-decode" {
+			t.Errorf("the drained revision's Service %s is still there", svc.Name)
+		}
+	}
+	f.reconcile("rev")
+	if revs := f.routerRevisions("rev"); len(revs) != 0 {
+		t.Errorf("router.json after the rollout lists %v, want the new revision's Services alone", revs)
+	}
+	if ev := f.events(); !slices.ContainsFunc(ev, func(e string) bool { return strings.Contains(e, "has drained: deleted its Deployments") }) {
+		t.Errorf("events %q: want the drained revision's deletion", ev)
+	}
+
+	f.deletePods("rev-prefill-a", "rev-prefill-a2", "rev-decode-a", "rev-decode-a2")
+	f.enginePods("rev", v1alpha1.RolePrefill, second, "rev-prefill-b2")
+	f.enginePods("rev", v1alpha1.RoleDecode, second, "rev-decode-b", "rev-decode-b2")
+	f.settle()
 	f.reconcile("rev")
 	f.get(&pdc, "rev")
 	if pdc.Status.CurrentRevision != second || condition(&pdc, v1alpha1.ConditionProgressing).Status != metav1.ConditionFalse {

@@ -1,0 +1,324 @@
+package controllers
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/rollout"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+	"pdcluster.dev/pdcluster-operator/internal/scaling"
+)
+
+// engineRevision is one KV revision's engine Deployments, as observed.
+type engineRevision struct {
+	revision string
+	// pinned: the Deployments' selectors name the revision. Ones made before revisions had
+	// Deployments of their own select every revision's pods, so they can only be rolled away
+	// from, even to the revision their pods carry.
+	pinned  bool
+	prefill *appsv1.Deployment
+	decode  *appsv1.Deployment
+}
+
+func (e *engineRevision) dep(role v1alpha1.Role) *appsv1.Deployment {
+	if role == v1alpha1.RolePrefill {
+		return e.prefill
+	}
+	return e.decode
+}
+
+func (e *engineRevision) deps() []*appsv1.Deployment {
+	var out []*appsv1.Deployment
+	for _, d := range []*appsv1.Deployment{e.prefill, e.decode} {
+		if d != nil {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// base: the revision's Deployments hold the pools' base names (<pdc>-<pool>).
+func (e *engineRevision) base(pdc string) bool {
+	return slices.ContainsFunc(e.deps(), func(d *appsv1.Deployment) bool {
+		return d.Name == render.ObjectName(pdc, v1alpha1.Role(d.Labels[v1alpha1.LabelRole]))
+	})
+}
+
+// counts are what the revision's Deployments ask and have ready.
+func (e *engineRevision) counts() rollout.Revision {
+	rev := rollout.Revision{Name: e.revision}
+	if d := e.prefill; d != nil {
+		rev.Replicas.Prefill, rev.Ready.Prefill = ptr.Deref(d.Spec.Replicas, 1), d.Status.ReadyReplicas
+	}
+	if d := e.decode; d != nil {
+		rev.Replicas.Decode, rev.Ready.Decode = ptr.Deref(d.Spec.Replicas, 1), d.Status.ReadyReplicas
+	}
+	return rev
+}
+
+// drained: the revision's Deployments ask for no pod and run none. Pods still terminating
+// finish their drain after the Deployment goes: deleting an owner does not shorten a
+// terminating pod's grace period.
+func (e *engineRevision) drained() bool {
+	for _, d := range e.deps() {
+		if ptr.Deref(d.Spec.Replicas, 1) != 0 || d.Status.Replicas != 0 || d.Status.ObservedGeneration < d.Generation {
+			return false
+		}
+	}
+	return true
+}
+
+// hosts are the revision's Services (each named like its Deployment) for router.json.
+func (e *engineRevision) hosts(namespace string) routerconfig.RevisionHosts {
+	h := routerconfig.RevisionHosts{Revision: cmp.Or(e.revision, "unlabelled")}
+	if e.prefill != nil {
+		h.PrefillHost = render.ServiceHost(namespace, e.prefill.Name)
+	}
+	if e.decode != nil {
+		h.DecodeHost = render.ServiceHost(namespace, e.decode.Name)
+	}
+	return h
+}
+
+// engineRevisions are the PDCluster's engine Deployments by KV revision: the update
+// revision's (nil when it has none yet) and the older ones, oldest first.
+type engineRevisions struct {
+	update *engineRevision
+	old    []*engineRevision
+}
+
+// running is what role's Deployment of the newest revision asks (the update revision's, else
+// the newest older one's); nil when role has none.
+func (e engineRevisions) running(role v1alpha1.Role) *int32 {
+	revs := slices.Clone(e.old)
+	slices.Reverse(revs)
+	for _, rev := range append([]*engineRevision{e.update}, revs...) {
+		if rev != nil && rev.dep(role) != nil {
+			return rev.dep(role).Spec.Replicas
+		}
+	}
+	return nil
+}
+
+// observeEngineRevisions lists the PDCluster's engine Deployments (from the cache) and groups
+// them by revision; update is the revision render gives the engines now.
+func (r *PDClusterReconciler) observeEngineRevisions(ctx context.Context, pdc *v1alpha1.PDCluster, update string) (engineRevisions, error) {
+	var deps appsv1.DeploymentList
+	if err := r.List(ctx, &deps, client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}); err != nil {
+		return engineRevisions{}, fmt.Errorf("list deployments: %w", err)
+	}
+	items := slices.Clone(deps.Items)
+	slices.SortFunc(items, func(a, b appsv1.Deployment) int {
+		return cmp.Or(a.CreationTimestamp.Compare(b.CreationTimestamp.Time), strings.Compare(a.Name, b.Name))
+	})
+	var all []*engineRevision
+	for i := range items {
+		d := &items[i]
+		role := v1alpha1.Role(d.Labels[v1alpha1.LabelRole])
+		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || !metav1.IsControlledBy(d, pdc) {
+			continue
+		}
+		rev := d.Spec.Template.Labels[v1alpha1.LabelKVRevision]
+		pinned := d.Spec.Selector != nil && d.Spec.Selector.MatchLabels[v1alpha1.LabelKVRevision] == rev && rev != ""
+		i := slices.IndexFunc(all, func(e *engineRevision) bool { return e.revision == rev && e.pinned == pinned && e.dep(role) == nil })
+		if i < 0 {
+			all = append(all, &engineRevision{revision: rev, pinned: pinned})
+			i = len(all) - 1
+		}
+		if role == v1alpha1.RolePrefill {
+			all[i].prefill = d
+		} else {
+			all[i].decode = d
+		}
+	}
+	var out engineRevisions
+	for _, e := range all {
+		if e.pinned && e.revision == update && out.update == nil {
+			out.update = e
+		} else {
+			out.old = append(out.old, e)
+		}
+	}
+	return out, nil
+}
+
+// serving is what render needs of the running revisions: where the update revision's objects
+// go and the older revisions' Services, for router.json. Drained older revisions are left out:
+// they are deleted in this reconcile.
+func (e engineRevisions) serving(pdc *v1alpha1.PDCluster) render.Serving {
+	var s render.Serving
+	if e.update != nil {
+		s.Suffixed = !e.update.base(pdc.Name)
+	} else {
+		s.Suffixed = slices.ContainsFunc(e.old, func(o *engineRevision) bool { return o.base(pdc.Name) })
+	}
+	for _, o := range e.old {
+		if !o.drained() {
+			s.Old = append(s.Old, o.hosts(pdc.Namespace))
+		}
+	}
+	return s
+}
+
+// rolloutStep is what a reconcile does to the revisions: the update revision's replicas (set
+// on its rendered Deployments) and the older revisions' (patched on theirs).
+type rolloutStep struct {
+	update rollout.Counts
+	old    []rollout.Counts
+	// held: the router still runs a router.json without the update revision, so no older
+	// revision shrinks yet (the router would find none of its pods to send to).
+	held bool
+}
+
+// planRollout steps the update revision up and the older ones down, in lockstep within
+// spec.rollout. With no older revision the update revision runs target.
+func planRollout(pdc *v1alpha1.PDCluster, revs engineRevisions, target scaling.Effective, routerCurrent bool) rolloutStep {
+	t := rollout.Counts{Prefill: target.Prefill, Decode: target.Decode}
+	if len(revs.old) == 0 {
+		return rolloutStep{update: t}
+	}
+	in := rollout.Input{Target: t}
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+		n := t.Prefill
+		if role == v1alpha1.RoleDecode {
+			n = t.Decode
+		}
+		surge, _ := intstr.GetScaledValueFromIntOrPercent(pdc.Spec.Rollout.MaxSurge, int(n), true)
+		unavailable, _ := intstr.GetScaledValueFromIntOrPercent(pdc.Spec.Rollout.MaxUnavailable, int(n), false)
+		if role == v1alpha1.RolePrefill {
+			in.MaxSurge.Prefill, in.MaxUnavailable.Prefill = int32(surge), int32(unavailable)
+		} else {
+			in.MaxSurge.Decode, in.MaxUnavailable.Decode = int32(surge), int32(unavailable)
+		}
+	}
+	if revs.update != nil {
+		in.Update = revs.update.counts()
+	}
+	for _, o := range revs.old {
+		in.Old = append(in.Old, o.counts())
+	}
+	plan := rollout.Plan(in)
+	step := rolloutStep{update: plan.Update, old: plan.Old}
+	if !routerCurrent {
+		step.held = true
+		for i, o := range in.Old {
+			step.old[i] = o.Replicas
+		}
+	}
+	return step
+}
+
+// routerCurrent reports whether every router pod runs the rendered router Deployment (and so
+// its router.json): none is older, and all are available.
+func routerCurrent(desired *appsv1.Deployment, observed *appsv1.Deployment) bool {
+	if desired == nil || observed == nil || !upToDate(desired, observed) {
+		return false
+	}
+	want := ptr.Deref(observed.Spec.Replicas, 1)
+	st := observed.Status
+	return st.ObservedGeneration >= observed.Generation && st.UpdatedReplicas == want && st.Replicas == want && st.AvailableReplicas == want
+}
+
+// stepOldRevisions scales the older revisions' Deployments to the step, pins a Service that
+// still selects every revision to its own, and deletes the revisions that have drained. It
+// returns the events of what it did.
+func (r *PDClusterReconciler) stepOldRevisions(ctx context.Context, pdc *v1alpha1.PDCluster, revs engineRevisions, step rolloutStep) ([]event, error) {
+	var events []event
+	for i, o := range revs.old {
+		name := cmp.Or(o.revision, "unlabelled")
+		if o.drained() {
+			var gone []string
+			for _, d := range o.deps() {
+				if err := r.deleteRevisionObject(ctx, d); err != nil {
+					return events, err
+				}
+				svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: d.Namespace, Name: d.Name}}
+				if err := r.Get(ctx, client.ObjectKeyFromObject(svc), svc); err == nil && metav1.IsControlledBy(svc, pdc) {
+					if err := r.deleteRevisionObject(ctx, svc); err != nil {
+						return events, err
+					}
+				} else if client.IgnoreNotFound(err) != nil {
+					return events, fmt.Errorf("get Service %s: %w", d.Name, err)
+				}
+				gone = append(gone, d.Name)
+			}
+			events = append(events, event{corev1.EventTypeNormal, v1alpha1.ReasonKVRevisionRollingOut, "Delete",
+				fmt.Sprintf("KV revision %s has drained: deleted its Deployments and Services %s", name, strings.Join(gone, ", "))})
+			continue
+		}
+		var moved []string
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+			d := o.dep(role)
+			if d == nil {
+				continue
+			}
+			if err := r.pinService(ctx, pdc, d, o.revision); err != nil {
+				return events, err
+			}
+			want := step.old[i].Prefill
+			if role == v1alpha1.RoleDecode {
+				want = step.old[i].Decode
+			}
+			have := ptr.Deref(d.Spec.Replicas, 1)
+			if have == want {
+				continue
+			}
+			patch := client.MergeFrom(d.DeepCopy())
+			d.Spec.Replicas = ptr.To(want)
+			if err := r.Patch(ctx, d, patch); err != nil {
+				return events, &readyError{v1alpha1.ReasonApplyFailed, "Scale", fmt.Sprintf("scale Deployment %s to %d: %v", d.Name, want, err), fmt.Errorf("scale %s: %w", d.Name, err)}
+			}
+			moved = append(moved, fmt.Sprintf("%s %s %d -> %d", role, d.Name, have, want))
+		}
+		if len(moved) > 0 {
+			events = append(events, event{corev1.EventTypeNormal, v1alpha1.ReasonKVRevisionRollingOut, "Scale",
+				fmt.Sprintf("KV revision %s: scaled %s", name, strings.Join(moved, ", "))})
+		}
+	}
+	return events, nil
+}
+
+// pinService narrows an older revision's Service that selects every revision's pods (one made
+// before revisions had Services of their own) to that revision's: the router reads it as that
+// revision's pool and must not find the update revision's pods behind it.
+func (r *PDClusterReconciler) pinService(ctx context.Context, pdc *v1alpha1.PDCluster, d *appsv1.Deployment, rev string) error {
+	if rev == "" {
+		return nil // pods without the label cannot be told apart
+	}
+	svc := &corev1.Service{}
+	if err := r.Get(ctx, client.ObjectKey{Namespace: d.Namespace, Name: d.Name}, svc); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	if !metav1.IsControlledBy(svc, pdc) || svc.Spec.Selector[v1alpha1.LabelKVRevision] == rev {
+		return nil
+	}
+	patch := client.MergeFrom(svc.DeepCopy())
+	svc.Spec.Selector[v1alpha1.LabelKVRevision] = rev
+	if err := r.Patch(ctx, svc, patch); err != nil {
+		return fmt.Errorf("pin Service %s to KV revision %s: %w", svc.Name, rev, err)
+	}
+	return nil
+}
+
+// deleteRevisionObject deletes obj, as it was observed (its UID: never a newer object of the
+// same name).
+func (r *PDClusterReconciler) deleteRevisionObject(ctx context.Context, obj client.Object) error {
+	uid := obj.GetUID()
+	if err := r.Delete(ctx, obj, client.Preconditions{UID: &uid}); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("delete %s of a drained KV revision: %w", obj.GetName(), err)
+	}
+	return nil
+}

@@ -1,0 +1,230 @@
+package controllers
+
+import (
+	"context"
+	"encoding/json"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/tools/events"
+	clocktesting "k8s.io/utils/clock/testing"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// rolloutFixture reconciles one PDCluster against a fake API server whose Deployments become
+// ready as soon as they are written (the Deployment controller and kubelet, instantly).
+type rolloutFixture struct {
+	t      *testing.T
+	c      client.Client
+	r      *PDClusterReconciler
+	rec    *events.FakeRecorder
+	pdc    *v1alpha1.PDCluster
+	writes int
+}
+
+func newRolloutFixture(t *testing.T, p *v1alpha1.PDCluster) *rolloutFixture {
+	f := &rolloutFixture{t: t, pdc: p, rec: events.NewFakeRecorder(1000)}
+	count := func() { f.writes++ }
+	c := newFakeClient(t).WithObjects(p).WithStatusSubresource(&v1alpha1.PDCluster{}, &appsv1.Deployment{}).
+		WithInterceptorFuncs(interceptor.Funcs{
+			Apply: func(ctx context.Context, c client.WithWatch, obj runtime.ApplyConfiguration, opts ...client.ApplyOption) error {
+				count()
+				return c.Apply(ctx, obj, opts...)
+			},
+			Patch: func(ctx context.Context, c client.WithWatch, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+				count()
+				return c.Patch(ctx, obj, patch, opts...)
+			},
+			Delete: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
+				count()
+				return c.Delete(ctx, obj, opts...)
+			},
+			SubResourceUpdate: func(ctx context.Context, c client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+				if _, ok := obj.(*v1alpha1.PDCluster); ok {
+					count()
+				}
+				return c.SubResource(sub).Update(ctx, obj, opts...)
+			},
+		}).Build()
+	f.c = c
+	f.r = &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: f.rec, Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start)}
+	return f
+}
+
+func (f *rolloutFixture) reconcile() {
+	f.t.Helper()
+	if _, err := f.r.Reconcile(context.Background(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(f.pdc)}); err != nil {
+		f.t.Fatalf("reconcile: %v", err)
+	}
+}
+
+// settle makes every Deployment ready at what it asks, its pods gone when it asks none.
+func (f *rolloutFixture) settle() {
+	f.t.Helper()
+	for _, d := range f.deployments() {
+		n := ptr.Deref(d.Spec.Replicas, 1)
+		d.Status = appsv1.DeploymentStatus{ObservedGeneration: d.Generation, Replicas: n, UpdatedReplicas: n, ReadyReplicas: n, AvailableReplicas: n}
+		if err := f.c.Status().Update(context.Background(), &d); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+}
+
+func (f *rolloutFixture) deployments() []appsv1.Deployment {
+	var deps appsv1.DeploymentList
+	if err := f.c.List(context.Background(), &deps); err != nil {
+		f.t.Fatal(err)
+	}
+	return deps.Items
+}
+
+// engines are the engine Deployments' replicas by name.
+func (f *rolloutFixture) engines() map[string]int32 {
+	out := map[string]int32{}
+	for _, d := range f.deployments() {
+		if d.Labels[v1alpha1.LabelRole] != string(v1alpha1.RoleRouter) {
+			out[d.Name] = *d.Spec.Replicas
+		}
+	}
+	return out
+}
+
+func (f *rolloutFixture) routerFile() routerconfig.File {
+	f.t.Helper()
+	var cm corev1.ConfigMap
+	if err := f.c.Get(context.Background(), client.ObjectKey{Namespace: "ns", Name: "c-router"}, &cm); err != nil {
+		f.t.Fatal(err)
+	}
+	var file routerconfig.File
+	if err := json.Unmarshal([]byte(cm.Data[routerconfig.FileName]), &file); err != nil {
+		f.t.Fatal(err)
+	}
+	return file
+}
+
+func (f *rolloutFixture) services() []string {
+	var svcs corev1.ServiceList
+	if err := f.c.List(context.Background(), &svcs); err != nil {
+		f.t.Fatal(err)
+	}
+	var names []string
+	for _, s := range svcs.Items {
+		names = append(names, s.Name)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// A new KV revision gets its own Deployments and Services beside the old ones, which the
+// router lists as two revisions; the old revision shrinks only once the router runs that
+// list, both pools step in lockstep with a serving revision at every step, the drained
+// revision's objects go, and a resync after the rollout writes nothing.
+func TestKVRevisionRollsOutInLockstep(t *testing.T) {
+	p := pdc() // 1 prefill, 2 decode
+	p.Spec.Rollout.MaxSurge = ptr.To(intstr.FromInt32(1))
+	p.Spec.Rollout.MaxUnavailable = ptr.To(intstr.FromInt32(0))
+	f := newRolloutFixture(t, p)
+	f.reconcile()
+	f.settle()
+	f.reconcile()
+	if d := cmp.Diff(map[string]int32{"c-prefill": 1, "c-decode": 2}, f.engines()); d != "" {
+		t.Fatalf("first revision's Deployments (-want +got):\n%s", d)
+	}
+	oldRev, err := render.KVRevision(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	if err := f.c.Get(context.Background(), client.ObjectKeyFromObject(p), p); err != nil {
+		t.Fatal(err)
+	}
+	p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0"
+	p.Generation++
+	if err := f.c.Update(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+	newRev, err := render.KVRevision(p)
+	if err != nil || newRev == oldRev {
+		t.Fatalf("revision %q -> %q (%v): an image change must make a new one", oldRev, newRev, err)
+	}
+	newPrefill, newDecode := "c-prefill-"+newRev, "c-decode-"+newRev
+	f.reconcile()
+	// The router has not restarted with both revisions yet: the new one surges, the old one stays.
+	if d := cmp.Diff(map[string]int32{"c-prefill": 1, "c-decode": 2, newPrefill: 1, newDecode: 1}, f.engines()); d != "" {
+		t.Errorf("first step, router not current (-want +got):\n%s", d)
+	}
+	file := f.routerFile()
+	want := []routerconfig.RevisionHosts{
+		{Revision: oldRev, PrefillHost: "c-prefill.ns.svc", DecodeHost: "c-decode.ns.svc"},
+		{Revision: newRev, PrefillHost: newPrefill + ".ns.svc", DecodeHost: newDecode + ".ns.svc"},
+	}
+	if d := cmp.Diff(want, file.Revisions); d != "" {
+		t.Errorf("router.json revisions (-want +got):\n%s", d)
+	}
+	var svc corev1.Service
+	if err := f.c.Get(context.Background(), client.ObjectKey{Namespace: "ns", Name: newPrefill}, &svc); err != nil || svc.Spec.Selector[v1alpha1.LabelKVRevision] != newRev {
+		t.Errorf("new prefill Service %v selects %v, want the new revision's pods only", err, svc.Spec.Selector)
+	}
+
+	// Step until nothing moves, checking that some revision serves at every step.
+	for i := 0; i < 20; i++ {
+		before := f.engines()
+		f.settle()
+		f.reconcile()
+		after := f.engines()
+		t.Logf("step %d: %v", i, after)
+		serving := false
+		for _, rev := range []struct{ p, d string }{{"c-prefill", "c-decode"}, {newPrefill, newDecode}} {
+			serving = serving || (after[rev.p] > 0 && after[rev.d] > 0)
+		}
+		if !serving {
+			t.Fatalf("step %d: no revision has both pools: %v", i, after)
+		}
+		if cmp.Equal(before, after) && len(after) == 2 {
+			break
+		}
+	}
+	f.settle()
+	f.reconcile()
+	if d := cmp.Diff(map[string]int32{newPrefill: 1, newDecode: 2}, f.engines()); d != "" {
+		t.Fatalf("after the rollout (-want +got):\n%s", d)
+	}
+	if d := cmp.Diff([]string{newDecode, newPrefill, "c-router"}, f.services()); d != "" {
+		t.Errorf("Services after the rollout (-want +got):\n%s", d)
+	}
+	if file := f.routerFile(); len(file.Revisions) != 0 || file.PrefillHost != newPrefill+".ns.svc" || file.DecodeHost != newDecode+".ns.svc" {
+		t.Errorf("router.json after the rollout: %+v, want the new revision's Services alone", file)
+	}
+	var events []string
+	for len(f.rec.Events) > 0 {
+		e := <-f.rec.Events
+		if strings.Contains(e, v1alpha1.ReasonKVRevisionRollingOut) {
+			events = append(events, e)
+		}
+	}
+	if !slices.ContainsFunc(events, func(e string) bool { return strings.Contains(e, "scaled prefill c-prefill 1 -> 0") }) ||
+		!slices.ContainsFunc(events, func(e string) bool { return strings.Contains(e, "has drained: deleted") }) {
+		t.Errorf("rollout events %q, want the scale steps and the deletion", events)
+	}
+
+	f.settle()
+	f.reconcile()
+	f.writes = 0
+	f.reconcile()
+	if f.writes != 0 {
+		t.Errorf("a resync after the rollout wrote %d times, want 0", f.writes)
+	}
+}
