@@ -33,7 +33,7 @@ func (l *list) Set(v string) error { *l = append(*l, v); return nil }
 type options struct {
 	listen, flow, configPath, balance string
 	prefill, decode                   list
-	refresh                           time.Duration
+	refresh, shutdownTimeout          time.Duration
 	maxBodyBytes, maxInFlight         int64
 	zap                               zap.Options
 }
@@ -47,6 +47,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.listen, "listen", "127.0.0.1:8080", "HTTP address of the proxy")
 	fs.StringVar(&o.configPath, "config", "", "router.json as the operator renders it: the flow, balance, failure policy and the pools' headless Services, resolved every --refresh (replaces --flow; a file without pools takes them from --prefill and --decode)")
 	fs.DurationVar(&o.refresh, "refresh", 5*time.Second, "how often --config's Services are resolved again")
+	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 5*time.Second, "how long a SIGTERM waits for the requests in flight to end before closing them")
 	fs.StringVar(&o.flow, "flow", string(routerconfig.FlowMooncake), "transfer flow: mooncake (both legs at once) or nixl (prefill first)")
 	fs.StringVar(&o.balance, "balance", "", "how an engine of each pool is picked: least-in-flight (the default) or round-robin (default with --config: its balance)")
 	fs.Var(&o.prefill, "prefill", "prefill engine as URL or URL,BOOTSTRAP_URL (repeatable)")
@@ -131,17 +132,28 @@ func main() {
 		go r.RunCanary(ctx, *fc.Canary)
 	}
 	srv := router.NewServer(o.listen, r.Handler(reg), router.ServerLimits{})
-	go func() {
-		<-ctx.Done()
-		c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(c)
-	}()
+	done := shutdownOnDone(ctx, srv, o.shutdownTimeout)
 	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "balance", cfg.Balance, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String(), "canary", fc.Canary != nil)
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		log.Error(err, "serve")
 		os.Exit(1)
 	}
+	<-done // ListenAndServe returns when Shutdown begins; the requests in flight end first
+}
+
+// shutdownOnDone shuts srv down once ctx is done (SIGTERM, after the pod's preStop has let the
+// Services drop it): no new connections, and the requests in flight get up to timeout to end.
+// The returned channel closes when they have.
+func shutdownOnDone(ctx context.Context, srv *http.Server, timeout time.Duration) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		<-ctx.Done()
+		c, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		_ = srv.Shutdown(c)
+	}()
+	return done
 }
 
 // resolveLoop keeps the router's pools at the ready pods behind the config's Services. A failed

@@ -48,6 +48,9 @@ const (
 	// once would still get requests and fail them ("no route to host") during every rollout.
 	// The pool's drain.timeoutSeconds follows, for vLLM's own drain.
 	drainSeconds = 15
+	// routerDrainSeconds keeps a deleted router pod serving before it gets SIGTERM: its
+	// Service's endpoints (kube-proxy, a gateway) drop it within that.
+	routerDrainSeconds = 10
 	// graceMarginSeconds is the default grace period's room past the drain, for the engine's
 	// teardown after its last request (vLLM frees GPU memory and joins its workers).
 	graceMarginSeconds = 15

@@ -96,9 +96,13 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{
-			Name:            v1alpha1.RouterContainerName,
-			Image:           opts.RouterImage,
-			Args:            []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(RouterPort))},
+			Name:  v1alpha1.RouterContainerName,
+			Image: opts.RouterImage,
+			Args: []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(RouterPort)),
+				"--shutdown-timeout=" + strconv.Itoa(int(routerShutdown(pdc))) + "s"},
+			// A router pod that goes (a rollout restarts it with each new router.json) serves on
+			// while its Service drops it, then lets its requests in flight end.
+			Lifecycle:       &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: routerDrainSeconds}}},
 			Ports:           []corev1.ContainerPort{{Name: portHTTP, ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP}},
 			Resources:       routerResources(pdc.Spec.Router),
 			ReadinessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString(portHTTP)}}, 5, 3),
@@ -106,6 +110,7 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 			VolumeMounts:    []corev1.VolumeMount{{Name: "config", MountPath: "/etc/pdcluster", ReadOnly: true}},
 			SecurityContext: nonRoot(readOnlyRoot(hardened())),
 		}},
+		TerminationGracePeriodSeconds: ptr.To(int64(routerDrainSeconds + routerShutdown(pdc) + graceMarginSeconds)),
 		// The router reads its pools from DNS, never from the API server.
 		AutomountServiceAccountToken: ptr.To(false),
 		Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
@@ -116,6 +121,10 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 	}
 	return deployment(pdc, v1alpha1.RoleRouter, *pdc.Spec.Router.Replicas, podSpec, config.Data)
 }
+
+// routerShutdown is how long a router pod's requests in flight may take to end once it is
+// told to stop: the decode pool's drain, which bounds them there too.
+func routerShutdown(pdc *v1alpha1.PDCluster) int32 { return drainTimeout(pdc, v1alpha1.RoleDecode) }
 
 // routerResources are spec.router.resources, or small defaults: the router only proxies.
 func routerResources(r v1alpha1.RouterSpec) corev1.ResourceRequirements {

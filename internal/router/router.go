@@ -284,6 +284,12 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 			writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("pools not resolved yet: %d prefill and %d decode engines", len(pools.Prefill), len(pools.Decode)))
 			return
 		}
+		// By KV revision, one with both pools: a prefill of one and a decode of another serve
+		// nothing together.
+		if len(pools.Revisions) > 0 && !slices.ContainsFunc(pools.Revisions, func(rev Revision) bool { return rev.serves() }) {
+			writeError(w, http.StatusServiceUnavailable, "no KV revision has an engine in both pools yet")
+			return
+		}
 		w.WriteHeader(http.StatusOK)
 	})
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, req *http.Request) {

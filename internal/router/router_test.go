@@ -208,8 +208,8 @@ func TestFailuresSayWhy(t *testing.T) {
 	})
 }
 
-// Readiness follows the pools: not ready until an engine of each pool is known, and not ready
-// again when a pool empties; liveness stays up throughout.
+// Readiness follows the pools: not ready until an engine of each pool is known (of one KV
+// revision), and not ready again when a pool empties; liveness stays up throughout.
 func TestReadyNeedsAnEngineInEachPool(t *testing.T) {
 	r, err := New(Config{Flow: routerconfig.FlowNIXL}, logr.Discard(), nil)
 	if err != nil {
@@ -234,6 +234,12 @@ func TestReadyNeedsAnEngineInEachPool(t *testing.T) {
 		{"decode only", Pools{Decode: []string{"http://d"}}, http.StatusServiceUnavailable, http.StatusOK},
 		{"both", Pools{Prefill: []Prefill{{URL: "http://p"}}, Decode: []string{"http://d"}}, http.StatusOK, http.StatusOK},
 		{"prefill gone", Pools{Decode: []string{"http://d"}}, http.StatusServiceUnavailable, http.StatusOK},
+		{"two KV revisions, each with one pool", Pools{Revisions: []Revision{
+			{Name: "a", Prefill: []Prefill{{URL: "http://p"}}}, {Name: "b", Decode: []string{"http://d"}},
+		}}, http.StatusServiceUnavailable, http.StatusOK},
+		{"one KV revision with both", Pools{Revisions: []Revision{
+			{Name: "a", Prefill: []Prefill{{URL: "http://p"}}}, {Name: "b", Prefill: []Prefill{{URL: "http://p2"}}, Decode: []string{"http://d"}},
+		}}, http.StatusOK, http.StatusOK},
 	} {
 		if err := r.SetPools(step.pools); err != nil {
 			t.Fatal(err)
