@@ -30,7 +30,9 @@ type observed struct {
 	// older revisions. depsErr says why they are unknown.
 	deployments      map[v1alpha1.Role]*appsv1.Deployment
 	olderDeployments map[v1alpha1.Role][]*appsv1.Deployment
-	depsErr          error
+	// engineDeployments are each engine pool's Deployments of every revision, as listed.
+	engineDeployments map[v1alpha1.Role][]*appsv1.Deployment
+	depsErr           error
 	// gates are the completion gate states the engine pods' sidecars answered; gatesRead says
 	// whether they were asked at all (a reader is set, the gate is enabled, the pods are known).
 	gates     []gateRead
@@ -73,7 +75,12 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 				o.deployments[v1alpha1.RoleRouter] = &deps.Items[i]
 			}
 		}
-		o.olderDeployments = map[v1alpha1.Role][]*appsv1.Deployment{}
+		o.olderDeployments, o.engineDeployments = map[v1alpha1.Role][]*appsv1.Deployment{}, map[v1alpha1.Role][]*appsv1.Deployment{}
+		for i := range deps.Items {
+			if role := v1alpha1.Role(deps.Items[i].Labels[v1alpha1.LabelRole]); role == v1alpha1.RolePrefill || role == v1alpha1.RoleDecode {
+				o.engineDeployments[role] = append(o.engineDeployments[role], &deps.Items[i])
+			}
+		}
 		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 			if d, old := poolDeployments(pdc, deps.Items, role, applied); d != nil {
 				o.deployments[role], o.olderDeployments[role] = d, old

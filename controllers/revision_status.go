@@ -9,6 +9,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/utils/ptr"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -46,6 +47,22 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 		pods.Pods++
 		if podReady(&p) {
 			pods.Ready++
+		}
+	}
+	// What each revision's Deployments ask (one that has no pod yet is listed too).
+	for role, deps := range in.obs.engineDeployments {
+		for _, d := range deps {
+			rev := d.Spec.Template.Labels[v1alpha1.LabelKVRevision]
+			rs := byRev[rev]
+			if rs == nil {
+				rs = &v1alpha1.RevisionStatus{Revision: rev}
+				byRev[rev] = rs
+			}
+			pods := &rs.Prefill
+			if role == v1alpha1.RoleDecode {
+				pods = &rs.Decode
+			}
+			pods.Desired += ptr.Deref(d.Spec.Replicas, 1)
 		}
 	}
 	old := slices.DeleteFunc(slices.Sorted(maps.Keys(byRev)), func(r string) bool { return r == update })

@@ -9,6 +9,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -211,11 +212,21 @@ func TestRevisionsInStatus(t *testing.T) {
 	} {
 		in.obs.pods = append(in.obs.pods, *w.Obj())
 	}
+	engineDep := func(rev string, replicas int32) *appsv1.Deployment {
+		d := &appsv1.Deployment{}
+		d.Spec.Replicas = ptr.To(replicas)
+		d.Spec.Template.Labels = map[string]string{v1alpha1.LabelKVRevision: rev}
+		return d
+	}
+	in.obs.engineDeployments = map[v1alpha1.Role][]*appsv1.Deployment{
+		v1alpha1.RolePrefill: {engineDep("c-old", 2), engineDep("b-new", 1)},
+		v1alpha1.RoleDecode:  {engineDep("c-old", 1), engineDep("b-new", 2)},
+	}
 	revisionStatus(status, in)
 	want := []v1alpha1.RevisionStatus{
-		{Revision: "c-old", Prefill: v1alpha1.RevisionPods{Pods: 2, Ready: 2}, Decode: v1alpha1.RevisionPods{Pods: 1, Ready: 1}, TrafficPercent: 100},
+		{Revision: "c-old", Prefill: v1alpha1.RevisionPods{Desired: 2, Pods: 2, Ready: 2}, Decode: v1alpha1.RevisionPods{Desired: 1, Pods: 1, Ready: 1}, TrafficPercent: 100},
 		// No ready decode: the router sends it nothing.
-		{Revision: "b-new", Prefill: v1alpha1.RevisionPods{Pods: 1, Ready: 1}, Decode: v1alpha1.RevisionPods{Pods: 1, Ready: 0}},
+		{Revision: "b-new", Prefill: v1alpha1.RevisionPods{Desired: 1, Pods: 1, Ready: 1}, Decode: v1alpha1.RevisionPods{Desired: 2, Pods: 1, Ready: 0}},
 	}
 	if d := cmp.Diff(want, status.Revisions); d != "" {
 		t.Errorf("status.revisions (-want +got):\n%s", d)

@@ -72,11 +72,18 @@ func (f *rolloutFixture) reconcile() {
 }
 
 // settle makes every Deployment ready at what it asks, its pods gone when it asks none.
-func (f *rolloutFixture) settle() {
+func (f *rolloutFixture) settle() { f.settleBut("") }
+
+// settleBut settles every Deployment but the one named rolling, whose pods all run its
+// previous template still (none updated), as right after a change of it.
+func (f *rolloutFixture) settleBut(rolling string) {
 	f.t.Helper()
 	for _, d := range f.deployments() {
 		n := ptr.Deref(d.Spec.Replicas, 1)
 		d.Status = appsv1.DeploymentStatus{ObservedGeneration: d.Generation, Replicas: n, UpdatedReplicas: n, ReadyReplicas: n, AvailableReplicas: n}
+		if d.Name == rolling {
+			d.Status.UpdatedReplicas = 0
+		}
 		if err := f.c.Status().Update(context.Background(), &d); err != nil {
 			f.t.Fatal(err)
 		}
@@ -179,13 +186,20 @@ func TestKVRevisionRollsOutInLockstep(t *testing.T) {
 		t.Errorf("new prefill Service %v selects %v, want the new revision's pods only", err, svc.Spec.Selector)
 	}
 
+	// The new revision ready, the router still restarting with the new router.json: the old
+	// revision keeps every pod (the old router pods would find none of the new ones).
+	f.settleBut("c-router")
+	f.reconcile()
+	if d := cmp.Diff(map[string]int32{"c-prefill": 1, "c-decode": 2, newPrefill: 1, newDecode: 1}, f.engines()); d != "" {
+		t.Errorf("new revision ready, router not current (-want +got):\n%s", d)
+	}
+
 	// Step until nothing moves, checking that some revision serves at every step.
 	for i := 0; i < 20; i++ {
 		before := f.engines()
 		f.settle()
 		f.reconcile()
 		after := f.engines()
-		t.Logf("step %d: %v", i, after)
 		serving := false
 		for _, rev := range []struct{ p, d string }{{"c-prefill", "c-decode"}, {newPrefill, newDecode}} {
 			serving = serving || (after[rev.p] > 0 && after[rev.d] > 0)

@@ -1003,6 +1003,8 @@ type RevisionStatus struct {
 
 // RevisionPods counts one pool's pods of a revision.
 type RevisionPods struct {
+	// desired is what the revision's Deployment of the pool asks now (a rollout steps it).
+	Desired int32 `json:"desired"`
 	// pods are the running pods (not being deleted); ready those that are ready.
 	Pods  int32 `json:"pods"`
 	Ready int32 `json:"ready"`

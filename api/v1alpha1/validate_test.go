@@ -72,7 +72,9 @@ func TestValidate(t *testing.T) {
 		{"disruption budget not a number", func(p *PDCluster) { p.Spec.Prefill.DisruptionBudget = &DisruptionBudget{MinAvailable: pct("half")} },
 			[]string{`spec.prefill.disruptionBudget.minAvailable: Invalid value: "half": must be an integer or a percentage, e.g. 1 or 25%`}},
 		{"good disruption budget", func(p *PDCluster) { p.Spec.Decode.DisruptionBudget = &DisruptionBudget{MaxUnavailable: pct("25%")} }, nil},
-		{"rollout that cannot move", func(p *PDCluster) { p.Spec.Rollout = RolloutSpec{MaxSurge: pct("0%"), MaxUnavailable: ptr.To(intstr.FromInt32(0))} },
+		{"rollout that cannot move", func(p *PDCluster) {
+			p.Spec.Rollout = RolloutSpec{MaxSurge: pct("0%"), MaxUnavailable: ptr.To(intstr.FromInt32(0))}
+		},
 			[]string{`spec.rollout.maxUnavailable: Invalid value: "0": may not be 0 when maxSurge is 0: no pod could be replaced (set maxSurge 1 where an accelerator is free, else maxUnavailable 1)`}},
 		{"rollout surge past 100%", func(p *PDCluster) { p.Spec.Rollout = RolloutSpec{MaxSurge: pct("200%")} },
 			[]string{`spec.rollout.maxSurge: Invalid value: "200%": must be a percentage between 0% and 100%`}},
