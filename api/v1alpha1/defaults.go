@@ -79,6 +79,9 @@ func (in *PDCluster) SetDefaults() {
 		setPtr(&p.Drain.TimeoutSeconds, DefaultDrainTimeoutSeconds)
 	}
 
+	if pr := s.Scheduling.Pairing; pr != nil {
+		setString(&pr.Mode, PairingPreferred)
+	}
 	setPtr(&s.Rollout.MaxSurge, intstr.FromString(DefaultMaxSurge))
 	setPtr(&s.Rollout.MaxUnavailable, intstr.FromString(DefaultMaxUnavailable))
 

@@ -17,6 +17,10 @@ const (
 	// LabelKVRevision on an engine pod is the KV revision it serves (status.updateRevision
 	// when it was created): pods with different values must not exchange KV.
 	LabelKVRevision = "serving.pdcluster.dev/kv-revision"
+	// LabelDomain on an engine pod is its node's value of spec.scheduling.pairing.topologyKey,
+	// which the operator copies there once the pod is bound; on a Service, the domain whose
+	// pods it selects.
+	LabelDomain = "serving.pdcluster.dev/domain"
 
 	// AnnotationConfigHash on a pod template changes whenever the pod spec does, so a spec
 	// change rolls exactly the pool whose pods it affects.

@@ -789,6 +789,10 @@ type PDClusterSpec struct {
 	// +optional
 	Scaling ScalingSpec `json:"scaling,omitempty"`
 
+	// scheduling places the engine pods: which domain pairs a request's prefill and decode.
+	// +optional
+	Scheduling SchedulingSpec `json:"scheduling,omitempty"`
+
 	// rollout paces the rollouts of both pools: a new KV revision in lockstep, other changes in
 	// place.
 	// +kubebuilder:default={}

@@ -93,6 +93,11 @@ func (p *PDCluster) Validate() field.ErrorList {
 		}
 	}
 	errs = append(errs, validateRollout(spec.Child("rollout"), p.Spec.Rollout)...)
+	if pr := p.Spec.Scheduling.Pairing; pr != nil {
+		for _, msg := range utilvalidation.IsQualifiedName(pr.TopologyKey) {
+			errs = append(errs, field.Invalid(spec.Child("scheduling", "pairing", "topologyKey"), pr.TopologyKey, "must be a node label key: "+msg))
+		}
+	}
 	errs = append(errs, validateTolerations(spec.Child("router", "tolerations"), p.Spec.Router.Tolerations)...)
 	errs = append(errs, validateExtraConfig(spec.Child("kvTransfer", "extraConfig"), p.Spec.KVTransfer.ExtraConfig)...)
 	// An engine-wide mount missing its volume in both pools is one mistake, said once.

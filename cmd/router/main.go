@@ -79,6 +79,9 @@ func configure(o *options) (router.Config, routerconfig.File, router.Pools, erro
 			return cfg, fc, static, err
 		}
 		cfg.Flow = fc.Flow
+		if fc.Pairing != nil {
+			cfg.Pairing = fc.Pairing.Mode
+		}
 		if cfg.Balance == "" {
 			cfg.Balance = fc.Balance
 		}

@@ -235,21 +235,21 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 		a = new(attempt)
 	}
 	a.x, a.decodeOnly = x, decodeOnly
+	pairing := r.cfg.Pairing != "" && !decodeOnly
 	if !decodeOnly {
 		prefillURL := func(i int) string { return pools.Prefill[i].URL }
-		pp, ok := r.prefill.pick(len(pools.Prefill), prefillURL, avoid)
+		pp, ok := r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(avoid))
 		if !ok && x.recheck(legPrefill) {
-			pp, ok = r.prefill.pick(len(pools.Prefill), prefillURL, x.avoid())
+			pp, ok = r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(x.avoid()))
 		}
 		if !ok {
 			return nil, x.noEndpoint(legPrefill)
 		}
 		a.pp, a.p = pp, pools.Prefill[pp.index]
 	}
-	decodeURL := func(i int) string { return pools.Decode[i] }
-	dp, ok := r.decode.pick(len(pools.Decode), decodeURL, avoid)
+	dp, ok := x.pickDecode(avoid, a.p.URL, pairing)
 	if !ok && x.recheck(legDecode) {
-		dp, ok = r.decode.pick(len(pools.Decode), decodeURL, x.avoid())
+		dp, ok = x.pickDecode(x.avoid(), a.p.URL, pairing)
 	}
 	if !ok {
 		if !decodeOnly {

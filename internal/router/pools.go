@@ -21,6 +21,11 @@ type Pools struct {
 	Decode  []string
 	// Revisions are the engines by KV revision (router.json's revisions); empty: one set.
 	Revisions []Revision
+	// Domains are the engines' topology domains by URL (router.json's domains: pairing).
+	Domains map[string]string
+
+	// Set by SetPools: the domains with an engine in both pools.
+	pairable map[string]bool
 }
 
 // Revision is one KV revision's engines.
@@ -74,8 +79,35 @@ func ResolvePools(ctx context.Context, fc routerconfig.File, lookup Lookup) (Poo
 		d, _, err := urls(host, fc.EnginePort)
 		return d, err
 	}
+	// A Service without a ready pod has no DNS name (a new revision starting, an old one
+	// drained, a domain without a pod of that pool): that pool is empty. Any other failure
+	// keeps the last pools (the caller's).
+	notFound := func(err error) bool {
+		dnsErr, ok := errors.AsType[*net.DNSError](err)
+		return ok && dnsErr.IsNotFound
+	}
+	// Domains: each domain's Services list the engines in it.
+	var domains map[string]string
+	if fc.Pairing != nil {
+		domains = map[string]string{}
+		all := slices.Clone(fc.Domains)
+		for _, rh := range fc.Revisions {
+			all = append(all, rh.Domains...)
+		}
+		for _, dh := range all {
+			for _, host := range []string{dh.PrefillHost, dh.DecodeHost} {
+				in, err := decodeOf(host)
+				if err != nil && !notFound(err) {
+					return Pools{}, err
+				}
+				for _, u := range in {
+					domains[u] = dh.Domain
+				}
+			}
+		}
+	}
 	if len(fc.Revisions) == 0 {
-		var p Pools
+		p := Pools{Domains: domains}
 		var err error
 		if p.Prefill, err = prefillOf(fc.PrefillHost); err != nil {
 			return Pools{}, err
@@ -85,14 +117,7 @@ func ResolvePools(ctx context.Context, fc routerconfig.File, lookup Lookup) (Poo
 		}
 		return p, nil
 	}
-	// By revision. A revision's Service without a ready pod has no DNS name (a new revision
-	// starting, an old one drained): that pool of the revision is empty. Any other failure
-	// keeps the last pools (the caller's), as with one set.
-	notFound := func(err error) bool {
-		dnsErr, ok := errors.AsType[*net.DNSError](err)
-		return ok && dnsErr.IsNotFound
-	}
-	var out Pools
+	out := Pools{Domains: domains}
 	for _, rh := range fc.Revisions {
 		rev := Revision{Name: rh.Revision}
 		var err error

@@ -41,7 +41,7 @@ func TestResolvePoolsGivesOneEndpointPerPodInAStableOrder(t *testing.T) {
 		Prefill: []Prefill{{URL: "http://10.0.0.1:8000", Bootstrap: "http://10.0.0.1:8998"}, {URL: "http://10.0.0.2:8000", Bootstrap: "http://10.0.0.2:8998"}},
 		Decode:  []string{"http://[fd00::3]:8000"},
 	}
-	if d := cmp.Diff(want, got); d != "" {
+	if d := cmp.Diff(want, got, cmpopts.IgnoreUnexported(Pools{})); d != "" {
 		t.Errorf("pools (-want +got):\n%s", d)
 	}
 	nixl := mooncakeFile
@@ -117,7 +117,7 @@ func TestResolvePoolsByRevision(t *testing.T) {
 		{Name: "r1", Prefill: []Prefill{{URL: "http://10.0.0.1:8000", Bootstrap: "http://10.0.0.1:8998"}}, Decode: []string{"http://10.0.0.2:8000"}},
 		{Name: "r2", Prefill: []Prefill{{URL: "http://10.0.0.3:8000", Bootstrap: "http://10.0.0.3:8998"}}},
 	}}
-	if d := cmp.Diff(want, got, cmpopts.IgnoreUnexported(Revision{})); d != "" {
+	if d := cmp.Diff(want, got, cmpopts.IgnoreUnexported(Revision{}, Pools{})); d != "" {
 		t.Errorf("pools (-want +got):\n%s", d)
 	}
 	failing := func(ctx context.Context, host string) ([]string, error) {
@@ -125,5 +125,38 @@ func TestResolvePoolsByRevision(t *testing.T) {
 	}
 	if _, err := ResolvePools(context.Background(), fc, failing); err == nil {
 		t.Error("a DNS failure other than not found emptied the revisions")
+	}
+}
+
+// With pairing, each domain's Services name its engines' domain, for one set and per revision;
+// a domain whose Service has no ready pod is empty.
+func TestResolvePoolsByDomain(t *testing.T) {
+	fc := mooncakeFile
+	fc.Pairing = &routerconfig.Pairing{Mode: routerconfig.PairingPreferred}
+	fc.Domains = []routerconfig.DomainHosts{
+		{Domain: "rack-a", PrefillHost: "p-a.ns.svc", DecodeHost: "d-a.ns.svc"},
+		{Domain: "rack-b", PrefillHost: "p-b.ns.svc", DecodeHost: "d-b.ns.svc"},
+	}
+	answers := map[string][]string{
+		"c-prefill.ns.svc": {"10.0.0.1", "10.0.0.2"}, "c-decode.ns.svc": {"10.0.0.3", "10.0.0.4"},
+		"p-a.ns.svc": {"10.0.0.1"}, "d-a.ns.svc": {"10.0.0.3"}, "p-b.ns.svc": {"10.0.0.2"},
+	}
+	lookup := func(ctx context.Context, host string) ([]string, error) {
+		if ips, ok := answers[host]; ok {
+			return ips, nil
+		}
+		return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+	}
+	got, err := ResolvePools(context.Background(), fc, lookup)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"http://10.0.0.1:8000": "rack-a", "http://10.0.0.3:8000": "rack-a", "http://10.0.0.2:8000": "rack-b"}
+	if d := cmp.Diff(want, got.Domains); d != "" {
+		t.Errorf("domains (-want +got):\n%s", d)
+	}
+	fc.Pairing = nil
+	if got, err := ResolvePools(context.Background(), fc, lookup); err != nil || got.Domains != nil {
+		t.Errorf("without pairing: domains %v, %v; want none resolved", got.Domains, err)
 	}
 }

@@ -49,6 +49,9 @@ type Config struct {
 	UpstreamHeaderTimeout time.Duration
 	// Failure is the failure policy; nil: router.json's default (DefaultFailurePolicy).
 	Failure *FailurePolicy
+	// Pairing keeps a request's prefill and decode in one domain of Pools.Domains; empty: any
+	// pair.
+	Pairing routerconfig.PairingMode
 }
 
 // DefaultFailurePolicy is the policy of a router.json without one.
@@ -131,6 +134,8 @@ type metrics struct {
 	budgetDenied prometheus.Counter
 	decodeOnly   prometheus.Counter
 	byRevision   *prometheus.CounterVec
+	// pairs by locality, with pairing: same-domain, cross-domain.
+	samePairs, crossPairs prometheus.Counter
 	// Latencies as the router sees them, for its flow: the prefill leg (successful ones),
 	// the first byte of the answer to the client (a stream's first token), the whole request.
 	prefillLeg, firstToken, request prometheus.Observer
@@ -204,6 +209,8 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		}, []string{"flow"}),
 	}
 	r.metrics.prefillLeg, r.metrics.firstToken, r.metrics.request = histograms[0].With(flow), histograms[1].With(flow), histograms[2].With(flow)
+	pairs := prometheus.NewCounterVec(pairsOpts, []string{"locality"})
+	r.metrics.samePairs, r.metrics.crossPairs = pairs.WithLabelValues(localitySame), pairs.WithLabelValues(localityCross)
 	if reg != nil {
 		m := r.metrics
 		ejected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -217,7 +224,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
 		}, []string{"pool"})
 		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, m.byRevision, ejected, poolGauges{r, endpoints, inFlight},
-			histograms[0], histograms[1], histograms[2]}, r.canary.collectors()...) {
+			histograms[0], histograms[1], histograms[2], pairs}, r.canary.collectors()...) {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -266,6 +273,14 @@ func (r *Router) SetPools(p Pools) error {
 	if err := validatePrefill(r.cfg.Flow, p.Prefill); err != nil {
 		return fmt.Errorf("router: %w", err)
 	}
+	if r.cfg.Pairing != "" {
+		p.pairable = domainsOf(&p)
+		for i := range p.Revisions {
+			rev := p.Revisions[i].pools
+			rev.Domains = p.Domains
+			rev.pairable = domainsOf(rev)
+		}
+	}
 	r.pools.Store(&p)
 	return nil
 }
@@ -288,6 +303,10 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 		// nothing together.
 		if len(pools.Revisions) > 0 && !slices.ContainsFunc(pools.Revisions, func(rev Revision) bool { return rev.serves() }) {
 			writeError(w, http.StatusServiceUnavailable, "no KV revision has an engine in both pools yet")
+			return
+		}
+		if r.cfg.Pairing == routerconfig.PairingRequired && len(pools.pairable) == 0 && !slices.ContainsFunc(pools.Revisions, func(rev Revision) bool { return len(rev.pools.pairable) > 0 }) {
+			writeError(w, http.StatusServiceUnavailable, noPairableDomain)
 			return
 		}
 		w.WriteHeader(http.StatusOK)
@@ -374,6 +393,10 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		}
 	} else if len(pools.Prefill) == 0 || len(pools.Decode) == 0 {
 		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(pools.Prefill), len(pools.Decode)))
+		return
+	}
+	if r.cfg.Pairing == routerconfig.PairingRequired && len(pools.pairable) == 0 {
+		writeError(sw, http.StatusServiceUnavailable, noPairableDomain)
 		return
 	}
 	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start}

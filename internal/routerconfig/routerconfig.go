@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"slices"
 	"time"
 )
 
@@ -72,6 +73,11 @@ type File struct {
 	// Revisions are the pools by KV revision, each a pair of headless Services: a request's
 	// prefill and decode come from one revision. Empty: PrefillHost and DecodeHost, as one.
 	Revisions []RevisionHosts `json:"revisions,omitempty"`
+	// Pairing keeps a request's prefill and decode in one topology domain
+	// (spec.scheduling.pairing); nil: any pair.
+	Pairing *Pairing `json:"pairing,omitempty"`
+	// Domains are PrefillHost's and DecodeHost's engines by domain (with Pairing).
+	Domains []DomainHosts `json:"domains,omitempty"`
 }
 
 // RevisionHosts are one KV revision's headless Services.
@@ -79,6 +85,31 @@ type RevisionHosts struct {
 	Revision    string `json:"revision"`
 	PrefillHost string `json:"prefillHost"`
 	DecodeHost  string `json:"decodeHost"`
+	// Domains are the revision's engines by domain (with Pairing).
+	Domains []DomainHosts `json:"domains,omitempty"`
+}
+
+// DomainHosts are the headless Services of one topology domain's engines of both pools.
+type DomainHosts struct {
+	Domain      string `json:"domain"`
+	PrefillHost string `json:"prefillHost"`
+	DecodeHost  string `json:"decodeHost"`
+}
+
+// PairingMode is how strictly a pair is kept in one domain.
+type PairingMode string
+
+const (
+	// PairingPreferred pairs within the prefill engine's domain when it has a decode engine
+	// the request may use, and across domains otherwise.
+	PairingPreferred PairingMode = "Preferred"
+	// PairingRequired pairs only within a domain.
+	PairingRequired PairingMode = "Required"
+)
+
+// Pairing is router.json's pairing.
+type Pairing struct {
+	Mode PairingMode `json:"mode"`
 }
 
 // Canary is router.json's canary: a never-cached prompt of PromptWords words, max_tokens 1,
@@ -193,6 +224,18 @@ func (f File) Validate() error {
 	for _, r := range f.Revisions {
 		if r.Revision == "" || r.PrefillHost == "" || r.DecodeHost == "" {
 			return fmt.Errorf("each of revisions needs revision, prefillHost and decodeHost, got %+v", r)
+		}
+	}
+	if p := f.Pairing; p != nil && p.Mode != PairingPreferred && p.Mode != PairingRequired {
+		return fmt.Errorf("pairing.mode must be %s or %s, got %q", PairingPreferred, PairingRequired, p.Mode)
+	}
+	domains := slices.Clone(f.Domains)
+	for _, r := range f.Revisions {
+		domains = append(domains, r.Domains...)
+	}
+	for _, d := range domains {
+		if d.Domain == "" || d.PrefillHost == "" || d.DecodeHost == "" {
+			return fmt.Errorf("each of domains needs domain, prefillHost and decodeHost, got %+v", d)
 		}
 	}
 	if c := f.Canary; c != nil && (c.IntervalSeconds < 1 || c.Model == "" || c.PromptWords < 1) {

@@ -1,0 +1,119 @@
+package router
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// Pairing by topology over three racks: prefill in a and b, decode in a, b and c.
+func TestPairingByDomain(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("a-p0", "b-p0"), engines("a-d0", "b-d0", "b-d1", "c-d0")
+	for _, e := range prefill {
+		e.do = prefillOK(kv)
+	}
+	for _, e := range decode {
+		e.do = decodeOK(kv)
+	}
+	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
+	rack := map[string]string{}
+	for _, e := range append(append([]*testEngine(nil), prefill...), decode...) {
+		rack[e.url] = e.name[:1]
+	}
+	pools := func(decode []*testEngine) Pools {
+		p := Pools{Domains: rack}
+		for _, e := range prefill {
+			p.Prefill = append(p.Prefill, Prefill{URL: e.url})
+		}
+		for _, e := range decode {
+			p.Decode = append(p.Decode, e.url)
+		}
+		return p
+	}
+	// send sends n requests and counts the pairs by decode and whether both were of one rack.
+	send := func(n int) (same, cross int, byDecode map[string]int) {
+		byDecode = map[string]int{}
+		for range n {
+			code, body := f.send(t, `{"prompt":"hi"}`)
+			if code != http.StatusOK {
+				t.Fatalf("got %d %s", code, body)
+			}
+			var d, p string
+			if _, err := fmt.Sscanf(body[strings.Index(body, "decoded by"):], "decoded by %s from %s", &d, &p); err != nil {
+				t.Fatalf("answer %s: %v", body, err)
+			}
+			p = strings.TrimRight(p, `"}]`)
+			byDecode[d]++
+			if d[:1] == p[:1] {
+				same++
+			} else {
+				cross++
+			}
+		}
+		return same, cross, byDecode
+	}
+	counted := func() (float64, float64) {
+		return f.counter(t, "pdcluster_router_pairs_total", "locality", "same-domain"), f.counter(t, "pdcluster_router_pairs_total", "locality", "cross-domain")
+	}
+
+	// Without pairing, rack c's decode, which no prefill shares a rack with, gets requests:
+	// what pairing must change (so the test can fail).
+	if err := f.r.SetPools(pools(decode)); err != nil {
+		t.Fatal(err)
+	}
+	if _, cross, by := send(40); cross == 0 || by["c-d0"] == 0 {
+		t.Fatalf("without pairing: %d cross-rack pairs, c-d0 %d: the fixture does not exercise pairing", cross, by["c-d0"])
+	}
+
+	for _, mode := range []routerconfig.PairingMode{routerconfig.PairingPreferred, routerconfig.PairingRequired} {
+		t.Run(string(mode), func(t *testing.T) {
+			f.r.cfg.Pairing = mode
+			if err := f.r.SetPools(pools(decode)); err != nil {
+				t.Fatal(err)
+			}
+			same0, cross0 := counted()
+			same, cross, by := send(40)
+			if cross != 0 || by["c-d0"] != 0 || by["a-d0"] == 0 || by["b-d0"]+by["b-d1"] == 0 {
+				t.Errorf("both racks with both pools: %d same, %d cross, by decode %v; want every pair within its rack", same, cross, by)
+			}
+			if s, c := counted(); s-same0 != float64(same) || c != cross0 {
+				t.Errorf("pairs_total same-domain +%v cross-domain +%v, want +%d and +0", s-same0, c-cross0, same)
+			}
+
+			// Rack a loses its decode engine: its prefill engine pairs across racks
+			// (Preferred) or is not used (Required).
+			if err := f.r.SetPools(pools(decode[1:])); err != nil {
+				t.Fatal(err)
+			}
+			same0, cross0 = counted()
+			same, cross, _ = send(40)
+			if _, c := counted(); c-cross0 != float64(cross) {
+				t.Errorf("pairs_total cross-domain +%v, want +%d", c-cross0, cross)
+			}
+			switch mode {
+			case routerconfig.PairingPreferred:
+				if cross == 0 {
+					t.Errorf("rack a without decode, Preferred: no cross-rack pair (%d same): a-p0 was never used", same)
+				}
+			case routerconfig.PairingRequired:
+				if cross != 0 {
+					t.Errorf("rack a without decode, Required: %d cross-rack pairs", cross)
+				}
+			}
+		})
+	}
+
+	// Required with no rack holding both pools: 503, never a cross-rack pair.
+	f.r.cfg.Pairing = routerconfig.PairingRequired
+	p := pools(decode[3:]) // c-d0 only: prefill in a and b
+	if err := f.r.SetPools(p); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusServiceUnavailable || !strings.Contains(body, "no topology domain has a ready engine in both pools") {
+		t.Errorf("Required, no rack with both pools: got %d %s, want 503 saying why", code, body)
+	}
+}
