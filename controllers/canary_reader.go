@@ -23,14 +23,50 @@ type CanaryReader interface {
 // errNoCanary: the router has sent no canary yet.
 var errNoCanary = errors.New("no canary yet")
 
-// HTTPCanaryReader reads GET /canary on the router's port (render.RouterPort) at the pod's IP.
-type HTTPCanaryReader struct{ podHTTP }
+// PairsReader reads a router pod's pair counts by locality (spec.scheduling.pairing).
+type PairsReader interface {
+	ReadPairs(ctx context.Context, pod *corev1.Pod) (routerconfig.PairCounts, error)
+}
 
-// NewHTTPCanaryReader reads the routers this operator renders.
-func NewHTTPCanaryReader() *HTTPCanaryReader { return &HTTPCanaryReader{newPodHTTP(render.RouterPort)} }
+// HTTPRouterReader reads GET /canary and GET /pairs on the router's port (render.RouterPort)
+// at the pod's IP.
+type HTTPRouterReader struct{ podHTTP }
+
+// NewHTTPRouterReader reads the routers this operator renders.
+func NewHTTPRouterReader() *HTTPRouterReader { return &HTTPRouterReader{newPodHTTP(render.RouterPort)} }
+
+// ReadPairs implements PairsReader.
+func (h *HTTPRouterReader) ReadPairs(ctx context.Context, pod *corev1.Pod) (routerconfig.PairCounts, error) {
+	var pc routerconfig.PairCounts
+	_, err := h.getJSON(ctx, pod, routerconfig.PairsPath, &pc)
+	return pc, err
+}
+
+// readPairs sums the pair counts of the PDCluster's running router pods; nil when none
+// answered.
+func (r *PDClusterReconciler) readPairs(ctx context.Context, pods []corev1.Pod) *routerconfig.PairCounts {
+	var sum *routerconfig.PairCounts
+	for i := range pods {
+		pod := &pods[i]
+		if pod.Labels[v1alpha1.LabelRole] != string(v1alpha1.RoleRouter) || pod.Status.Phase != corev1.PodRunning || pod.DeletionTimestamp != nil {
+			continue
+		}
+		pc, err := r.PairsReader.ReadPairs(ctx, pod)
+		if err != nil {
+			log.FromContext(ctx).V(1).Info("pair counts not read", "pod", pod.Name, "error", err.Error())
+			continue
+		}
+		if sum == nil {
+			sum = &routerconfig.PairCounts{}
+		}
+		sum.SameDomain += pc.SameDomain
+		sum.CrossDomain += pc.CrossDomain
+	}
+	return sum
+}
 
 // ReadCanary implements CanaryReader.
-func (h *HTTPCanaryReader) ReadCanary(ctx context.Context, pod *corev1.Pod) (routerconfig.CanaryResult, error) {
+func (h *HTTPRouterReader) ReadCanary(ctx context.Context, pod *corev1.Pod) (routerconfig.CanaryResult, error) {
 	var res routerconfig.CanaryResult
 	code, err := h.getJSON(ctx, pod, routerconfig.CanaryPath, &res)
 	switch {

@@ -22,7 +22,7 @@ import (
 
 // The reader's side of GET /canary: the router's answer in routerconfig's type (which the
 // router encodes), 404 before the first canary, and an error for anything else.
-func TestHTTPCanaryReader(t *testing.T) {
+func TestHTTPRouterReader(t *testing.T) {
 	at := time.Date(2026, 12, 4, 12, 0, 0, 0, time.UTC)
 	var answer http.HandlerFunc
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -33,7 +33,7 @@ func TestHTTPCanaryReader(t *testing.T) {
 		answer(w, r)
 	}))
 	defer srv.Close()
-	h := NewHTTPCanaryReader()
+	h := NewHTTPRouterReader()
 	h.Addr = func(*corev1.Pod) string { return strings.TrimPrefix(srv.URL, "http://") }
 	want := routerconfig.CanaryResult{Time: at, Result: routerconfig.CanaryRecomputed, PromptTokens: 256, Decode: "http://d:8000", Message: "m"}
 	answer = func(w http.ResponseWriter, _ *http.Request) { _ = json.NewEncoder(w).Encode(want) }
@@ -52,7 +52,7 @@ func TestHTTPCanaryReader(t *testing.T) {
 	if _, err := h.ReadCanary(context.Background(), &corev1.Pod{}); err == nil || errors.Is(err, errNoCanary) {
 		t.Errorf("500: err = %v, want an error", err)
 	}
-	if _, err := NewHTTPCanaryReader().ReadCanary(context.Background(), &corev1.Pod{}); err == nil || !strings.Contains(err.Error(), "no IP") {
+	if _, err := NewHTTPRouterReader().ReadCanary(context.Background(), &corev1.Pod{}); err == nil || !strings.Contains(err.Error(), "no IP") {
 		t.Errorf("a pod without an IP: %v", err)
 	}
 }

@@ -17,6 +17,7 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // observed is what one reconcile reads of a PDCluster's children, once: every later step
@@ -39,6 +40,8 @@ type observed struct {
 	gatesRead bool
 	// canary is the newest canary the routers reported (verification mode Canary), or nil.
 	canary *v1alpha1.CanaryResult
+	// pairs are the routers' pair counts summed (pairing), or nil.
+	pairs *routerconfig.PairCounts
 }
 
 // gateRead is one engine pod's answer to GET /gate.
@@ -94,6 +97,9 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 	}
 	if r.CanaryReader != nil && pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary && o.podsErr == nil {
 		o.canary = r.readCanary(ctx, o.pods)
+	}
+	if r.PairsReader != nil && pdc.Spec.Scheduling.Pairing != nil && o.podsErr == nil {
+		o.pairs = r.readPairs(ctx, o.pods)
 	}
 	return o
 }

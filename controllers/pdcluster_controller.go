@@ -55,6 +55,9 @@ type PDClusterReconciler struct {
 	// CanaryReader reads each router's newest canary (verification mode Canary); nil leaves
 	// it out.
 	CanaryReader CanaryReader
+	// PairsReader reads each router's pair counts (spec.scheduling.pairing); nil leaves them
+	// out.
+	PairsReader PairsReader
 	// APIReader reads past the cache: a restart round first checks that the cached PDCluster
 	// (and the restart record in its status) is current. nil skips the check.
 	APIReader client.Reader
@@ -96,7 +99,14 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	// Apply, observe once, act on connector health, then compute the whole status from what
 	// was learned and write it once; events go out after the write.
 	in := statusInputs{pdc: &pdc, now: r.now()}
-	applied, scale, events, err := r.reconcileChildren(ctx, &pdc)
+	topo, err := r.observeTopology(ctx, &pdc)
+	in.topo = topo
+	var applied []render.Object
+	var scale *scaleDecision
+	var events []event
+	if err == nil {
+		applied, scale, events, err = r.reconcileChildren(ctx, &pdc, topo)
+	}
 	in.applied, in.scale, in.childrenErr = applied, scale, err
 	reconcileErr := err // every step's error: apply, observe, restarts
 	var requeueAfter time.Duration
@@ -105,7 +115,8 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now, int(scale.effective.Prefill+scale.effective.Decode))
 		in.kv = r.verifyKV(&pdc, in.obs, in.now)
 		costErr := r.setDeletionCosts(ctx, in.obs)
-		reconcileErr = errors.Join(in.obs.err(), in.health.err, costErr)
+		domainErr := r.labelDomains(ctx, &pdc, in.obs.pods, topo)
+		reconcileErr = errors.Join(in.obs.err(), in.health.err, costErr, domainErr)
 		requeueAfter = in.health.requeueAfter()
 		if in.obs.gatesRead {
 			requeueAfter = sooner(requeueAfter, countsRefresh(&pdc))
@@ -165,7 +176,7 @@ func isPermanent(err error) bool {
 // ones that differ from the cluster. Nothing is written when everything already matches. It
 // returns what it applied (as rendered, not as the server answered) and the scale decision,
 // for the pool status, and the events of what it did.
-func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster) ([]render.Object, *scaleDecision, []event, error) {
+func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, topo topology) ([]render.Object, *scaleDecision, []event, error) {
 	// What the CRD cannot check, in the PDCluster's field names, before anything is applied.
 	if err := pdc.Validate().ToAggregate(); err != nil {
 		return nil, nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
@@ -182,7 +193,9 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	if err != nil {
 		return nil, nil, events, err
 	}
-	objs, err := render.RenderServing(scaling.Scaled(pdc, scale.effective), r.Options, revs.serving(pdc))
+	serving := revs.serving(pdc)
+	serving.Domains = topo.domains
+	objs, err := render.RenderServing(scaling.Scaled(pdc, scale.effective), r.Options, serving)
 	if err != nil {
 		return nil, nil, events, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
 	}
@@ -239,6 +252,11 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 		return objs, &scale, events, err
 	}
 	deleted, err := r.deleteUnusedChildren(ctx, pdc)
+	events = append(events, deleted...)
+	if err != nil {
+		return objs, &scale, events, err
+	}
+	deleted, err = r.deleteUnusedDomainServices(ctx, pdc, objs)
 	events = append(events, deleted...)
 	if err != nil {
 		return objs, &scale, events, err

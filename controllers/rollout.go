@@ -83,7 +83,7 @@ func (e *engineRevision) drained() bool {
 
 // hosts are the revision's Services (each named like its Deployment) for router.json.
 func (e *engineRevision) hosts(namespace string) routerconfig.RevisionHosts {
-	h := routerconfig.RevisionHosts{Revision: cmp.Or(e.revision, "unlabelled")}
+	h := routerconfig.RevisionHosts{Revision: cmp.Or(e.revision, render.UnlabelledRevision)}
 	if e.prefill != nil {
 		h.PrefillHost = render.ServiceHost(namespace, e.prefill.Name)
 	}
@@ -238,7 +238,7 @@ func routerCurrent(desired *appsv1.Deployment, observed *appsv1.Deployment) bool
 func (r *PDClusterReconciler) stepOldRevisions(ctx context.Context, pdc *v1alpha1.PDCluster, revs engineRevisions, step rolloutStep) ([]event, error) {
 	var events []event
 	for i, o := range revs.old {
-		name := cmp.Or(o.revision, "unlabelled")
+		name := cmp.Or(o.revision, render.UnlabelledRevision)
 		if o.drained() {
 			var gone []string
 			for _, d := range o.deps() {

@@ -40,6 +40,8 @@ type statusInputs struct {
 	scale *scaleDecision
 	// kv is the KV transfer verdict; nil when verification is off or nothing was read.
 	kv *kvverify.Verdict
+	// topo is the nodes' topology domains (spec.scheduling.pairing).
+	topo topology
 }
 
 // readyError is a render or apply failure as the Ready condition and a Warning event report it.
@@ -71,6 +73,7 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 		poolStatuses(&status, in, gates)
 		events = append(events, scaleStatus(&status, in.pdc, in.scale)...)
 		events = append(events, revisionStatus(&status, in)...)
+		pairingStatus(&status, in)
 		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
 	}
 	events = append(events, poolProblemEvents(in.pdc.Status.Conditions, &status)...)

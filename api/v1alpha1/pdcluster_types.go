@@ -989,6 +989,24 @@ type PDClusterStatus struct {
 	// +kubebuilder:validation:MaxItems=16
 	// +optional
 	Revisions []RevisionStatus `json:"revisions,omitempty"`
+
+	// pairing is how the routers paired requests across topology domains
+	// (spec.scheduling.pairing).
+	// +optional
+	Pairing *PairingStatus `json:"pairing,omitempty"`
+}
+
+// PairingStatus counts the routers' pairs by locality since they started.
+type PairingStatus struct {
+	// domains are the values of the topology key on the cluster's nodes.
+	Domains int32 `json:"domains"`
+	// sameDomainPairs and crossDomainPairs are the prefill-decode pairs the running routers
+	// made within one domain and across two.
+	SameDomainPairs  int64 `json:"sameDomainPairs"`
+	CrossDomainPairs int64 `json:"crossDomainPairs"`
+	// sameDomainPercent is the share of pairs within one domain; absent before the first.
+	// +optional
+	SameDomainPercent *int32 `json:"sameDomainPercent,omitempty"`
 }
 
 // RevisionStatus is one KV revision's engine pods.

@@ -109,7 +109,8 @@ func main() {
 	}
 	if readGate {
 		reconciler.GateReader = controllers.NewHTTPGateReader()
-		reconciler.CanaryReader = controllers.NewHTTPCanaryReader()
+		routers := controllers.NewHTTPRouterReader()
+		reconciler.CanaryReader, reconciler.PairsReader = routers, routers
 	}
 	if err := reconciler.SetupWithManager(mgr); err != nil {
 		setupLog.Error(err, "set up controller")

@@ -157,6 +157,7 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	}
 	settings := mergePodSettings(pdc.Spec.Engine.Pod, p.Pod)
 	applyPodSettings(&podSpec, settings)
+	pairingAffinity(pdc, role, &podSpec)
 	if podSpec.TerminationGracePeriodSeconds == nil {
 		podSpec.TerminationGracePeriodSeconds = ptr.To(gracePeriod(pdc, role))
 	}

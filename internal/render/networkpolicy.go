@@ -27,7 +27,8 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //     bootstrap and side-channel ports.
 //   - the connector sidecars' port: the operator's namespace (it reads /gate) and monitoring.
 //   - the router's port: routerClients, or everyone when none is set (then also monitoring, and
-//     the operator's namespace with verification mode Canary: it reads GET /canary).
+//     the operator's namespace with verification mode Canary or pairing: it reads GET /canary
+//     and GET /pairs).
 //
 // Kubelet probes come from the node, which a NetworkPolicy always admits.
 func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
@@ -70,8 +71,9 @@ func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
 		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(RouterPort)})
 	}
-	if len(np.RouterClients) > 0 && len(operator) > 0 && pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary {
-		// The operator reads each router's newest canary (GET /canary).
+	if len(np.RouterClients) > 0 && len(operator) > 0 && (pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary || pdc.Spec.Scheduling.Pairing != nil) {
+		// The operator reads each router's newest canary (GET /canary) and pair counts
+		// (GET /pairs).
 		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(RouterPort)})
 	}
 	return append(out, networkPolicy(pdc, v1alpha1.RoleRouter, routerRules))

@@ -50,6 +50,9 @@ type Serving struct {
 	// router.json lists them beside the update revision, and a request goes to one revision's
 	// prefill and decode.
 	Old []routerconfig.RevisionHosts
+	// Domains are the values of spec.scheduling.pairing.topologyKey on the cluster's nodes,
+	// sorted: each pool of each running revision gets a Service per domain.
+	Domains []string
 }
 
 // RenderServing returns every object the operator creates for pdc while serving runs, in a
@@ -78,6 +81,8 @@ func RenderServing(pdc *v1alpha1.PDCluster, opts Options, serving Serving) ([]Ob
 			objs = append(objs, pdb)
 		}
 	}
+	domainObjs, _, _ := pairingObjects(pdc, rev, serving)
+	objs = append(objs, domainObjs...)
 	if GateEnabled(pdc.Spec.KVTransfer) {
 		objs = append(objs, GateConfigMap(pdc))
 	}

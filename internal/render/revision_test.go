@@ -207,3 +207,66 @@ func TestRenderServing(t *testing.T) {
 		t.Errorf("router.json hosts %s, %s: want the update revision's", file.PrefillHost, file.DecodeHost)
 	}
 }
+
+// TestRenderPairing: each pool prefers the other's domains, each pool of the update and the
+// older revision gets a Service per domain, router.json lists them per revision, and a
+// user's affinity is kept, not changed in place.
+func TestRenderPairing(t *testing.T) {
+	pdc := revisionBase()
+	pdc.Spec.Scheduling.Pairing = &v1alpha1.PairingSpec{TopologyKey: "example.com/rack", Mode: v1alpha1.PairingPreferred}
+	user := &corev1.Affinity{PodAffinity: &corev1.PodAffinity{PreferredDuringSchedulingIgnoredDuringExecution: []corev1.WeightedPodAffinityTerm{{Weight: 1, PodAffinityTerm: corev1.PodAffinityTerm{TopologyKey: "zone"}}}}}
+	pdc.Spec.Engine.Pod = &v1alpha1.PodSettings{Affinity: user}
+	rev, err := KVRevision(pdc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := routerconfig.RevisionHosts{Revision: "0123456789", PrefillHost: "pd-prefill.ns.svc", DecodeHost: "pd-decode.ns.svc"}
+	objs, err := RenderServing(pdc, DefaultOptions(), Serving{Suffixed: true, Old: []routerconfig.RevisionHosts{old}, Domains: []string{"r1", "r2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var domainSvcs []string
+	var file routerconfig.File
+	for _, o := range objs {
+		switch x := o.(type) {
+		case *appsv1.Deployment:
+			if x.Name == "pd-router" {
+				continue
+			}
+			terms := x.Spec.Template.Spec.Affinity.PodAffinity.PreferredDuringSchedulingIgnoredDuringExecution
+			if len(terms) != 2 || terms[0].PodAffinityTerm.TopologyKey != "zone" || terms[1].PodAffinityTerm.TopologyKey != "example.com/rack" {
+				t.Errorf("%s pod affinity %+v: want the user's term and the rack preference", x.Name, terms)
+			}
+		case *corev1.Service:
+			if d := x.Labels[v1alpha1.LabelDomain]; d != "" {
+				domainSvcs = append(domainSvcs, x.Name)
+				if x.Spec.Selector[v1alpha1.LabelDomain] != d {
+					t.Errorf("Service %s of domain %s selects %v", x.Name, d, x.Spec.Selector)
+				}
+			}
+		case *corev1.ConfigMap:
+			if data, ok := x.Data[routerconfig.FileName]; ok {
+				if err := json.Unmarshal([]byte(data), &file); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	if len(user.PodAffinity.PreferredDuringSchedulingIgnoredDuringExecution) != 1 {
+		t.Error("render changed the user's affinity in place")
+	}
+	if len(domainSvcs) != 8 {
+		t.Errorf("domain Services %v: want 2 domains x 2 pools x 2 revisions", domainSvcs)
+	}
+	if file.Pairing == nil || file.Pairing.Mode != routerconfig.PairingPreferred || len(file.Domains) != 0 || len(file.Revisions) != 2 {
+		t.Fatalf("router.json %+v: want pairing, the domains per revision", file)
+	}
+	for _, r := range file.Revisions {
+		if len(r.Domains) != 2 || r.Domains[0].Domain != "r1" {
+			t.Errorf("revision %s domains %+v", r.Revision, r.Domains)
+		}
+	}
+	if got := file.Revisions[1].Domains[1].DecodeHost; got != DomainServiceName("pd-decode-"+rev, "r2")+".ns.svc" {
+		t.Errorf("update revision's r2 decode host %s", got)
+	}
+}

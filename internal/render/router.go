@@ -42,8 +42,19 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster, serving Serving) (*corev1.ConfigMa
 		DecodeHost:  update.DecodeHost,
 		EnginePort:  vllm.APIPort,
 	}
+	if p := pdc.Spec.Scheduling.Pairing; p != nil {
+		_, domains, oldDomains := pairingObjects(pdc, rev, serving)
+		cfg.Pairing = &routerconfig.Pairing{Mode: routerconfig.PairingMode(p.Mode)}
+		cfg.Domains, update.Domains = domains, domains
+		old := slices.Clone(serving.Old)
+		for i := range old {
+			old[i].Domains = oldDomains[i]
+		}
+		serving.Old = old
+	}
 	if len(serving.Old) > 0 {
 		cfg.Revisions = append(slices.Clone(serving.Old), update)
+		cfg.Domains = nil // the revisions' own
 	}
 	// Only round robin is written: least-in-flight is the router's default, and leaving it
 	// out keeps router.json (and so the router's pods) as they were before the field existed.

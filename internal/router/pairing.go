@@ -4,14 +4,26 @@
 package router
 
 import (
+	"encoding/json"
+	"net/http"
+	"sync/atomic"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
-var pairsOpts = prometheus.CounterOpts{
-	Name: "pdcluster_router_pairs_total",
-	Help: "Prefill and decode engines paired for a request attempt (spec.scheduling.pairing), by locality: same-domain or cross-domain.",
+// pairCounters export the pair counts as pdcluster_router_pairs_total{locality}.
+func pairCounters(same, cross *atomic.Int64) []prometheus.Collector {
+	var out []prometheus.Collector
+	for locality, n := range map[string]*atomic.Int64{localitySame: same, localityCross: cross} {
+		out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name:        "pdcluster_router_pairs_total",
+			Help:        "Prefill and decode engines paired for a request attempt (spec.scheduling.pairing), by locality: same-domain or cross-domain.",
+			ConstLabels: prometheus.Labels{"locality": locality},
+		}, func() float64 { return float64(n.Load()) }))
+	}
+	return out
 }
 
 // noPairableDomain is the 503 of Required pairing when no domain has both pools.
@@ -62,7 +74,7 @@ func (x *exchange) pickDecode(avoid func(string) bool, prefillURL string, pairin
 	if domain := p.Domains[prefillURL]; domain != "" {
 		same := func(u string) bool { return (avoid != nil && avoid(u)) || p.Domains[u] != domain }
 		if dp, ok := b.pick(len(p.Decode), url, same); ok {
-			x.r.metrics.samePairs.Inc()
+			x.r.metrics.samePairs.Add(1)
 			return dp, true
 		}
 	}
@@ -71,7 +83,13 @@ func (x *exchange) pickDecode(avoid func(string) bool, prefillURL string, pairin
 	}
 	dp, ok := b.pick(len(p.Decode), url, avoid)
 	if ok {
-		x.r.metrics.crossPairs.Inc()
+		x.r.metrics.crossPairs.Add(1)
 	}
 	return dp, ok
+}
+
+// servePairs answers GET /pairs: the pair counts by locality since the router started.
+func (r *Router) servePairs(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(routerconfig.PairCounts{SameDomain: r.metrics.samePairs.Load(), CrossDomain: r.metrics.crossPairs.Load()})
 }

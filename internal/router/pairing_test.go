@@ -1,6 +1,7 @@
 package router
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
@@ -89,7 +90,7 @@ func TestPairingByDomain(t *testing.T) {
 			if err := f.r.SetPools(pools(decode[1:])); err != nil {
 				t.Fatal(err)
 			}
-			same0, cross0 = counted()
+			_, cross0 = counted()
 			same, cross, _ = send(40)
 			if _, c := counted(); c-cross0 != float64(cross) {
 				t.Errorf("pairs_total cross-domain +%v, want +%d", c-cross0, cross)
@@ -105,6 +106,20 @@ func TestPairingByDomain(t *testing.T) {
 				}
 			}
 		})
+	}
+
+	// GET /pairs answers the same counts, for the operator's status.
+	resp, err := http.Get(f.url + routerconfig.PairsPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pc routerconfig.PairCounts
+	if err := json.NewDecoder(resp.Body).Decode(&pc); err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if s, c := counted(); pc.SameDomain != int64(s) || pc.CrossDomain != int64(c) || pc.SameDomain == 0 {
+		t.Errorf("GET /pairs %+v, counters %v same %v cross", pc, s, c)
 	}
 
 	// Required with no rack holding both pools: 503, never a cross-rack pair.

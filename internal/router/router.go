@@ -134,8 +134,9 @@ type metrics struct {
 	budgetDenied prometheus.Counter
 	decodeOnly   prometheus.Counter
 	byRevision   *prometheus.CounterVec
-	// pairs by locality, with pairing: same-domain, cross-domain.
-	samePairs, crossPairs prometheus.Counter
+	// pairs by locality, with pairing: same-domain, cross-domain (GET /pairs and the
+	// pdcluster_router_pairs_total counter read them).
+	samePairs, crossPairs atomic.Int64
 	// Latencies as the router sees them, for its flow: the prefill leg (successful ones),
 	// the first byte of the answer to the client (a stream's first token), the whole request.
 	prefillLeg, firstToken, request prometheus.Observer
@@ -209,10 +210,9 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		}, []string{"flow"}),
 	}
 	r.metrics.prefillLeg, r.metrics.firstToken, r.metrics.request = histograms[0].With(flow), histograms[1].With(flow), histograms[2].With(flow)
-	pairs := prometheus.NewCounterVec(pairsOpts, []string{"locality"})
-	r.metrics.samePairs, r.metrics.crossPairs = pairs.WithLabelValues(localitySame), pairs.WithLabelValues(localityCross)
+	pairs := pairCounters(&r.metrics.samePairs, &r.metrics.crossPairs)
 	if reg != nil {
-		m := r.metrics
+		m := &r.metrics
 		ejected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "pdcluster_router_ejected_endpoints", Help: "Endpoints ejected now.",
 		}, func() float64 { return float64(r.eject.count()) })
@@ -224,7 +224,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
 		}, []string{"pool"})
 		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, m.byRevision, ejected, poolGauges{r, endpoints, inFlight},
-			histograms[0], histograms[1], histograms[2], pairs}, r.canary.collectors()...) {
+			histograms[0], histograms[1], histograms[2]}, append(pairs, r.canary.collectors()...)...) {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -292,6 +292,7 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", r.proxy)
 	// /health is liveness: the process serves. /ready is readiness: it also knows an engine of
 	// each pool, so a Ready PDCluster answers completions instead of 503.
+	mux.HandleFunc("GET "+routerconfig.PairsPath, r.servePairs)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /ready", func(w http.ResponseWriter, _ *http.Request) {
 		pools := r.pools.Load()

@@ -123,6 +123,16 @@ type Canary struct {
 // CanaryPath is GET /canary on the router's port: its newest canary, for the operator.
 const CanaryPath = "/canary"
 
+// PairsPath is GET /pairs on the router's port: its pair counts by locality since it started
+// (with pairing), for the operator.
+const PairsPath = "/pairs"
+
+// PairCounts is the answer to GET /pairs.
+type PairCounts struct {
+	SameDomain  int64 `json:"sameDomain"`
+	CrossDomain int64 `json:"crossDomain"`
+}
+
 // CanaryOutcome is a canary's result: CanaryExternal, CanaryRecomputed or CanaryFailed (the
 // words of the PDCluster's status.kvTransfer.lastCanary.result).
 type CanaryOutcome string

@@ -44,6 +44,12 @@ func (w *PDClusterWrapper) Obj() *v1alpha1.PDCluster {
 }
 
 // Generation sets metadata.generation, as the API server would.
+// Pairing sets spec.scheduling.pairing.
+func (w *PDClusterWrapper) Pairing(key string, mode v1alpha1.PairingMode) *PDClusterWrapper {
+	w.Spec.Scheduling.Pairing = &v1alpha1.PairingSpec{TopologyKey: key, Mode: mode}
+	return w
+}
+
 func (w *PDClusterWrapper) Generation(g int64) *PDClusterWrapper {
 	w.PDCluster.Generation = g
 	return w
@@ -121,6 +127,9 @@ func (w *PodWrapper) ConnectorRestarts(n int32) *PodWrapper { w.connector().Rest
 
 // Phase sets the pod phase.
 func (w *PodWrapper) Phase(p corev1.PodPhase) *PodWrapper { w.Status.Phase = p; return w }
+
+// OnNode binds the pod to node.
+func (w *PodWrapper) OnNode(node string) *PodWrapper { w.Spec.NodeName = node; return w }
 
 // Deleting marks the pod as being deleted since at.
 func (w *PodWrapper) Deleting(at time.Time) *PodWrapper {
