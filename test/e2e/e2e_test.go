@@ -297,6 +297,10 @@ func TestLocalCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("pairing by rack: each engine pod labelled with its node's rack, a Service per pool and rack, router.json pairs by rack", func(t *testing.T) {
+		e.pairsByRack(t)
+	})
+
 	t.Run("an unhealthy prefill connector (unready status written by the test: kwok runs no probes) restarts its pod and the connected decode pods", func(t *testing.T) {
 		before := e.pdc().Status.Connector.Restarts
 		sick := e.pods(v1alpha1.RolePrefill)[0]

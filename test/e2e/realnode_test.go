@@ -488,6 +488,10 @@ func TestRealNode(t *testing.T) {
 	t.Run("prefill 2 -> 1 under load fails nothing and removes the idle pod; a deleted prefill keeps its KV for late pulls, and loses it with drain.timeoutSeconds 0", func(t *testing.T) {
 		r.drainsPrefill(t)
 	})
+	t.Run("pairing by node: the router pairs within the node and status.pairing counts it", func(t *testing.T) {
+		r.pairsOnOneNode(t)
+	})
+
 	t.Run("a KV-revision rollout of both pools under load fails nothing and pairs no request across revisions", func(t *testing.T) {
 		r.rollsOutKVRevision(t)
 	})
