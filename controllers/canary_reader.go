@@ -3,6 +3,7 @@ package controllers
 import (
 	"context"
 	"errors"
+	"iter"
 	"net/http"
 	"time"
 
@@ -46,11 +47,7 @@ func (h *HTTPRouterReader) ReadPairs(ctx context.Context, pod *corev1.Pod) (rout
 // answered.
 func (r *PDClusterReconciler) readPairs(ctx context.Context, pods []corev1.Pod) *routerconfig.PairCounts {
 	var sum *routerconfig.PairCounts
-	for i := range pods {
-		pod := &pods[i]
-		if pod.Labels[v1alpha1.LabelRole] != string(v1alpha1.RoleRouter) || pod.Status.Phase != corev1.PodRunning || pod.DeletionTimestamp != nil {
-			continue
-		}
+	for pod := range runningRouters(pods) {
 		pc, err := r.PairsReader.ReadPairs(ctx, pod)
 		if err != nil {
 			log.FromContext(ctx).V(1).Info("pair counts not read", "pod", pod.Name, "error", err.Error())
@@ -82,11 +79,7 @@ func (h *HTTPRouterReader) ReadCanary(ctx context.Context, pod *corev1.Pod) (rou
 // few (spec.router.replicas); each read is bounded by the reader's timeout.
 func (r *PDClusterReconciler) readCanary(ctx context.Context, pods []corev1.Pod) *v1alpha1.CanaryResult {
 	var newest *v1alpha1.CanaryResult
-	for i := range pods {
-		pod := &pods[i]
-		if pod.Labels[v1alpha1.LabelRole] != string(v1alpha1.RoleRouter) || pod.Status.Phase != corev1.PodRunning || pod.DeletionTimestamp != nil {
-			continue
-		}
+	for pod := range runningRouters(pods) {
 		res, err := r.CanaryReader.ReadCanary(ctx, pod)
 		if err != nil {
 			if !errors.Is(err, errNoCanary) {
@@ -109,3 +102,15 @@ func canaryStatus(router string, res routerconfig.CanaryResult) v1alpha1.CanaryR
 }
 
 func metav1Time(t time.Time) metav1.Time { return metav1.NewTime(t.Truncate(time.Second)) }
+
+// runningRouters are the router pods among pods that run and are not being deleted.
+func runningRouters(pods []corev1.Pod) iter.Seq[*corev1.Pod] {
+	return func(yield func(*corev1.Pod) bool) {
+		for i := range pods {
+			pod := &pods[i]
+			if pod.Labels[v1alpha1.LabelRole] == string(v1alpha1.RoleRouter) && pod.Status.Phase == corev1.PodRunning && pod.DeletionTimestamp == nil && !yield(pod) {
+				return
+			}
+		}
+	}
+}

@@ -29,21 +29,24 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 	status.UpdateRevision = update
 	// Engine pods per revision and pool; a pod being deleted no longer serves.
 	byRev := map[string]*v1alpha1.RevisionStatus{}
-	for _, p := range in.obs.pods {
-		role := v1alpha1.Role(p.Labels[v1alpha1.LabelRole])
-		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || p.DeletionTimestamp != nil || podFinished(&p) {
-			continue
-		}
-		rev := p.Labels[v1alpha1.LabelKVRevision]
+	// poolOf is role's counts of revision rev.
+	poolOf := func(rev string, role v1alpha1.Role) *v1alpha1.RevisionPods {
 		rs := byRev[rev]
 		if rs == nil {
 			rs = &v1alpha1.RevisionStatus{Revision: rev}
 			byRev[rev] = rs
 		}
-		pods := &rs.Prefill
 		if role == v1alpha1.RoleDecode {
-			pods = &rs.Decode
+			return &rs.Decode
 		}
+		return &rs.Prefill
+	}
+	for _, p := range in.obs.pods {
+		role := v1alpha1.Role(p.Labels[v1alpha1.LabelRole])
+		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || p.DeletionTimestamp != nil || podFinished(&p) {
+			continue
+		}
+		pods := poolOf(p.Labels[v1alpha1.LabelKVRevision], role)
 		pods.Pods++
 		if podReady(&p) {
 			pods.Ready++
@@ -52,17 +55,7 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 	// What each revision's Deployments ask (one that has no pod yet is listed too).
 	for role, deps := range in.obs.engineDeployments {
 		for _, d := range deps {
-			rev := d.Spec.Template.Labels[v1alpha1.LabelKVRevision]
-			rs := byRev[rev]
-			if rs == nil {
-				rs = &v1alpha1.RevisionStatus{Revision: rev}
-				byRev[rev] = rs
-			}
-			pods := &rs.Prefill
-			if role == v1alpha1.RoleDecode {
-				pods = &rs.Decode
-			}
-			pods.Desired += ptr.Deref(d.Spec.Replicas, 1)
+			poolOf(d.Spec.Template.Labels[v1alpha1.LabelKVRevision], role).Desired += ptr.Deref(d.Spec.Replicas, 1)
 		}
 	}
 	old := slices.DeleteFunc(slices.Sorted(maps.Keys(byRev)), func(r string) bool { return r == update })

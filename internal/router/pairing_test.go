@@ -2,7 +2,6 @@ package router
 
 import (
 	"encoding/json"
-	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -39,15 +38,7 @@ func TestPairingByDomain(t *testing.T) {
 	send := func(n int) (same, cross int, byDecode map[string]int) {
 		byDecode = map[string]int{}
 		for range n {
-			code, body := f.send(t, `{"prompt":"hi"}`)
-			if code != http.StatusOK {
-				t.Fatalf("got %d %s", code, body)
-			}
-			var d, p string
-			if _, err := fmt.Sscanf(body[strings.Index(body, "decoded by"):], "decoded by %s from %s", &d, &p); err != nil {
-				t.Fatalf("answer %s: %v", body, err)
-			}
-			p = strings.TrimRight(p, `"}]`)
+			d, p := f.sendPair(t)
 			byDecode[d]++
 			if d[:1] == p[:1] {
 				same++

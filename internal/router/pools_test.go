@@ -26,6 +26,17 @@ func fakeLookup(answers map[string][]string) Lookup {
 	}
 }
 
+// dnsLookup answers like DNS: a name it does not know is not found (a Service without a ready
+// pod).
+func dnsLookup(answers map[string][]string) Lookup {
+	return func(_ context.Context, host string) ([]string, error) {
+		if ips, ok := answers[host]; ok {
+			return ips, nil
+		}
+		return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+	}
+}
+
 var mooncakeFile = routerconfig.File{Flow: routerconfig.FlowMooncake, PrefillHost: "c-prefill.ns.svc", DecodeHost: "c-decode.ns.svc", EnginePort: 8000, BootstrapPort: 8998}
 
 func TestResolvePoolsGivesOneEndpointPerPodInAStableOrder(t *testing.T) {
@@ -102,13 +113,7 @@ func TestResolvePoolsByRevision(t *testing.T) {
 		{Revision: "r1", PrefillHost: "c-prefill-r1.ns.svc", DecodeHost: "c-decode-r1.ns.svc"},
 		{Revision: "r2", PrefillHost: "c-prefill-r2.ns.svc", DecodeHost: "c-decode-r2.ns.svc"},
 	}
-	answers := map[string][]string{"c-prefill-r1.ns.svc": {"10.0.0.1"}, "c-decode-r1.ns.svc": {"10.0.0.2"}, "c-prefill-r2.ns.svc": {"10.0.0.3"}}
-	lookup := func(ctx context.Context, host string) ([]string, error) {
-		if ips, ok := answers[host]; ok {
-			return ips, nil
-		}
-		return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
-	}
+	lookup := dnsLookup(map[string][]string{"c-prefill-r1.ns.svc": {"10.0.0.1"}, "c-decode-r1.ns.svc": {"10.0.0.2"}, "c-prefill-r2.ns.svc": {"10.0.0.3"}})
 	got, err := ResolvePools(context.Background(), fc, lookup)
 	if err != nil {
 		t.Fatal(err)
@@ -137,16 +142,10 @@ func TestResolvePoolsByDomain(t *testing.T) {
 		{Domain: "rack-a", PrefillHost: "p-a.ns.svc", DecodeHost: "d-a.ns.svc"},
 		{Domain: "rack-b", PrefillHost: "p-b.ns.svc", DecodeHost: "d-b.ns.svc"},
 	}
-	answers := map[string][]string{
+	lookup := dnsLookup(map[string][]string{
 		"c-prefill.ns.svc": {"10.0.0.1", "10.0.0.2"}, "c-decode.ns.svc": {"10.0.0.3", "10.0.0.4"},
 		"p-a.ns.svc": {"10.0.0.1"}, "d-a.ns.svc": {"10.0.0.3"}, "p-b.ns.svc": {"10.0.0.2"},
-	}
-	lookup := func(ctx context.Context, host string) ([]string, error) {
-		if ips, ok := answers[host]; ok {
-			return ips, nil
-		}
-		return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
-	}
+	})
 	got, err := ResolvePools(context.Background(), fc, lookup)
 	if err != nil {
 		t.Fatal(err)

@@ -41,16 +41,7 @@ func TestRevisionsNeverMix(t *testing.T) {
 	const n = 400
 	got := map[string]int{}
 	for range n {
-		code, body := f.send(t, `{"prompt":"hi"}`)
-		if code != http.StatusOK {
-			t.Fatalf("got %d %s", code, body)
-		}
-		// "decoded by <decode> from <prefill>": both of one revision.
-		var d, p string
-		if _, err := fmt.Sscanf(body[strings.Index(body, "decoded by"):], "decoded by %s from %s", &d, &p); err != nil {
-			t.Fatalf("answer %s: %v", body, err)
-		}
-		p = strings.TrimRight(p, `"}]`)
+		d, p := f.sendPair(t)
 		if d[:1] != p[:1] {
 			t.Fatalf("decode %s paired with prefill %s of another revision", d, p)
 		}
@@ -78,4 +69,18 @@ func TestRevisionsNeverMix(t *testing.T) {
 	if code != http.StatusServiceUnavailable || !strings.Contains(body, "no KV revision has a ready engine in both pools") || !strings.Contains(body, "a: 2 prefill, 0 decode") {
 		t.Errorf("got %d %s, want 503 naming each revision's engines", code, body)
 	}
+}
+
+// sendPair sends a request and returns the names of the decode and prefill engines that
+// served it (the test engines answer "decoded by <decode> from <prefill>").
+func (f *pdFixture) sendPair(t *testing.T) (decode, prefill string) {
+	t.Helper()
+	code, body := f.send(t, `{"prompt":"hi"}`)
+	if code != http.StatusOK {
+		t.Fatalf("got %d %s", code, body)
+	}
+	if _, err := fmt.Sscanf(body[strings.Index(body, "decoded by"):], "decoded by %s from %s", &decode, &prefill); err != nil {
+		t.Fatalf("answer %s: %v", body, err)
+	}
+	return decode, strings.TrimRight(prefill, `"}]`)
 }
