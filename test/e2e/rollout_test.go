@@ -53,21 +53,43 @@ func (r realNode) loadDuring(during func()) (ok int, failed []string) {
 	return ok, failed
 }
 
-var mismatches = regexp.MustCompile(`(?m)^vllm_sim_kv_format_mismatches_total ([0-9.e+]+)$`)
-
-// formatMismatches is the stand-in engine's count of pulls refused across KV formats.
-func formatMismatches(podIP string) (string, error) {
+// podCounter reads the counter series (its name and labels as exposed) from the engine's
+// /metrics at podIP.
+func podCounter(podIP, series string) (string, error) {
 	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get("http://" + net.JoinHostPort(podIP, fmt.Sprint(vllm.APIPort)) + "/metrics")
 	if err != nil {
 		return "", err
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
-	m := mismatches.FindSubmatch(b)
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` ([0-9.e+]+)$`).FindSubmatch(b)
 	if m == nil {
-		return "", fmt.Errorf("no vllm_sim_kv_format_mismatches_total in %s's metrics", podIP)
+		return "", fmt.Errorf("no %s in %s's metrics", series, podIP)
 	}
 	return string(m[1]), nil
+}
+
+// pairedRevisions counts the KV revisions that have engine Deployments in both pools now.
+func (r realNode) pairedRevisions() int {
+	var deps appsv1.DeploymentList
+	if err := r.c.List(r.ctx, &deps, client.InNamespace(sampleNS), client.MatchingLabels{v1alpha1.LabelCluster: realName}); err != nil {
+		return 0
+	}
+	pools := map[string]map[string]bool{}
+	for _, d := range deps.Items {
+		rev := d.Spec.Template.Labels[v1alpha1.LabelKVRevision]
+		if pools[rev] == nil {
+			pools[rev] = map[string]bool{}
+		}
+		pools[rev][d.Labels[v1alpha1.LabelRole]] = true
+	}
+	n := 0
+	for _, p := range pools {
+		if p[string(v1alpha1.RolePrefill)] && p[string(v1alpha1.RoleDecode)] {
+			n++
+		}
+	}
+	return n
 }
 
 // rollsOutKVRevision is the issue's revision-paired rollout: a change of the KV format of both
@@ -77,19 +99,13 @@ func formatMismatches(podIP string) (string, error) {
 // rollout ends with the old revision gone: 0 failed requests, 0 pulls across formats.
 func (r realNode) rollsOutKVRevision(t *testing.T) {
 	before := r.pdc().Status.CurrentRevision
-	var sawBoth bool
+	var sawBoth bool // both revisions' Deployments at once, in both pools
 	ok, failed := r.loadDuring(func() {
 		time.Sleep(2 * time.Second)
 		r.patchSpec(t, `{"engine":{"args":["--kv-cache-dtype=fp8"]}}`)
 		r.eventually("the new KV revision rolled out", func() error {
 			p := r.pdc()
-			serving := 0
-			for _, rev := range p.Status.Revisions {
-				if rev.TrafficPercent > 0 {
-					serving++
-				}
-			}
-			sawBoth = sawBoth || serving == 2
+			sawBoth = sawBoth || r.pairedRevisions() == 2
 			if p.Status.UpdateRevision == before || p.Status.CurrentRevision != p.Status.UpdateRevision || len(p.Status.Revisions) != 1 {
 				return fmt.Errorf("revisions %+v, update %s, current %s", p.Status.Revisions, p.Status.UpdateRevision, p.Status.CurrentRevision)
 			}
@@ -102,7 +118,7 @@ func (r realNode) rollsOutKVRevision(t *testing.T) {
 		t.Errorf("KV-revision rollout under load: %d requests failed (%d ok)", len(failed), ok)
 	}
 	if !sawBoth {
-		t.Error("status.revisions never showed both revisions taking traffic: the rollout did not run them side by side")
+		t.Error("the two revisions never had Deployments in both pools at once: the rollout did not run them side by side")
 	}
 	update := r.pdc().Status.UpdateRevision
 	var deps appsv1.DeploymentList
@@ -121,13 +137,18 @@ func (r realNode) rollsOutKVRevision(t *testing.T) {
 	if len(engines) != 2 {
 		t.Errorf("engine Deployments %v after the rollout, want one per pool", engines)
 	}
-	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+	// A cross-revision pull fails on both sides: the producer refuses it (the new prefill, for
+	// an old decode's pull) and the consumer counts it failed (the new decode, for its pull
+	// from an old prefill). The new revision's pods saw every such pull of the rollout.
+	for role, series := range map[v1alpha1.Role]string{
+		v1alpha1.RolePrefill: "vllm_sim_kv_format_mismatches_total", v1alpha1.RoleDecode: "pdcluster_connector_failed_pulls_total",
+	} {
 		for _, pod := range r.pods(role) {
-			n, err := formatMismatches(pod.Status.PodIP)
+			n, err := podCounter(pod.Status.PodIP, series)
 			if err != nil {
 				t.Error(err)
 			} else if n != "0" {
-				t.Errorf("%s pod %s refused %s pulls across KV formats", role, pod.Name, n)
+				t.Errorf("%s pod %s: %s %s, want 0 (pulls across KV revisions)", role, pod.Name, series, n)
 			}
 		}
 	}
