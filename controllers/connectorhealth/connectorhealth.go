@@ -60,6 +60,9 @@ type Pod struct {
 	Name string
 	UID  types.UID
 	Role v1alpha1.Role
+	// Revision is the pod's KV revision: a prefill pod is connected only to the decode pods
+	// of its own (the router never pairs across revisions).
+	Revision string
 	// Ready is the connector container's readiness.
 	Ready bool
 	// StartedAt is when the connector container last started (zero when it is not running).
@@ -80,7 +83,7 @@ func Observe(pod *corev1.Pod) (Pod, bool) {
 		return Pod{}, false
 	}
 	cs := pod.Status.ContainerStatuses[i]
-	p := Pod{Name: pod.Name, UID: pod.UID, Role: role, Ready: cs.Ready, ContainerRestarts: cs.RestartCount}
+	p := Pod{Name: pod.Name, UID: pod.UID, Role: role, Revision: pod.Labels[v1alpha1.LabelKVRevision], Ready: cs.Ready, ContainerRestarts: cs.RestartCount}
 	if r := cs.State.Running; r != nil {
 		p.StartedAt = r.StartedAt.Time
 	}
@@ -179,9 +182,10 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 		}
 	}
 	d.Restart = append(d.Restart, d.Due...)
-	if p.RestartDecodeWithPrefill && slices.ContainsFunc(d.Due, func(x Pod) bool { return x.Role == v1alpha1.RolePrefill }) {
+	if p.RestartDecodeWithPrefill {
 		for _, pod := range pods {
-			if pod.Role == v1alpha1.RoleDecode && !slices.ContainsFunc(d.Restart, func(x Pod) bool { return x.Name == pod.Name }) {
+			connected := slices.ContainsFunc(d.Due, func(x Pod) bool { return x.Role == v1alpha1.RolePrefill && x.Revision == pod.Revision })
+			if pod.Role == v1alpha1.RoleDecode && connected && !slices.ContainsFunc(d.Restart, func(x Pod) bool { return x.Name == pod.Name }) {
 				d.Restart = append(d.Restart, pod)
 			}
 		}

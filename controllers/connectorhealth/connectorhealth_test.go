@@ -111,6 +111,14 @@ func TestDecide(t *testing.T) {
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
 		},
 		{
+			name:        "during a rollout a prefill restart takes only its own revision's decode pods",
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
+			pods:        []Pod{inRevision(unready("p-1", v1alpha1.RolePrefill), "new"), inRevision(ready("d-1", v1alpha1.RoleDecode), "new"), inRevision(ready("d-0", v1alpha1.RoleDecode), "old")},
+			wantRestart: []string{"p-1", "d-1"},
+			wantRequeue: 30 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
+		},
+		{
 			name:        "without the cascade only the prefill pod restarts",
 			policy:      withPolicy(func(p *Policy) { p.RestartDecodeWithPrefill = false }),
 			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
@@ -303,3 +311,5 @@ func TestDescribeNamesWhatHappened(t *testing.T) {
 		})
 	}
 }
+
+func inRevision(p Pod, rev string) Pod { p.Revision = rev; return p }
