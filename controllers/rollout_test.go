@@ -18,6 +18,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -240,5 +241,60 @@ func TestKVRevisionRollsOutInLockstep(t *testing.T) {
 	f.reconcile()
 	if f.writes != 0 {
 		t.Errorf("a resync after the rollout wrote %d times, want 0", f.writes)
+	}
+}
+
+// Engine Deployments made before revisions had their own (selectors without the KV revision)
+// are rolled away from, even at the same revision: their selectors cannot change. Their
+// Services are narrowed to their revision's pods, so the router never finds the new pods
+// behind the old revision's name.
+func TestUnpinnedDeploymentsRollToRevisionDeployments(t *testing.T) {
+	p := pdc()
+	p.Spec.Rollout.MaxSurge = ptr.To(intstr.FromInt32(1))
+	p.Spec.Rollout.MaxUnavailable = ptr.To(intstr.FromInt32(0))
+	f := newRolloutFixture(t, p)
+	objs, err := render.Render(p, render.DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rev, err := render.KVRevision(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, o := range objs {
+		switch x := o.(type) {
+		case *appsv1.Deployment:
+			if x.Name != "c-router" {
+				delete(x.Spec.Selector.MatchLabels, v1alpha1.LabelKVRevision)
+			}
+		case *corev1.Service:
+			delete(x.Spec.Selector, v1alpha1.LabelKVRevision)
+		default:
+			continue
+		}
+		if err := controllerutil.SetControllerReference(p, o, f.c.Scheme()); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.c.Create(ctx, o.(client.Object)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.settle()
+	f.reconcile()
+	newPrefill, newDecode := "c-prefill-"+rev, "c-decode-"+rev
+	if d := cmp.Diff(map[string]int32{"c-prefill": 1, "c-decode": 2, newPrefill: 1, newDecode: 1}, f.engines()); d != "" {
+		t.Errorf("first step (-want +got):\n%s", d)
+	}
+	var svc corev1.Service
+	if err := f.c.Get(ctx, client.ObjectKey{Namespace: "ns", Name: "c-decode"}, &svc); err != nil || svc.Spec.Selector[v1alpha1.LabelKVRevision] != rev {
+		t.Errorf("the unpinned decode Service selects %v (%v), want its revision's pods only", svc.Spec.Selector, err)
+	}
+	for range 10 {
+		f.settle()
+		f.reconcile()
+	}
+	if d := cmp.Diff(map[string]int32{newPrefill: 1, newDecode: 2}, f.engines()); d != "" {
+		t.Errorf("after the rollout (-want +got):\n%s", d)
 	}
 }
