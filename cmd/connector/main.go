@@ -69,6 +69,9 @@ func main() {
 	if len(os.Args) > 1 && os.Args[1] == "drain" {
 		os.Exit(drainMain(os.Args[2:], os.Stdout, os.Stderr))
 	}
+	if len(os.Args) > 1 && os.Args[1] == "launch" {
+		os.Exit(launchMain(os.Args[2:], os.Stderr))
+	}
 	cfg, o, err := parseFlags(os.Args[1:])
 	if err != nil {
 		if !errors.Is(err, flag.ErrHelp) {

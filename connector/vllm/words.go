@@ -27,6 +27,36 @@ const (
 	NixlSideChannelPort int32 = 5600
 )
 
+// `vllm serve`'s flags for an engine replica across several pods (engine/arg_utils.py).
+const (
+	// Data parallelism across pods, hybrid load balancing: every pod serves its own ranks.
+	FlagDataParallelSizeLocal = "--data-parallel-size-local"
+	FlagDataParallelStartRank = "--data-parallel-start-rank"
+	FlagDataParallelAddress   = "--data-parallel-address"
+	FlagDataParallelRPCPort   = "--data-parallel-rpc-port"
+	FlagDataParallelHybridLB  = "--data-parallel-hybrid-lb"
+	// The model across pods (multiprocessing backend): the leader serves, the others run
+	// --headless.
+	FlagNNodes        = "--nnodes"
+	FlagNodeRank      = "--node-rank"
+	FlagMasterAddr    = "--master-addr"
+	FlagMasterPort    = "--master-port"
+	FlagHeadless      = "--headless"
+	FlagExecutor      = "--distributed-executor-backend"
+	ExecutorMultiproc = "mp"
+
+	// DataParallelRPCPort and MasterPort are vLLM's defaults of those flags.
+	DataParallelRPCPort int32 = 29550
+	MasterPort          int32 = 29501
+)
+
+// Environment variables LeaderWorkerSet's pod webhook sets in every container of a group.
+const (
+	EnvLWSLeaderAddress = "LWS_LEADER_ADDRESS"
+	EnvLWSGroupSize     = "LWS_GROUP_SIZE"
+	EnvLWSWorkerIndex   = "LWS_WORKER_INDEX"
+)
+
 // Environment variables vLLM reads.
 const (
 	EnvHostIP                = "VLLM_HOST_IP"

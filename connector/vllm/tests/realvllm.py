@@ -28,6 +28,8 @@ from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[3]
 GOLDEN = REPO / "internal" / "render" / "testdata"
+# The launcher's command lines of multi-node replicas (connector/launch).
+LAUNCHED = REPO / "connector" / "launch" / "testdata" / "commands.golden.json"
 BLOCK = 16
 ENGINE = "prefill-engine-0"
 

@@ -373,6 +373,32 @@ class ContractTest(unittest.TestCase):
         with self.assertRaises(SystemExit):
             parser.parse_args(["m", "--no-such-flag"])
 
+    def test_vllms_parser_takes_the_launched_multinode_commands(self) -> None:
+        # Each pod's command line as `connector launch` completes it, read by vLLM's own
+        # parser: the flags exist and carry this pod's rank.
+        import json
+
+        parser = rv.serve_parser()
+        commands = json.loads(rv.LAUNCHED.read_text())
+        self.assertEqual(len(commands), 4)
+        for c in commands:
+            with self.subTest(pod=c["name"]):
+                try:
+                    ns = parser.parse_args(c["args"][1:])
+                except SystemExit as e:
+                    self.fail(f"vLLM {VERSION} refuses {c['args']}: exit {e.code}")
+                index = int(c["name"].rsplit("-", 1)[1])
+                if "--data-parallel-hybrid-lb" in c["args"]:
+                    self.assertTrue(ns.data_parallel_hybrid_lb)
+                    self.assertEqual(ns.data_parallel_size_local, 8)
+                    self.assertEqual(ns.data_parallel_start_rank, 8 * index)
+                    self.assertEqual(ns.data_parallel_address, "10.0.0.9")
+                    self.assertFalse(ns.headless)
+                else:
+                    self.assertEqual((ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port), (2, index, "10.0.0.9", 29501))
+                    self.assertEqual(ns.headless, index > 0)
+                    self.assertEqual(ns.distributed_executor_backend, "mp")
+
     def test_stock_name_with_the_plugin_module_fails_loudly(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         import json
