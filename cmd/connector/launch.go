@@ -37,7 +37,7 @@ func parseLaunchFlags(args []string, stderr io.Writer) (launchOptions, error) {
 	}
 	o.command = fs.Args()
 	if len(o.command) == 0 {
-		return o, errors.New("no command: connector launch [flags] -- vllm serve ...")
+		return o, errors.New("no command: want connector launch [flags] -- vllm serve <args>")
 	}
 	return o, nil
 }
