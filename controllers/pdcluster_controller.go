@@ -181,6 +181,9 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	if err := pdc.Validate().ToAggregate(); err != nil {
 		return nil, nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
 	}
+	if err := r.multiNodeAvailable(pdc); err != nil {
+		return nil, nil, nil, err
+	}
 	update, err := render.KVRevision(pdc)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("KV revision: %w", err)

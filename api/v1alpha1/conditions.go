@@ -46,6 +46,10 @@ const (
 	// ReasonRolloutComplete (False): every engine pod of both pools serves
 	// status.updateRevision and the pools are ready.
 	ReasonRolloutComplete = "RolloutComplete"
+	// ReasonMultiNodeUnavailable (Ready False): a pool's replicas span pods
+	// (spec.<pool>.parallelism.nodes > 1), which needs LeaderWorkerSet; nothing is rendered
+	// until it can be.
+	ReasonMultiNodeUnavailable = "MultiNodeUnavailable"
 )
 
 // Reasons of KVTransferVerified.

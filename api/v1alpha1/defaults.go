@@ -74,6 +74,7 @@ func (in *PDCluster) SetDefaults() {
 		setPtr(&p.Parallelism.Tensor, DefaultParallelism)
 		setPtr(&p.Parallelism.Data, DefaultParallelism)
 		setPtr(&p.Parallelism.Pipeline, DefaultParallelism)
+		setPtr(&p.Parallelism.Nodes, DefaultParallelism)
 		setString(&p.RDMA.ResourceName, DefaultRDMAResourceName)
 		setPtr(&p.RDMA.Count, DefaultRDMACount)
 		setPtr(&p.Drain.TimeoutSeconds, DefaultDrainTimeoutSeconds)

@@ -334,7 +334,10 @@ type KVVerification struct {
 }
 
 // Parallelism is how one engine replica spreads over GPUs; each replica asks for
-// tensor*data*pipeline GPUs.
+// tensor*data*pipeline GPUs, over nodes pods.
+// +kubebuilder:validation:XValidation:rule="!has(self.nodes) || self.nodes == 1 || !has(self.data) || self.data == 1 || self.data % self.nodes == 0",message="data must be a multiple of nodes: each pod of a replica runs data/nodes of its data-parallel ranks",fieldPath=".nodes"
+// +kubebuilder:validation:XValidation:rule="!has(self.nodes) || self.nodes == 1 || (has(self.data) && self.data > 1) || ((has(self.tensor) ? self.tensor : 1) * (has(self.pipeline) ? self.pipeline : 1)) % self.nodes == 0",message="with data 1 the model is sharded across the replica's pods: tensor x pipeline must be a multiple of nodes",fieldPath=".nodes"
+// +kubebuilder:validation:XValidation:rule="!has(self.nodes) || self.nodes == 1 || !has(self.data) || self.data == 1 || self.data / self.nodes >= 2 || self.expert",message="with data-parallel ranks across pods each pod runs at least 2 (data >= 2 x nodes), or set expert: with one rank per pod vLLM's hybrid load balancing becomes external load balancing, which only MoE models support",fieldPath=".nodes"
 type Parallelism struct {
 	// tensor is the tensor-parallel size.
 	// +kubebuilder:default=1
@@ -360,6 +363,16 @@ type Parallelism struct {
 	// expert enables expert parallelism for MoE models (--enable-expert-parallel).
 	// +optional
 	Expert bool `json:"expert,omitempty"`
+
+	// nodes is how many pods (one per node) one engine replica spans: with data > 1 each pod
+	// runs data/nodes data-parallel ranks and serves them (vLLM's hybrid load balancing);
+	// with data 1 the model is sharded across the pods (tensor x pipeline), the first pod
+	// serving. A replica across pods runs as a LeaderWorkerSet group.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=64
+	// +optional
+	Nodes *int32 `json:"nodes,omitempty"`
 }
 
 // RDMASpec is the RDMA device-plugin resource each engine pod requests.

@@ -65,6 +65,13 @@ func RenderServing(pdc *v1alpha1.PDCluster, opts Options, serving Serving) ([]Ob
 	if err := pdc.Validate().ToAggregate(); err != nil {
 		return nil, err
 	}
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+		if n := *pool(pdc, role).Parallelism.Nodes; n > 1 {
+			// Nothing half-way: a replica across pods is a LeaderWorkerSet group, not a
+			// Deployment's pod asking for every GPU of the replica.
+			return nil, fmt.Errorf("spec.%s.parallelism.nodes is %d: replicas across pods run as LeaderWorkerSet groups, which this build does not render yet", role, n)
+		}
+	}
 	rev, err := KVRevision(pdc)
 	if err != nil {
 		return nil, err

@@ -41,7 +41,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 	}
 	defaultPool := v1alpha1.PoolSpec{ // replicas has no default: see SetDefaults
 		Parallelism: v1alpha1.Parallelism{
-			Tensor: ptr.To(v1alpha1.DefaultParallelism), Data: ptr.To(v1alpha1.DefaultParallelism), Pipeline: ptr.To(v1alpha1.DefaultParallelism),
+			Tensor: ptr.To(v1alpha1.DefaultParallelism), Data: ptr.To(v1alpha1.DefaultParallelism), Pipeline: ptr.To(v1alpha1.DefaultParallelism), Nodes: ptr.To(v1alpha1.DefaultParallelism),
 		},
 		RDMA:  v1alpha1.RDMASpec{ResourceName: v1alpha1.DefaultRDMAResourceName, Count: ptr.To(v1alpha1.DefaultRDMACount)},
 		Drain: v1alpha1.DrainSpec{TimeoutSeconds: ptr.To(v1alpha1.DefaultDrainTimeoutSeconds)},
