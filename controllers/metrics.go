@@ -47,10 +47,19 @@ var (
 		Name: "pdcluster_pool_desired_replicas",
 		Help: "Desired replicas of each PDCluster pool (prefill, decode, router).",
 	}, []string{"namespace", "name", "pool"})
+	rolloutInProgress = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_rollout_in_progress",
+		Help: "1 while engine pods of an older KV revision run beside the update revision's (Progressing True, KVRevisionRollingOut), else 0.",
+	}, []string{"namespace", "name"})
+	revisionTraffic = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdcluster_revision_traffic_percent",
+		Help: "Share of new requests the routers send to each running KV revision (status.revisions[].trafficPercent).",
+	}, []string{"namespace", "name", "revision"})
 )
 
 func init() {
-	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy, kvVerified, kvExternalShare, kvTransferMBps)
+	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy, kvVerified, kvExternalShare, kvTransferMBps,
+		rolloutInProgress, revisionTraffic)
 }
 
 // recordStatus exports one PDCluster's readiness, replica counts and unhealthy connectors.
@@ -84,6 +93,15 @@ func recordStatus(pdc *v1alpha1.PDCluster) {
 	} else {
 		kvTransferMBps.DeleteLabelValues(pdc.Namespace, pdc.Name)
 	}
+	rolling := 0.0
+	if c := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionProgressing); c != nil && c.Status == metav1.ConditionTrue && c.Reason == v1alpha1.ReasonKVRevisionRollingOut {
+		rolling = 1
+	}
+	rolloutInProgress.WithLabelValues(pdc.Namespace, pdc.Name).Set(rolling)
+	revisionTraffic.DeletePartialMatch(prometheus.Labels{"namespace": pdc.Namespace, "name": pdc.Name})
+	for _, rev := range pdc.Status.Revisions {
+		revisionTraffic.WithLabelValues(pdc.Namespace, pdc.Name, rev.Revision).Set(float64(rev.TrafficPercent))
+	}
 	for pool, ps := range map[string]v1alpha1.PoolStatus{"prefill": pdc.Status.Prefill, "decode": pdc.Status.Decode, "router": pdc.Status.Router} {
 		poolReadyReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.ReadyReplicas))
 		poolDesiredReplicas.WithLabelValues(pdc.Namespace, pdc.Name, pool).Set(float64(ps.Replicas))
@@ -100,4 +118,6 @@ func forgetStatus(namespace, name string) {
 	kvVerified.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
 	kvExternalShare.DeleteLabelValues(namespace, name)
 	kvTransferMBps.DeleteLabelValues(namespace, name)
+	rolloutInProgress.DeleteLabelValues(namespace, name)
+	revisionTraffic.DeletePartialMatch(prometheus.Labels{"namespace": namespace, "name": name})
 }
