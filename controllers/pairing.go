@@ -97,8 +97,7 @@ func (r *PDClusterReconciler) deleteUnusedDomainServices(ctx context.Context, pd
 		if keep[svc.Name] || !metav1.IsControlledBy(svc, pdc) {
 			continue
 		}
-		uid := svc.UID
-		if err := r.Delete(ctx, svc, client.Preconditions{UID: &uid}); client.IgnoreNotFound(err) != nil {
+		if err := r.deleteObserved(ctx, svc); err != nil {
 			return nil, fmt.Errorf("delete the unused domain Service %s: %w", svc.Name, err)
 		}
 		gone = append(gone, svc.Name)

@@ -318,11 +318,17 @@ func (r *PDClusterReconciler) deleteUnused(ctx context.Context, pdc *v1alpha1.PD
 	if !metav1.IsControlledBy(obj, pdc) {
 		return nil, nil
 	}
-	uid := obj.GetUID()
-	if err := r.Delete(ctx, obj, client.Preconditions{UID: &uid}); client.IgnoreNotFound(err) != nil {
+	if err := r.deleteObserved(ctx, obj); err != nil {
 		return nil, fmt.Errorf("delete the unused %s %s: %w", kind, obj.GetName(), err)
 	}
 	return &event{corev1.EventTypeNormal, "Deleted", "Delete", fmt.Sprintf("deleted %s %s: %s", kind, obj.GetName(), why)}, nil
+}
+
+// deleteObserved deletes obj as it was observed (its UID: never a newer object of the same
+// name); one already gone is not an error.
+func (r *PDClusterReconciler) deleteObserved(ctx context.Context, obj client.Object) error {
+	uid := obj.GetUID()
+	return client.IgnoreNotFound(r.Delete(ctx, obj, client.Preconditions{UID: &uid}))
 }
 
 type applyAction int

@@ -9,7 +9,6 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
@@ -242,16 +241,13 @@ func (r *PDClusterReconciler) stepOldRevisions(ctx context.Context, pdc *v1alpha
 		if o.drained() {
 			var gone []string
 			for _, d := range o.deps() {
-				if err := r.deleteRevisionObject(ctx, d); err != nil {
-					return events, err
+				if err := r.deleteObserved(ctx, d); err != nil {
+					return events, fmt.Errorf("delete Deployment %s of a drained KV revision: %w", d.Name, err)
 				}
+				// Its Service has its name; the revision's one event says both went.
 				svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: d.Namespace, Name: d.Name}}
-				if err := r.Get(ctx, client.ObjectKeyFromObject(svc), svc); err == nil && metav1.IsControlledBy(svc, pdc) {
-					if err := r.deleteRevisionObject(ctx, svc); err != nil {
-						return events, err
-					}
-				} else if client.IgnoreNotFound(err) != nil {
-					return events, fmt.Errorf("get Service %s: %w", d.Name, err)
+				if _, err := r.deleteUnused(ctx, pdc, svc, "Service", "its KV revision drained"); err != nil {
+					return events, err
 				}
 				gone = append(gone, d.Name)
 			}
@@ -309,16 +305,6 @@ func (r *PDClusterReconciler) pinService(ctx context.Context, pdc *v1alpha1.PDCl
 	svc.Spec.Selector[v1alpha1.LabelKVRevision] = rev
 	if err := r.Patch(ctx, svc, patch); err != nil {
 		return fmt.Errorf("pin Service %s to KV revision %s: %w", svc.Name, rev, err)
-	}
-	return nil
-}
-
-// deleteRevisionObject deletes obj, as it was observed (its UID: never a newer object of the
-// same name).
-func (r *PDClusterReconciler) deleteRevisionObject(ctx context.Context, obj client.Object) error {
-	uid := obj.GetUID()
-	if err := r.Delete(ctx, obj, client.Preconditions{UID: &uid}); err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("delete %s of a drained KV revision: %w", obj.GetName(), err)
 	}
 	return nil
 }
