@@ -204,7 +204,7 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	}
 	// A new KV revision steps in lockstep with the older ones: the update revision's
 	// Deployments get the step's replicas, the older ones are scaled after the apply.
-	step := planRollout(pdc, revs, scale.effective, r.routerCurrent(ctx, pdc, objs))
+	step := planRollout(pdc, revs, scale.effective, revs.routerCurrent(objs))
 	for _, o := range objs {
 		if dep, ok := o.(*appsv1.Deployment); ok {
 			switch v1alpha1.Role(dep.Labels[v1alpha1.LabelRole]) {
@@ -379,24 +379,6 @@ func ownerUID(obj client.Object) types.UID {
 		return o.UID
 	}
 	return ""
-}
-
-// routerCurrent reports whether the router's pods all run the rendered router Deployment.
-func (r *PDClusterReconciler) routerCurrent(ctx context.Context, pdc *v1alpha1.PDCluster, objs []render.Object) bool {
-	var desired *appsv1.Deployment
-	for _, o := range objs {
-		if d, ok := o.(*appsv1.Deployment); ok && d.Name == render.ObjectName(pdc.Name, v1alpha1.RoleRouter) {
-			desired = d
-		}
-	}
-	if desired == nil {
-		return false
-	}
-	var observed appsv1.Deployment
-	if err := r.Get(ctx, client.ObjectKeyFromObject(desired), &observed); err != nil {
-		return false
-	}
-	return routerCurrent(desired, &observed)
 }
 
 // derivative is equality.Semantic, except that an unset (zero) desired metav1.Time matches any

@@ -97,6 +97,8 @@ func (e *engineRevision) hosts(namespace string) routerconfig.RevisionHosts {
 type engineRevisions struct {
 	update *engineRevision
 	old    []*engineRevision
+	// router is the router's Deployment, from the same list (nil when it has none yet).
+	router *appsv1.Deployment
 }
 
 // running is what role's Deployment of the newest revision asks (the update revision's, else
@@ -124,9 +126,13 @@ func (r *PDClusterReconciler) observeEngineRevisions(ctx context.Context, pdc *v
 		return cmp.Or(a.CreationTimestamp.Compare(b.CreationTimestamp.Time), strings.Compare(a.Name, b.Name))
 	})
 	var all []*engineRevision
+	var router *appsv1.Deployment
 	for i := range items {
 		d := &items[i]
 		role := v1alpha1.Role(d.Labels[v1alpha1.LabelRole])
+		if role == v1alpha1.RoleRouter && d.Name == render.ObjectName(pdc.Name, role) {
+			router = d
+		}
 		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || !metav1.IsControlledBy(d, pdc) {
 			continue
 		}
@@ -143,7 +149,7 @@ func (r *PDClusterReconciler) observeEngineRevisions(ctx context.Context, pdc *v
 			all[i].decode = d
 		}
 	}
-	var out engineRevisions
+	out := engineRevisions{router: router}
 	for _, e := range all {
 		if e.pinned && e.revision == update && out.update == nil {
 			out.update = e
@@ -221,9 +227,14 @@ func planRollout(pdc *v1alpha1.PDCluster, revs engineRevisions, target scaling.E
 }
 
 // routerCurrent reports whether every router pod runs the rendered router Deployment (and so
-// its router.json): none is older, and all are available.
-func routerCurrent(desired *appsv1.Deployment, observed *appsv1.Deployment) bool {
-	if desired == nil || observed == nil || !upToDate(desired, observed) {
+// its router.json) of objs: none is older, and all are available.
+func (e engineRevisions) routerCurrent(objs []render.Object) bool {
+	observed := e.router
+	if observed == nil {
+		return false
+	}
+	i := slices.IndexFunc(objs, func(o render.Object) bool { _, ok := o.(*appsv1.Deployment); return ok && o.GetName() == observed.Name })
+	if i < 0 || !upToDate(objs[i].(*appsv1.Deployment), observed) {
 		return false
 	}
 	want := ptr.Deref(observed.Spec.Replicas, 1)
