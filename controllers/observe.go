@@ -9,7 +9,6 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/log"
@@ -31,9 +30,7 @@ type observed struct {
 	// older revisions. depsErr says why they are unknown.
 	deployments      map[v1alpha1.Role]*appsv1.Deployment
 	olderDeployments map[v1alpha1.Role][]*appsv1.Deployment
-	// engineDeployments are each engine pool's Deployments of every revision, as listed.
-	engineDeployments map[v1alpha1.Role][]*appsv1.Deployment
-	depsErr           error
+	depsErr          error
 	// gates are the completion gate states the engine pods' sidecars answered; gatesRead says
 	// whether they were asked at all (a reader is set, the gate is enabled, the pods are known).
 	gates     []gateRead
@@ -78,16 +75,13 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 				o.deployments[v1alpha1.RoleRouter] = &deps.Items[i]
 			}
 		}
-		o.olderDeployments, o.engineDeployments = map[v1alpha1.Role][]*appsv1.Deployment{}, map[v1alpha1.Role][]*appsv1.Deployment{}
-		for i := range deps.Items {
-			if role := v1alpha1.Role(deps.Items[i].Labels[v1alpha1.LabelRole]); role == v1alpha1.RolePrefill || role == v1alpha1.RoleDecode {
-				o.engineDeployments[role] = append(o.engineDeployments[role], &deps.Items[i])
-			}
-		}
+		o.olderDeployments = map[v1alpha1.Role][]*appsv1.Deployment{}
 		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-			if d, old := poolDeployments(pdc, deps.Items, role, applied); d != nil {
-				o.deployments[role], o.olderDeployments[role] = d, old
+			update, old := poolDeployments(deps.Items, role, applied)
+			if update != nil {
+				o.deployments[role] = update
 			}
+			o.olderDeployments[role] = old
 		}
 	}
 	// The sidecars answer the gate's state and their engine's KV counts: asked when either is
@@ -105,9 +99,8 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 }
 
 // poolDeployments are role's Deployments: the update revision's (the one this reconcile
-// applied; an empty one asking for no pod when it is not there yet) and the older revisions'.
-// update is nil when the pool has none.
-func poolDeployments(pdc *v1alpha1.PDCluster, deps []appsv1.Deployment, role v1alpha1.Role, applied []render.Object) (update *appsv1.Deployment, old []*appsv1.Deployment) {
+// applied; nil when it is not there yet) and the older revisions'.
+func poolDeployments(deps []appsv1.Deployment, role v1alpha1.Role, applied []render.Object) (update *appsv1.Deployment, old []*appsv1.Deployment) {
 	var name string
 	for _, o := range applied {
 		if d, ok := o.(*appsv1.Deployment); ok && d.Labels[v1alpha1.LabelRole] == string(role) {
@@ -132,21 +125,29 @@ func poolDeployments(pdc *v1alpha1.PDCluster, deps []appsv1.Deployment, role v1a
 			old = append(old, d)
 		}
 	}
-	if update == nil && len(old) > 0 {
-		update = &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: pdc.Namespace},
-			Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](0)}}
-	}
 	return update, old
 }
 
-// withOlder is a pool's update-revision Deployment with the older revisions' pods added to
-// its counts: a pool in a lockstep rollout reads as rolling out until only the update
-// revision's pods run.
+// engineDeployments are role's Deployments of every revision.
+func (o observed) engineDeployments(role v1alpha1.Role) []*appsv1.Deployment {
+	out := slices.Clone(o.olderDeployments[role])
+	if d := o.deployments[role]; d != nil {
+		out = append(out, d)
+	}
+	return out
+}
+
+// withOlder is a pool's update-revision Deployment (nil before it exists: one asking for no
+// pod) with the older revisions' pods added to its counts: a pool in a lockstep rollout reads
+// as rolling out until only the update revision's pods run.
 func withOlder(update *appsv1.Deployment, old []*appsv1.Deployment) *appsv1.Deployment {
 	if len(old) == 0 {
 		return update
 	}
-	pool := update.DeepCopy()
+	pool := &appsv1.Deployment{Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](0)}}
+	if update != nil {
+		pool = update.DeepCopy()
+	}
 	for _, d := range old {
 		*pool.Spec.Replicas += ptr.Deref(d.Spec.Replicas, 1)
 		pool.Status.Replicas += d.Status.Replicas

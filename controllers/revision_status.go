@@ -53,8 +53,8 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 		}
 	}
 	// What each revision's Deployments ask (one that has no pod yet is listed too).
-	for role, deps := range in.obs.engineDeployments {
-		for _, d := range deps {
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+		for _, d := range in.obs.engineDeployments(role) {
 			poolOf(d.Spec.Template.Labels[v1alpha1.LabelKVRevision], role).Desired += ptr.Deref(d.Spec.Replicas, 1)
 		}
 	}

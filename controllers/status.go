@@ -164,16 +164,18 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 			*c.out = ps
 			continue
 		}
-		dep := in.obs.deployments[c.role]
-		if dep == nil {
+		dep, older := in.obs.deployments[c.role], in.obs.olderDeployments[c.role]
+		if dep == nil && len(older) == 0 {
 			*c.out = v1alpha1.PoolStatus{ConnectorRestarts: ps.ConnectorRestarts, Gate: ps.Gate}
 			setCondition(status, pdc, c.condition, metav1.ConditionFalse, v1alpha1.ReasonDeploymentAbsent, fmt.Sprintf("Deployment %s not found", render.ObjectName(pdc.Name, c.role)))
 			notReady = append(notReady, string(c.role))
 			continue
 		}
-		counts, condStatus, reason, msg := poolStatus(withOlder(dep, in.obs.olderDeployments[c.role]))
-		if want, ok := desired[dep.Name]; ok && !upToDate(want, dep) {
-			condStatus, reason, msg = metav1.ConditionFalse, v1alpha1.ReasonRollingOut, "applying the new spec"
+		counts, condStatus, reason, msg := poolStatus(withOlder(dep, older))
+		if dep != nil {
+			if want, ok := desired[dep.Name]; ok && !upToDate(want, dep) {
+				condStatus, reason, msg = metav1.ConditionFalse, v1alpha1.ReasonRollingOut, "applying the new spec"
+			}
 		}
 		counts.ConnectorRestarts, counts.Gate = ps.ConnectorRestarts, ps.Gate
 		*c.out = counts
