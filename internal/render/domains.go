@@ -29,51 +29,61 @@ func DomainServiceName(service, domain string) string {
 	return service[:maxNameLength-len(h)-1] + "-" + h
 }
 
-// domainServices are the Services of each of domains for the revision rev whose pool
-// Services are named prefill and decode, and their hosts for router.json.
-func domainServices(pdc *v1alpha1.PDCluster, rev, prefill, decode string, domains []string) ([]Object, []routerconfig.DomainHosts) {
-	var objs []Object
-	var hosts []routerconfig.DomainHosts
-	for _, d := range domains {
-		h := routerconfig.DomainHosts{Domain: d}
-		for _, p := range []struct {
-			role v1alpha1.Role
-			name string
-			host *string
-		}{{v1alpha1.RolePrefill, prefill, &h.PrefillHost}, {v1alpha1.RoleDecode, decode, &h.DecodeHost}} {
-			svc := EngineService(pdc, p.role, rev, DomainServiceName(p.name, d))
-			svc.Labels[v1alpha1.LabelDomain] = d
-			svc.Spec.Selector[v1alpha1.LabelDomain] = d
-			*p.host = ServiceHost(pdc.Namespace, svc.Name)
-			objs = append(objs, svc)
-		}
-		hosts = append(hosts, h)
+// pairedRevision is a running revision whose pools get a Service per domain: its pool
+// Services' names, and which of serving.Old it is (-1: the update revision).
+type pairedRevision struct {
+	rev, prefill, decode string
+	old                  int
+}
+
+// pairedRevisions are the update revision and each older one that can be paired by domain;
+// none without pairing.
+func pairedRevisions(pdc *v1alpha1.PDCluster, rev string, serving Serving) []pairedRevision {
+	if pdc.Spec.Scheduling.Pairing == nil {
+		return nil
 	}
-	return objs, hosts
+	out := []pairedRevision{{rev, EngineObjectName(pdc.Name, v1alpha1.RolePrefill, rev, !serving.Suffixed), EngineObjectName(pdc.Name, v1alpha1.RoleDecode, rev, !serving.Suffixed), -1}}
+	for i, o := range serving.Old {
+		if o.PrefillHost == "" || o.DecodeHost == "" || o.Revision == UnlabelledRevision {
+			continue // a revision missing a pool serves nothing; one without labels cannot be told apart
+		}
+		out = append(out, pairedRevision{o.Revision, serviceName(pdc.Namespace, o.PrefillHost), serviceName(pdc.Namespace, o.DecodeHost), i})
+	}
+	return out
+}
+
+// domainHosts are router.json's domains of r.
+func domainHosts(namespace string, r pairedRevision, domains []string) []routerconfig.DomainHosts {
+	var out []routerconfig.DomainHosts
+	for _, d := range domains {
+		out = append(out, routerconfig.DomainHosts{Domain: d,
+			PrefillHost: ServiceHost(namespace, DomainServiceName(r.prefill, d)), DecodeHost: ServiceHost(namespace, DomainServiceName(r.decode, d))})
+	}
+	return out
+}
+
+// domainServices are the Services of each domain of each of revs.
+func domainServices(pdc *v1alpha1.PDCluster, revs []pairedRevision, domains []string) []Object {
+	var objs []Object
+	for _, r := range revs {
+		for _, d := range domains {
+			for _, p := range []struct {
+				role v1alpha1.Role
+				name string
+			}{{v1alpha1.RolePrefill, r.prefill}, {v1alpha1.RoleDecode, r.decode}} {
+				svc := EngineService(pdc, p.role, r.rev, DomainServiceName(p.name, d))
+				svc.Labels[v1alpha1.LabelDomain] = d
+				svc.Spec.Selector[v1alpha1.LabelDomain] = d
+				objs = append(objs, svc)
+			}
+		}
+	}
+	return objs
 }
 
 // serviceName is the Service name of a host ServiceHost made.
 func serviceName(namespace, host string) string {
 	return strings.TrimSuffix(host, "."+namespace+".svc")
-}
-
-// pairingObjects are the domain Services of the update revision and of each older one, and
-// router.json's domains for both.
-func pairingObjects(pdc *v1alpha1.PDCluster, rev string, serving Serving) ([]Object, []routerconfig.DomainHosts, [][]routerconfig.DomainHosts) {
-	if pdc.Spec.Scheduling.Pairing == nil {
-		return nil, nil, nil
-	}
-	objs, update := domainServices(pdc, rev,
-		EngineObjectName(pdc.Name, v1alpha1.RolePrefill, rev, !serving.Suffixed), EngineObjectName(pdc.Name, v1alpha1.RoleDecode, rev, !serving.Suffixed), serving.Domains)
-	old := make([][]routerconfig.DomainHosts, len(serving.Old))
-	for i, o := range serving.Old {
-		if o.PrefillHost == "" || o.DecodeHost == "" || o.Revision == UnlabelledRevision {
-			continue // a revision missing a pool serves nothing; one without labels cannot be told apart
-		}
-		more, hosts := domainServices(pdc, o.Revision, serviceName(pdc.Namespace, o.PrefillHost), serviceName(pdc.Namespace, o.DecodeHost), serving.Domains)
-		objs, old[i] = append(objs, more...), hosts
-	}
-	return objs, update, old
 }
 
 // UnlabelledRevision names, in router.json, the revision of pods made before the KV-revision

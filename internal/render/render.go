@@ -88,8 +88,7 @@ func RenderServing(pdc *v1alpha1.PDCluster, opts Options, serving Serving) ([]Ob
 			objs = append(objs, pdb)
 		}
 	}
-	domainObjs, _, _ := pairingObjects(pdc, rev, serving)
-	objs = append(objs, domainObjs...)
+	objs = append(objs, domainServices(pdc, pairedRevisions(pdc, rev, serving), serving.Domains)...)
 	if GateEnabled(pdc.Spec.KVTransfer) {
 		objs = append(objs, GateConfigMap(pdc))
 	}

@@ -43,12 +43,15 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster, serving Serving) (*corev1.ConfigMa
 		EnginePort:  vllm.APIPort,
 	}
 	if p := pdc.Spec.Scheduling.Pairing; p != nil {
-		_, domains, oldDomains := pairingObjects(pdc, rev, serving)
 		cfg.Pairing = &routerconfig.Pairing{Mode: routerconfig.PairingMode(p.Mode)}
-		cfg.Domains, update.Domains = domains, domains
 		old := slices.Clone(serving.Old)
-		for i := range old {
-			old[i].Domains = oldDomains[i]
+		for _, r := range pairedRevisions(pdc, rev, serving) {
+			hosts := domainHosts(pdc.Namespace, r, serving.Domains)
+			if r.old < 0 {
+				cfg.Domains, update.Domains = hosts, hosts
+			} else {
+				old[r.old].Domains = hosts
+			}
 		}
 		serving.Old = old
 	}
