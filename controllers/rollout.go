@@ -104,11 +104,12 @@ type engineRevisions struct {
 // running is what role's Deployment of the newest revision asks (the update revision's, else
 // the newest older one's); nil when role has none.
 func (e engineRevisions) running(role v1alpha1.Role) *int32 {
-	revs := slices.Clone(e.old)
-	slices.Reverse(revs)
-	for _, rev := range append([]*engineRevision{e.update}, revs...) {
-		if rev != nil && rev.dep(role) != nil {
-			return rev.dep(role).Spec.Replicas
+	if e.update != nil && e.update.dep(role) != nil {
+		return e.update.dep(role).Spec.Replicas
+	}
+	for _, rev := range slices.Backward(e.old) {
+		if d := rev.dep(role); d != nil {
+			return d.Spec.Replicas
 		}
 	}
 	return nil
@@ -121,7 +122,7 @@ func (r *PDClusterReconciler) observeEngineRevisions(ctx context.Context, pdc *v
 	if err := r.List(ctx, &deps, client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}); err != nil {
 		return engineRevisions{}, fmt.Errorf("list deployments: %w", err)
 	}
-	items := slices.Clone(deps.Items)
+	items := deps.Items
 	slices.SortFunc(items, func(a, b appsv1.Deployment) int {
 		return cmp.Or(a.CreationTimestamp.Compare(b.CreationTimestamp.Time), strings.Compare(a.Name, b.Name))
 	})
@@ -183,9 +184,6 @@ func (e engineRevisions) serving(pdc *v1alpha1.PDCluster) render.Serving {
 type rolloutStep struct {
 	update rollout.Counts
 	old    []rollout.Counts
-	// held: the router still runs a router.json without the update revision, so no older
-	// revision shrinks yet (the router would find none of its pods to send to).
-	held bool
 }
 
 // planRollout steps the update revision up and the older ones down, in lockstep within
@@ -196,19 +194,15 @@ func planRollout(pdc *v1alpha1.PDCluster, revs engineRevisions, target scaling.E
 		return rolloutStep{update: t}
 	}
 	in := rollout.Input{Target: t}
-	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		n := t.Prefill
-		if role == v1alpha1.RoleDecode {
-			n = t.Decode
-		}
-		surge, _ := intstr.GetScaledValueFromIntOrPercent(pdc.Spec.Rollout.MaxSurge, int(n), true)
-		unavailable, _ := intstr.GetScaledValueFromIntOrPercent(pdc.Spec.Rollout.MaxUnavailable, int(n), false)
-		if role == v1alpha1.RolePrefill {
-			in.MaxSurge.Prefill, in.MaxUnavailable.Prefill = int32(surge), int32(unavailable)
-		} else {
-			in.MaxSurge.Decode, in.MaxUnavailable.Decode = int32(surge), int32(unavailable)
-		}
+	// Resolved against each pool's target as a Deployment resolves them (spec.Validate has
+	// checked their form): surge rounded up, unavailable down.
+	bounds := func(n int32) (surge, unavailable int32) {
+		s, _ := intstr.GetScaledValueFromIntOrPercent(pdc.Spec.Rollout.MaxSurge, int(n), true)
+		u, _ := intstr.GetScaledValueFromIntOrPercent(pdc.Spec.Rollout.MaxUnavailable, int(n), false)
+		return int32(s), int32(u)
 	}
+	in.MaxSurge.Prefill, in.MaxUnavailable.Prefill = bounds(t.Prefill)
+	in.MaxSurge.Decode, in.MaxUnavailable.Decode = bounds(t.Decode)
 	if revs.update != nil {
 		in.Update = revs.update.counts()
 	}
@@ -218,7 +212,8 @@ func planRollout(pdc *v1alpha1.PDCluster, revs engineRevisions, target scaling.E
 	plan := rollout.Plan(in)
 	step := rolloutStep{update: plan.Update, old: plan.Old}
 	if !routerCurrent {
-		step.held = true
+		// The router still runs a router.json without the update revision: no older revision
+		// shrinks yet (the router would find none of the new pods to send to).
 		for i, o := range in.Old {
 			step.old[i] = o.Replicas
 		}
