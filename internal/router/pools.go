@@ -90,11 +90,7 @@ func ResolvePools(ctx context.Context, fc routerconfig.File, lookup Lookup) (Poo
 	var domains map[string]string
 	if fc.Pairing != nil {
 		domains = map[string]string{}
-		all := slices.Clone(fc.Domains)
-		for _, rh := range fc.Revisions {
-			all = append(all, rh.Domains...)
-		}
-		for _, dh := range all {
+		for _, dh := range fc.AllDomains() {
 			for _, host := range []string{dh.PrefillHost, dh.DecodeHost} {
 				in, err := decodeOf(host)
 				if err != nil && !notFound(err) {

@@ -292,7 +292,6 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", r.proxy)
 	// /health is liveness: the process serves. /ready is readiness: it also knows an engine of
 	// each pool, so a Ready PDCluster answers completions instead of 503.
-	mux.HandleFunc("GET "+routerconfig.PairsPath, r.servePairs)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /ready", func(w http.ResponseWriter, _ *http.Request) {
 		pools := r.pools.Load()
@@ -327,6 +326,7 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 		copyResponse(w, resp)
 	})
 	mux.HandleFunc("GET "+routerconfig.CanaryPath, r.serveCanary)
+	mux.HandleFunc("GET "+routerconfig.PairsPath, r.servePairs)
 	if gatherer != nil {
 		mux.Handle("GET /metrics", promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{}))
 	}

@@ -96,6 +96,15 @@ type DomainHosts struct {
 	DecodeHost  string `json:"decodeHost"`
 }
 
+// AllDomains are the domains' Services of every revision (or of the one set).
+func (f File) AllDomains() []DomainHosts {
+	all := slices.Clone(f.Domains)
+	for _, r := range f.Revisions {
+		all = append(all, r.Domains...)
+	}
+	return all
+}
+
 // PairingMode is how strictly a pair is kept in one domain.
 type PairingMode string
 
@@ -239,11 +248,7 @@ func (f File) Validate() error {
 	if p := f.Pairing; p != nil && p.Mode != PairingPreferred && p.Mode != PairingRequired {
 		return fmt.Errorf("pairing.mode must be %s or %s, got %q", PairingPreferred, PairingRequired, p.Mode)
 	}
-	domains := slices.Clone(f.Domains)
-	for _, r := range f.Revisions {
-		domains = append(domains, r.Domains...)
-	}
-	for _, d := range domains {
+	for _, d := range f.AllDomains() {
 		if d.Domain == "" || d.PrefillHost == "" || d.DecodeHost == "" {
 			return fmt.Errorf("each of domains needs domain, prefillHost and decodeHost, got %+v", d)
 		}
