@@ -20,13 +20,7 @@ import (
 // label), shortened with a hash of the whole name past 63 characters.
 func DomainServiceName(service, domain string) string {
 	sum := sha256.Sum256([]byte(domain))
-	full := service + "-" + hex.EncodeToString(sum[:])[:8]
-	if len(full) <= maxNameLength {
-		return full
-	}
-	sum = sha256.Sum256([]byte(full))
-	h := hex.EncodeToString(sum[:])[:10]
-	return service[:maxNameLength-len(h)-1] + "-" + h
+	return fitLabel(service, service+"-"+hex.EncodeToString(sum[:])[:8])
 }
 
 // pairedRevision is a running revision whose pools get a Service per domain: its pool

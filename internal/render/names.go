@@ -72,17 +72,22 @@ func EngineObjectName(cluster string, role v1alpha1.Role, rev string, base bool)
 	if base {
 		return name
 	}
-	full := name + "-" + rev
+	return fitLabel(name, name+"-"+rev)
+}
+
+// maxNameLength is a DNS label's.
+const maxNameLength = 63
+
+// fitLabel is full, the name prefix with a suffix, when it fits a DNS label; else prefix cut
+// short and a hash of full, which keeps apart two names that share the kept part.
+func fitLabel(prefix, full string) string {
 	if len(full) <= maxNameLength {
 		return full
 	}
 	sum := sha256.Sum256([]byte(full))
 	h := hex.EncodeToString(sum[:])[:10]
-	return name[:maxNameLength-len(h)-1] + "-" + h
+	return prefix[:min(len(prefix), maxNameLength-len(h)-1)] + "-" + h
 }
-
-// maxNameLength is a DNS label's.
-const maxNameLength = 63
 
 // Labels are the selector labels of role's pods in cluster.
 func Labels(cluster string, role v1alpha1.Role) map[string]string {
