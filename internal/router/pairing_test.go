@@ -2,6 +2,7 @@ package router
 
 import (
 	"encoding/json"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -121,5 +122,66 @@ func TestPairingByDomain(t *testing.T) {
 	}
 	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusServiceUnavailable || !strings.Contains(body, "no topology domain has a ready engine in both pools") {
 		t.Errorf("Required, no rack with both pools: got %d %s, want 503 saying why", code, body)
+	}
+}
+
+// Required pairing during a KV rollout: a domain pairs only engines of one revision. Racks
+// that hold both pools only across two revisions pair nothing, so /ready says not ready; a
+// revision without a pairable domain gets no request while another has one.
+func TestRequiredPairingWithinOneRevision(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("old-p", "new-p", "new-p2"), engines("old-d", "new-d")
+	for _, e := range prefill {
+		e.do = prefillOK(kv)
+	}
+	for _, e := range decode {
+		e.do = decodeOK(kv)
+	}
+	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
+	f.r.cfg.Pairing = routerconfig.PairingRequired
+	rack := map[string]string{prefill[0].url: "a", decode[0].url: "b", prefill[1].url: "b", decode[1].url: "a", prefill[2].url: "a"}
+	rev := func(name string, p []*testEngine, d ...*testEngine) Revision {
+		out := Revision{Name: name}
+		for _, e := range p {
+			out.Prefill = append(out.Prefill, Prefill{URL: e.url})
+		}
+		for _, e := range d {
+			out.Decode = append(out.Decode, e.url)
+		}
+		return out
+	}
+	ready := func() (int, string) {
+		resp, err := http.Get(f.url + "/ready")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+
+	// old: prefill in a, decode in b; new: prefill in b, decode in a. Each rack has both pools,
+	// but only across the two revisions.
+	if err := f.r.SetPools(Pools{Domains: rack, Revisions: []Revision{rev("old", prefill[:1], decode[0]), rev("new", prefill[1:2], decode[1])}}); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := ready(); code != http.StatusServiceUnavailable || !strings.Contains(body, "no topology domain") {
+		t.Errorf("/ready with racks pairable only across revisions: %d %s, want 503 saying why", code, body)
+	}
+	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusServiceUnavailable {
+		t.Errorf("request with racks pairable only across revisions: %d %s, want 503", code, body)
+	}
+
+	// new gains a prefill in rack a: it pairs there; old still cannot, and must get nothing.
+	if err := f.r.SetPools(Pools{Domains: rack, Revisions: []Revision{rev("old", prefill[:1], decode[0]), rev("new", prefill[1:], decode[1])}}); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := ready(); code != http.StatusOK {
+		t.Errorf("/ready with revision new pairable in rack a: %d %s", code, body)
+	}
+	for range 40 {
+		if d, p := f.sendPair(t); d != "new-d" || p != "new-p2" {
+			t.Fatalf("request paired %s with %s, want new-d with new-p2 (the only pair within a rack and a revision)", d, p)
+		}
 	}
 }

@@ -34,9 +34,12 @@ type Revision struct {
 	Prefill []Prefill
 	Decode  []string
 
-	// Set by SetPools: the revision's pools as a request uses them, and its request counter.
+	// Set by SetPools: the revision's pools as a request uses them, its request counter, and
+	// whether a request can go to it (both pools, and under Required pairing a domain with
+	// both within the revision).
 	pools    *Pools
 	requests prometheus.Counter
+	takes    bool
 }
 
 // serves reports whether the revision has an engine in both pools.

@@ -5,9 +5,12 @@ package router
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // byRevision counts the requests sent to each KV revision.
@@ -16,21 +19,25 @@ var byRevisionOpts = prometheus.CounterOpts{
 	Help: "Requests sent to the engines of each KV revision (a request's prefill and decode always share one).",
 }
 
-// pickRevision chooses the KV revision a request goes to, among those with an engine in both
-// pools, at random weighted by their engines (so traffic follows the ready pods as a rollout
-// moves them), and returns its pools. nil, with the reason, when no revision has both.
+// pickRevision chooses the KV revision a request goes to, among those that take one (an engine
+// in both pools; under Required pairing, in one domain), at random weighted by their engines
+// (so traffic follows the ready pods as a rollout moves them), and returns its pools. nil,
+// with the reason, when none does.
 func (r *Router) pickRevision(all *Pools) (*Pools, string) {
-	if len(all.Revisions) == 1 && all.Revisions[0].serves() {
+	if len(all.Revisions) == 1 && all.Revisions[0].takes {
 		all.Revisions[0].requests.Inc()
 		return all.Revisions[0].pools, ""
 	}
 	total := 0
 	for i := range all.Revisions {
-		if rev := &all.Revisions[i]; rev.serves() {
+		if rev := &all.Revisions[i]; rev.takes {
 			total += len(rev.Prefill) + len(rev.Decode)
 		}
 	}
 	if total == 0 {
+		if r.cfg.Pairing == routerconfig.PairingRequired && slices.ContainsFunc(all.Revisions, func(rev Revision) bool { return rev.serves() }) {
+			return nil, noPairableDomain
+		}
 		var parts []string
 		for _, rev := range all.Revisions {
 			parts = append(parts, fmt.Sprintf("%s: %d prefill, %d decode", rev.Name, len(rev.Prefill), len(rev.Decode)))
@@ -41,7 +48,7 @@ func (r *Router) pickRevision(all *Pools) (*Pools, string) {
 	n := rand.IntN(total)
 	for i := range all.Revisions {
 		rev := &all.Revisions[i]
-		if !rev.serves() {
+		if !rev.takes {
 			continue
 		}
 		if n -= len(rev.Prefill) + len(rev.Decode); n < 0 {

@@ -281,6 +281,10 @@ func (r *Router) SetPools(p Pools) error {
 			rev.pairable = domainsOf(rev)
 		}
 	}
+	for i := range p.Revisions {
+		rev := &p.Revisions[i]
+		rev.takes = rev.serves() && (r.cfg.Pairing != routerconfig.PairingRequired || len(rev.pools.pairable) > 0)
+	}
 	r.pools.Store(&p)
 	return nil
 }
@@ -305,7 +309,10 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 			writeError(w, http.StatusServiceUnavailable, "no KV revision has an engine in both pools yet")
 			return
 		}
-		if r.cfg.Pairing == routerconfig.PairingRequired && len(pools.pairable) == 0 && !slices.ContainsFunc(pools.Revisions, func(rev Revision) bool { return len(rev.pools.pairable) > 0 }) {
+		// Under Required pairing, a domain with both pools: within one revision when there are
+		// revisions (engines of two revisions in one rack pair nothing).
+		if r.cfg.Pairing == routerconfig.PairingRequired && (len(pools.Revisions) == 0 && len(pools.pairable) == 0 ||
+			len(pools.Revisions) > 0 && !slices.ContainsFunc(pools.Revisions, func(rev Revision) bool { return rev.takes })) {
 			writeError(w, http.StatusServiceUnavailable, noPairableDomain)
 			return
 		}
