@@ -65,9 +65,9 @@ type Registry struct {
 // bootstrap server takes any rank and address from anyone who reaches it, so a stranger could
 // add a rank of its own to a real engine, and decode would pull from it.
 type RegistryLimits struct {
-	// TP and PP, when set, are the engine's tensor- and pipeline-parallel sizes: a rank past
-	// them is refused.
-	TP, PP int
+	// DP, TP and PP, when set, are the engine's data-, tensor- and pipeline-parallel sizes
+	// (DP: the ranks this server's pod runs): a rank past them is refused.
+	DP, TP, PP int
 	// SameHost refuses an address whose host is not the one the registration came from: a
 	// worker registers its own transfer engine.
 	SameHost bool
@@ -78,6 +78,9 @@ func NewRegistry() *Registry { return &Registry{topo: Topology{}} }
 
 // admit applies the limits to reg, registered over HTTP from remote (host:port).
 func (l RegistryLimits) admit(reg Registration, remote string) error {
+	if l.DP > 0 && reg.DPRank >= l.DP {
+		return fmt.Errorf("dp_rank=%d: this engine has %d data-parallel ranks", reg.DPRank, l.DP)
+	}
 	if l.TP > 0 && reg.TPRank >= l.TP {
 		return fmt.Errorf("tp_rank=%d: this engine has %d tensor-parallel ranks", reg.TPRank, l.TP)
 	}

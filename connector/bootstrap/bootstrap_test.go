@@ -231,6 +231,8 @@ func TestRegistryLimits(t *testing.T) {
 		{"own rank, own host", RegistryLimits{TP: 2, PP: 1, SameHost: true}, `{"engine_id":"e","tp_rank":1,"addr":"tcp://127.0.0.1:7"}`, http.StatusOK},
 		{"tp rank past the engine's", RegistryLimits{TP: 2, PP: 1}, `{"engine_id":"e","tp_rank":2,"addr":"tcp://127.0.0.1:7"}`, http.StatusForbidden},
 		{"pp rank past the engine's", RegistryLimits{TP: 2, PP: 1}, `{"engine_id":"e","pp_rank":1,"addr":"tcp://127.0.0.1:7"}`, http.StatusForbidden},
+		{"own dp rank", RegistryLimits{DP: 2}, `{"engine_id":"e","dp_rank":1,"addr":"tcp://127.0.0.1:7"}`, http.StatusOK},
+		{"dp rank past the pod's", RegistryLimits{DP: 2}, `{"engine_id":"e","dp_rank":2,"addr":"tcp://127.0.0.1:7"}`, http.StatusForbidden},
 		{"another host's address", RegistryLimits{SameHost: true}, `{"engine_id":"e","addr":"tcp://10.9.9.9:7"}`, http.StatusForbidden},
 		{"a name, not an address", RegistryLimits{SameHost: true}, `{"engine_id":"e","addr":"tcp://localhost:7"}`, http.StatusForbidden},
 	}

@@ -80,7 +80,10 @@ type Report struct {
 	PluginVersion string `json:"plugin_version"`
 	Role          string `json:"role"`
 	PID           int    `json:"pid"`
-	Counts        Counts `json:"counts"`
+	// DPRank is the data-parallel rank of the engine whose scheduler reports: vLLM runs one
+	// EngineCore, so one gate, per rank (0 from a plugin that does not say).
+	DPRank int    `json:"dp_rank"`
+	Counts Counts `json:"counts"`
 	// HeldSends is how many requests' KV blocks a producer holds for pulls not made yet (a
 	// consumer's are 0); nil from a plugin that does not count them.
 	HeldSends *int64 `json:"held_sends,omitempty"`

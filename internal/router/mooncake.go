@@ -7,9 +7,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
+	"math/rand/v2"
 	"net/http"
-	"slices"
 	"time"
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -103,7 +102,8 @@ func (r *Router) mooncake(a *attempt) *legError {
 	return a.relay(resp)
 }
 
-// engine picks the first data-parallel rank registered at the prefill's bootstrap registry.
+// engine picks a data-parallel rank registered at the prefill's bootstrap registry, and its
+// engine id.
 func (r *Router) engine(ctx context.Context, addr string) (engineID, dp string, err error) {
 	topo, err := r.boot.Query(ctx, addr)
 	if err != nil {
@@ -113,6 +113,14 @@ func (r *Router) engine(ctx context.Context, addr string) (engineID, dp string, 
 		r.boot.Invalidate(addr)
 		return "", "", errors.New("no prefill worker registered yet")
 	}
-	dp = slices.Min(slices.Collect(maps.Keys(topo)))
-	return topo[dp].EngineID, dp, nil
+	// A producer runs an engine per data-parallel rank: requests go to them at random, each
+	// prefill leg pinned (X-data-parallel-rank) to the rank whose engine id decode is given.
+	k := rand.IntN(len(topo))
+	for dp, e := range topo {
+		if k == 0 {
+			return e.EngineID, dp, nil
+		}
+		k--
+	}
+	return "", "", errors.New("unreachable")
 }

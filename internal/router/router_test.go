@@ -2,6 +2,7 @@ package router
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -322,5 +323,70 @@ func TestLatencyHistograms(t *testing.T) {
 				t.Errorf("NIXL's first byte (%.3fs) came before its prefill leg ended (%.3fs)", first, prefill)
 			}
 		})
+	}
+}
+
+// A Mooncake prefill engine with several data-parallel ranks (one engine id each in its
+// bootstrap registry) gets requests on every rank, each prefill leg pinned with
+// X-data-parallel-rank to the rank whose engine id the decode leg names.
+func TestMooncakeSpreadsOverDataParallelRanks(t *testing.T) {
+	const ranks = 12 // past 10, where ranks sorted as strings and as numbers differ
+	reg := bootstrap.NewRegistry()
+	for dp := range ranks {
+		if err := reg.Register(bootstrap.Registration{EngineID: fmt.Sprintf("engine-%d", dp), DPRank: dp, Addr: fmt.Sprintf("tcp://p:%d", dp+1)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p, d := &fakeEngine{}, &fakeEngine{reply: `{"choices":[{"text":"ok"}]}`}
+	boot, ps, ds := httptest.NewServer(reg.Handler()), httptest.NewServer(p), httptest.NewServer(d)
+	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
+	r, err := New(Config{Flow: routerconfig.FlowMooncake}, logr.Discard(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(r.Handler(nil))
+	t.Cleanup(srv.Close)
+	const n = 30 * ranks
+	for range n {
+		if code, body := send(t, srv.URL, `{"prompt":"hi","max_tokens":4}`); code != http.StatusOK {
+			t.Fatalf("got %d %s", code, body)
+		}
+	}
+	// The prefill legs run beside the decode legs: wait for all of them.
+	for range 200 {
+		p.mu.Lock()
+		got := len(p.got)
+		p.mu.Unlock()
+		if got == n {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	rankOf := map[string]string{} // transfer id -> the prefill leg's rank
+	byRank := map[string]int{}
+	for _, s := range p.got {
+		kv, _ := s.body["kv_transfer_params"].(map[string]any)
+		rank := s.headers.Get("X-data-parallel-rank")
+		rankOf[fmt.Sprint(kv["transfer_id"])] = rank
+		byRank[rank]++
+	}
+	for _, s := range d.got {
+		kv, _ := s.body["kv_transfer_params"].(map[string]any)
+		if rank, want := rankOf[fmt.Sprint(kv["transfer_id"])], kv["remote_engine_id"]; "engine-"+rank != want {
+			t.Fatalf("decode pulls from %v, but its prefill leg was pinned to dp rank %q", want, rank)
+		}
+	}
+	for dp := range ranks {
+		// Uniform would give 30 each; fewer than 10 is one chance in millions.
+		if got := byRank[fmt.Sprint(dp)]; got < 10 {
+			t.Errorf("dp rank %d got %d of %d prefill legs (by rank %v), want its share", dp, got, n, byRank)
+		}
 	}
 }

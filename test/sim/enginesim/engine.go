@@ -61,7 +61,10 @@ type Config struct {
 	// Connector names the connector whose vLLM transfer counters the engine exports
 	// ("mooncake", "nixl"; "" none): failed receives on decode, expired held requests on prefill.
 	Connector string
-	Log       logr.Logger
+	// DPRank is the engine's data-parallel rank as its worker registers it (and vLLM's
+	// metrics' engine label): a `vllm serve` with --data-parallel-size N runs N engines.
+	DPRank int
+	Log    logr.Logger
 }
 
 // Engine is one simulated vLLM engine.

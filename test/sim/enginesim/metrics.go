@@ -1,6 +1,8 @@
 package enginesim
 
 import (
+	"strconv"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -21,16 +23,17 @@ var connectorCounters = map[string][2]*prometheus.Desc{
 		prometheus.NewDesc(vllm.MetricNixlExpired, "Number of requests that had their KV expire.", []string{"model_name", "engine"}, nil)},
 }
 
-// Collector exports what the engine counted under vLLM's metric names: the prompt tokens by
-// source as the scheduler model counted them when each prefill ran, and the connector's
-// failed receives and expired requests as its transfer engine reported them.
-func (e *Engine) Collector() prometheus.Collector { return engineCollector{e} }
+// Collector exports what the engines counted (one per data-parallel rank of a `vllm serve`,
+// each under its rank's engine label) under vLLM's metric names: the prompt tokens by source
+// as the scheduler model counted them when each prefill ran, and the connector's failed
+// receives and expired requests as its transfer engine reported them.
+func Collector(engines ...*Engine) prometheus.Collector { return engineCollector(engines) }
 
-type engineCollector struct{ e *Engine }
+type engineCollector []*Engine
 
 func (c engineCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- promptTokensDesc
-	if ds, ok := connectorCounters[c.e.cfg.Connector]; ok {
+	if ds, ok := connectorCounters[c[0].cfg.Connector]; ok {
 		for _, d := range ds {
 			ch <- d
 		}
@@ -38,12 +41,14 @@ func (c engineCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
-	t := c.e.sched.Stats().Tokens
-	for source, n := range map[string]uint64{vllm.SourceLocalCompute: t.LocalCompute, vllm.SourceLocalCacheHit: t.LocalCacheHit, vllm.SourceExternalKV: t.ExternalKV} {
-		ch <- prometheus.MustNewConstMetric(promptTokensDesc, prometheus.CounterValue, float64(n), c.e.cfg.Model, "0", source)
-	}
-	if d, ok := connectorCounters[c.e.cfg.Connector]; ok {
-		ch <- prometheus.MustNewConstMetric(d[0], prometheus.CounterValue, float64(c.e.failedRecvs.Load()), c.e.cfg.Model, "0")
-		ch <- prometheus.MustNewConstMetric(d[1], prometheus.CounterValue, float64(c.e.expired.Load()), c.e.cfg.Model, "0")
+	for _, e := range c {
+		t, rank := e.sched.Stats().Tokens, strconv.Itoa(e.cfg.DPRank)
+		for source, n := range map[string]uint64{vllm.SourceLocalCompute: t.LocalCompute, vllm.SourceLocalCacheHit: t.LocalCacheHit, vllm.SourceExternalKV: t.ExternalKV} {
+			ch <- prometheus.MustNewConstMetric(promptTokensDesc, prometheus.CounterValue, float64(n), e.cfg.Model, rank, source)
+		}
+		if d, ok := connectorCounters[e.cfg.Connector]; ok {
+			ch <- prometheus.MustNewConstMetric(d[0], prometheus.CounterValue, float64(e.failedRecvs.Load()), e.cfg.Model, rank)
+			ch <- prometheus.MustNewConstMetric(d[1], prometheus.CounterValue, float64(e.expired.Load()), e.cfg.Model, rank)
+		}
 	}
 }

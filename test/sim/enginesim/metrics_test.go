@@ -15,7 +15,7 @@ func TestCollectorRegisters(t *testing.T) {
 			t.Fatal(err)
 		}
 		reg := prometheus.NewRegistry()
-		if err := reg.Register(e.Collector()); err != nil {
+		if err := reg.Register(Collector(e)); err != nil {
 			t.Fatalf("connector %q: %v", connector, err)
 		}
 		mfs, err := reg.Gather()

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -307,7 +308,7 @@ func (e *Engine) producedParams(r *request, body *CompletionRequest) *KVTransfer
 	}
 }
 
-// engineIDOf asks the bootstrap registry for this producer's engine id (dp rank 0).
+// engineIDOf asks the bootstrap registry for this producer's engine id (its dp rank's).
 func (e *Engine) engineIDOf() string {
 	if e.cfg.BootstrapAddr == "" {
 		return ""
@@ -316,7 +317,7 @@ func (e *Engine) engineIDOf() string {
 	if err != nil {
 		return ""
 	}
-	return t["0"].EngineID
+	return t[strconv.Itoa(e.cfg.DPRank)].EngineID
 }
 
 func (e *Engine) stream(w http.ResponseWriter, hr *http.Request, r *request, body *CompletionRequest, chat bool) {

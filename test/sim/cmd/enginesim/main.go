@@ -109,7 +109,7 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 	if err != nil {
 		return err
 	}
-	if err := metrics.Register(e.Collector()); err != nil {
+	if err := metrics.Register(enginesim.Collector(e)); err != nil {
 		return err
 	}
 	go e.Run(ctx)

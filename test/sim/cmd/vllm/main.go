@@ -39,6 +39,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -101,6 +102,9 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 	defer stopEngine()
 	cfg := enginesim.Config{Model: s.ServedModelName, BlockSize: s.BlockSize, MaxModelLen: s.MaxModelLen,
 		PrefixCaching: s.PrefixCaching, Policy: vllmsched.PolicyFail, StepTime: 2 * time.Millisecond, Log: log}
+	// One engine per data-parallel rank, as vLLM runs one EngineCore (with its own KV cache,
+	// scheduler and connector worker) per rank behind one API server.
+	ranks := max(s.DataParallel, 1)
 	var conn vllmcli.Connector
 	var format string // the KV format, with a connector
 	var listeners []net.Listener
@@ -117,9 +121,21 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 		listeners = append(listeners, l)
 		return l, nil
 	}
-	var registry *bootstrap.Registry
 	metrics := prometheus.NewRegistry()
+	// rankMetrics is where a rank's transfer engine registers: with several ranks, each under
+	// its engine label, as vLLM labels its metrics.
+	rankMetrics := func(rank int) prometheus.Registerer {
+		if ranks == 1 {
+			return metrics
+		}
+		return prometheus.WrapRegistererWith(prometheus.Labels{"engine": strconv.Itoa(rank)}, metrics)
+	}
 	sidecarURL := envOr(getenv, "PDCLUSTER_CONNECTOR_URL", "unix:///var/run/pdcluster/agent.sock")
+	cfgs := make([]enginesim.Config, ranks)
+	for rank := range cfgs {
+		cfgs[rank] = cfg
+		cfgs[rank].DPRank = rank
+	}
 	if kv := s.KVTransfer; kv != nil {
 		var err error
 		if conn, err = vllmcli.LoadConnector(kv, getenv("PYTHONPATH")); err != nil {
@@ -148,22 +164,35 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 		if err != nil {
 			return err
 		}
-		transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{
-			Role: cfg.Role, Log: log.WithName("transfer"), KVFormat: format,
-			Blocks: blocks, BlockBytes: blockBytes, DataListen: net.JoinHostPort(host, "0"),
-			Consumer: agent.ConsumerConfig{OnTransfer: onTransfer},
-		}, metrics)
-		if err != nil {
-			return err
-		}
-		defer transfer.Close()
-		cfg.Agent, cfg.KV, cfg.Capacity = transfer.URL, transfer.KV, blocks
-
 		producer := cfg.Role == vllm.KVProducer
-		if producer {
-			if registry, err = transfer.Registry(s.TensorParallel, s.PipelineParallel); err != nil {
+		// registry is the pod's Mooncake bootstrap registry, where every rank's worker
+		// registers; NIXL's side channel of each rank answers with that rank's alone.
+		registry := bootstrap.NewRegistry()
+		registry.Limits = bootstrap.RegistryLimits{DP: ranks, TP: max(s.TensorParallel, 1), PP: max(s.PipelineParallel, 1), SameHost: true}
+		sides := make([]*bootstrap.Registry, ranks)
+		for rank := range ranks {
+			transfer, err := agent.StartInProcess(ctx, agent.InProcessConfig{
+				Role: cfg.Role, Log: log.WithName("transfer").WithValues("dpRank", rank), KVFormat: format,
+				Blocks: blocks, BlockBytes: blockBytes, DataListen: net.JoinHostPort(host, "0"),
+				Producer: agent.ProducerConfig{DPRank: rank},
+				Consumer: agent.ConsumerConfig{OnTransfer: onTransfer(rank)},
+			}, rankMetrics(rank))
+			if err != nil {
 				return err
 			}
+			defer transfer.Close()
+			sides[rank] = bootstrap.NewRegistry() // a consumer answers handshakes with its own (empty) metadata
+			if producer {
+				sides[rank].Limits = registry.Limits
+				for _, r := range []*bootstrap.Registry{registry, sides[rank]} {
+					if err := r.Register(transfer.Producer.Registration()); err != nil {
+						return fmt.Errorf("register the transfer engine of dp rank %d: %w", rank, err)
+					}
+				}
+			}
+			c := cfg
+			c.DPRank, c.Agent, c.KV, c.Capacity = rank, transfer.URL, transfer.KV, blocks
+			cfgs[rank] = c
 		}
 		switch conn.Flow {
 		case vllmcli.FlowMooncake:
@@ -174,7 +203,9 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 					return err
 				}
 				go serveHTTP(ctx, l, registry.Handler())
-				cfg.BootstrapAddr = "http://" + net.JoinHostPort("127.0.0.1", port)
+				for rank := range cfgs {
+					cfgs[rank].BootstrapAddr = "http://" + net.JoinHostPort("127.0.0.1", port)
+				}
 			}
 		case vllmcli.FlowNixl:
 			host := envOr(getenv, vllm.EnvNixlSideChannelHost, "localhost")
@@ -182,31 +213,32 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 			if err != nil {
 				return fmt.Errorf("VLLM_NIXL_SIDE_CHANNEL_PORT: %w", err)
 			}
-			side := registry
-			if side == nil {
-				side = bootstrap.NewRegistry() // a consumer answers handshakes with its own (empty) metadata
-			}
-			for rank := range s.DataParallel {
-				l, err := listen(net.JoinHostPort(host, strconv.Itoa(base+rank)), fmt.Sprintf("NIXL side channel of dp rank %d", rank))
+			for rank := range ranks {
+				port := strconv.Itoa(base + rank)
+				l, err := listen(net.JoinHostPort(host, port), fmt.Sprintf("NIXL side channel of dp rank %d", rank))
 				if err != nil {
 					return err
 				}
-				go serveHTTP(ctx, l, side.Handler())
+				go serveHTTP(ctx, l, sides[rank].Handler())
+				// What prefill hands decode in kv_transfer_params (remote_host, remote_port).
+				cfgs[rank].BootstrapAddr = "http://" + net.JoinHostPort(host, port)
 			}
-			// What prefill hands decode in kv_transfer_params (remote_host, remote_port).
-			cfg.BootstrapAddr = "http://" + net.JoinHostPort(host, strconv.Itoa(base))
 		}
 	}
-	if cfg.Capacity == 0 {
-		cfg.Capacity = 4096
+	engines := make([]*enginesim.Engine, ranks)
+	for rank, c := range cfgs {
+		if c.Capacity == 0 {
+			c.Capacity = 4096
+		}
+		c.DropKVTransferParams = getenv(dropKVParamsEnv) == "1"
+		c.Connector = map[vllmcli.Flow]string{vllmcli.FlowMooncake: "mooncake", vllmcli.FlowNixl: "nixl"}[conn.Flow]
+		e, err := enginesim.New(c)
+		if err != nil {
+			return err
+		}
+		engines[rank] = e
 	}
-	cfg.DropKVTransferParams = getenv(dropKVParamsEnv) == "1"
-	cfg.Connector = map[vllmcli.Flow]string{vllmcli.FlowMooncake: "mooncake", vllmcli.FlowNixl: "nixl"}[conn.Flow]
-	e, err := enginesim.New(cfg)
-	if err != nil {
-		return err
-	}
-	if err := metrics.Register(e.Collector()); err != nil {
+	if err := metrics.Register(enginesim.Collector(engines...)); err != nil {
 		return err
 	}
 	api, err := listen(net.JoinHostPort(s.Host, strconv.Itoa(s.Port)), "OpenAI API server")
@@ -214,25 +246,32 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 		return err
 	}
 	if conn.File != "" && conn.Class != "" && getenv(silentGateEnv) != "1" {
-		go heartbeat(ctx, sidecarURL, conn, string(cfg.Role), e)
+		go heartbeat(ctx, sidecarURL, conn, string(cfg.Role), engines)
 	}
-	go e.Run(ctx)
-	h := e.Handler()
+	for _, e := range engines {
+		go e.Run(ctx)
+	}
 	mux := http.NewServeMux()
-	mux.Handle("/", h)
+	mux.Handle("/", enginesim.DataParallel(engines))
 	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
-	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role, "kvFormat", format)
+	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role, "kvFormat", format, "dataParallelRanks", ranks)
 	drain := time.Duration(s.ShutdownTimeout) * time.Second
 	serveHTTPFor(shutdown, api, mux, drain)
+	held := func() (n int) {
+		for _, e := range engines {
+			n += e.HeldSends()
+		}
+		return n
+	}
 	if drain > 0 {
-		log.Info("[shutdown] EngineCore: start mode=drain", "timeout", drain, "heldSends", e.HeldSends())
+		log.Info("[shutdown] EngineCore: start mode=drain", "timeout", drain, "heldSends", held())
 		deadline := time.Now().Add(drain)
-		for e.HasWork() && time.Now().Before(deadline) {
+		for slices.ContainsFunc(engines, (*enginesim.Engine).HasWork) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
-		log.Info("[shutdown] EngineCore: drain ended", "heldSends", e.HeldSends(), "work left", e.HasWork())
+		log.Info("[shutdown] EngineCore: drain ended", "heldSends", held(), "work left", slices.ContainsFunc(engines, (*enginesim.Engine).HasWork))
 	} else {
-		log.Info("[shutdown] EngineCore: start mode=abort", "heldSends", e.HeldSends())
+		log.Info("[shutdown] EngineCore: start mode=abort", "heldSends", held())
 	}
 	return nil
 }
@@ -252,16 +291,17 @@ func kvFormat(s *vllmcli.Serve, getenv func(string) string) string {
 }
 
 // transferHistograms registers vLLM's per-transfer histograms of the connector (duration and
-// bytes, by model_name and engine) and returns what records a transfer in them. The stand-in
-// records on decode, which pulls; vLLM's Mooncake records on the prefill that writes, NIXL on
-// the decode that reads: the operator sums both pools, so only the names and units matter.
-func transferHistograms(reg prometheus.Registerer, flow vllmcli.Flow, model string) (func(time.Duration, int), error) {
+// bytes, by model_name and engine: the dp rank) and returns what records a transfer of a rank
+// in them. The stand-in records on decode, which pulls; vLLM's Mooncake records on the prefill
+// that writes, NIXL on the decode that reads: the operator sums both pools, so only the names
+// and units matter.
+func transferHistograms(reg prometheus.Registerer, flow vllmcli.Flow, model string) (func(rank int) func(time.Duration, int), error) {
 	names := map[vllmcli.Flow][2]string{
 		vllmcli.FlowMooncake: {vllm.MetricMooncakeXferSeconds, vllm.MetricMooncakeBytes},
 		vllmcli.FlowNixl:     {vllm.MetricNixlXferSeconds, vllm.MetricNixlBytes},
 	}[flow]
 	if names[0] == "" {
-		return nil, nil
+		return func(int) func(time.Duration, int) { return nil }, nil
 	}
 	secs := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: names[0], Help: "Histogram of transfer duration for KV Cache transfers.",
 		Buckets: prometheus.ExponentialBuckets(0.0001, 4, 10)}, []string{"model_name", "engine"})
@@ -272,10 +312,12 @@ func transferHistograms(reg prometheus.Registerer, flow vllmcli.Flow, model stri
 			return nil, err
 		}
 	}
-	s, b := secs.WithLabelValues(model, "0"), bytes.WithLabelValues(model, "0")
-	return func(d time.Duration, n int) {
-		s.Observe(d.Seconds())
-		b.Observe(float64(n))
+	return func(rank int) func(time.Duration, int) {
+		s, b := secs.WithLabelValues(model, strconv.Itoa(rank)), bytes.WithLabelValues(model, strconv.Itoa(rank))
+		return func(d time.Duration, n int) {
+			s.Observe(d.Seconds())
+			b.Observe(float64(n))
+		}
 	}, nil
 }
 
@@ -325,15 +367,17 @@ func hostIP(getenv func(string) string) string {
 	return "127.0.0.1"
 }
 
-// heartbeat reports the loaded gate to the sidecar every 5 s, as pdgate's Reporter does, with
-// the counts of what this engine's gate kept from its scheduler and passed.
-func heartbeat(ctx context.Context, agent string, conn vllmcli.Connector, role string, e *enginesim.Engine) {
+// heartbeat reports each rank's gate to the sidecar every 5 s, as pdgate's Reporter does in
+// each EngineCore (one per data-parallel rank, each with its own scheduler): the counts of what
+// that engine's gate kept from its scheduler and passed.
+func heartbeat(ctx context.Context, agent string, conn vllmcli.Connector, role string, engines []*enginesim.Engine) {
 	c := newSidecar(agent)
 	for ctx.Err() == nil {
-		counts := e.GateCounts()
-		held := int64(e.HeldSends())
-		_ = c.gate(ctx, vllm.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllm.Hash(), Role: role, PID: os.Getpid(),
-			Counts: counts, HeldSends: &held})
+		for rank, e := range engines {
+			held := int64(e.HeldSends())
+			_ = c.gate(ctx, vllm.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllm.Hash(), Role: role, PID: os.Getpid(),
+				DPRank: rank, Counts: e.GateCounts(), HeldSends: &held})
+		}
 		select {
 		case <-ctx.Done():
 		case <-time.After(5 * time.Second):

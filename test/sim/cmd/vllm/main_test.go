@@ -446,3 +446,57 @@ func TestPullAcrossKVFormatsFailsLoudly(t *testing.T) {
 		})
 	}
 }
+
+// As vLLM with --data-parallel-size: one engine per rank behind one API server, each with its
+// own engine id and transfer engine in the pod's one Mooncake bootstrap server; a request
+// pinned with X-data-parallel-rank runs on that rank's engine (its prompt counted under its
+// engine label) and its KV is pulled through that rank's engine id; a rank out of range is
+// refused with vLLM's 400.
+func TestDataParallelRanksAreEnginesOfTheirOwn(t *testing.T) {
+	p := startPair(t, []string{"--data-parallel-size=2"}, nil)
+	topo := query(t, fmt.Sprintf("http://127.0.0.1:%d/query", p.boot))
+	if len(topo) != 2 || topo["0"].EngineID == topo["1"].EngineID || topo["0"].WorkerAddr["0"]["0"] == topo["1"].WorkerAddr["0"]["0"] {
+		t.Fatalf("bootstrap /query = %+v, want dp ranks 0 and 1, each with its own engine id and transfer engine", topo)
+	}
+	pinned := func(rank, transfer string) (int, string) {
+		body := `{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("word ", 40) + `","kv_transfer_params":` +
+			fmt.Sprintf(`{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":%q}`, transfer) + `}`
+		req, _ := http.NewRequest(http.MethodPost, p.prefill+"/v1/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("X-data-parallel-rank", rank)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	localTokens := func(rank string) string {
+		resp, err := http.Get(p.prefill + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		for line := range strings.Lines(string(b)) {
+			if strings.HasPrefix(line, "vllm:prompt_tokens_by_source_total{") && strings.Contains(line, `engine="`+rank+`"`) && strings.Contains(line, `source="local_compute"`) {
+				return strings.TrimSpace(line[strings.LastIndex(line, " "):])
+			}
+		}
+		return ""
+	}
+	if code, body := pinned("1", "xfer-r1"); code != http.StatusOK {
+		t.Fatalf("prefill pinned to dp rank 1: %d %s", code, body)
+	}
+	if r0, r1 := localTokens("0"), localTokens("1"); r0 != "0" || r1 == "0" || r1 == "" {
+		t.Errorf("prompt tokens computed: engine 0 %q, engine 1 %q; want the pinned rank 1's only", r0, r1)
+	}
+	p.engineID = topo["1"].EngineID
+	if code, body := p.decodeLeg("xfer-r1"); code != http.StatusOK || !strings.Contains(body, `"choices"`) {
+		t.Errorf("decode pulling rank 1's KV through rank 1's engine id: %d %s", code, body)
+	}
+	if code, body := pinned("2", "xfer-r2"); code != http.StatusBadRequest || !strings.Contains(body, "data_parallel_rank 2 is out of range [0, 2).") {
+		t.Errorf("prefill pinned to dp rank 2 of 2: %d %s, want vLLM's 400", code, body)
+	}
+}
