@@ -45,6 +45,7 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 	fs.BoolVar(&cfg.Gate.Required, "require-gate", false, "be unready unless the engine's completion gate (the pdgate vLLM plugin) heartbeats on the local API")
 	fs.DurationVar(&cfg.Gate.StartupGrace, "gate-startup-grace", 15*time.Minute, "with --require-gate: how long after start the gate may stay silent (model loading)")
 	fs.DurationVar(&cfg.Gate.HeartbeatTimeout, "gate-heartbeat-timeout", 30*time.Second, "with --require-gate: how stale the gate's last heartbeat may be")
+	fs.IntVar(&cfg.Gate.Ranks, "gate-ranks", 1, "data-parallel ranks the engine runs on this pod: vLLM runs one EngineCore, so one completion gate, per rank, and each must report (a report from a rank outside 0..N-1 is refused)")
 	fs.StringVar(&cfg.Engine.MetricsURL, "engine-metrics-url", "", "the engine's /metrics on loopback (http://127.0.0.1:8000/metrics): its prompt tokens by source and transfer counters, served to the operator in GET /gate; empty: not read")
 	fs.DurationVar(&cfg.Engine.Every, "engine-metrics-interval", 15*time.Second, "how often --engine-metrics-url is read")
 	o.zap.BindFlags(fs)
@@ -53,6 +54,9 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 	}
 	if fs.NArg() > 0 {
 		return cfg, o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if cfg.Gate.Ranks < 1 {
+		return cfg, o, fmt.Errorf("--gate-ranks=%d: an engine runs at least one data-parallel rank", cfg.Gate.Ranks)
 	}
 	if o.bindAddress != "" && o.publicListen != "" {
 		ip := net.ParseIP(o.bindAddress)

@@ -26,6 +26,10 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 	pdc.Name, pdc.Namespace = "c", "ns"
 	grace := int32(1200)
 	pdc.Spec.Connector.Health.GateStartupGraceSeconds = &grace
+	// Prefill runs two data-parallel ranks, so two gates; decode the default one.
+	dp := int32(2)
+	pdc.Spec.Prefill.Parallelism.Data = &dp
+	wantRanks := map[v1alpha1.Role]int{v1alpha1.RolePrefill: 2, v1alpha1.RoleDecode: 1}
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), role)
 		if err != nil {
@@ -60,6 +64,9 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			if cfg.Gate.StartupGrace != 1200*time.Second {
 				t.Errorf("%s sidecar args %v: gate start-up grace %s, want spec.connector.health.gateStartupGraceSeconds (1200s)", role, c.Args, cfg.Gate.StartupGrace)
 			}
+			if cfg.Gate.Ranks != wantRanks[role] {
+				t.Errorf("%s sidecar args %v: waits for %d gates, want one per data-parallel rank (%d)", role, c.Args, cfg.Gate.Ranks, wantRanks[role])
+			}
 			// It reads its engine's counts where render says the engine serves (both sides:
 			// internal/render's sidecar test checks the engine's --host and --port).
 			if cfg.Engine.MetricsURL != render.EngineMetricsURL {
@@ -72,8 +79,10 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			}
 		}
 	}
-	if _, _, err := parseFlags([]string{"--no-such-flag"}); err == nil {
-		t.Error("an unknown flag was accepted")
+	for _, bad := range [][]string{{"--no-such-flag"}, {"--gate-ranks=0"}} {
+		if _, _, err := parseFlags(bad); err == nil {
+			t.Errorf("%v was accepted", bad)
+		}
 	}
 }
 
@@ -84,12 +93,13 @@ func TestGateFlags(t *testing.T) {
 		args []string
 		want sidecar.GateConfig
 	}{
-		{"defaults", nil, sidecar.GateConfig{Required: false, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second}},
-		{"required", []string{"--require-gate"}, sidecar.GateConfig{Required: true, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second}},
+		{"defaults", nil, sidecar.GateConfig{Required: false, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second, Ranks: 1}},
+		{"required", []string{"--require-gate"}, sidecar.GateConfig{Required: true, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second, Ranks: 1}},
 		{"all set", []string{"--require-gate=true", "--gate-startup-grace=3m", "--gate-heartbeat-timeout=45s"},
-			sidecar.GateConfig{Required: true, StartupGrace: 3 * time.Minute, HeartbeatTimeout: 45 * time.Second}},
+			sidecar.GateConfig{Required: true, StartupGrace: 3 * time.Minute, HeartbeatTimeout: 45 * time.Second, Ranks: 1}},
+		{"two data-parallel ranks", []string{"--require-gate", "--gate-ranks=2"}, sidecar.GateConfig{Required: true, StartupGrace: 15 * time.Minute, HeartbeatTimeout: 30 * time.Second, Ranks: 2}},
 		{"not required, timings set", []string{"--require-gate=false", "--gate-startup-grace=90s", "--gate-heartbeat-timeout=1m"},
-			sidecar.GateConfig{Required: false, StartupGrace: 90 * time.Second, HeartbeatTimeout: time.Minute}},
+			sidecar.GateConfig{Required: false, StartupGrace: 90 * time.Second, HeartbeatTimeout: time.Minute, Ranks: 1}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

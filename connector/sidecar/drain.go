@@ -23,13 +23,19 @@ type DrainResult struct {
 	Reason string `json:"reason"`
 }
 
-// heldSends is what the engine's gate last said it holds, and whether that is current.
+// heldSends is what the engine's gates last said they hold, summed over its data-parallel
+// ranks, and whether that is current: every rank heard within engineGone.
 func (g *gateWatch) heldSends() (n int64, known, current bool) {
-	last, age := g.snapshot()
-	if last == nil || last.HeldSends == nil {
-		return 0, false, last != nil && age <= engineGone
+	got, missing := g.snapshot()
+	current = len(got) > 0 && len(missing) == 0
+	for _, h := range got {
+		if h.rep.HeldSends != nil {
+			n += *h.rep.HeldSends
+			known = true
+		}
+		current = current && g.cfg.Clock.Since(h.at) <= engineGone
 	}
-	return *last.HeldSends, true, age <= engineGone
+	return n, known, current
 }
 
 // handleDrain is POST /v1/drain: unready from now on, and an answer once the engine holds no

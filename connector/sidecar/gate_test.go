@@ -82,7 +82,7 @@ func TestGateMetrics(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(g)
 	const loadedHeader = `
-# HELP pdcluster_connector_gate_loaded 1 while the engine's completion gate heartbeats (labels: connector class, vLLM version), else 0.
+# HELP pdcluster_connector_gate_loaded 1 while the completion gate of every data-parallel rank on the pod heartbeats (labels: connector class, vLLM version), else 0.
 # TYPE pdcluster_connector_gate_loaded gauge
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(loadedHeader+`pdcluster_connector_gate_loaded{connector="",vllm_version=""} 0
@@ -91,19 +91,19 @@ func TestGateMetrics(t *testing.T) {
 	}
 	postGate(t, g, `{"connector":"GatedNixlConnector","vllm_version":"0.27.0","counts":{"gated":3,"passed":7,"failed":1,"expired":4,"send_failures":5}}`)
 	want := `
-# HELP pdcluster_connector_gate_completions_total finished_recving reports the engine's completion gate saw, by result: gated (a pull with no local block, kept from the scheduler) or passed.
+# HELP pdcluster_connector_gate_completions_total finished_recving reports the engine's completion gate saw, by result: gated (a pull with no local block, kept from the scheduler) or passed; engine is the data-parallel rank, as in vLLM's metrics.
 # TYPE pdcluster_connector_gate_completions_total counter
-pdcluster_connector_gate_completions_total{result="gated"} 3
-pdcluster_connector_gate_completions_total{result="passed"} 7
-# HELP pdcluster_connector_gate_failed_pulls_total failed_recving reports of pulls with local blocks the engine's completion gate saw (vLLM's scheduler handles them).
+pdcluster_connector_gate_completions_total{engine="0",result="gated"} 3
+pdcluster_connector_gate_completions_total{engine="0",result="passed"} 7
+# HELP pdcluster_connector_gate_failed_pulls_total failed_recving reports of pulls with local blocks the engine's completion gate saw (vLLM's scheduler handles them), by data-parallel rank.
 # TYPE pdcluster_connector_gate_failed_pulls_total counter
-pdcluster_connector_gate_failed_pulls_total 1
-# HELP pdcluster_connector_gate_loaded 1 while the engine's completion gate heartbeats (labels: connector class, vLLM version), else 0.
+pdcluster_connector_gate_failed_pulls_total{engine="0"} 1
+# HELP pdcluster_connector_gate_loaded 1 while the completion gate of every data-parallel rank on the pod heartbeats (labels: connector class, vLLM version), else 0.
 # TYPE pdcluster_connector_gate_loaded gauge
 pdcluster_connector_gate_loaded{connector="GatedNixlConnector",vllm_version="0.27.0"} 1
-# HELP pdcluster_connector_gate_heartbeats_dropped_total Heartbeats the engine's gate could not deliver to this sidecar.
+# HELP pdcluster_connector_gate_heartbeats_dropped_total Heartbeats the engine's gate could not deliver to this sidecar, by data-parallel rank.
 # TYPE pdcluster_connector_gate_heartbeats_dropped_total counter
-pdcluster_connector_gate_heartbeats_dropped_total 5
+pdcluster_connector_gate_heartbeats_dropped_total{engine="0"} 5
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
 		"pdcluster_connector_gate_completions_total", "pdcluster_connector_gate_failed_pulls_total",
@@ -114,6 +114,111 @@ pdcluster_connector_gate_heartbeats_dropped_total 5
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(loadedHeader+`pdcluster_connector_gate_loaded{connector="GatedNixlConnector",vllm_version="0.27.0"} 0
 `), "pdcluster_connector_gate_loaded"); err != nil {
 		t.Errorf("after the heartbeat stopped: %v", err)
+	}
+}
+
+// vLLM runs one EngineCore, so one scheduler and one gate, per data-parallel rank: a pod with
+// two ranks hears two gates, from one process id. Each rank's counts are its own series, and
+// the pod's state is their sum; before, the last heartbeat replaced the other rank's, so the
+// counts flipped between ranks on every beat.
+func TestGateKeepsEachDataParallelRank(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(gateT0)
+	g := newGateWatch(GateConfig{Clock: clk, Ranks: 2, Required: true})
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(g)
+	for _, body := range []string{
+		`{"connector":"GatedMooncakeConnector","vllm_version":"0.33.0","pid":40,"dp_rank":0,"counts":{"gated":3,"passed":7,"failed":1},"held_sends":2}`,
+		`{"connector":"GatedMooncakeConnector","vllm_version":"0.33.0","pid":40,"dp_rank":1,"counts":{"gated":5,"passed":11,"expired":2},"held_sends":4}`,
+	} {
+		if code := postGate(t, g, body); code != http.StatusNoContent {
+			t.Fatalf("POST %s = %d", body, code)
+		}
+	}
+	clk.SetTime(gateT0.Add(5 * time.Second))
+	want := vllm.State{Loaded: true, AgeSeconds: 5, Ranks: 2, Report: &vllm.Report{
+		Connector: "GatedMooncakeConnector", VLLMVersion: "0.33.0", PID: 40,
+		Counts: vllm.Counts{Gated: 8, Passed: 18, Failed: 1, Expired: 2}, HeldSends: held(6)}}
+	if d := cmp.Diff(want, g.state()); d != "" {
+		t.Errorf("state (-want +got):\n%s", d)
+	}
+	if n, known, current := g.heldSends(); n != 6 || !known || !current {
+		t.Errorf("heldSends() = %d, %v, %v; want 6 held by the two ranks, known and current", n, known, current)
+	}
+	const completions = `
+# HELP pdcluster_connector_gate_completions_total finished_recving reports the engine's completion gate saw, by result: gated (a pull with no local block, kept from the scheduler) or passed; engine is the data-parallel rank, as in vLLM's metrics.
+# TYPE pdcluster_connector_gate_completions_total counter
+pdcluster_connector_gate_completions_total{engine="0",result="gated"} 3
+pdcluster_connector_gate_completions_total{engine="0",result="passed"} 7
+pdcluster_connector_gate_completions_total{engine="1",result="gated"} 5
+pdcluster_connector_gate_completions_total{engine="1",result="passed"} 11
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(completions), "pdcluster_connector_gate_completions_total"); err != nil {
+		t.Error(err)
+	}
+	if why := g.unready(); why != "" {
+		t.Errorf("both ranks fresh: unready %q", why)
+	}
+	// Rank 0 keeps beating; rank 1's EngineCore went quiet.
+	clk.SetTime(gateT0.Add(40 * time.Second))
+	postGate(t, g, `{"connector":"GatedMooncakeConnector","pid":40,"dp_rank":0,"counts":{"gated":3,"passed":7}}`)
+	if why := g.unready(); !strings.Contains(why, "(GatedMooncakeConnector, data-parallel rank 1) last reported 40s ago") {
+		t.Errorf("rank 1 silent: unready %q, want it named", why)
+	}
+	if st := g.state(); st.Loaded {
+		t.Error("one rank stale, but the pod's gate is loaded")
+	}
+	if _, _, current := g.heldSends(); current {
+		t.Error("one rank stale, but its held sends are current")
+	}
+}
+
+// Every rank must report: one rank heard is not a gated pod.
+func TestGateWaitsForEveryRank(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(gateT0)
+	g := newGateWatch(GateConfig{Clock: clk, Ranks: 2, Required: true, StartupGrace: time.Minute})
+	clk.SetTime(gateT0.Add(50 * time.Second))
+	postGate(t, g, `{"connector":"GatedMooncakeConnector","dp_rank":0,"counts":{}}`)
+	if why := g.unready(); why != "" {
+		t.Errorf("within the grace: unready %q", why)
+	}
+	if st := g.state(); st.Loaded || st.Ranks != 1 {
+		t.Errorf("rank 1 not heard: state %+v, want not loaded with 1 rank", st)
+	}
+	if _, _, current := g.heldSends(); current {
+		t.Error("rank 1 not heard, but the held sends are current")
+	}
+	clk.SetTime(gateT0.Add(61 * time.Second))
+	postGate(t, g, `{"connector":"GatedMooncakeConnector","dp_rank":0,"counts":{}}`)
+	if why := g.unready(); !strings.Contains(why, "data-parallel rank(s) [1] has not reported in 1m0s (1 of 2 ranks report)") {
+		t.Errorf("past the grace: unready %q, want rank 1 named", why)
+	}
+}
+
+// A rank the pod does not run says the engine and the sidecar were rendered apart: refused with
+// the flag to look at, not kept as a rank nobody waits for.
+func TestGateRefusesARankOutOfRange(t *testing.T) {
+	for _, tc := range []struct {
+		ranks int
+		body  string
+		want  int
+	}{
+		{1, `{"connector":"GatedMooncakeConnector","dp_rank":0}`, http.StatusNoContent},
+		{1, `{"connector":"GatedMooncakeConnector","dp_rank":1}`, http.StatusBadRequest},
+		{4, `{"connector":"GatedMooncakeConnector","dp_rank":3}`, http.StatusNoContent},
+		{4, `{"connector":"GatedMooncakeConnector","dp_rank":4}`, http.StatusBadRequest},
+		{4, `{"connector":"GatedMooncakeConnector","dp_rank":-1}`, http.StatusBadRequest},
+	} {
+		g := newGateWatch(GateConfig{Ranks: tc.ranks})
+		if code := postGate(t, g, tc.body); code != tc.want {
+			t.Errorf("ranks %d: POST %s = %d, want %d", tc.ranks, tc.body, code, tc.want)
+		}
+		if got, _ := g.snapshot(); tc.want != http.StatusNoContent && len(got) != 0 {
+			t.Errorf("ranks %d: refused %s but kept it", tc.ranks, tc.body)
+		}
+	}
+	why := newGateWatch(GateConfig{Ranks: 2}).admit(vllm.Report{DPRank: 2})
+	if !strings.Contains(why, "--gate-ranks=2") {
+		t.Errorf("refusal %q does not name the sidecar's flag", why)
 	}
 }
 
@@ -149,8 +254,11 @@ sys.exit(0 if ok else 1)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("plugin heartbeat: %v\n%s", err, out)
 	}
-	last, _ := g.snapshot()
-	if last == nil || last.Connector != "GatedMooncakeConnector" || last.Counts.Gated != 4 || last.Counts.Passed != 9 {
+	got, missing := g.snapshot()
+	if len(got) != 1 || len(missing) != 0 {
+		t.Fatalf("agent recorded %+v, missing ranks %v", got, missing)
+	}
+	if last := got[0].rep; last.Connector != "GatedMooncakeConnector" || last.DPRank != 0 || last.Counts.Gated != 4 || last.Counts.Passed != 9 {
 		t.Errorf("agent recorded %+v", last)
 	}
 }
@@ -171,7 +279,7 @@ func TestGateState(t *testing.T) {
 	if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
 		t.Fatal(err)
 	}
-	want := vllm.State{Loaded: true, AgeSeconds: 10, Report: &vllm.Report{Connector: "GatedMooncakeConnector", Counts: vllm.Counts{Gated: 3, Passed: 7}}}
+	want := vllm.State{Loaded: true, AgeSeconds: 10, Ranks: 1, Report: &vllm.Report{Connector: "GatedMooncakeConnector", Counts: vllm.Counts{Gated: 3, Passed: 7}}}
 	if d := cmp.Diff(want, st); d != "" {
 		t.Errorf("GET /gate (-want +got):\n%s", d)
 	}

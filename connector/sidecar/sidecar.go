@@ -134,6 +134,10 @@ func (s *Sidecar) handleGate(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, r, http.StatusBadRequest, "bad gate report: connector is required")
 		return
 	}
+	if why := s.gate.admit(rep); why != "" {
+		s.refuse(w, r, http.StatusBadRequest, why)
+		return
+	}
 	s.gate.record(rep)
 	w.WriteHeader(http.StatusNoContent)
 }

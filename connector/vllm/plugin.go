@@ -105,11 +105,14 @@ const StatePath = "/gate"
 
 // State is the answer to GET /gate.
 type State struct {
-	// Loaded is true while the plugin heartbeats.
+	// Loaded is true while the plugin of every data-parallel rank on the pod heartbeats.
 	Loaded bool `json:"loaded"`
-	// Report is the last heartbeat; nil before the first.
+	// Report is the ranks' last heartbeats summed (counts and held sends), with the lowest
+	// rank's connector, versions and pid; nil before the first.
 	Report *Report `json:"report,omitempty"`
-	// AgeSeconds is how old Report is.
+	// Ranks is how many data-parallel ranks' gates Report sums.
+	Ranks int `json:"ranks,omitempty"`
+	// AgeSeconds is how old the oldest rank's heartbeat is.
 	AgeSeconds float64 `json:"ageSeconds,omitempty"`
 	// Engine is what the sidecar last scraped from its engine's /metrics; nil before the first
 	// scrape or when the sidecar does not scrape.

@@ -38,6 +38,11 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		if g := c.Health.GateStartupGraceSeconds; g != nil {
 			args = append(args, fmt.Sprintf("--gate-startup-grace=%ds", *g))
 		}
+		// vLLM runs one EngineCore, and so one gate, per data-parallel rank of the pod: the
+		// sidecar waits for each and refuses a rank the pod does not run.
+		if dp := *pool(pdc, role).Parallelism.Data; dp > 1 {
+			args = append(args, fmt.Sprintf("--gate-ranks=%d", dp))
+		}
 	}
 	if pdc.Spec.KVTransfer.Verification.Mode != v1alpha1.KVVerificationDisabled {
 		// The engine's own counts of where its prompts' KV came from, on loopback: vLLM's API

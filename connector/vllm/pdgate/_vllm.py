@@ -108,6 +108,17 @@ def stock_name_refused(module: str, stock: str, gated_name: str) -> Callable[[st
     return __getattr__
 
 
+def dp_rank_of(vllm_config: Any) -> int:
+    """The data-parallel rank of this engine on its pod: with DP across nodes (hybrid load
+    balancing) vLLM sets data_parallel_rank to the global rank and data_parallel_rank_local to
+    the rank on this node, which is what the pod's sidecar counts."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    local = getattr(parallel, "data_parallel_rank_local", None)
+    if local is not None:
+        return int(local)
+    return int(getattr(parallel, "data_parallel_rank", 0) or 0)
+
+
 def gated(base: type, name: str, flow: str,
           pulls_of: Callable[[Any], Iterable[tuple[str, Any]]]) -> type:
     """A subclass of base whose scheduler side gates completions. Nothing else changes."""
@@ -126,7 +137,7 @@ def gated(base: type, name: str, flow: str,
         path = socket_path_from_env()
         if "SCHEDULER" in role_name.upper() and path:
             self._pdgate_reporter = Reporter(path, self._pdgate.counts, name, vllm_version(), role_name,
-                                             held=self._pdgate_held)
+                                             held=self._pdgate_held, dp_rank=dp_rank_of(vllm_config))
             self._pdgate_reporter.start()
 
     def build_connector_meta(self: Any, scheduler_output: Any) -> Any:

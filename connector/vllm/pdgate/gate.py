@@ -218,14 +218,17 @@ class Reporter:
 
     def __init__(self, socket_path: str, counts: Counts, connector: str, vllm_version: str,
                  role: str, interval_seconds: float = 5.0, timeout_seconds: float = 1.0,
-                 held: Optional[HeldSends] = None) -> None:
+                 held: Optional[HeldSends] = None, dp_rank: int = 0) -> None:
         self._path = socket_path
         self._counts = counts
         self._held = held
         self._interval = interval_seconds
         self._timeout = timeout_seconds
         self._static = {"connector": connector, "vllm_version": vllm_version, "role": role,
-                        "pid": os.getpid(), "plugin_version": _plugin_version()}
+                        "pid": os.getpid(), "plugin_version": _plugin_version(),
+                        # vLLM runs one scheduler, so one gate, per data-parallel rank: the
+                        # sidecar keeps one record per rank.
+                        "dp_rank": dp_rank}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 

@@ -207,7 +207,9 @@ class Engine:
     tp workers whose reports reach the scheduler through KVOutputAggregator, one step late."""
 
     def __init__(self, raw_kv_transfer_config: str, tp: int = 1, groups: int = 1,
-                 num_blocks: int = 200) -> None:
+                 num_blocks: int = 200, dp: Optional[tuple[int, int, int]] = None) -> None:
+        """dp is (size, global rank, rank on this node): the engine of one data-parallel rank, as
+        vLLM's DP coordinator configures each EngineCore before it builds the scheduler."""
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -215,6 +217,9 @@ class Engine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         cfg = vllm_config(parse_kv_transfer_config(raw_kv_transfer_config), groups)
         cfg.cache_config.num_gpu_blocks = num_blocks
+        if dp is not None:
+            p = cfg.parallel_config
+            p.data_parallel_size, p.data_parallel_rank, p.data_parallel_rank_local = dp
         self.scheduler = Scheduler(vllm_config=cfg, kv_cache_config=kv_cache_config(groups, num_blocks),
                                    log_stats=True, structured_output_manager=StructuredOutputManager(cfg),
                                    block_size=BLOCK)

@@ -4,12 +4,14 @@ base class with the two hooks, which is all ``_vllm.gated`` touches."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import types
 import unittest
 from pathlib import Path
 from typing import Any, Optional
@@ -152,9 +154,13 @@ class GatedClassTest(unittest.TestCase):
         try:
             worker = cls(None, Role("WORKER"), None)
             self.assertIsNone(worker._pdgate_reporter)
-            scheduler = cls(None, Role("SCHEDULER"), None)
+            rank2 = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+                data_parallel_rank=6, data_parallel_rank_local=2))
+            scheduler = cls(rank2, Role("SCHEDULER"), None)
             self.assertIsNotNone(scheduler._pdgate_reporter)
             scheduler._pdgate_reporter.stop()
+            # The rank on this pod, not the global one: the sidecar counts its own engines.
+            self.assertEqual(json.loads(scheduler._pdgate_reporter.payload())["dp_rank"], 2)
         finally:
             del os.environ["PDCLUSTER_CONNECTOR_URL"]
 
@@ -261,7 +267,13 @@ class ReporterTest(unittest.TestCase):
         self.assertIn(b"POST /v1/gate HTTP/1.1", got[0])
         self.assertIn(b'"gated": 3', got[0])
         self.assertNotIn(b"held_sends", got[0])  # no tracker: the field is left out, not 0
+        self.assertIn(b'"dp_rank": 0', got[0])
         self.assertEqual(counts.send_failures, 0)
+
+    def test_heartbeat_names_its_data_parallel_rank(self) -> None:
+        r = gatemod.Reporter("/nonexistent/agent.sock", gatemod.Counts(), "GatedMooncakeConnector", "0.33.0",
+                             "SCHEDULER", dp_rank=3)
+        self.assertEqual(json.loads(r.payload())["dp_rank"], 3)
 
     def test_heartbeat_carries_held_sends(self) -> None:
         path, got, t, srv = self.serve_once(b"HTTP/1.1 204 No Content\r\n\r\n")

@@ -11,6 +11,8 @@ proves the scenario reaches the bug; the gated class must never.
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
 import traceback
 import unittest
@@ -324,6 +326,24 @@ class HeldSendsTest(unittest.TestCase):
                 e.in_flight.append((e.schedule(), [KVConnectorOutput(finished_sending={reqs[2].request_id})]))
                 e.process()
                 self.assertEqual((self.held_by_vllm(e), len(e.connector._pdgate_held)), (0, 0))
+
+
+class DataParallelTest(unittest.TestCase):
+    """vLLM runs one EngineCore, and so one scheduler and one gate, per data-parallel rank; the
+    sidecar keeps one record per rank and needs each gate to say which it is."""
+
+    def test_the_heartbeat_names_the_engines_rank_on_its_pod(self) -> None:
+        os.environ["PDCLUSTER_CONNECTOR_URL"] = "unix:///nonexistent/agent.sock"
+        try:
+            for dp, want in (((1, 0, 0), 0), ((4, 3, 3), 3), ((8, 6, 2), 2)):  # the last: hybrid LB, node 2 of 2
+                with self.subTest(dp=dp):
+                    e = rv.Engine(MOONCAKE["kv_consumer"], dp=dp)
+                    reporter = e.connector._pdgate_reporter
+                    self.assertIsNotNone(reporter, "the scheduler's gate does not report")
+                    reporter.stop()
+                    self.assertEqual(json.loads(reporter.payload())["dp_rank"], want)
+        finally:
+            del os.environ["PDCLUSTER_CONNECTOR_URL"]
 
 
 class ContractTest(unittest.TestCase):

@@ -369,14 +369,20 @@ func hostIP(getenv func(string) string) string {
 
 // heartbeat reports each rank's gate to the sidecar every 5 s, as pdgate's Reporter does in
 // each EngineCore (one per data-parallel rank, each with its own scheduler): the counts of what
-// that engine's gate kept from its scheduler and passed.
+// that engine's gate kept from its scheduler and passed. A heartbeat the sidecar does not take
+// (unreachable, or refused with a non-2xx) is counted in send_failures, as the plugin counts it.
 func heartbeat(ctx context.Context, agent string, conn vllmcli.Connector, role string, engines []*enginesim.Engine) {
 	c := newSidecar(agent)
+	dropped := make([]int64, len(engines))
 	for ctx.Err() == nil {
 		for rank, e := range engines {
 			held := int64(e.HeldSends())
-			_ = c.gate(ctx, vllm.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllm.Hash(), Role: role, PID: os.Getpid(),
-				DPRank: rank, Counts: e.GateCounts(), HeldSends: &held})
+			counts := e.GateCounts()
+			counts.SendFailures += dropped[rank]
+			if err := c.gate(ctx, vllm.Report{Connector: conn.Class, VLLMVersion: "sim", PluginVersion: vllm.Hash(), Role: role, PID: os.Getpid(),
+				DPRank: rank, Counts: counts, HeldSends: &held}); err != nil {
+				dropped[rank]++
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -410,5 +416,9 @@ func (s sidecar) gate(ctx context.Context, rep vllm.Report) error {
 	if err != nil {
 		return err
 	}
-	return resp.Body.Close()
+	_ = resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("sidecar answered %s", resp.Status)
+	}
+	return nil
 }

@@ -7,14 +7,19 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	connsidecar "pdcluster.dev/pdcluster-operator/connector/sidecar"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
 )
 
@@ -498,5 +503,50 @@ func TestDataParallelRanksAreEnginesOfTheirOwn(t *testing.T) {
 	}
 	if code, body := pinned("2", "xfer-r2"); code != http.StatusBadRequest || !strings.Contains(body, "data_parallel_rank 2 is out of range [0, 2).") {
 		t.Errorf("prefill pinned to dp rank 2 of 2: %d %s, want vLLM's 400", code, body)
+	}
+}
+
+// The seam of one gate per data-parallel rank, from the engine's side: the stand-in, as vLLM,
+// runs an EngineCore and so a gate per rank, and a sidecar waiting for two ranks (what render
+// passes for parallelism.data 2) hears both and is loaded. Before, the sidecar kept the last
+// heartbeat only, and the pod's counts were one rank's, flipping with every beat.
+func TestEachRanksGateReachesTheSidecar(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "agent.sock")
+	l, err := localapi.Listen("unix://" + sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc, err := connsidecar.New(connsidecar.Config{Gate: connsidecar.GateConfig{Required: true, Ranks: 2}, Log: logr.Discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: sc.LocalHandler(prometheus.NewRegistry()), ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	plugin, err := filepath.Abs(filepath.Join("..", "..", "..", "..", "connector", "vllm"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := podEnv(t)
+	env["PDCLUSTER_CONNECTOR_URL"], env["PYTHONPATH"] = "unix://"+sock, plugin
+	env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(freePort(t))
+	api := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	_, errc := serve(t, []string{"serve", "m", "--host=127.0.0.1", "--port=" + api[strings.LastIndex(api, ":")+1:], "--data-parallel-size=2",
+		`--kv-transfer-config={"kv_connector":"GatedMooncakeConnector","kv_connector_module_path":"pdgate.mooncake","kv_role":"kv_producer"}`}, env)
+	waitHealthy(t, api, errc)
+	public := sc.PublicHandler(prometheus.NewRegistry())
+	var st vllm.State
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		rec := httptest.NewRecorder()
+		public.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, vllm.StatePath, nil))
+		if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
+			t.Fatalf("GET %s: %v: %s", vllm.StatePath, err, rec.Body)
+		}
+		if st.Loaded {
+			break
+		}
+	}
+	if !st.Loaded || st.Ranks != 2 || st.Report == nil || st.Report.Connector != "GatedMooncakeConnector" {
+		t.Errorf("sidecar's gate state %+v, want loaded from both ranks' gates", st)
 	}
 }
