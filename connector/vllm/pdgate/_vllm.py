@@ -8,12 +8,14 @@ from typing import Any, Callable, Iterable, Optional
 
 from .gate import Gate, HeldSends, Reporter, socket_path_from_env, ttl_from_env
 
-logger = logging.getLogger("pdgate")
+# A child of vLLM's own "vllm" logger: vLLM gives only that one a handler, so the load line
+# shows in the engine's log with vLLM's format and level (VLLM_LOGGING_LEVEL).
+logger = logging.getLogger("vllm.pdgate")
 
 # What the gate was measured on (docs/completion-gate.md): make test-plugin runs its tests
 # against each of these releases, installed from PyPI. Other releases load when they have the
 # surface the checks below probe, and are refused otherwise.
-TESTED = ("0.30.0", "0.33.0")
+TESTED = ("0.30.0", "0.32.0", "0.33.0")
 SUPPORTED = ("vLLM releases whose kv_connector factory loads a class from "
              "kv_connector_module_path, with the connectors in v1/mooncake/ and v1/nixl/ "
              f"(tested: {', '.join(TESTED)})")

@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-logger = logging.getLogger("pdgate")
+# vLLM's logger tree, as in _vllm.py: its handler is the engine's log.
+logger = logging.getLogger("vllm.pdgate")
 
 # A record's deadline: after vLLM's abort timeout (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s)
 # and the consumer's receive timeout (+60 s), with a margin, the pull has completed or failed.

@@ -26,12 +26,12 @@ from vllm.v1.request import RequestStatus
 VERSION = vllm.__version__
 # Releases whose MooncakeConnectorWorker adds every settled pull to finished_recving, local
 # blocks or not (the seed bug). vLLM 0.32.0 added `and any(pull_meta.local_block_ids)`.
-STOCK_REPORTS_EMPTY_PULLS = {"0.30.0": True, "0.33.0": False}
+STOCK_REPORTS_EMPTY_PULLS = {"0.30.0": True, "0.32.0": False, "0.33.0": False}
 
 
 # Releases whose scheduler gives a full-attention request no external tokens when it skips
 # the prefix cache (prompt logprobs); on the others only hybrid (Mamba) models get there.
-NO_EXTERNAL_TOKENS_ON_FULL_ATTENTION = {"0.30.0": False, "0.33.0": True}
+NO_EXTERNAL_TOKENS_ON_FULL_ATTENTION = {"0.30.0": False, "0.32.0": True, "0.33.0": True}
 
 
 def measured(table: dict[str, bool]) -> bool:
@@ -346,6 +346,19 @@ class DataParallelTest(unittest.TestCase):
             del os.environ["PDCLUSTER_CONNECTOR_URL"]
 
 
+class LoadLineTest(unittest.TestCase):
+    """The engine's log says the gate loaded: vLLM puts its handler on its own "vllm" logger
+    (at import up to 0.30, when each engine process starts from 0.32 on), so a plugin logger
+    outside that tree printed nothing, though docs/completion-gate.md promised the line. The
+    line in a running engine's log: test/realengine."""
+
+    def test_the_load_line_goes_to_vllms_logger(self) -> None:
+        with self.assertLogs("vllm", level="INFO") as logs:
+            rv.Engine(MOONCAKE["kv_consumer"])
+        line = f"pdgate: GatedMooncakeConnector loaded on vLLM {VERSION} (role SCHEDULER)"
+        self.assertTrue(any(line in out for out in logs.output), f"{line!r} not in {logs.output}")
+
+
 class ContractTest(unittest.TestCase):
     """vLLM's own factory loads the gated classes from the exact kv_transfer_config JSON the
     operator renders (read from the render golden files), for both roles and connectors."""
@@ -485,6 +498,8 @@ class RefusalTest(unittest.TestCase):
 # stats yet): measured per release, like the tables above.
 METRICS_ABSENT = {
     "0.30.0": {"vllm:mooncake_bytes_transferred", "vllm:mooncake_xfer_time_seconds", "vllm:mooncake_num_failed_transfers",
+               "vllm:mooncake_num_failed_recvs", "vllm:mooncake_num_kv_expired_reqs"},
+    "0.32.0": {"vllm:mooncake_bytes_transferred", "vllm:mooncake_xfer_time_seconds", "vllm:mooncake_num_failed_transfers",
                "vllm:mooncake_num_failed_recvs", "vllm:mooncake_num_kv_expired_reqs"},
     "0.33.0": set(),
 }

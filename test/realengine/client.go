@@ -1,0 +1,110 @@
+package realengine
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
+)
+
+// Completion is what a test asks of /v1/completions: the prompt as token ids (the engines
+// start without a tokenizer), greedy, exactly MaxTokens tokens.
+type Completion struct {
+	Prompt    []int
+	MaxTokens int
+}
+
+// Answer is an OpenAI completion answer as far as the tests read it.
+type Answer struct {
+	Status int
+	Body   string
+	// TokenIDs are the generated token ids (return_token_ids).
+	TokenIDs []int
+}
+
+// Complete sends c to base's /v1/completions.
+func Complete(ctx context.Context, base string, c Completion) (Answer, error) {
+	body, err := json.Marshal(map[string]any{
+		"model": "tiny", "prompt": c.Prompt, "max_tokens": c.MaxTokens, "temperature": 0,
+		"ignore_eos": true, "return_token_ids": true,
+	})
+	if err != nil {
+		return Answer{}, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(body))
+	if err != nil {
+		return Answer{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return Answer{}, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return Answer{}, err
+	}
+	a := Answer{Status: resp.StatusCode, Body: string(b)}
+	if resp.StatusCode == http.StatusOK {
+		var out struct {
+			Choices []struct {
+				TokenIDs []int `json:"token_ids"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal(b, &out); err != nil || len(out.Choices) != 1 {
+			return a, fmt.Errorf("completion answer %s: %v", b, err)
+		}
+		a.TokenIDs = out.Choices[0].TokenIDs
+	}
+	return a, nil
+}
+
+// Prompt is n token ids, different for each seed, inside the tiny model's vocabulary.
+func Prompt(seed, n int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = 100 + (seed*7919+i*31)%31000
+	}
+	return out
+}
+
+// EngineStats reads an engine's /metrics as the sidecar does (vllm.ParseEngineMetrics).
+func EngineStats(ctx context.Context, engine string) (vllm.EngineStats, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, engine+"/metrics", nil)
+	if err != nil {
+		return vllm.EngineStats{}, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return vllm.EngineStats{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return vllm.EngineStats{}, fmt.Errorf("%s/metrics: %s", engine, resp.Status)
+	}
+	return vllm.ParseEngineMetrics(resp.Body)
+}
+
+// Healthy says whether an engine's /health answers 200 now.
+func Healthy(ctx context.Context, engine string) bool {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, engine+"/health", nil)
+	if err != nil {
+		return false
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}

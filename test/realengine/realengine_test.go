@@ -1,0 +1,348 @@
+//go:build realengine
+
+package realengine
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/controllers"
+)
+
+// Releases whose Mooncake worker reports a pull with no local block as finished receiving (the
+// stock decode engine dies of it); 0.32.0 added upstream's `and any(pull_meta.local_block_ids)`.
+var stockDies = map[string]bool{"0.30.0": true, "0.32.0": false}
+
+// startup bounds an engine's start: measured 75-250 s on 2 cores, slower beside a build.
+const startup = 10 * time.Minute
+
+// deployment is one release's engines and routers: one prefill pod (gated, as rendered), a
+// decode pod with the completion gate and a decode pod without it (the control: the same
+// PDCluster with kvTransfer.completionGate Disabled), each behind a router of its own.
+type deployment struct {
+	release            Release
+	prefill            *Pod
+	gated, stock       *Pod
+	gatedVia, stockVia *Router
+}
+
+func TestRealEngines(t *testing.T) {
+	releases, err := Releases()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rel := range releases {
+		t.Run("vLLM "+rel.Version, func(t *testing.T) {
+			if _, ok := stockDies[rel.Version]; !ok {
+				t.Fatalf("vLLM %s is not measured in stockDies: run it and add what the stock decode engine does", rel.Version)
+			}
+			d := deploy(t, rel)
+			t.Run("a request through the router decodes from prefill's KV", d.testNormal)
+			t.Run("the engine's log says the gate loaded", d.testLoadLine)
+			t.Run("a decode leg the API server refuses", d.testRejectedDecodeLeg)
+			t.Run("a client that gives up while decode waits", d.testAbortWhileWaiting)
+		})
+	}
+}
+
+func deploy(t *testing.T, rel Release) *deployment {
+	t.Helper()
+	ctx := context.Background()
+	bin, err := filepath.Abs(filepath.Join("..", "..", "bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	shim, _ := filepath.Abs(filepath.Join("testdata", "shim"))
+	// Unix socket paths hold 108 bytes: a short directory, kept when a test fails.
+	work, err := os.MkdirTemp("", "re-"+rel.Version+"-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("logs kept in %s", work)
+			return
+		}
+		_ = os.RemoveAll(work)
+	})
+	o := Options{Release: rel, BinDir: bin, Shim: shim, WorkDir: work}
+	pdc, err := LoadPDCluster(filepath.Join("testdata", "pdcluster.yaml"), filepath.Join("testdata", "tiny-llama"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gated, err := Render(pdc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ungated := pdc.DeepCopy()
+	ungated.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled
+	stock, err := Render(ungated)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &deployment{release: rel}
+	var pods []*Pod
+	t.Cleanup(func() {
+		for _, p := range pods {
+			p.Stop()
+		}
+	})
+	for _, p := range []struct {
+		name string
+		r    Rendered
+		into **Pod
+	}{
+		{"prefill", gated, &d.prefill},
+		{"decode-gated", gated, &d.gated},
+		{"decode-stock", stock, &d.stock},
+	} {
+		dep := p.r.Decode
+		if p.name == "prefill" {
+			dep = p.r.Prefill
+		}
+		pod, err := StartPod(o, p.name, dep, p.r.ConfigMaps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pods = append(pods, pod)
+		*p.into = pod
+	}
+	for _, p := range pods {
+		if err := WaitOK(ctx, p.Engine+"/health", p.EngineProc, startup); err != nil {
+			t.Fatal(err)
+		}
+		if err := WaitOK(ctx, p.Sidecar+"/readyz", p.SidecarProc, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, r := range []struct {
+		name   string
+		r      Rendered
+		decode *Pod
+		into   **Router
+	}{{"router-gated", gated, d.gated, &d.gatedVia}, {"router-stock", stock, d.stock, &d.stockVia}} {
+		cm, err := r.r.RouterConfigMap()
+		if err != nil {
+			t.Fatal(err)
+		}
+		router, err := StartRouter(o, r.name, r.r.Router, cm, []*Pod{d.prefill}, []*Pod{r.decode})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { router.Proc.Stop(5 * time.Second) })
+		if err := WaitOK(ctx, router.URL+"/ready", router.Proc, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		*r.into = router
+	}
+	return d
+}
+
+// The P/D path on real engines, through the product's router: decode reads every prompt token's
+// KV from prefill (vLLM's own count), and its tokens are the ones a single engine computes.
+func (d *deployment) testNormal(t *testing.T) {
+	ctx := context.Background()
+	// 100 tokens with 64-token blocks: a whole block and a partial one, both transferred.
+	c := Completion{Prompt: Prompt(1, 100), MaxTokens: 8}
+	before, err := EngineStats(ctx, d.gated.Engine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := Complete(ctx, d.gatedVia.URL, c)
+	if err != nil || got.Status != 200 {
+		t.Fatalf("through the router: %d %s %v", got.Status, got.Body, err)
+	}
+	after, err := EngineStats(ctx, d.gated.Engine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ext := after.ExternalKVTokens - before.ExternalKVTokens; ext != float64(len(c.Prompt)) {
+		t.Errorf("decode counted %v prompt tokens from external KV, want the prompt's %d (local compute %v)", ext, len(c.Prompt), after.LocalComputeTokens-before.LocalComputeTokens)
+	}
+	// The same prompt on one engine alone (prefill computes and decodes it itself).
+	alone, err := Complete(ctx, d.prefill.Engine, c)
+	if err != nil || alone.Status != 200 {
+		t.Fatalf("one engine alone: %d %s %v", alone.Status, alone.Body, err)
+	}
+	if len(got.TokenIDs) != c.MaxTokens || fmt.Sprint(got.TokenIDs) != fmt.Sprint(alone.TokenIDs) {
+		t.Errorf("P/D answered tokens %v, one engine alone %v", got.TokenIDs, alone.TokenIDs)
+	}
+}
+
+func (d *deployment) testLoadLine(t *testing.T) {
+	log, err := os.ReadFile(d.gated.EngineProc.Log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("pdgate: GatedMooncakeConnector loaded on vLLM %s", d.release.Version)
+	if !strings.Contains(string(log), want) {
+		t.Errorf("the decode engine's log does not say %q", want)
+	}
+}
+
+// A decode leg vLLM's API server refuses (max_tokens past --max-model-len: HTTP 400) after a
+// normal prefill leg: vLLM 0.30 submits a pre-aborted request so that the connector tells
+// prefill to free its KV, a pull with no local block, sent with the engine's next step (an idle
+// engine sends nothing). The stock decode engine of a release whose worker reports such a pull
+// as finished dies on that step; the gated one keeps it from the scheduler, counts it, and
+// serves on.
+func (d *deployment) testRejectedDecodeLeg(t *testing.T) {
+	refused := Completion{Prompt: Prompt(2, 40), MaxTokens: 5000}
+	d.bothSides(t, 3, func(t *testing.T, via *Router) {
+		for i := range 3 {
+			got, err := Complete(context.Background(), via.URL, refused)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Status != 400 {
+				t.Fatalf("request %d: max_tokens %d past the model length answered %d %s, want vLLM's 400", i, refused.MaxTokens, got.Status, got.Body)
+			}
+		}
+	})
+}
+
+// A client that gives up while its decode leg waits (decode's --max-num-seqs are taken by long
+// requests): vLLM aborts the waiting request, whose connector then tells prefill to free its
+// KV with a pull of no local block; vLLM 0.30's API server also submits a pre-aborted request
+// for the cancelled one, a second such pull for the same transfer.
+func (d *deployment) testAbortWhileWaiting(t *testing.T) {
+	d.bothSides(t, 2, func(t *testing.T, via *Router) {
+		decode := d.decodeBehind(via)
+		// Fill every sequence slot of decode (fixture: --max-num-seqs=4) with long requests.
+		fillers := make(chan Answer, 4)
+		for i := range 4 {
+			go func() {
+				a, err := Complete(context.Background(), decode.Engine, Completion{Prompt: Prompt(100+i, 8), MaxTokens: 300})
+				if err != nil {
+					a.Body = err.Error()
+				}
+				fillers <- a
+			}()
+		}
+		time.Sleep(2 * time.Second) // the fillers are running
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		if got, err := Complete(ctx, via.URL, Completion{Prompt: Prompt(4, 90), MaxTokens: 4}); err == nil {
+			t.Fatalf("the request behind the full decode engine answered %d before the client gave up: the fillers did not fill it", got.Status)
+		}
+		for range 4 {
+			<-fillers
+		}
+	})
+}
+
+// bothSides runs cause through the gated decode's router, then the stock one's, and checks
+// what follows: the next request's step carries the pulls with no local block. On a release
+// whose stock worker reports them the stock engine dies; otherwise each serves the next
+// request, stays healthy, and the gated one counts wantGated pulls kept from its scheduler
+// (none where vLLM itself no longer reports them). A dead stock engine is restarted, as the
+// kubelet would, for the scenarios after.
+func (d *deployment) bothSides(t *testing.T, wantGated int64, cause func(*testing.T, *Router)) {
+	ctx := context.Background()
+	dies := stockDies[d.release.Version]
+	for _, side := range []struct {
+		name string
+		via  *Router
+		pod  *Pod
+		dies bool
+	}{{"gated", d.gatedVia, d.gated, false}, {"stock", d.stockVia, d.stock, dies}} {
+		t.Run(side.name, func(t *testing.T) {
+			before := gateCounts(t, side.pod)
+			cause(t, side.via)
+			next, err := Complete(ctx, side.via.URL, Completion{Prompt: Prompt(3, 70), MaxTokens: 4})
+			if err != nil {
+				t.Fatal(err)
+			}
+			dead := waitUnhealthy(ctx, side.pod, 15*time.Second)
+			if dead != side.dies {
+				t.Fatalf("decode engine died: %v, want %v (the next request answered %d %s); its log ends:\n%s", dead, side.dies, next.Status, next.Body, side.pod.EngineProc.Tail(3000))
+			}
+			if dead {
+				if !strings.Contains(side.pod.EngineProc.Tail(200_000), "assert req_id in self.requests") {
+					t.Errorf("the stock engine died, but not of the scheduler's assertion; its log ends:\n%s", side.pod.EngineProc.Tail(3000))
+				}
+				if err := side.pod.RestartEngine(); err != nil {
+					t.Fatal(err)
+				}
+				if err := WaitOK(ctx, side.pod.Engine+"/health", side.pod.EngineProc, startup); err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if next.Status != 200 {
+				t.Fatalf("the request after: %d %s", next.Status, next.Body)
+			}
+			if side.name != "gated" {
+				return
+			}
+			if !dies {
+				wantGated = 0 // vLLM reports no pull without a local block: nothing to keep
+			}
+			after := waitGate(t, side.pod, func(c vllm.Counts) bool { return c.Passed > before.Passed && c.Gated-before.Gated >= wantGated })
+			if got := after.Gated - before.Gated; got != wantGated {
+				t.Errorf("the gate kept %d completions from the scheduler, want %d", got, wantGated)
+			}
+		})
+	}
+}
+
+func (d *deployment) decodeBehind(via *Router) *Pod {
+	if via == d.gatedVia {
+		return d.gated
+	}
+	return d.stock
+}
+
+// waitUnhealthy watches the engine for window: true once it dies or /health fails.
+func waitUnhealthy(ctx context.Context, p *Pod, window time.Duration) bool {
+	for end := time.Now().Add(window); time.Now().Before(end); time.Sleep(time.Second) {
+		if exited, _ := p.EngineProc.Exited(); exited || !Healthy(ctx, p.Engine) {
+			return true
+		}
+	}
+	return false
+}
+
+// gateCounts is what the operator reads from the pod's sidecar (GET /gate, as the manager's
+// gate reader does), now.
+func gateCounts(t *testing.T, p *Pod) vllm.Counts {
+	t.Helper()
+	st := gateState(t, p)
+	if st.Report == nil {
+		return vllm.Counts{}
+	}
+	return st.Report.Counts
+}
+
+func gateState(t *testing.T, p *Pod) vllm.State {
+	t.Helper()
+	reader := controllers.NewHTTPGateReader()
+	reader.Addr = func(*corev1.Pod) string { return strings.TrimPrefix(p.Sidecar, "http://") }
+	st, err := reader.ReadGate(context.Background(), &corev1.Pod{})
+	if err != nil {
+		t.Fatalf("the operator's gate reader on %s: %v", p.Name, err)
+	}
+	return st
+}
+
+// waitGate waits for the gate's heartbeat (every 5 s) to satisfy ok.
+func waitGate(t *testing.T, p *Pod, ok func(vllm.Counts) bool) vllm.Counts {
+	t.Helper()
+	var c vllm.Counts
+	for end := time.Now().Add(30 * time.Second); time.Now().Before(end); time.Sleep(time.Second) {
+		if c = gateCounts(t, p); ok(c) {
+			return c
+		}
+	}
+	t.Fatalf("%s's gate counts %+v after 30 s", p.Name, c)
+	return c
+}
