@@ -17,6 +17,8 @@ import (
 type Completion struct {
 	Prompt    []int
 	MaxTokens int
+	// KVTransferParams, if set, are sent as the router sends them to one leg.
+	KVTransferParams map[string]any
 }
 
 // Answer is an OpenAI completion answer as far as the tests read it.
@@ -29,19 +31,23 @@ type Answer struct {
 
 // Complete sends c to base's /v1/completions.
 func Complete(ctx context.Context, base string, c Completion) (Answer, error) {
-	body, err := json.Marshal(map[string]any{
+	req := map[string]any{
 		"model": "tiny", "prompt": c.Prompt, "max_tokens": c.MaxTokens, "temperature": 0,
 		"ignore_eos": true, "return_token_ids": true,
-	})
+	}
+	if c.KVTransferParams != nil {
+		req[vllm.KVTransferParams] = c.KVTransferParams
+	}
+	body, err := json.Marshal(req)
 	if err != nil {
 		return Answer{}, err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(body))
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(body))
 	if err != nil {
 		return Answer{}, err
 	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
+	hreq.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(hreq)
 	if err != nil {
 		return Answer{}, err
 	}

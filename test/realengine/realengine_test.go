@@ -12,10 +12,13 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/controllers"
+	"pdcluster.dev/pdcluster-operator/controllers/kvverify"
 )
 
 // Releases whose Mooncake worker reports a pull with no local block as finished receiving (the
@@ -48,6 +51,9 @@ func TestRealEngines(t *testing.T) {
 			d := deploy(t, rel)
 			t.Run("a request through the router decodes from prefill's KV", d.testNormal)
 			t.Run("the engine's log says the gate loaded", d.testLoadLine)
+			t.Run("the same prompt twice: decode's own prefix cache", d.testPrefixHit)
+			t.Run("KVTransferVerified from the engines' own counts", d.testKVVerification)
+			t.Run("a producer's held KV reaches the sidecar", d.testHeldSends)
 			t.Run("a decode leg the API server refuses", d.testRejectedDecodeLeg)
 			t.Run("a client that gives up while decode waits", d.testAbortWhileWaiting)
 		})
@@ -187,6 +193,159 @@ func (d *deployment) testLoadLine(t *testing.T) {
 	if !strings.Contains(string(log), want) {
 		t.Errorf("the decode engine's log does not say %q", want)
 	}
+}
+
+// The same prompt twice through the router: the second time decode holds the prompt's whole
+// blocks in its own prefix cache and loads the rest from prefill (vLLM never serves the last
+// prompt token from its cache, so a prompt of whole blocks still leaves one block to pull), and
+// answers the same tokens. Both classes serve it: a prefix hit on a full-attention model is not
+// a pull without local blocks.
+func (d *deployment) testPrefixHit(t *testing.T) {
+	ctx := context.Background()
+	c := Completion{Prompt: Prompt(5, 192), MaxTokens: 6} // three whole 64-token blocks
+	for _, side := range []struct {
+		name   string
+		via    *Router
+		decode *Pod
+	}{{"gated", d.gatedVia, d.gated}, {"stock", d.stockVia, d.stock}} {
+		t.Run(side.name, func(t *testing.T) {
+			first, err := Complete(ctx, side.via.URL, c)
+			if err != nil || first.Status != 200 {
+				t.Fatalf("first: %d %s %v", first.Status, first.Body, err)
+			}
+			before, err := EngineStats(ctx, side.decode.Engine)
+			if err != nil {
+				t.Fatal(err)
+			}
+			second, err := Complete(ctx, side.via.URL, c)
+			if err != nil || second.Status != 200 {
+				t.Fatalf("second: %d %s %v", second.Status, second.Body, err)
+			}
+			after, err := EngineStats(ctx, side.decode.Engine)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ext, hit := after.ExternalKVTokens-before.ExternalKVTokens, after.LocalCacheHitTokens-before.LocalCacheHitTokens
+			local := after.LocalComputeTokens - before.LocalComputeTokens
+			t.Logf("second request on decode: %v tokens from its prefix cache, %v from prefill, %v computed", hit, ext, local)
+			if hit != 128 || ext != 64 || local != 0 {
+				t.Errorf("second request: %v cached, %v external, %v computed; want the first two blocks cached and the last pulled (128, 64, 0)", hit, ext, local)
+			}
+			if fmt.Sprint(first.TokenIDs) != fmt.Sprint(second.TokenIDs) {
+				t.Errorf("the same prompt answered %v, then %v", first.TokenIDs, second.TokenIDs)
+			}
+			if !Healthy(ctx, side.decode.Engine) {
+				t.Errorf("decode engine unhealthy after a prefix hit")
+			}
+		})
+	}
+}
+
+// The operator's KV verification on real engines: the sidecar's engine counts (scraped from
+// vLLM's /metrics), read as the manager reads them, judge ExternalKVObserved for traffic through
+// the router and DecodeRecomputing for prompts that reach decode without kv_transfer_params.
+func (d *deployment) testKVVerification(t *testing.T) {
+	ctx := context.Background()
+	pdc, err := LoadPDCluster(filepath.Join("testdata", "pdcluster.yaml"), filepath.Join("testdata", "tiny-llama"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pdc.SetDefaults()
+	policy := kvverify.PolicyOf(pdc)
+	verdict := func(send func(i int) (Answer, error)) kvverify.Verdict {
+		t.Helper()
+		first := engineSample(t, d.gated, nil)
+		// More than kvverify.MinTokens prompt tokens, as a window must hold to be judged.
+		for i := range 4 {
+			if a, err := send(i); err != nil || a.Status != 200 {
+				t.Fatalf("request %d: %d %s %v", i, a.Status, a.Body, err)
+			}
+		}
+		last := engineSample(t, d.gated, &first)
+		return kvverify.Evaluate([]kvverify.Pod{{Name: d.gated.Name, Role: v1alpha1.RoleDecode, GateReported: true,
+			Samples: []kvverify.Sample{first, last}}}, policy, nil)
+	}
+	through := verdict(func(i int) (Answer, error) {
+		return Complete(ctx, d.gatedVia.URL, Completion{Prompt: Prompt(200+i, 100), MaxTokens: 2})
+	})
+	if through.Status != metav1.ConditionTrue || through.Reason != v1alpha1.ReasonExternalKVObserved {
+		t.Errorf("traffic through the router: %s/%s %q, want True/%s", through.Status, through.Reason, through.Message, v1alpha1.ReasonExternalKVObserved)
+	}
+	// What a router that drops kv_transfer_params would send: the plain request, to decode.
+	dropped := verdict(func(i int) (Answer, error) {
+		return Complete(ctx, d.gated.Engine, Completion{Prompt: Prompt(300+i, 100), MaxTokens: 2})
+	})
+	if dropped.Status != metav1.ConditionFalse || dropped.Reason != v1alpha1.ReasonDecodeRecomputing {
+		t.Errorf("prompts without kv_transfer_params: %s/%s %q, want False/%s", dropped.Status, dropped.Reason, dropped.Message, v1alpha1.ReasonDecodeRecomputing)
+	}
+}
+
+// engineSample is the KV evidence in the pod's GET /gate, once the sidecar has scraped the
+// engine (every --engine-metrics-interval) since after; nil: the current one.
+func engineSample(t *testing.T, p *Pod, after *kvverify.Sample) kvverify.Sample {
+	t.Helper()
+	for end := time.Now().Add(time.Minute); time.Now().Before(end); time.Sleep(time.Second) {
+		s, ok := kvverify.SampleOf(time.Now(), gateState(t, p))
+		if ok && (after == nil || s.External+s.LocalCompute > after.External+after.LocalCompute) {
+			if after != nil {
+				// Let the scrape that counts the last request land too.
+				time.Sleep(20 * time.Second)
+				s, _ = kvverify.SampleOf(time.Now(), gateState(t, p))
+			}
+			return s
+		}
+	}
+	t.Fatalf("%s's sidecar has no new engine counts after a minute", p.Name)
+	return kvverify.Sample{}
+}
+
+// A prefill leg whose decode has not pulled yet: vLLM's producer holds the request's KV
+// (request_finished delays the free), the gate counts it in held_sends, and the operator's
+// reader sees it (the drain waits on it, the pod-deletion cost follows it). The decode leg's
+// pull releases it.
+func (d *deployment) testHeldSends(t *testing.T) {
+	ctx := context.Background()
+	held := func() int64 {
+		st := gateState(t, d.prefill)
+		if st.Report == nil || st.Report.HeldSends == nil {
+			t.Fatalf("the prefill gate reports no held_sends: %+v", st)
+		}
+		return *st.Report.HeldSends
+	}
+	waitHeld := func(want int64) {
+		t.Helper()
+		var got int64
+		for end := time.Now().Add(30 * time.Second); time.Now().Before(end); time.Sleep(time.Second) {
+			if got = held(); got == want {
+				return
+			}
+		}
+		t.Fatalf("prefill holds %d sends, want %d", got, want)
+	}
+	waitHeld(0)
+	transfer := fmt.Sprintf("xfer-held-%d", time.Now().UnixNano())
+	prompt := Prompt(6, 100)
+	leg, err := Complete(ctx, d.prefill.Engine, Completion{Prompt: prompt, MaxTokens: 1,
+		KVTransferParams: map[string]any{vllm.DoRemoteDecode: true, vllm.DoRemotePrefill: false, vllm.TransferID: transfer}})
+	if err != nil || leg.Status != 200 {
+		t.Fatalf("prefill leg: %d %s %v", leg.Status, leg.Body, err)
+	}
+	waitHeld(1)
+	topo, err := bootstrap.NewClient().Query(ctx, d.prefill.Bootstrap)
+	if err != nil || len(topo) == 0 {
+		t.Fatalf("prefill's bootstrap registry: %v %v", topo, err)
+	}
+	var engineID string
+	for _, e := range topo {
+		engineID = e.EngineID
+	}
+	pulled, err := Complete(ctx, d.gated.Engine, Completion{Prompt: prompt, MaxTokens: 2, KVTransferParams: map[string]any{
+		vllm.DoRemotePrefill: true, vllm.DoRemoteDecode: false, vllm.TransferID: transfer,
+		vllm.RemoteBootstrapAddr: d.prefill.Bootstrap, vllm.RemoteEngineID: engineID}})
+	if err != nil || pulled.Status != 200 {
+		t.Fatalf("decode leg: %d %s %v", pulled.Status, pulled.Body, err)
+	}
+	waitHeld(0)
 }
 
 // A decode leg vLLM's API server refuses (max_tokens past --max-model-len: HTTP 400) after a
