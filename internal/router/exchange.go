@@ -309,22 +309,27 @@ func (x *exchange) retry(e *legError) bool {
 }
 
 // retryInstead abandons a, whose prefill failed with e while its decode leg still waits for
-// the KV, when another prefill endpoint is left to take the request and nothing reached the
-// client yet; the retry is taken for the exchange's next attempt. Otherwise the decode leg
-// goes on and answers for itself (with kv_load_failure_policy recompute it computes the
-// prompt; with fail it says the KV load failed).
+// the KV, when nothing reached the client yet: to retry on another prefill endpoint when one is
+// left (the retry is taken for the exchange's next attempt), and also without one when the
+// prefill is gone (refused, reset, bootstrap down): its KV will never come, and vLLM's decode
+// does not fail such a pull but waits for it until its own abort timeout (minutes, measured on
+// a real vLLM 0.30.0 engine), so the client gets prefill's failure now, or decode computes the
+// prompt alone (onPrefillFailure DecodeOnly). A prefill that answered with its verdict (a 5xx)
+// is left to decode, which answers for itself.
 func (x *exchange) retryInstead(a *attempt, e *legError) {
-	if !x.mayRetry(e) {
-		return
+	if x.mayRetry(e) {
+		avoid := x.avoid()
+		if slices.ContainsFunc(x.poolURLs(e.leg), func(u string) bool { return avoid == nil || !avoid(u) }) {
+			if a.abandon(e) && x.takeRetry(e) {
+				x.mu.Lock()
+				x.reserved = true
+				x.mu.Unlock()
+			}
+			return
+		}
 	}
-	avoid := x.avoid()
-	if !slices.ContainsFunc(x.poolURLs(e.leg), func(u string) bool { return avoid == nil || !avoid(u) }) {
-		return
-	}
-	if a.abandon(e) && x.takeRetry(e) {
-		x.mu.Lock()
-		x.reserved = true
-		x.mu.Unlock()
+	if e.prefillUnavailable() {
+		a.abandon(e)
 	}
 }
 

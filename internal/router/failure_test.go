@@ -650,6 +650,64 @@ func TestDecodeOnlyWhenPrefillCannotServe(t *testing.T) {
 	}
 }
 
+// Mooncake's only prefill engine dies (reset, refused) while decode waits for its KV: vLLM's
+// decode does not fail that pull, it waits for the KV until its own abort timeout (minutes: a
+// real vLLM 0.30.0 decode answered nothing in 2 minutes, test/realengine). The router cancels
+// decode and answers at once, as when a pool has no endpoint left (Retry: 503 saying so; Fail:
+// prefill's failure), or, with onPrefillFailure DecodeOnly, has decode compute the prompt
+// alone. Before, it waited for decode's answer.
+func TestMooncakeOnlyPrefillGoneDoesNotWaitForDecode(t *testing.T) {
+	cases := []struct {
+		name     string
+		prefill  func(*testEngine, http.ResponseWriter, *http.Request, map[string]any)
+		policy   routerconfig.OnPrefillFailure
+		want     int
+		wantBody string
+	}{
+		{"reset, Retry", resets, routerconfig.PrefillFailureRetry, http.StatusServiceUnavailable, "no prefill endpoint left"},
+		{"refused, Retry", nil, routerconfig.PrefillFailureRetry, http.StatusServiceUnavailable, "no prefill endpoint left"},
+		{"503, Retry", answer(503), routerconfig.PrefillFailureRetry, http.StatusServiceUnavailable, "no prefill endpoint left"},
+		{"reset, Fail", resets, routerconfig.PrefillFailureFail, http.StatusBadGateway, "prefill leg"},
+		{"reset, DecodeOnly", resets, routerconfig.PrefillFailureDecodeOnly, http.StatusOK, "from local"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			kv := newLedger()
+			prefill, decode := engines("p0"), engines("d0")
+			prefill[0].do = tc.prefill
+			waited := make(chan struct{}, 4)
+			decode[0].do = func(e *testEngine, w http.ResponseWriter, r *http.Request, params map[string]any) {
+				if params == nil {
+					decodeOK(kv)(e, w, r, params) // decode alone
+					return
+				}
+				// vLLM's decode waiting for KV that never comes: until the router gives up.
+				select {
+				case <-r.Context().Done():
+					waited <- struct{}{}
+				case <-time.After(20 * time.Second):
+					http.Error(w, `{"error":{"message":"KV load from the prefill engine timed out"}}`, http.StatusInternalServerError)
+				}
+			}
+			policy := DefaultFailurePolicy()
+			policy.OnPrefillFailure = tc.policy
+			f := newPD(t, routerconfig.FlowMooncake, policy, prefill, decode)
+			code, body := f.send(t, `{"prompt":"hi","max_tokens":4}`)
+			if code != tc.want || !strings.Contains(body, tc.wantBody) {
+				t.Fatalf("got %d %s, want %d naming %q", code, body, tc.want, tc.wantBody)
+			}
+			// Decode's leg, if it got there before prefill failed, was cancelled.
+			select {
+			case <-waited:
+			case <-time.After(5 * time.Second):
+				if n := len(decode[0].got()); n != 0 && tc.want != http.StatusOK {
+					t.Errorf("decode's waiting leg was not cancelled (%d requests)", n)
+				}
+			}
+		})
+	}
+}
+
 // pdcluster_router_endpoints says how many engines of each pool the router knows, so that an
 // operator (and the real-node test) can tell when a new pod has reached it.
 func TestEndpointsMetricFollowsThePools(t *testing.T) {

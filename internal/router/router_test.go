@@ -175,11 +175,13 @@ func TestFailuresSayWhy(t *testing.T) {
 		}
 	})
 	t.Run("decode 5xx names both legs", func(t *testing.T) {
-		p := &fakeEngine{status: 503, reply: `agent down`}
+		// Prefill's verdict (a 500, not its absence): decode answers for itself. (A prefill
+		// that is not there or said 503 ends the attempt at once: its KV never comes.)
+		p := &fakeEngine{status: 500, reply: `agent down`}
 		d := &fakeEngine{status: 500, reply: `{"error":{"message":"KV load failed"}}`}
 		srv := newRouter(t, routerconfig.FlowMooncake, p, d)
 		code, body := send(t, srv.URL, `{"prompt":"hi"}`)
-		if code != 500 || !strings.Contains(body, "KV load failed") || !strings.Contains(body, "decode leg") {
+		if code != 500 || !strings.Contains(body, "KV load failed") || !strings.Contains(body, "decode leg") || !strings.Contains(body, "agent down") {
 			t.Errorf("got %d %s", code, body)
 		}
 	})
