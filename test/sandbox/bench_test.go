@@ -1,22 +1,17 @@
 package sandbox_test
 
 import (
-	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"pdcluster.dev/pdcluster-operator/test/loadgen"
 	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 )
 
@@ -121,96 +116,9 @@ func load(b *testing.B, url string, clients int, cpu map[string][]int) {
 }
 
 // loadTokens runs clients concurrent loops of completions of maxTokens tokens against url for
-// benchDuration (after a warm-up) and reports the latency percentiles, the throughput, the
-// failures and, for each entry of cpu, the CPU time of those processes per request.
+// benchDuration (after a warm-up) and reports what loadgen.Run reports.
 func loadTokens(b *testing.B, url string, clients, maxTokens int, cpu map[string][]int) {
 	b.Helper()
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients, MaxConnsPerHost: clients}}
 	body, _ := json.Marshal(map[string]any{"prompt": benchPrompt, "max_tokens": maxTokens, "ignore_eos": true})
-	one := func() (time.Duration, error) {
-		start := time.Now()
-		resp, err := client.Post(url+"/v1/completions", "application/json", bytes.NewReader(body))
-		if err != nil {
-			return 0, err
-		}
-		data, err := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if err != nil {
-			return 0, err
-		}
-		if resp.StatusCode != http.StatusOK {
-			return 0, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(data)))
-		}
-		return time.Since(start), nil
-	}
-	run := func(d time.Duration) ([]time.Duration, []error) {
-		var mu sync.Mutex
-		var lat []time.Duration
-		var errs []error
-		ctx, cancel := context.WithTimeout(context.Background(), d)
-		defer cancel()
-		var wg sync.WaitGroup
-		for range clients {
-			wg.Go(func() {
-				for ctx.Err() == nil {
-					l, err := one()
-					mu.Lock()
-					if err != nil {
-						errs = append(errs, err)
-					} else {
-						lat = append(lat, l)
-					}
-					mu.Unlock()
-				}
-			})
-		}
-		wg.Wait()
-		return lat, errs
-	}
-	run(benchWarmup)
-	before := map[string]time.Duration{}
-	for name, pids := range cpu {
-		before[name] = cpuTime(b, pids)
-	}
-	b.ResetTimer()
-	start := time.Now()
-	lat, errs := run(benchDuration)
-	elapsed := time.Since(start)
-	b.StopTimer()
-	if len(lat) == 0 {
-		b.Fatalf("no request succeeded: %v", errs)
-	}
-	slices.Sort(lat)
-	pct := func(p float64) float64 {
-		return float64(lat[min(len(lat)-1, int(p*float64(len(lat))))].Microseconds()) / 1000
-	}
-	b.ReportMetric(pct(0.50), "p50-ms")
-	b.ReportMetric(pct(0.99), "p99-ms")
-	b.ReportMetric(float64(len(lat))/elapsed.Seconds(), "req/s")
-	b.ReportMetric(float64(len(errs)), "errors")
-	for name, pids := range cpu {
-		used := cpuTime(b, pids) - before[name]
-		b.ReportMetric(float64(used.Microseconds())/1000/float64(len(lat)+len(errs)), name)
-	}
-	if len(errs) > 0 {
-		b.Logf("%d requests failed, the first: %v", len(errs), errs[0])
-	}
-}
-
-// cpuTime is the user and system CPU time the processes have used (/proc/<pid>/stat).
-func cpuTime(b *testing.B, pids []int) time.Duration {
-	b.Helper()
-	var total time.Duration
-	for _, pid := range pids {
-		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			b.Fatalf("CPU time of %d: %v", pid, err)
-		}
-		// The command name (field 2) may hold spaces; fields 14 and 15 follow its ')'.
-		fields := strings.Fields(string(raw[bytes.LastIndexByte(raw, ')')+1:]))
-		utime, _ := strconv.ParseInt(fields[11], 10, 64)
-		stime, _ := strconv.ParseInt(fields[12], 10, 64)
-		total += time.Duration(utime+stime) * time.Second / 100 // USER_HZ is 100 on Linux
-	}
-	return total
+	loadgen.Run(b, url, clients, body, benchWarmup, benchDuration, cpu)
 }
