@@ -20,7 +20,7 @@ import (
 
 // The sidecar reads vLLM's own exposition (recorded from vLLM's metric definitions and its
 // prometheus_client) and sums the prompt token sources and connector counters over the DP
-// ranks; GET /gate carries them with their age, keeps the last counts when a read fails, and
+// ranks (two in the fixture, every family with a series for each); GET /gate carries them with their age, keeps the last counts when a read fails, and
 // says why.
 func TestEngineEvidenceInGateState(t *testing.T) {
 	fixture, err := os.ReadFile("testdata/vllm-decode.metrics")
@@ -51,7 +51,7 @@ func TestEngineEvidenceInGateState(t *testing.T) {
 	s.engine.readOnce(t.Context())
 	clk.SetTime(gateT0.Add(20 * time.Second))
 	want := &vllm.EngineStats{ExternalKVTokens: 13500, LocalComputeTokens: 60, LocalCacheHitTokens: 200,
-		FailedTransfers: 2, FailedReceives: 1, HasPromptSources: true, TransferBytes: 2e7, TransferSeconds: 0.01, AgeSeconds: 20}
+		FailedTransfers: 5, FailedReceives: 2, HasPromptSources: true, TransferBytes: 3e7, TransferSeconds: 0.51, AgeSeconds: 20}
 	if d := cmp.Diff(want, gateState(t, s).Engine); d != "" {
 		t.Errorf("GET /gate engine (-want +got):\n%s", d)
 	}

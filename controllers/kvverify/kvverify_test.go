@@ -283,3 +283,41 @@ func TestHistoryWindow(t *testing.T) {
 		t.Error("a pod no longer live is still kept")
 	}
 }
+
+// The routers' canary decides when the window holds too little traffic to judge: a canary whose
+// prompt decode took from prefill verifies the path, one decode computed or one that failed says
+// it is broken, and a stale one, or one beside enough traffic, decides nothing.
+func TestEvaluateCanary(t *testing.T) {
+	policy := Policy{Window: 5 * time.Minute, MinSharePct: 90, GateEnabled: true, CanaryInterval: time.Minute}
+	idle := []Pod{decode("d-0", true, sampleOf(t, 0, scrape(0, 0, 0, 0), 0), sampleOf(t, time.Minute, scrape(0, 0, 0, 0), 0))}
+	busy := []Pod{decode("d-0", true, sampleOf(t, 0, scrape(0, 0, 0, 0), 0), sampleOf(t, time.Minute, scrape(0, 1000, 0, 0), 0))}
+	canary := func(r v1alpha1.CanaryOutcome, age time.Duration) *Canary {
+		c := v1alpha1.CanaryResult{Time: metav1.NewTime(t0.Add(-age)), Router: "r-0", Result: r, PromptTokens: 256, ExternalTokens: 256, Message: "why"}
+		return CanaryOf(&c, policy, t0)
+	}
+	cases := []struct {
+		name       string
+		pods       []Pod
+		canary     *Canary
+		wantStatus metav1.ConditionStatus
+		wantReason string
+	}{
+		{"idle, external canary", idle, canary(v1alpha1.CanaryExternal, time.Minute), metav1.ConditionTrue, v1alpha1.ReasonExternalKVObserved},
+		{"idle, canary computed on decode", idle, canary(v1alpha1.CanaryRecomputed, time.Minute), metav1.ConditionFalse, v1alpha1.ReasonDecodeRecomputing},
+		{"idle, canary failed", idle, canary(v1alpha1.CanaryFailed, time.Minute), metav1.ConditionFalse, v1alpha1.ReasonTransferFailing},
+		{"idle, stale external canary", idle, canary(v1alpha1.CanaryExternal, 4*time.Minute), metav1.ConditionUnknown, v1alpha1.ReasonNoTraffic},
+		{"idle, no canary", idle, nil, metav1.ConditionUnknown, v1alpha1.ReasonNoTraffic},
+		{"traffic computed on decode beside an external canary", busy, canary(v1alpha1.CanaryExternal, time.Minute), metav1.ConditionFalse, v1alpha1.ReasonDecodeRecomputing},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			v := Evaluate(tc.pods, policy, tc.canary)
+			if v.Status != tc.wantStatus || v.Reason != tc.wantReason {
+				t.Errorf("got %s/%s %q, want %s/%s", v.Status, v.Reason, v.Message, tc.wantStatus, tc.wantReason)
+			}
+			if tc.canary != nil && (v.KV.LastCanary == nil || v.KV.LastCanary.Result != tc.canary.Result.Result) {
+				t.Errorf("status.kvTransfer.lastCanary = %+v, want the canary", v.KV.LastCanary)
+			}
+		})
+	}
+}

@@ -149,9 +149,14 @@ func resets(_ *testEngine, w http.ResponseWriter, _ *http.Request, _ map[string]
 	}
 }
 
-// hangs answers nothing until the router gives up on it.
+// hangs answers nothing until the router gives up on it (or, should the router never give up,
+// until a test's own deadline has failed it: a server with a handler still running cannot
+// close, and the package would hang).
 func hangs(_ *testEngine, _ http.ResponseWriter, r *http.Request, _ map[string]any) {
-	<-r.Context().Done()
+	select {
+	case <-r.Context().Done():
+	case <-time.After(sendDeadline + 5*time.Second):
+	}
 }
 
 // deadAddr is an address that refuses connections.
@@ -219,11 +224,16 @@ func newPD(t *testing.T, flow routerconfig.Flow, policy FailurePolicy, prefill, 
 	return &pdFixture{r: r, url: serve(r.Handler(reg)), reg: reg, clock: clk, prefill: prefill, decode: decode}
 }
 
+// sendDeadline bounds a test request: a router that hangs fails the test that sent it, not
+// the whole package at go test's timeout.
+const sendDeadline = 60 * time.Second
+
 func (f *pdFixture) send(t *testing.T, body string) (int, string) {
 	t.Helper()
-	resp, err := http.Post(f.url+"/v1/completions", "application/json", strings.NewReader(body))
+	client := &http.Client{Timeout: sendDeadline}
+	resp, err := client.Post(f.url+"/v1/completions", "application/json", strings.NewReader(body))
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("no answer from the router within %s: %v", sendDeadline, err)
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
