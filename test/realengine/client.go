@@ -9,6 +9,9 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
@@ -113,4 +116,33 @@ func Healthy(ctx context.Context, engine string) bool {
 	}
 	resp.Body.Close()
 	return resp.StatusCode == http.StatusOK
+}
+
+// Gauge is an engine's gauge from its /metrics, summed over its series (data-parallel ranks).
+func Gauge(ctx context.Context, engine, name string) (float64, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, engine+"/metrics", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(io.LimitReader(resp.Body, vllm.MaxEngineMetrics))
+	if err != nil {
+		return 0, fmt.Errorf("%s/metrics: %w", engine, err)
+	}
+	f, ok := families[name]
+	if !ok {
+		return 0, fmt.Errorf("%s/metrics has no %s", engine, name)
+	}
+	var sum float64
+	for _, m := range f.GetMetric() {
+		sum += m.GetGauge().GetValue()
+	}
+	return sum, nil
 }
