@@ -460,7 +460,10 @@ func (d *deployment) testDecodeKilled(t *testing.T) {
 		}
 		answer <- a
 	}()
-	time.Sleep(2 * time.Second) // decoding
+	// Killed while it runs the request (600 tokens: about a second even on an idle machine).
+	if !waitGauge(d.gated, vllm.MetricNumRequestsRunning, 1) {
+		t.Fatal("decode does not run the request")
+	}
 	d.gated.EngineProc.Kill()
 	if a := <-answer; a.Status < 500 {
 		t.Errorf("a request whose decode engine died answered %d %s, want the router's 5xx", a.Status, a.Body)
