@@ -2,7 +2,8 @@
 # End-to-end tests: the README's main command (hack/run.sh up) on a cluster of its own (its own
 # directory and ports), then test/e2e against it: the kwok GPU nodes, and the real node's pods.
 # The real node is one per machine (bridge, registry and kubelet ports): a `make run` cluster is
-# taken down first.
+# taken down first. PDCLUSTER_E2E_RUN selects tests (go test -run); PDCLUSTER_E2E_KEEP=1 leaves
+# the cluster up afterwards, to look at.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$("${root}/hack/envtest-assets.sh")"
@@ -20,6 +21,10 @@ cleanup() {
 		else
 			tail -30 "${PDCLUSTER_CLUSTER_DIR}/manager.log" >&2 || true
 		fi
+	fi
+	if [[ -n "${PDCLUSTER_E2E_KEEP:-}" ]]; then
+		echo "e2e: the cluster stays up (PDCLUSTER_E2E_KEEP): KUBECONFIG=${PDCLUSTER_CLUSTER_DIR}/kubeconfig; hack/run.sh down with PDCLUSTER_CLUSTER_DIR set to take it down" >&2
+		exit "${rc}"
 	fi
 	"${root}/hack/run.sh" down || true
 	exit "${rc}"
@@ -49,4 +54,4 @@ if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 		PDCLUSTER_MANAGER_METRICS_TOKEN="$("${k[@]}" create token metrics-scraper -n pdcluster-system --duration 2h)")
 fi
 env "${real[@]}" PDCLUSTER_E2E_KUBECONFIG="${PDCLUSTER_CLUSTER_DIR}/kubeconfig" PDCLUSTER_E2E_BIN="${bin}" \
-	go test ./test/e2e/ -count=1 -v -timeout 20m
+	go test ./test/e2e/ -count=1 -v -timeout 20m ${PDCLUSTER_E2E_RUN:+-run "${PDCLUSTER_E2E_RUN}"}

@@ -310,8 +310,8 @@ type KVVerification struct {
 	WindowSeconds *int32 `json:"windowSeconds,omitempty"`
 
 	// minExternalSharePercent is the share of the prompt tokens decode did not find in its
-	// own prefix cache that must have come from prefill (external KV). Not 100: vLLM computes
-	// the last prompt token on decode, and a partial last block may be recomputed.
+	// own prefix cache that must have come from prefill (external KV). Not 100: a connector or
+	// KV layout that moves whole blocks only leaves the partial last block to decode.
 	// +kubebuilder:default=90
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=100

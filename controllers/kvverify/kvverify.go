@@ -2,8 +2,8 @@
 // KV from prefill: the verdict behind the KVTransferVerified condition and status.kvTransfer.
 // The evidence is each decode engine's vllm:prompt_tokens_by_source_total (external KV against
 // local compute; a local prefix hit needs no transfer and is left out), over a window, not as an
-// equality: vLLM computes the last prompt token on decode, and a partial last block may be
-// recomputed. Failed pulls and whether the completion gate reports tell why decode recomputes.
+// equality: a connector or KV layout that moves whole blocks only leaves the partial last block
+// to decode (vLLM's Mooncake connector on a full-attention model counts every token external). Failed pulls and whether the completion gate reports tell why decode recomputes.
 //
 // History keeps the samples (the reconciler owns one); Evaluate is pure.
 package kvverify

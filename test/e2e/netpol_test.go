@@ -132,8 +132,13 @@ func (r realNode) enforcesNetworkPolicy(t *testing.T) {
 	if g := r.pdc().Status.Decode.Gate; g != nil {
 		gated = g.GatedCompletions
 	}
-	r.serves(t) // its 13-token request is a notify-only pull, which decode's gate keeps back
+	r.serves(t)
+	r.refused(t) // a cleanup pull with no local block, which decode's gate keeps back
 	r.eventually("the operator still reads the sidecars' gate status", func() error {
+		// Decode's steps send the cleanup pull and deliver its report: an idle engine does not step.
+		if code, _, err := r.complete(words(20), 2); code != http.StatusOK {
+			return fmt.Errorf("a request after the refused one: %d %v", code, err)
+		}
 		if g := r.pdc().Status.Decode.Gate; g == nil || g.ReportingPods != 1 || g.GatedCompletions <= gated {
 			return fmt.Errorf("decode gate status %+v, want one reporting pod and more than %d gated completions", g, gated)
 		}

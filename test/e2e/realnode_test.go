@@ -185,7 +185,8 @@ func words(n int) string {
 }
 
 // serves checks one long request (its KV pulled from prefill into decode, byte-verified by the
-// decode engine) and the 13-token request whose pull carries no full block.
+// decode engine) and a 13-token one, whose pull is its one partial block (as on vLLM itself:
+// test/realengine testNormal).
 func (r realNode) serves(t *testing.T) {
 	t.Helper()
 	decode := r.pods(v1alpha1.RoleDecode)[0]
@@ -213,6 +214,9 @@ func (r realNode) serves(t *testing.T) {
 	code, n, err := r.complete(words(13), 4)
 	if err != nil || code != http.StatusOK || n != 4 {
 		t.Fatalf("13-token request with %d-token blocks: status %d, %d tokens, %v", realBlock, code, n, err)
+	}
+	if short, err := r.blocksVerified(decode); err != nil || short-after != 1 {
+		t.Errorf("decode verified %d pulled blocks for a 13-token prompt (%v), want its partial block", short-after, err)
 	}
 	pod := r.pods(v1alpha1.RoleDecode)[0]
 	if n := restarts(pod, v1alpha1.EngineContainerName); n != 0 {
@@ -245,10 +249,22 @@ func gateCounts(pod corev1.Pod) (vllm.Counts, error) {
 	return st.Report.Counts, nil
 }
 
-// gatesIdleEngine runs the two pulls with no local block a decode engine meets: the 13-token
-// request's, and a rejected request's cleanup pull whose report the worker holds while the
-// engine is idle for longer than the gate's TTL (set short here). The next request's step
-// delivers it; a gate that dropped its record on time alone would let it kill the engine.
+// refused sends a request whose decode leg the engine's API server refuses (max_tokens past the
+// model length) after a normal prefill leg: a cleanup pull with no local block on decode, sent
+// with its next step (test/realengine testRejectedDecodeLeg on vLLM itself).
+func (r realNode) refused(t *testing.T) {
+	t.Helper()
+	if code, _, _ := r.complete(words(40), 1<<20); code != http.StatusBadRequest {
+		t.Fatalf("a decode leg past the model length: status %d, want the engine's 400", code)
+	}
+}
+
+// gatesIdleEngine runs the pulls with no local block a decode engine meets: a decode leg the
+// API server refused behind the router, and one refused at the engine itself. A request straight
+// to decode that ends in its first step sends their cleanup pulls; their reports then wait in
+// the worker while the engine is idle for longer than the gate's TTL (set short here). The next
+// request's step delivers them; a gate that dropped its records on time alone would let them
+// kill the engine.
 func (r realNode) gatesIdleEngine(t *testing.T) {
 	const ttl = 2 * time.Second
 	p := &v1alpha1.PDCluster{ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: realName}}
@@ -269,9 +285,7 @@ func (r realNode) gatesIdleEngine(t *testing.T) {
 	r.eventually("the decode engine's gate heartbeats", func() (err error) { before, err = gateCounts(decode); return err })
 	statusBefore := r.pdc().Status.Decode.Gate
 
-	if code, n, err := r.complete(words(13), 4); err != nil || code != http.StatusOK || n != 4 {
-		t.Fatalf("13-token request: status %d, %d tokens, %v", code, n, err)
-	}
+	r.refused(t)
 	// A request the decode API rejects (max_tokens 0) still frees prefill's blocks, as vLLM's
 	// notify_kv_transfer_request_rejected does: a cleanup pull with no local block.
 	boot := "http://" + net.JoinHostPort(prefill.Status.PodIP, strconv.Itoa(int(vllm.MooncakeBootstrapPort)))
@@ -290,6 +304,17 @@ func (r realNode) gatesIdleEngine(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusBadRequest {
 		t.Fatalf("rejected request: status %d, want 400", resp.StatusCode)
+	}
+	// One step: the cleanup pulls go out, the one-token request ends in it, and the engine
+	// idles with their reports still in the worker.
+	body, _ = json.Marshal(map[string]any{"model": realModel, "prompt": words(3), "max_tokens": 1})
+	resp, err = http.Post("http://"+decode.Status.PodIP+":8000/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("a one-token request straight to decode: status %d, want 200", resp.StatusCode)
 	}
 	time.Sleep(3 * ttl) // idle: no request reaches decode, so it does not step
 	if code, n, err := r.complete(words(3*realBlock+5), 4); err != nil || code != http.StatusOK || n != 4 {
@@ -496,7 +521,7 @@ func TestRealNode(t *testing.T) {
 		r.rollsOutKVRevision(t)
 	})
 
-	t.Run("the decode engine's gate: notify-only pulls gated, an idle engine's held report too", func(t *testing.T) {
+	t.Run("the decode engine's gate: refused legs' cleanup pulls gated, an idle engine's held reports too", func(t *testing.T) {
 		r.gatesIdleEngine(t)
 	})
 

@@ -308,9 +308,10 @@ func tokens(n, base int) []int {
 	return out
 }
 
-// The seed bug's request: 13 tokens with 64-token blocks is a notify-only pull. The decode
-// engine must answer with all 32 tokens and stay alive, in both flows.
-func TestShortPromptWithLargeBlocks(t *testing.T) {
+// A 13-token prompt with 64-token blocks moves as one partial block, as on vLLM itself
+// (test/realengine testNormal: all 100 tokens of a 100-token prompt external): a pull with a
+// local block, reported to the scheduler, in both flows.
+func TestShortPromptMovesItsPartialBlock(t *testing.T) {
 	for _, flow := range []string{"mooncake", "nixl"} {
 		t.Run(flow, func(t *testing.T) {
 			b := start(t, "--block-size", "64", "--flow", flow)
@@ -321,29 +322,68 @@ func TestShortPromptWithLargeBlocks(t *testing.T) {
 				t.Fatalf("got %d, %d tokens, err %v: %s; want 200 with 32 tokens", r.status, r.tokens, r.err, r.body)
 			}
 			d := b.state.Decode[0]
-			if code, body := get(t, d.Engine+"/health"); code != http.StatusOK {
-				t.Fatalf("decode engine unhealthy after the request: %d %s", code, body)
+			if n := metric(t, d.Engine, "pdcluster_connector_empty_pulls_total"); n != 0 {
+				t.Errorf("empty pulls = %v, want 0: the partial block is a local block", n)
 			}
-			if n := metric(t, d.Engine, "pdcluster_connector_empty_pulls_total"); n != 1 {
-				t.Errorf("empty pulls = %v, want 1", n)
+			if n := metric(t, d.Engine, "pdcluster_connector_completions_total"); n != 1 {
+				t.Errorf("completions reported = %v, want 1", n)
 			}
-			if n := metric(t, d.Engine, "pdcluster_connector_completions_total"); n != 0 {
-				t.Errorf("completions reported = %v, want 0 for a notify-only pull", n)
+			if n := metric(t, d.Engine, "vllm:prompt_tokens_by_source_total", "source", "external_kv_transfer"); n != 13 {
+				t.Errorf("external KV tokens = %v, want the prompt's 13", n)
 			}
 			b.waitIdle(2048, 10*time.Second) // the producer was told and let go
 		})
 	}
 }
 
-// The same request through a connector with the seed bug kills the decode engine: the check
+// refuse sends n requests whose decode leg the engine's API server refuses (max_tokens past
+// the model length) after a normal prefill leg: each is a cleanup pull with no local block on
+// decode, sent with its next step.
+func refuse(t *testing.T, b *box, n int) {
+	t.Helper()
+	for i := range n {
+		r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(40, 3+i), "max_tokens": 1 << 20})
+		if r.status != http.StatusBadRequest {
+			t.Fatalf("refused request %d: %d %s, want the engine's 400", i, r.status, r.body)
+		}
+	}
+}
+
+// Decode legs the API server refuses: the gated connector keeps their cleanup pulls from the
+// scheduler, the next request is served, and prefill lets their blocks go, in both flows.
+// Real vLLM: test/realengine testRejectedDecodeLeg.
+func TestRefusedDecodeLegsAreGated(t *testing.T) {
+	for _, flow := range []string{"mooncake", "nixl"} {
+		t.Run(flow, func(t *testing.T) {
+			b := start(t, "--block-size", "64", "--flow", flow)
+			refuse(t, b, 3)
+			r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(100, 1), "max_tokens": 8})
+			if r.err != nil || r.status != http.StatusOK || r.tokens != 8 {
+				t.Fatalf("the request after: %d, %d tokens, err %v: %s; want 200 with 8 tokens", r.status, r.tokens, r.err, r.body)
+			}
+			d := b.state.Decode[0]
+			if code, body := get(t, d.Engine+"/health"); code != http.StatusOK {
+				t.Fatalf("decode engine unhealthy: %d %s", code, body)
+			}
+			if n := metric(t, d.Engine, "pdcluster_connector_empty_pulls_total"); n != 3 {
+				t.Errorf("empty pulls = %v, want 3", n)
+			}
+			if n := metric(t, d.Engine, "pdcluster_connector_completions_total"); n != 1 {
+				t.Errorf("completions reported = %v, want 1 (the request after)", n)
+			}
+			b.waitIdle(2048, 10*time.Second) // the producer was told and let go
+		})
+	}
+}
+
+// The same refused leg through a connector that reports pulls with no local block (vLLM's
+// stock Mooncake worker before 0.32) kills the decode engine at its next step: the check
 // above is one that can fail.
 func TestUngatedConnectorKillsDecodeEngine(t *testing.T) {
 	b := start(t, "--block-size", "64", "--unsafe-ungated-completions")
-	r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{
-		"prompt": tokens(13, 1), "max_tokens": 32, "ignore_eos": true,
-	})
-	// The request may finish before the bogus report lands: the report then waits in the worker
-	// until the scheduler's next step, which an idle engine takes only for its next request.
+	refuse(t, b, 1)
+	// The cleanup pull goes with the engine's next step, which an idle engine takes only for
+	// its next request.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		code, body := get(t, b.state.Decode[0].Engine+"/health")
@@ -351,12 +391,12 @@ func TestUngatedConnectorKillsDecodeEngine(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("decode engine still healthy (%d %s); first request: %d %s", code, body, r.status, r.body)
+			t.Fatalf("decode engine still healthy (%d %s)", code, body)
 		}
 		time.Sleep(50 * time.Millisecond)
 		post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(64, 2), "max_tokens": 1})
 	}
-	r = post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(13, 1), "max_tokens": 4})
+	r := post(context.Background(), b.state.Router+"/v1/completions", map[string]any{"prompt": tokens(13, 1), "max_tokens": 4})
 	if r.status != http.StatusInternalServerError || !strings.Contains(r.body, "EngineCore died") {
 		t.Errorf("request to the dead engine: %d %s, want 500 naming EngineCore", r.status, r.body)
 	}

@@ -24,8 +24,9 @@ type soakReq struct {
 }
 
 // soakMix builds n requests: lengths from 1 to 700 tokens, a third sharing one of a few long
-// prefixes (prefix hits on both engines, including full hits that become notify-only pulls),
-// streaming and chat, and a tenth aborted by the client mid-flight.
+// prefixes (prefix hits on both engines), streaming and chat, and a tenth aborted by the client
+// mid-flight (a decode leg aborted before it is scheduled, and vLLM's rejection notice for a
+// cancelled non-streaming one, are cleanup pulls with no local block).
 func soakMix(n int, rng *rand.Rand) []soakReq {
 	prefixes := make([][]int, 6)
 	for i := range prefixes {

@@ -33,8 +33,10 @@ type Config struct {
 	Role      vllm.KVRole // "" for an engine without P/D
 	BlockSize int
 	// Capacity is the number of KV blocks.
-	Capacity      int
-	MaxModelLen   int
+	Capacity    int
+	MaxModelLen int
+	// MaxNumSeqs is --max-num-seqs (0: only the blocks limit how many run).
+	MaxNumSeqs    int
 	PrefixCaching bool
 	Policy        vllmsched.Policy
 	// StepTime is the simulated time of one scheduler step (one token for each running request).
@@ -87,10 +89,13 @@ type Engine struct {
 	// failedRecvs and expired are the connector's counters (Collector).
 	failedRecvs, expired atomic.Uint64
 
-	mu     sync.Mutex
-	reqs   map[kvtransfer.RequestID]*request
-	prefix map[uint64]struct{} // block hashes in the prefix cache
-	stats  Stats
+	mu   sync.Mutex
+	reqs map[kvtransfer.RequestID]*request
+	// remotes locates the producer of each consumer request with a transfer until its pull is
+	// sent: a cleanup pull goes out at the next step, after its request has ended.
+	remotes map[kvtransfer.RequestID]remote
+	prefix  map[uint64]struct{} // block hashes in the prefix cache
+	stats   Stats
 }
 
 // Stats counts what the engine did.
@@ -105,7 +110,7 @@ type Stats struct {
 type request struct {
 	id       kvtransfer.RequestID
 	tokens   []int
-	hashes   []uint64
+	hashes   []uint64 // every block's, the partial last one included (blockHashes)
 	maxTok   int
 	ignoreEO bool
 	seed     uint64
@@ -118,9 +123,9 @@ type request struct {
 	computed bool
 	produced int
 	transfer kvtransfer.TransferID
-	// remoteEngine and remoteBootstrap locate the producer of a consumer request.
-	remoteEngine, remoteBootstrap string
 }
+
+type remote struct{ engine, bootstrap string }
 
 // New builds an engine; Run drives it.
 func New(cfg Config) (*Engine, error) {
@@ -133,7 +138,7 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.MaxModelLen <= 0 {
 		cfg.MaxModelLen = cfg.Capacity * cfg.BlockSize
 	}
-	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[kvtransfer.RequestID]*request{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
+	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[kvtransfer.RequestID]*request{}, remotes: map[kvtransfer.RequestID]remote{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
 	e.boot.MaxAge = time.Second
 	if cfg.Gate {
 		e.gate = newGate(cfg.GateTTL, DefaultGateGrace, nil)
@@ -144,7 +149,7 @@ func New(cfg Config) (*Engine, error) {
 	}
 	var err error
 	e.sched, err = vllmsched.New(vllmsched.Config{
-		Role: cfg.Role, BlockSize: cfg.BlockSize, Capacity: cfg.Capacity, Policy: cfg.Policy,
+		Role: cfg.Role, BlockSize: cfg.BlockSize, Capacity: cfg.Capacity, MaxNumSeqs: cfg.MaxNumSeqs, Policy: cfg.Policy,
 		OnPull: e.onPull, OnHold: e.onHold, OnDrop: e.onDrop,
 	})
 	if err != nil {
@@ -315,7 +320,7 @@ func (e *Engine) prefill(r *request) error {
 	}
 	for i, b := range st.Blocks {
 		if i >= len(r.hashes) {
-			break // the partial last block has no KV worth a hash
+			break
 		}
 		blockContent(r.hashes[i], want)
 		if pulled[b] {
@@ -338,7 +343,7 @@ func (e *Engine) prefill(r *request) error {
 	return nil
 }
 
-// remember adds the prompt's blocks to the prefix cache (bounded: cleared when full).
+// remember adds the prompt's whole blocks to the prefix cache (bounded: cleared when full).
 func (e *Engine) remember(r *request) {
 	if !e.cfg.PrefixCaching {
 		return
@@ -348,7 +353,7 @@ func (e *Engine) remember(r *request) {
 	if len(e.prefix) > 100_000 {
 		clear(e.prefix)
 	}
-	for _, h := range r.hashes {
+	for _, h := range r.hashes[:len(r.tokens)/e.cfg.BlockSize] {
 		e.prefix[h] = struct{}{}
 	}
 }
@@ -406,15 +411,14 @@ func (e *Engine) failAll(err error) {
 
 func (e *Engine) onPull(meta kvtransfer.PullMeta) {
 	e.mu.Lock()
-	r := e.reqs[meta.Request]
-	if r != nil {
+	if r := e.reqs[meta.Request]; r != nil {
 		r.pulled = meta.LocalBlock.Clone()
 	}
+	at := e.remotes[meta.Request]
+	delete(e.remotes, meta.Request)
 	e.mu.Unlock()
-	p := agentapi.Pull{Request: meta.Request, Transfer: meta.Transfer, Blocks: meta.LocalBlock, WaitingForRemote: meta.WaitingForRemote}
-	if r != nil {
-		p.RemoteEngine, p.RemoteBootstrap = r.remoteEngine, r.remoteBootstrap
-	}
+	p := agentapi.Pull{Request: meta.Request, Transfer: meta.Transfer, Blocks: meta.LocalBlock, WaitingForRemote: meta.WaitingForRemote,
+		RemoteEngine: at.engine, RemoteBootstrap: at.bootstrap}
 	if e.gate != nil {
 		e.rmu.Lock()
 		e.gate.observe(meta)

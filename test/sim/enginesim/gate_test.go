@@ -11,7 +11,8 @@ import (
 )
 
 // The stand-in's gate follows pdgate's rule (connector/vllm/tests/test_gate.py has the same
-// cases against the plugin itself).
+// cases against the plugin itself; on vLLM's engines, test/realengine's bothSides: records go
+// with their reports on 0.30.0, by deadline and steps on 0.32.0).
 func TestGateRule(t *testing.T) {
 	empty := kvtransfer.PullMeta{Request: "e", Transfer: "x-e"}
 	full := kvtransfer.PullMeta{Request: "f", Transfer: "x-f", WaitingForRemote: true, LocalBlock: kvtransfer.BlockIDs{{3}}}

@@ -116,9 +116,7 @@ func (e *Engine) serve(w http.ResponseWriter, hr *http.Request, chat bool) {
 	}
 	r, status, err := e.admit(hr, &body, chat)
 	if err != nil {
-		if status == http.StatusBadRequest {
-			e.rejectedKVTransfer(body.KVTransferParams)
-		}
+		e.rejectedKVTransfer(body.KVTransferParams)
 		writeError(w, status, err.Error(), "BadRequestError")
 		return
 	}
@@ -130,9 +128,13 @@ func (e *Engine) serve(w http.ResponseWriter, hr *http.Request, chat bool) {
 	n := 0
 	aborted := e.collect(hr.Context(), r, func(tok int) { text.WriteString(detokenize(tok)); n++ })
 	if aborted {
+		// vLLM's _with_kv_transfer_rejection_cleanup: a non-streaming request that raised (a
+		// cancelled client) is rejected too, a second cleanup pull for its transfer.
+		e.rejectedKVTransfer(body.KVTransferParams)
 		return
 	}
 	if r.err != nil {
+		e.rejectedKVTransfer(body.KVTransferParams)
 		writeError(w, http.StatusInternalServerError, r.err.Error(), "InternalServerError")
 		return
 	}
@@ -227,17 +229,21 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 				e.cfg.Log.Info("kv_transfer_params lack transfer_id, remote_engine_id or remote_bootstrap_addr; computing locally", "request", r.id)
 				break
 			}
-			r.transfer, r.remoteEngine, r.remoteBootstrap = p.TransferID, p.RemoteEngineID, p.RemoteBootstrapAddr
+			r.transfer = p.TransferID
 		}
 	}
-	hit := e.localHit(r.hashes)
+	hit := e.localHit(r.hashes[:len(tokens)/e.cfg.BlockSize])
 	e.mu.Lock()
 	e.reqs[r.id] = r
+	if r.transfer != "" && e.cfg.Role == vllm.KVConsumer {
+		e.remotes[r.id] = remote{engine: body.KVTransferParams.RemoteEngineID, bootstrap: body.KVTransferParams.RemoteBootstrapAddr}
+	}
 	e.stats.Requests++
 	e.mu.Unlock()
 	if err := e.sched.Add(r.id, r.transfer, len(tokens), hit); err != nil {
 		e.mu.Lock()
 		delete(e.reqs, r.id)
+		delete(e.remotes, r.id)
 		e.mu.Unlock()
 		return nil, http.StatusInternalServerError, err
 	}
@@ -245,18 +251,19 @@ func (e *Engine) admit(hr *http.Request, body *CompletionRequest, chat bool) (*r
 	return r, 0, nil
 }
 
-// rejectedKVTransfer is vLLM's AsyncLLM.notify_kv_transfer_request_rejected: a decode request
-// the API rejected still frees its prefill's blocks, through a pre-aborted request whose only
-// effect is the connector's cleanup pull (a pull with no local block).
+// rejectedKVTransfer is vLLM's AsyncLLM.notify_kv_transfer_request_rejected, which its API
+// server calls for a decode request that answered an error or raised (a cancelled client): a
+// pre-aborted request whose only effect is the connector's cleanup pull (a pull with no local
+// block) at the engine's next step.
 func (e *Engine) rejectedKVTransfer(p *KVTransferParams) {
 	if p == nil || !p.DoRemotePrefill || e.cfg.Role != vllm.KVConsumer ||
 		p.TransferID == "" || p.RemoteEngineID == "" || p.RemoteBootstrapAddr == "" {
 		return
 	}
-	r := &request{id: e.newID(), tokens: []int{0}, out: make(chan int, 1), done: make(chan struct{}),
-		transfer: p.TransferID, remoteEngine: p.RemoteEngineID, remoteBootstrap: p.RemoteBootstrapAddr}
+	r := &request{id: e.newID(), tokens: []int{0}, out: make(chan int, 1), done: make(chan struct{}), transfer: p.TransferID}
 	e.mu.Lock()
 	e.reqs[r.id] = r
+	e.remotes[r.id] = remote{engine: p.RemoteEngineID, bootstrap: p.RemoteBootstrapAddr}
 	e.mu.Unlock()
 	if err := e.sched.AddAborted(r.id, r.transfer); err != nil {
 		e.cfg.Log.Info("rejected request not freed on prefill", "request", r.id, "err", err.Error())

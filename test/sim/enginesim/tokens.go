@@ -26,10 +26,12 @@ func tokenize(text string) []int {
 // detokenize renders generated token ids.
 func detokenize(id int) string { return fmt.Sprintf(" t%d", id) }
 
-// blockHashes chains a hash over each whole block of tokens, as vLLM's prefix cache does: a
-// block's hash covers every token before it, so equal hashes mean equal prefixes.
+// blockHashes chains a hash over each block of tokens, the partial last one included: a
+// block's hash covers every token before it, so equal hashes mean equal prefixes. vLLM's
+// prefix cache keys whole blocks only (the first len(tokens)/blockSize); the partial block's
+// hash names the KV it holds, which moves to decode as the whole blocks' does.
 func blockHashes(tokens []int, blockSize int) []uint64 {
-	n := len(tokens) / blockSize
+	n := (len(tokens) + blockSize - 1) / blockSize
 	out := make([]uint64, n)
 	var prev uint64
 	var buf [8]byte
@@ -37,7 +39,7 @@ func blockHashes(tokens []int, blockSize int) []uint64 {
 		h := fnv.New64a()
 		binary.LittleEndian.PutUint64(buf[:], prev)
 		_, _ = h.Write(buf[:])
-		for _, t := range tokens[b*blockSize : (b+1)*blockSize] {
+		for _, t := range tokens[b*blockSize : min((b+1)*blockSize, len(tokens))] {
 			binary.LittleEndian.PutUint64(buf[:], uint64(t))
 			_, _ = h.Write(buf[:])
 		}

@@ -200,10 +200,12 @@ func TestPullerFailTasksOfALostProducer(t *testing.T) {
 	}
 }
 
-// The seed bug, end to end through the vLLM model: a 13-token prompt with 64-token blocks has
-// no whole block to pull, so the request runs at once and its pull only notifies the producer.
-// Reporting it kills the engine; the Puller does not report it.
-func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
+// The empty pull, end to end through the vLLM model: a decode leg the API server refused is
+// submitted pre-aborted, and the next step sends its cleanup pull with no local block, which
+// only notifies the producer. Reporting it kills the engine (the request is gone); the Puller
+// does not report it, and the engine serves the next request. Real vLLM:
+// test/realengine testRejectedDecodeLeg (stock 0.30.0 dies, gated survives).
+func TestRefusedDecodeLegPullNeverCompletes(t *testing.T) {
 	var pulls []kvtransfer.PullMeta
 	newDecode := func() *vllmsched.Scheduler {
 		s, err := vllmsched.New(vllmsched.Config{Role: vllm.KVConsumer, BlockSize: 64, Capacity: 16,
@@ -211,11 +213,11 @@ func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := s.Add("req-13", "xfer-13", 13, 0); err != nil {
+		if err := s.AddAborted("refused", "xfer-refused"); err != nil {
 			t.Fatal(err)
 		}
-		if running := s.Schedule(); len(running) != 1 {
-			t.Fatalf("running = %v, want the request running at once", running)
+		if running := s.Schedule(); len(running) != 0 {
+			t.Fatalf("running = %v, want nothing: the refused request never runs", running)
 		}
 		return s
 	}
@@ -224,7 +226,7 @@ func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 	if len(pulls) != 1 || pulls[0].LocalBlock.HasLocal() || pulls[0].WaitingForRemote {
 		t.Fatalf("pulls = %+v, want one empty notify-only pull", pulls)
 	}
-	naive.FinishedReceiving(kvtransfer.Completion{Request: "req-13"}) // what an ungated connector does
+	naive.FinishedReceiving(kvtransfer.Completion{Request: "refused"}) // what an ungated connector does
 	if err := naive.Dead(); !errors.Is(err, vllmsched.ErrEngineDead) {
 		t.Fatalf("ungated completion: engine error = %v, want it dead", err)
 	}
@@ -238,15 +240,18 @@ func TestThirteenTokenPromptNeverCompletes(t *testing.T) {
 	if err := p.Begin(pulls[0], []kvtransfer.ProducerRank{0}); err != nil {
 		t.Fatal(err)
 	}
-	p.TaskDone("req-13", "xfer-13", 0, nil)
+	p.TaskDone("refused", "xfer-refused", 0, nil)
 	if err := gated.Dead(); err != nil {
 		t.Fatalf("gated connector killed the engine: %v", err)
 	}
 	if st := p.Stats(); st.NotifiedOnly != 1 || st.Completed != 0 {
 		t.Errorf("stats = %+v, want one notify-only pull", st)
 	}
-	if err := gated.Finish("req-13", vllmsched.FinishedLengthCapped); err != nil {
-		t.Errorf("request did not run to the end: %v", err)
+	if err := gated.Add("next", "", 100, 0); err != nil {
+		t.Fatal(err)
+	}
+	if running := gated.Schedule(); len(running) != 1 {
+		t.Errorf("the next request: running = %v, want it", running)
 	}
 }
 

@@ -255,6 +255,14 @@ func (s *sim) newRequest() {
 	if err := s.prefill.Add(preq, tid, prompt, 0); err != nil {
 		s.t.Fatal(err)
 	}
+	// A decode leg the API server refused is submitted pre-aborted: its cleanup pull is the
+	// only thing decode does for it (test/realengine testRejectedDecodeLeg on vLLM itself).
+	if s.rng.IntN(8) == 0 {
+		if err := s.decode.AddAborted(s.requestOf(tid), tid); err != nil {
+			s.t.Fatal(err)
+		}
+		return
+	}
 	if err := s.decode.Add(s.requestOf(tid), tid, prompt, hit); err != nil {
 		s.t.Fatal(err)
 	}

@@ -28,6 +28,8 @@ type Serve struct {
 	ExpertParallel   bool
 	PrefixCaching    bool
 	MaxModelLen      int
+	// MaxNumSeqs is --max-num-seqs: how many requests run at once (0: unset).
+	MaxNumSeqs int
 	// NumGPUBlocksOverride is vLLM's --num-gpu-blocks-override: the KV-cache capacity in
 	// blocks instead of what GPU memory allows (0: unset).
 	NumGPUBlocksOverride int
@@ -154,7 +156,7 @@ func Parse(args []string) (*Serve, error) {
 		dst  *int
 	}{{"--port", &s.Port}, {"--block-size", &s.BlockSize}, {"--tensor-parallel-size", &s.TensorParallel},
 		{"--data-parallel-size", &s.DataParallel}, {"--pipeline-parallel-size", &s.PipelineParallel}, {"--max-model-len", &s.MaxModelLen},
-		{"--num-gpu-blocks-override", &s.NumGPUBlocksOverride}, {"--shutdown-timeout", &s.ShutdownTimeout}}
+		{"--max-num-seqs", &s.MaxNumSeqs}, {"--num-gpu-blocks-override", &s.NumGPUBlocksOverride}, {"--shutdown-timeout", &s.ShutdownTimeout}}
 	for _, f := range ints {
 		v, ok := vals[f.flag]
 		if !ok {

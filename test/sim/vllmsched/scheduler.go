@@ -3,6 +3,12 @@
 // and, above all, the assertions of _update_from_kv_xfer_finished. A completion for a request
 // that is not waiting for remote KV kills the engine, as it kills vLLM's EngineCore; the
 // connector tests and the engine simulator run against this model.
+//
+// What it models was measured on vLLM itself (test/realengine, full attention): every prompt
+// token's KV moves, a partial last block included, so a pull made when a request is scheduled
+// always has a local block; the pulls with none are the cleanup pulls of a request that ends
+// before it is scheduled (a decode leg the API server refused, a client abort while the
+// request waits), sent with the engine's next step.
 package vllmsched
 
 import (
@@ -55,13 +61,16 @@ type Config struct {
 	BlockSize int
 	// Capacity is the number of KV blocks.
 	Capacity int
-	Policy   Policy
+	// MaxNumSeqs is --max-num-seqs: at most this many requests run at once; a request past it
+	// waits in WAITING without blocks (0: no limit but the blocks).
+	MaxNumSeqs int
+	Policy     Policy
 	// OnPull receives the pull the connector must run (consumer): built by
 	// update_state_after_alloc and by request_finished of a request never scheduled.
 	OnPull func(kvtransfer.PullMeta)
 	// OnHold receives the blocks a finished prefill request keeps for its consumers (producer);
-	// OnDrop says a prefill request ended without holding blocks: aborted, or finished with no
-	// whole block to send.
+	// OnDrop says a prefill request ended without holding blocks: aborted, or stopped before
+	// its length cap.
 	OnHold func(kvtransfer.TransferID, kvtransfer.RequestID, kvtransfer.BlockIDs)
 	OnDrop func(id kvtransfer.TransferID, req kvtransfer.RequestID, aborted bool)
 }
@@ -71,8 +80,11 @@ type Request struct {
 	ID       kvtransfer.RequestID
 	Transfer kvtransfer.TransferID
 	Prompt   int // prompt tokens
-	// LocalHit is the number of prompt tokens found in the local prefix cache.
-	LocalHit    int
+	// LocalHit is the number of prompt tokens found in the local prefix cache: whole blocks,
+	// never the last prompt token (vLLM computes it).
+	LocalHit int
+	// External is the number of prompt tokens the connector loads (consumer).
+	External    int
 	Status      Status
 	Blocks      []kvtransfer.BlockID
 	NumComputed int
@@ -91,7 +103,10 @@ type Scheduler struct {
 	mu       sync.Mutex
 	free     []kvtransfer.BlockID
 	requests map[kvtransfer.RequestID]*Request
-	dead     error
+	// cleanup are pulls with no local block (requests that ended before they were scheduled):
+	// the connector sends them with the next step's metadata, as vLLM's does.
+	cleanup []kvtransfer.PullMeta
+	dead    error
 	// Completions counts connector completions accepted, for tests.
 	completions int
 	errored     int
@@ -105,12 +120,13 @@ type PromptTokens struct {
 	LocalCompute, LocalCacheHit, ExternalKV uint64
 }
 
-// countPromptLocked records r's sources as it starts running: hit tokens were in the local
-// prefix cache, r.NumComputed-hit were pulled, the rest of the prompt is computed here.
-func (s *Scheduler) countPromptLocked(r *Request, hit int) {
-	s.tokens.LocalCacheHit += uint64(hit)
-	s.tokens.ExternalKV += uint64(r.NumComputed - hit)
-	s.tokens.LocalCompute += uint64(r.Prompt - r.NumComputed)
+// countPromptLocked records r's sources as it starts running: r.LocalHit tokens were in the
+// local prefix cache, external were pulled, the rest of the prompt is computed here. As in
+// vLLM, the last prompt token, recomputed after a pull, counts as pulled.
+func (s *Scheduler) countPromptLocked(r *Request, external int) {
+	s.tokens.LocalCacheHit += uint64(r.LocalHit)
+	s.tokens.ExternalKV += uint64(external)
+	s.tokens.LocalCompute += uint64(r.Prompt - r.LocalHit - external)
 }
 
 // New returns a Scheduler with every block free.
@@ -155,34 +171,36 @@ func (s *Scheduler) Add(id kvtransfer.RequestID, transfer kvtransfer.TransferID,
 	if prompt <= 0 {
 		return fmt.Errorf("request %s: prompt must have at least one token", id)
 	}
-	s.requests[id] = &Request{ID: id, Transfer: transfer, Prompt: prompt, LocalHit: min(localHit, prompt), Status: Waiting, Remote: transfer != ""}
+	// vLLM's prefix cache hits whole blocks and leaves the last prompt token to compute.
+	hit := min(localHit, prompt-1) / s.cfg.BlockSize * s.cfg.BlockSize
+	s.requests[id] = &Request{ID: id, Transfer: transfer, Prompt: prompt, LocalHit: hit, Status: Waiting, Remote: transfer != ""}
 	return nil
 }
 
 // AddAborted is a consumer request submitted with abort_immediately (vLLM's
 // notify_kv_transfer_request_rejected): it is never scheduled, and request_finished turns it
-// into a cleanup pull with no local block that only tells the producer to release.
+// into a cleanup pull with no local block that only tells the producer to release, sent with
+// the next step.
 func (s *Scheduler) AddAborted(id kvtransfer.RequestID, transfer kvtransfer.TransferID) error {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	if s.dead != nil {
-		defer s.mu.Unlock()
 		return s.dead
 	}
 	if _, dup := s.requests[id]; dup {
-		s.mu.Unlock()
 		return fmt.Errorf("request %s already exists", id)
 	}
-	s.mu.Unlock()
 	if s.cfg.Role == vllm.KVConsumer && transfer != "" {
-		s.emitPulls([]kvtransfer.PullMeta{{Request: id, Transfer: transfer}})
+		s.cleanup = append(s.cleanup, kvtransfer.PullMeta{Request: id, Transfer: transfer})
 	}
 	return nil
 }
 
-// transferableTokens is the part of a prompt that moves between engines: whole blocks only, as
-// a partial last block is recomputed on decode. A 13-token prompt with 64-token blocks has none.
-func (s *Scheduler) transferableTokens(prompt int) int {
-	return prompt / s.cfg.BlockSize * s.cfg.BlockSize
+// PendingCleanup is how many cleanup pulls wait for the next step.
+func (s *Scheduler) PendingCleanup() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.cleanup)
 }
 
 func (s *Scheduler) blocksFor(tokens int) int {
@@ -203,13 +221,21 @@ func (s *Scheduler) freeLocked(r *Request) {
 	r.Blocks = nil
 }
 
-// Schedule runs one scheduler step: waiting requests get blocks and either start running or
-// start waiting for remote KV; requests whose pull completed resume. It returns the ids that
-// run in this step.
+// Schedule runs one scheduler step: waiting requests get blocks (while fewer than MaxNumSeqs
+// run) and either start running or start waiting for remote KV; requests whose pull completed
+// resume; the cleanup pulls queued since the last step go out. It returns the ids that run in
+// this step.
 func (s *Scheduler) Schedule() []kvtransfer.RequestID {
 	s.mu.Lock()
-	var pulls []kvtransfer.PullMeta
+	pulls := s.cleanup
+	s.cleanup = nil
 	var running []kvtransfer.RequestID
+	seqs := 0
+	for _, r := range s.requests {
+		if r.Status == Running {
+			seqs++
+		}
+	}
 	for _, r := range s.requests {
 		switch r.Status {
 		case WaitingForRemoteKVs:
@@ -225,28 +251,35 @@ func (s *Scheduler) Schedule() []kvtransfer.RequestID {
 				delete(s.requests, r.ID)
 				continue
 			}
-			if !r.failedRecving {
-				r.NumComputed = min(s.transferableTokens(r.Prompt), r.Prompt-1)
+			external := r.External
+			if r.failedRecving {
+				external = 0 // policy recompute: the prompt past the local hit is computed here
+			} else {
+				// Every prompt token's KV is here; vLLM computes the last one again for its logits.
+				r.NumComputed = r.Prompt - 1
 			}
 			r.failedRecving = false
-			s.countPromptLocked(r, s.transferableTokens(r.LocalHit))
+			s.countPromptLocked(r, external)
 			r.Status = Running
+			seqs++
 			running = append(running, r.ID)
 		case Waiting:
+			if s.cfg.MaxNumSeqs > 0 && seqs >= s.cfg.MaxNumSeqs {
+				continue // every sequence slot taken: stays WAITING, without blocks
+			}
 			blocks, ok := s.allocLocked(s.blocksFor(r.Prompt))
 			if !ok {
 				continue // no room: stays WAITING, as vLLM's allocate_slots returning None
 			}
 			r.Blocks = blocks
-			r.NumComputed = s.transferableTokens(r.LocalHit)
+			r.NumComputed = r.LocalHit
 			if s.cfg.Role == vllm.KVConsumer && r.Remote {
 				pulls = append(pulls, s.updateStateAfterAllocLocked(r))
-				if r.Status == WaitingForRemoteKVs {
-					continue
-				}
+				continue
 			}
-			s.countPromptLocked(r, r.NumComputed)
+			s.countPromptLocked(r, 0)
 			r.Status = Running
+			seqs++
 			running = append(running, r.ID)
 		case Running:
 			running = append(running, r.ID)
@@ -257,21 +290,17 @@ func (s *Scheduler) Schedule() []kvtransfer.RequestID {
 	return running
 }
 
-// updateStateAfterAllocLocked is get_num_new_matched_tokens plus update_state_after_alloc.
-// Only whole remote blocks beyond the local hit are pulled; with none, the request runs now and
-// the pull only tells the producer to release (the empty pull of the seed bug).
+// updateStateAfterAllocLocked is get_num_new_matched_tokens plus update_state_after_alloc on a
+// full-attention model: every prompt token past the local hit is loaded, the partial last
+// block included. The local hit never covers the last token, so the pull always has a local
+// block and the request always waits for it.
 func (s *Scheduler) updateStateAfterAllocLocked(r *Request) kvtransfer.PullMeta {
 	r.Remote = false // "only 1 KV transfer per request"
-	ext := s.transferableTokens(r.Prompt) - r.NumComputed
-	meta := kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer}
-	if ext <= 0 {
-		return meta
-	}
-	first := r.NumComputed / s.cfg.BlockSize
-	meta.LocalBlock = kvtransfer.BlockIDs{append([]kvtransfer.BlockID(nil), r.Blocks[first:first+ext/s.cfg.BlockSize]...)}
-	meta.WaitingForRemote = true
+	r.External = r.Prompt - r.LocalHit
+	first := r.LocalHit / s.cfg.BlockSize
 	r.Status = WaitingForRemoteKVs
-	return meta
+	return kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer, WaitingForRemote: true,
+		LocalBlock: kvtransfer.BlockIDs{append([]kvtransfer.BlockID(nil), r.Blocks[first:]...)}}
 }
 
 func (s *Scheduler) emitPulls(pulls []kvtransfer.PullMeta) {
@@ -310,8 +339,8 @@ func (s *Scheduler) FinishedReceiving(c kvtransfer.Completion) {
 	}
 }
 
-// Finish ends a running request (stop or length cap). A producer request keeps its blocks for
-// the consumers (delay_free_blocks) when it has whole blocks to send.
+// Finish ends a running request (stop or length cap). A producer request capped at its length
+// (a prefill leg's max_tokens 1) keeps its blocks for the consumers (delay_free_blocks).
 func (s *Scheduler) Finish(id kvtransfer.RequestID, status Status) error {
 	s.mu.Lock()
 	r, ok := s.requests[id]
@@ -333,8 +362,8 @@ func (s *Scheduler) Finish(id kvtransfer.RequestID, status Status) error {
 // nil when the request's blocks are freed now.
 func (s *Scheduler) requestFinishedLocked(r *Request) kvtransfer.BlockIDs {
 	if s.cfg.Role == vllm.KVProducer && r.Transfer != "" && r.Status == FinishedLengthCapped {
-		n := s.transferableTokens(r.Prompt) / s.cfg.BlockSize
-		if n > 0 {
+		// Every block the prompt filled, the partial last one included.
+		if n := s.blocksFor(r.Prompt); n > 0 {
 			r.delayFree = true
 			return kvtransfer.BlockIDs{append([]kvtransfer.BlockID(nil), r.Blocks[:n]...)}
 		}
@@ -356,8 +385,8 @@ func (s *Scheduler) emitHold(r *Request, hold kvtransfer.BlockIDs) {
 }
 
 // Abort is a client abort. A consumer request not yet scheduled is freed at once and its pull
-// becomes an empty cleanup pull; one waiting for remote KV keeps its blocks until the
-// connector reports.
+// becomes a cleanup pull with no local block, sent with the next step; one waiting for remote
+// KV keeps its blocks until the connector reports.
 func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 	s.mu.Lock()
 	if s.dead != nil {
@@ -369,7 +398,6 @@ func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 		s.mu.Unlock()
 		return nil // already gone: aborts race with completion
 	}
-	var pull *kvtransfer.PullMeta
 	wasWaiting := r.Status == WaitingForRemoteKVs
 	r.Status = FinishedAborted
 	switch {
@@ -378,7 +406,7 @@ func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 		r.delayFree = true
 	case s.cfg.Role == vllm.KVConsumer && r.Remote:
 		// request_finished with do_remote_prefill still set: notify-only cleanup pull.
-		pull = &kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer}
+		s.cleanup = append(s.cleanup, kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer})
 		s.freeLocked(r)
 		delete(s.requests, r.ID)
 	default:
@@ -386,9 +414,6 @@ func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 		delete(s.requests, r.ID)
 	}
 	s.mu.Unlock()
-	if pull != nil {
-		s.emitPulls([]kvtransfer.PullMeta{*pull})
-	}
 	if s.cfg.Role == vllm.KVProducer && r.Transfer != "" && !wasWaiting && s.cfg.OnDrop != nil {
 		s.cfg.OnDrop(r.Transfer, r.ID, true)
 	}

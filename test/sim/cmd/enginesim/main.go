@@ -51,6 +51,7 @@ func main() {
 	flag.DurationVar(&o.transfer.Producer.SendDelay, "send-delay", 0, "producer: delay before each block sent (a slow link)")
 	flag.BoolVar(&o.transfer.Consumer.UngatedCompletions, "unsafe-ungated-completions", false, "consumer: reproduce the seed bug, report notify-only pulls as finished receiving (kills the engine)")
 	flag.IntVar(&cfg.MaxModelLen, "max-model-len", 0, "maximum prompt plus output tokens (default: the KV capacity)")
+	flag.IntVar(&cfg.MaxNumSeqs, "max-num-seqs", 0, "requests that run at once; the rest wait (0: only the KV capacity limits them)")
 	flag.BoolVar(&cfg.PrefixCaching, "enable-prefix-caching", true, "reuse KV of prompt prefixes seen before")
 	flag.StringVar(&o.policy, "kv-load-failure-policy", "fail", "fail or recompute, on a failed KV load")
 	flag.DurationVar(&cfg.StepTime, "step-time", 2*time.Millisecond, "simulated time of one decode step")

@@ -101,7 +101,7 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 	ctx, stopEngine := context.WithCancel(context.WithoutCancel(shutdown))
 	defer stopEngine()
 	cfg := enginesim.Config{Model: s.ServedModelName, BlockSize: s.BlockSize, MaxModelLen: s.MaxModelLen,
-		PrefixCaching: s.PrefixCaching, Policy: vllmsched.PolicyFail, StepTime: 2 * time.Millisecond, Log: log}
+		MaxNumSeqs: s.MaxNumSeqs, PrefixCaching: s.PrefixCaching, Policy: vllmsched.PolicyFail, StepTime: 2 * time.Millisecond, Log: log}
 	// One engine per data-parallel rank, as vLLM runs one EngineCore (with its own KV cache,
 	// scheduler and connector worker) per rank behind one API server.
 	ranks := max(s.DataParallel, 1)
