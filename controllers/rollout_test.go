@@ -298,3 +298,71 @@ func TestUnpinnedDeploymentsRollToRevisionDeployments(t *testing.T) {
 		t.Errorf("after the rollout (-want +got):\n%s", d)
 	}
 }
+
+// The old KV revision shrinks only once every router pod is updated and available: a pod
+// updated but not yet available may still be starting on the new router.json, and the
+// pods it replaces may still serve with the old one, which lists none of the new pods.
+func TestOldRevisionWaitsForEveryRouterPod(t *testing.T) {
+	cases := []struct {
+		name   string
+		router appsv1.DeploymentStatus // of 2 replicas, at the Deployment's generation
+		shrink bool
+	}{
+		{"every pod updated and available", appsv1.DeploymentStatus{Replicas: 2, UpdatedReplicas: 2, ReadyReplicas: 2, AvailableReplicas: 2}, true},
+		{"every pod updated, one not available", appsv1.DeploymentStatus{Replicas: 2, UpdatedReplicas: 2, ReadyReplicas: 1, AvailableReplicas: 1}, false},
+		{"every pod updated, none available", appsv1.DeploymentStatus{Replicas: 2, UpdatedReplicas: 2}, false},
+		{"one pod not updated", appsv1.DeploymentStatus{Replicas: 2, UpdatedReplicas: 1, ReadyReplicas: 2, AvailableReplicas: 2}, false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := pdc() // 1 prefill, 2 decode
+			p.Spec.Router.Replicas = ptr.To[int32](2)
+			p.Spec.Rollout.MaxSurge = ptr.To(intstr.FromInt32(1))
+			p.Spec.Rollout.MaxUnavailable = ptr.To(intstr.FromInt32(0))
+			f := newRolloutFixture(t, p)
+			f.reconcile()
+			f.settle()
+			f.reconcile()
+			ctx := context.Background()
+			if err := f.c.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil {
+				t.Fatal(err)
+			}
+			p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0"
+			p.Generation++
+			if err := f.c.Update(ctx, p); err != nil {
+				t.Fatal(err)
+			}
+			newRev, err := render.KVRevision(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			newPrefill, newDecode := "c-prefill-"+newRev, "c-decode-"+newRev
+			f.reconcile() // the new revision surges; the router's Deployment gets the new router.json
+
+			// The new revision ready, the router's pods as the case has them.
+			f.settle()
+			var router appsv1.Deployment
+			if err := f.c.Get(ctx, client.ObjectKey{Namespace: "ns", Name: "c-router"}, &router); err != nil {
+				t.Fatal(err)
+			}
+			if got := ptr.Deref(router.Spec.Replicas, 1); got != 2 {
+				t.Fatalf("router Deployment asks %d replicas, want 2", got)
+			}
+			router.Status = tc.router
+			router.Status.ObservedGeneration = router.Generation
+			if err := f.c.Status().Update(ctx, &router); err != nil {
+				t.Fatal(err)
+			}
+			f.reconcile()
+
+			want := map[string]int32{"c-prefill": 1, "c-decode": 2, newPrefill: 1, newDecode: 1}
+			if tc.shrink {
+				// Decode steps down by the surge; prefill keeps its one pod beside decode's.
+				want["c-decode"] = 1
+			}
+			if d := cmp.Diff(want, f.engines()); d != "" {
+				t.Errorf("engine Deployments after the step (-want +got):\n%s", d)
+			}
+		})
+	}
+}

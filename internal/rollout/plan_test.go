@@ -17,9 +17,12 @@ var update = flag.Bool("update", false, "rewrite the golden files")
 // update revision's pods becoming ready lag steps after they are asked for (0: by the next
 // step), and
 // returns one line per step. It fails the test if a step leaves no revision serving (ready in
-// both pools), leaves an older revision with one pool, or the rollout does not end.
+// both pools), leaves an older revision with one pool, leaves more pods of a pool below its
+// target not ready than maxUnavailable allows, or the rollout does not end.
 func simulate(t *testing.T, in Input, lag int) string {
 	t.Helper()
+	// The bound, from the input alone: at most maxUnavailable of a pool's target not ready.
+	target, maxUnavailable := in.Target, in.MaxUnavailable
 	var b strings.Builder
 	fmt.Fprintf(&b, "target %dP/%dD, maxSurge %d/%d, maxUnavailable %d/%d, readiness after %d step(s)\n",
 		in.Target.Prefill, in.Target.Decode, in.MaxSurge.Prefill, in.MaxSurge.Decode, in.MaxUnavailable.Prefill, in.MaxUnavailable.Decode, lag)
@@ -44,6 +47,21 @@ func simulate(t *testing.T, in Input, lag int) string {
 		}
 		if !serving {
 			t.Fatalf("step %d leaves no revision ready in both pools:\n%s", n, b.String())
+		}
+		// Right after the step the older revisions have shrunk and the update revision's new
+		// pods are not ready yet: what is ready then is the least the pools have.
+		for _, pool := range []struct {
+			name    string
+			prefill bool
+		}{{"prefill", true}, {"decode", false}} {
+			ready := min(s.Update.get(pool.prefill), in.Update.Ready.get(pool.prefill))
+			for i, o := range s.Old {
+				ready += min(o.get(pool.prefill), in.Old[i].Ready.get(pool.prefill))
+			}
+			if unavailable := target.get(pool.prefill) - ready; unavailable > maxUnavailable.get(pool.prefill) {
+				t.Fatalf("step %d leaves %d %s pods of %d ready, %d unavailable, want at most maxUnavailable %d:\n%s",
+					n, ready, pool.name, target.get(pool.prefill), unavailable, maxUnavailable.get(pool.prefill), b.String())
+			}
 		}
 		// Apply: the Deployments ask what the step says. The update revision's pods asked
 		// at step n are ready at step n+lag (while still asked); the older revisions only
@@ -120,5 +138,26 @@ func TestPlanRules(t *testing.T) {
 	zero := start(Counts{1, 1}, Counts{}, Counts{})
 	if s := Plan(zero); s.Update != (Counts{1, 1}) {
 		t.Errorf("both budgets 0: update %+v, want a surge of 1", s.Update)
+	}
+}
+
+// Rollouts beyond the golden ones, each pool with its own budgets and readiness slow or quick:
+// simulate holds every step to maxUnavailable, a serving revision and whole older revisions.
+func TestPlanStaysWithinMaxUnavailable(t *testing.T) {
+	cases := []struct {
+		name                string
+		target, surge, unav Counts
+	}{
+		{"unavailable only", Counts{4, 4}, Counts{0, 0}, Counts{1, 3}},
+		{"surge only", Counts{3, 6}, Counts{1, 2}, Counts{0, 0}},
+		{"both", Counts{6, 2}, Counts{2, 1}, Counts{3, 1}},
+		{"one pool's budget spent first", Counts{2, 8}, Counts{0, 1}, Counts{1, 0}},
+	}
+	for _, tc := range cases {
+		for lag := range 3 {
+			t.Run(fmt.Sprintf("%s/readiness after %d", tc.name, lag), func(t *testing.T) {
+				simulate(t, start(tc.target, tc.surge, tc.unav), lag)
+			})
+		}
 	}
 }

@@ -493,6 +493,66 @@ class RefusalTest(unittest.TestCase):
                 finally:
                     setattr(owner, attr, saved)
 
+    def test_changed_shape_the_walk_survives(self) -> None:
+        # The walk of the probe's metadata completes without raising, but does not find the
+        # probe's one empty pull as it put it in: the gate would see no pull (or a wrong one)
+        # and the engine would run ungated in effect. Only the comparison can refuse these.
+        mc = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector")
+        nixl_meta = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata")
+        MC, NIXL_META = mc.MooncakeConnectorMetadata, nixl_meta.NixlConnectorMetadata
+        PROBE = "pdgate-import-probe"  # pdgate._vllm.PROBE_REQUEST
+
+        def after(meta_cls: type, attr: str, change: Callable[[Any], None]) -> Callable[..., None]:
+            add = meta_cls.__dict__[attr]
+
+            def changed(self: Any, *a: Any, **kw: Any) -> None:
+                add(self, *a, **kw)
+                change(self)
+            return changed
+
+        def under_a_new_field(meta: Any) -> None:
+            # A later vLLM filing pulls under another attribute: reqs_to_recv stays empty.
+            meta.reqs_to_pull, meta.reqs_to_recv = meta.reqs_to_recv, type(meta.reqs_to_recv)()
+
+        def mooncake_pulls(meta: Any) -> list[Any]:
+            return [p for by_request in meta.reqs_to_recv.values() for p in by_request.values()]
+
+        def nested_once_more(pulls: Callable[[Any], list[Any]]) -> Callable[[Any], None]:
+            # [[]] as [[[]]]: has_local_block would call an empty pull one with a block.
+            def change(meta: Any) -> None:
+                for p in pulls(meta):
+                    p.local_block_ids = [p.local_block_ids]
+            return change
+
+        def keyed_by_transfer_id(meta: Any) -> None:
+            # The gate would hold records under ids the scheduler never reports.
+            meta.reqs_to_recv = {engine: {p.transfer_id: p for p in by_request.values()}
+                                 for engine, by_request in meta.reqs_to_recv.items()}
+
+        cases = [
+            ("pdgate.mooncake", MC, "add_new_req", "under a new field", under_a_new_field, []),
+            ("pdgate.mooncake", MC, "add_new_req", "nested once more", nested_once_more(mooncake_pulls),
+             [(PROBE, [[[]]])]),
+            ("pdgate.mooncake", MC, "add_new_req", "keyed by transfer id", keyed_by_transfer_id, [("probe", [[]])]),
+            ("pdgate.nixl", NIXL_META, "add_new_req_to_recv", "under a new field", under_a_new_field, []),
+            ("pdgate.nixl", NIXL_META, "add_new_req_to_recv", "nested once more",
+             nested_once_more(lambda meta: list(meta.reqs_to_recv.values())), [(PROBE, [[[]]])]),
+        ]
+        for module, owner, attr, name, change, found in cases:
+            with self.subTest(module=module, change=name):
+                saved = owner.__dict__[attr]
+                try:
+                    setattr(owner, attr, after(owner, attr, change))
+                    with self.assertRaises(ImportError) as ctx:
+                        self.reimport(module)
+                    msg = str(ctx.exception)
+                    self.assertIsNone(ctx.exception.__cause__, "refused by the walk's exception, not the comparison")
+                    self.assertIn(f"vLLM {VERSION}", msg)
+                    self.assertIn(f"in the shape the gate walks (a probe pull came back as {found!r})", msg)
+                    self.assertIn("completionGate: Disabled", msg)
+                finally:
+                    setattr(owner, attr, saved)
+
 
 # vLLM metric names of words.go that a release does not declare (its connector exports no
 # stats yet): measured per release, like the tables above.
