@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"iter"
+	"math"
 	"net/http"
 	"time"
 
@@ -53,14 +54,32 @@ func (r *PDClusterReconciler) readPairs(ctx context.Context, pods []corev1.Pod) 
 			log.FromContext(ctx).V(1).Info("pair counts not read", "pod", pod.Name, "error", err.Error())
 			continue
 		}
+		if pc.SameDomain < 0 || pc.CrossDomain < 0 {
+			log.FromContext(ctx).Info("pair counts refused: a count below 0", "pod", pod.Name, "sameDomain", pc.SameDomain, "crossDomain", pc.CrossDomain)
+			continue
+		}
 		if sum == nil {
 			sum = &routerconfig.PairCounts{}
 		}
-		sum.SameDomain += pc.SameDomain
-		sum.CrossDomain += pc.CrossDomain
+		// Router pods are trusted no further than their counts' type: a sum saturates.
+		sum.SameDomain = saturatingAdd(sum.SameDomain, pc.SameDomain)
+		sum.CrossDomain = saturatingAdd(sum.CrossDomain, pc.CrossDomain)
 	}
 	return sum
 }
+
+// saturatingAdd is a+b for non-negative a and b, math.MaxInt64 past it.
+func saturatingAdd(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}
+
+// canaryClockSkew is how far in the future of the operator's clock a router may date its
+// canary (clocks of different nodes): dated later, it is refused; dated within, it is taken as
+// now, so that a router's clock cannot keep its canary the newest or fresh for ever.
+const canaryClockSkew = time.Minute
 
 // ReadCanary implements CanaryReader.
 func (h *HTTPRouterReader) ReadCanary(ctx context.Context, pod *corev1.Pod) (routerconfig.CanaryResult, error) {
@@ -86,6 +105,14 @@ func (r *PDClusterReconciler) readCanary(ctx context.Context, pods []corev1.Pod)
 				log.FromContext(ctx).V(1).Info("canary not read", "pod", pod.Name, "error", err.Error())
 			}
 			continue
+		}
+		now := r.now()
+		if res.Time.After(now.Add(canaryClockSkew)) {
+			log.FromContext(ctx).Info("canary refused: dated in the future of the operator's clock", "pod", pod.Name, "time", res.Time, "now", now)
+			continue
+		}
+		if res.Time.After(now) {
+			res.Time = now
 		}
 		c := canaryStatus(pod.Name, res)
 		if newest == nil || c.Time.After(newest.Time.Time) {

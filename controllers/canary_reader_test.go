@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	clocktesting "k8s.io/utils/clock/testing"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -91,4 +93,46 @@ func TestObserveReadsTheNewestCanary(t *testing.T) {
 		t.Errorf("mode Passive read a canary: %+v", o.canary)
 	}
 	var _ client.Object = p
+}
+
+// A router's canary dated past the operator's clock (and its skew allowance) is refused, one
+// within it is taken as now: a router's clock cannot keep its canary the newest for ever.
+func TestObserveRefusesCanariesFromTheFuture(t *testing.T) {
+	now := time.Date(2026, 12, 6, 12, 0, 0, 0, time.UTC)
+	router := func(name string) *corev1.Pod {
+		return wrappers.MakeEnginePod("ns", name, "c", v1alpha1.RoleRouter, now).Obj()
+	}
+	p := pdc()
+	p.Spec.KVTransfer.Verification.Mode = v1alpha1.KVVerificationCanary
+	c := newFakeClient(t).WithObjects(p, router("r-0"), router("r-1"), router("r-2")).Build()
+	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Clock: clocktesting.NewFakePassiveClock(now), CanaryReader: fakeCanaries{
+		"r-0": {Time: now.Add(-time.Minute), Result: routerconfig.CanaryExternal},
+		"r-1": {Time: time.Date(2999, 1, 1, 0, 0, 0, 0, time.UTC), Result: routerconfig.CanaryExternal},
+		"r-2": {Time: now.Add(20 * time.Second), Result: routerconfig.CanaryRecomputed},
+	}}
+	o := r.observe(context.Background(), p, nil)
+	want := &v1alpha1.CanaryResult{Time: metav1.NewTime(now), Router: "r-2", Result: v1alpha1.CanaryRecomputed}
+	if d := cmp.Diff(want, o.canary); d != "" {
+		t.Errorf("observed canary (-want +got):\n%s", d)
+	}
+}
+
+// The routers' pair counts are summed without overflow, and a router answering a negative
+// count is left out.
+func TestReadPairsSaturatesAndRefusesNegatives(t *testing.T) {
+	now := time.Date(2026, 12, 6, 12, 0, 0, 0, time.UTC)
+	var pods []corev1.Pod
+	for _, name := range []string{"r-0", "r-1", "r-2"} {
+		pods = append(pods, *wrappers.MakeEnginePod("ns", name, "c", v1alpha1.RoleRouter, now).Obj())
+	}
+	r := &PDClusterReconciler{PairsReader: fakePairs{
+		"r-0": {SameDomain: math.MaxInt64 - 1, CrossDomain: 3},
+		"r-1": {SameDomain: 5, CrossDomain: 4},
+		"r-2": {SameDomain: -9, CrossDomain: 100},
+	}}
+	got := r.readPairs(context.Background(), pods)
+	want := &routerconfig.PairCounts{SameDomain: math.MaxInt64, CrossDomain: 7}
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("pairs (-want +got):\n%s", d)
+	}
 }

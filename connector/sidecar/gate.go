@@ -2,6 +2,7 @@ package sidecar
 
 import (
 	"fmt"
+	"math"
 	"strconv"
 	"sync"
 	"time"
@@ -60,10 +61,45 @@ func newGateWatch(cfg GateConfig) *gateWatch {
 	return &gateWatch{cfg: cfg, started: cfg.Clock.Now(), ranks: map[int]heard{}}
 }
 
-// admit says why a report cannot be kept, or "".
+// maxHeldSends bounds a report's held_sends: more requests than any engine holds, and what the
+// operator's pod-deletion cost (an int32) can carry, so that sums over ranks cannot overflow.
+const maxHeldSends = math.MaxInt32
+
+// admit says why a report cannot be kept, or "". The socket is pod-local, but anything in the
+// engine container can write to it: counts are validated, not trusted.
 func (g *gateWatch) admit(r vllm.Report) string {
 	if r.DPRank < 0 || r.DPRank >= g.cfg.Ranks {
 		return fmt.Sprintf("bad gate report: data-parallel rank %d, but this pod runs ranks 0..%d (the sidecar's --gate-ranks=%d): the engine's parallelism and the sidecar's disagree", r.DPRank, g.cfg.Ranks-1, g.cfg.Ranks)
+	}
+	c := r.Counts
+	counts := []struct {
+		name string
+		now  int64
+		was  func(vllm.Counts) int64
+	}{
+		{"gated", c.Gated, func(p vllm.Counts) int64 { return p.Gated }},
+		{"passed", c.Passed, func(p vllm.Counts) int64 { return p.Passed }},
+		{"failed", c.Failed, func(p vllm.Counts) int64 { return p.Failed }},
+		{"expired", c.Expired, func(p vllm.Counts) int64 { return p.Expired }},
+		{"send_failures", c.SendFailures, func(p vllm.Counts) int64 { return p.SendFailures }},
+	}
+	for _, n := range counts {
+		if n.now < 0 {
+			return fmt.Sprintf("bad gate report: counts.%s is %d; counts are never negative", n.name, n.now)
+		}
+	}
+	if r.HeldSends != nil && (*r.HeldSends < 0 || *r.HeldSends > maxHeldSends) {
+		return fmt.Sprintf("bad gate report: held_sends is %d, want 0 to %d", *r.HeldSends, maxHeldSends)
+	}
+	g.mu.Lock()
+	prev, seen := g.ranks[r.DPRank]
+	g.mu.Unlock()
+	if seen && prev.rep.PID == r.PID {
+		for _, n := range counts {
+			if was := n.was(prev.rep.Counts); n.now < was {
+				return fmt.Sprintf("bad gate report: counts.%s went from %d to %d in process %d; a process's counts only rise", n.name, was, n.now, r.PID)
+			}
+		}
 	}
 	return ""
 }

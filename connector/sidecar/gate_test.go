@@ -222,6 +222,41 @@ func TestGateRefusesARankOutOfRange(t *testing.T) {
 	}
 }
 
+// Anything in the engine container can write to the gate's socket: counts that are negative,
+// that fall within one process, or a held_sends past what any engine holds (it becomes the pod's
+// deletion cost) are refused and leave the last good report in place.
+func TestGateRefusesImpossibleCounts(t *testing.T) {
+	const good = `{"connector":"GatedMooncakeConnector","pid":7,"counts":{"gated":5,"passed":9},"held_sends":2}`
+	for _, tc := range []struct {
+		name, body string
+		want       int
+	}{
+		{"counts rise", `{"connector":"GatedMooncakeConnector","pid":7,"counts":{"gated":6,"passed":12},"held_sends":0}`, http.StatusNoContent},
+		{"a new process starts from 0", `{"connector":"GatedMooncakeConnector","pid":8,"counts":{"gated":0},"held_sends":0}`, http.StatusNoContent},
+		{"negative count", `{"connector":"GatedMooncakeConnector","pid":9,"counts":{"expired":-1}}`, http.StatusBadRequest},
+		{"a count falls in one process", `{"connector":"GatedMooncakeConnector","pid":7,"counts":{"gated":4,"passed":9}}`, http.StatusBadRequest},
+		{"negative held_sends", `{"connector":"GatedMooncakeConnector","pid":7,"counts":{"gated":5,"passed":9},"held_sends":-1}`, http.StatusBadRequest},
+		{"absurd held_sends", `{"connector":"GatedMooncakeConnector","pid":7,"counts":{"gated":5,"passed":9},"held_sends":9223372036854775807}`, http.StatusBadRequest},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := newGateWatch(GateConfig{})
+			if code := postGate(t, g, good); code != http.StatusNoContent {
+				t.Fatalf("the good report: %d", code)
+			}
+			if code := postGate(t, g, tc.body); code != tc.want {
+				t.Fatalf("POST %s = %d, want %d", tc.body, code, tc.want)
+			}
+			if tc.want == http.StatusNoContent {
+				return
+			}
+			st := g.state()
+			if st.Report == nil || st.Report.Counts.Gated != 5 || st.Report.Counts.Passed != 9 || *st.Report.HeldSends != 2 {
+				t.Errorf("after a refused report: %+v, want the last good one kept", st.Report)
+			}
+		})
+	}
+}
+
 // The seam from the other side: the plugin's own Reporter (Python) posts to the agent's local
 // API on a Unix socket, as in a pod.
 func TestPluginHeartbeatReachesTheSidecar(t *testing.T) {

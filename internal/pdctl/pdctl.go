@@ -65,21 +65,68 @@ func readInput(ctx context.Context, path string, stdin io.Reader) ([]validation.
 	return docs, nil
 }
 
+// Field validation, as kubectl's --field-validation: what an unknown field in a manifest does.
+const (
+	// FieldValidationStrict refuses the manifest, as kubectl apply (server-side strict field
+	// validation) does by default.
+	FieldValidationStrict = "Strict"
+	// FieldValidationWarn says the field would be dropped and goes on.
+	FieldValidationWarn = "Warn"
+	// FieldValidationIgnore drops it silently.
+	FieldValidationIgnore = "Ignore"
+)
+
+// unknownFields applies mode to the fields the API server would not keep: an error naming them
+// (Strict), a warning each (Warn), or nothing (Ignore).
+func unknownFields(w io.Writer, mode string, d validation.Document) error {
+	if len(d.Pruned) == 0 || mode == FieldValidationIgnore {
+		return nil
+	}
+	if mode == FieldValidationStrict {
+		var errs []error
+		for _, p := range d.Pruned {
+			errs = append(errs, fmt.Errorf("unknown field %q", p))
+		}
+		return fmt.Errorf("PDCluster %q: strict decoding error (as kubectl apply; --field-validation=Warn to go on without them): %w", d.PDCluster.Name, errors.Join(errs...))
+	}
+	for _, p := range d.Pruned {
+		fmt.Fprintf(w, "warning: %s/%s: unknown field %q would be dropped\n", d.PDCluster.Namespace, d.PDCluster.Name, p)
+	}
+	return nil
+}
+
+func fieldValidationFlag(cmd *cobra.Command, mode *string) {
+	cmd.Flags().StringVar(mode, "field-validation", FieldValidationStrict,
+		"what an unknown field does, as kubectl's flag: Strict (refuse the manifest, as kubectl apply does), Warn (say it would be dropped) or Ignore")
+}
+
+func checkFieldValidation(mode string) error {
+	switch mode {
+	case FieldValidationStrict, FieldValidationWarn, FieldValidationIgnore:
+		return nil
+	}
+	return fmt.Errorf("--field-validation must be Strict, Warn or Ignore, not %q", mode)
+}
+
 func newValidateCommand(stdin io.Reader) *cobra.Command {
-	var file string
+	var file, fields string
 	cmd := &cobra.Command{
 		Use:   "validate -f FILE",
 		Short: "Default and validate PDClusters as the API server would; exit 1 on bad input",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := checkFieldValidation(fields); err != nil {
+				return err
+			}
 			docs, err := readInput(cmd.Context(), file, stdin)
 			if err != nil {
 				return err
 			}
 			var errs []error
 			for _, d := range docs {
-				for _, p := range d.Pruned {
-					fmt.Fprintf(cmd.ErrOrStderr(), "warning: %s/%s: unknown field %q would be dropped\n", d.PDCluster.Namespace, d.PDCluster.Name, p)
+				if err := unknownFields(cmd.ErrOrStderr(), fields, d); err != nil {
+					errs = append(errs, err)
+					continue
 				}
 				// The checks the CRD cannot make (the operator makes the same ones before it
 				// applies anything), then a render, which must succeed for the operator too.
@@ -104,11 +151,12 @@ func newValidateCommand(stdin io.Reader) *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVarP(&file, "filename", "f", "", "manifest file (YAML or JSON, several documents allowed; - for stdin)")
+	fieldValidationFlag(cmd, &fields)
 	return cmd
 }
 
 func newRenderCommand(stdin io.Reader) *cobra.Command {
-	var file, output string
+	var file, output, fields string
 	opts := render.DefaultOptions()
 	cmd := &cobra.Command{
 		Use:   "render -f FILE [-o yaml|json]",
@@ -118,12 +166,18 @@ func newRenderCommand(stdin io.Reader) *cobra.Command {
 			if output != "yaml" && output != "json" {
 				return fmt.Errorf("-o must be yaml or json, not %q", output)
 			}
+			if err := checkFieldValidation(fields); err != nil {
+				return err
+			}
 			docs, err := readInput(cmd.Context(), file, stdin)
 			if err != nil {
 				return err
 			}
 			var objs []render.Object
 			for _, d := range docs {
+				if err := unknownFields(cmd.ErrOrStderr(), fields, d); err != nil {
+					return err
+				}
 				// What the operator creates first: each pool at its seed (an External pool's
 				// PoolScale, which its scaler then writes, at the same count).
 				pdc := d.PDCluster
@@ -157,6 +211,7 @@ func newRenderCommand(stdin io.Reader) *cobra.Command {
 	}
 	cmd.Flags().StringVarP(&file, "filename", "f", "", "manifest file (YAML or JSON; - for stdin)")
 	cmd.Flags().StringVarP(&output, "output", "o", "yaml", "output format: yaml or json (a v1 List)")
+	fieldValidationFlag(cmd, &fields)
 	cmd.Flags().StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router, as the manager's --router-image")
 	cmd.Flags().StringVar(&opts.ConnectorImage, "connector-image", opts.ConnectorImage, "image of the connector sidecar, as the manager's --connector-image")
 	return cmd

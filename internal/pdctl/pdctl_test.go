@@ -87,11 +87,13 @@ func TestRenderExternalPool(t *testing.T) {
 
 func TestValidate(t *testing.T) {
 	const head = "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp}, "
+	const misspelled = head + "prefil: {}}\n"
 	cases := []struct {
 		name, stdin string
 		args        []string
 		code        int
 		out, err    string
+		notErr      string // stderr must not have it
 	}{
 		{name: "sample is valid", args: []string{"validate", "-f", sample}, code: 0, out: "pdcluster/qwen3-32b (namespace default) is valid"},
 		{
@@ -138,12 +140,33 @@ func TestValidate(t *testing.T) {
 			args:  []string{"validate", "-f", "-"}, code: 1,
 			err: `spec.decode.disruptionBudget.maxUnavailable: Invalid value: "150%": must be a percentage between 0% and 100%`,
 		},
+		// Unknown fields: refused by default, as kubectl apply's strict field validation does.
 		{
-			name:  "unknown field warns but passes",
-			stdin: "apiVersion: serving.pdcluster.dev/v1alpha1\nkind: PDCluster\nmetadata: {name: a}\nspec: {model: {path: m}, engine: {image: i}, kvTransfer: {protocol: tcp}, prefil: {}}\n",
-			args:  []string{"validate", "-f", "-"}, code: 0,
+			name:  "unknown field refused",
+			stdin: misspelled,
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: `PDCluster "a": strict decoding error (as kubectl apply; --field-validation=Warn to go on without them): unknown field "spec.prefil"`,
+		},
+		{
+			name:  "unknown field refused by render",
+			stdin: misspelled,
+			args:  []string{"render", "-f", "-"}, code: 1,
+			err: `unknown field "spec.prefil"`,
+		},
+		{
+			name:  "unknown field warns with Warn",
+			stdin: misspelled,
+			args:  []string{"validate", "-f", "-", "--field-validation=Warn"}, code: 0,
 			out: "pdcluster/a (namespace default) is valid", err: `unknown field "spec.prefil" would be dropped`,
 		},
+		{
+			name:  "unknown field dropped silently with Ignore",
+			stdin: misspelled,
+			args:  []string{"validate", "-f", "-", "--field-validation", "Ignore"}, code: 0,
+			out: "pdcluster/a (namespace default) is valid", notErr: "prefil",
+		},
+		{name: "a field validation kubectl does not have", stdin: misspelled, args: []string{"validate", "-f", "-", "--field-validation=warn"}, code: 1,
+			err: `--field-validation must be Strict, Warn or Ignore, not "warn"`},
 		{
 			name:  "replicas of an External pool warn but pass",
 			stdin: head + "prefill: {replicas: 3}, scaling: {prefill: {mode: External}}}\n",
@@ -171,6 +194,9 @@ func TestValidate(t *testing.T) {
 			}
 			if !strings.Contains(stderr, tc.err) {
 				t.Errorf("stderr %q lacks %q", stderr, tc.err)
+			}
+			if tc.notErr != "" && strings.Contains(stderr, tc.notErr) {
+				t.Errorf("stderr %q has %q", stderr, tc.notErr)
 			}
 		})
 	}

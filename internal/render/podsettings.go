@@ -6,6 +6,7 @@ import (
 	"cmp"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
@@ -60,6 +61,12 @@ func applyPodSettings(pod *corev1.PodSpec, s v1alpha1.PodSettings) {
 	pod.ImagePullSecrets = s.ImagePullSecrets
 	pod.PriorityClassName = s.PriorityClassName
 	pod.ServiceAccountName = s.ServiceAccountName
+	if s.ServiceAccountName == "" {
+		// Neither vLLM nor the sidecar talks to the API server: the namespace's default
+		// ServiceAccount's token would only be something for the engine's code to steal. A
+		// named one is the author's (workload identity, say) and keeps its own setting.
+		pod.AutomountServiceAccountToken = ptr.To(false)
+	}
 	pod.SchedulerName = s.SchedulerName
 	pod.TerminationGracePeriodSeconds = s.TerminationGracePeriodSeconds
 	if s.ShmSize != nil {

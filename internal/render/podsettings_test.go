@@ -7,7 +7,9 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -31,6 +33,42 @@ func TestRouterPodSettings(t *testing.T) {
 	_, dep = renderRouter(t, pdc)
 	if got := dep.Spec.Template.Spec.Containers[0].Resources.Requests.Memory().String(); got != "128Mi" {
 		t.Errorf("default router memory request %s, want 128Mi", got)
+	}
+}
+
+// Engine pods mount no ServiceAccount token (nothing in them talks to the API server) unless
+// the author names a ServiceAccount, whose own setting then decides.
+func TestEnginePodsMountNoTokenUnlessAServiceAccountIsNamed(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		sa   string
+		want *bool
+	}{
+		{"the namespace's default ServiceAccount", "", ptr.To(false)},
+		{"a named ServiceAccount keeps its own setting", "model-reader", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pdc := load(t, "testdata/mooncake-rdma.yaml")
+			pdc.Spec.Engine.Pod = &v1alpha1.PodSettings{ServiceAccountName: tc.sa}
+			objs, err := render.Render(pdc, render.DefaultOptions())
+			if err != nil {
+				t.Fatal(err)
+			}
+			n := 0
+			for _, o := range objs {
+				dep, ok := o.(*appsv1.Deployment)
+				if !ok || dep.Labels[v1alpha1.LabelRole] == string(v1alpha1.RoleRouter) {
+					continue
+				}
+				n++
+				if d := cmp.Diff(tc.want, dep.Spec.Template.Spec.AutomountServiceAccountToken); d != "" {
+					t.Errorf("%s: automountServiceAccountToken (-want +got):\n%s", dep.Name, d)
+				}
+			}
+			if n != 2 {
+				t.Errorf("%d engine Deployments, want 2", n)
+			}
+		})
 	}
 }
 
