@@ -185,3 +185,39 @@ func TestRequiredPairingWithinOneRevision(t *testing.T) {
 		}
 	}
 }
+
+// Required pairing when a domain's only decode fails a request in a way the router retries
+// (503: not serving): the retry stays in the domain, so there is no decode left to try and the
+// client gets the failure; rack b's decode, which a cross-domain retry would reach (and answer
+// 200 from), gets nothing.
+func TestRequiredPairingRetriesNoDecodeAcrossDomains(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("a-p0"), engines("a-d0", "b-d0")
+	prefill[0].do = prefillOK(kv)
+	decode[0].do = answer(http.StatusServiceUnavailable) // retried (a new attempt), see failure.go
+	decode[1].do = decodeOK(kv)
+	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
+	f.r.cfg.Pairing = routerconfig.PairingRequired
+	p := Pools{Domains: map[string]string{}}
+	for _, e := range append(append([]*testEngine(nil), prefill...), decode...) {
+		p.Domains[e.url] = e.name[:1]
+	}
+	p.Prefill = []Prefill{{URL: prefill[0].url}}
+	p.Decode = []string{decode[0].url, decode[1].url}
+	if err := f.r.SetPools(p); err != nil {
+		t.Fatal(err)
+	}
+	code, body := f.send(t, `{"prompt":"hi"}`)
+	if code == http.StatusOK {
+		t.Errorf("rack a's only decode failed: answered %d %s, want the failure (a retry in rack b would pair across racks)", code, body)
+	}
+	if n := len(decode[0].got()); n == 0 {
+		t.Errorf("a-d0 got no request: the fixture does not exercise a failing decode")
+	}
+	if n := len(decode[1].got()); n != 0 {
+		t.Errorf("b-d0 got %d requests: Required pairing paired across racks", n)
+	}
+	if c := f.counter(t, "pdcluster_router_pairs_total", "locality", "cross-domain"); c != 0 {
+		t.Errorf("pairs_total cross-domain %v, want 0", c)
+	}
+}

@@ -180,8 +180,10 @@ func testPullMovesBytesAndCompletesOnce(t *testing.T, p *pair) {
 	}
 	p.completions.Wait(t, 1, "completion")
 	p.releases.Wait(t, 1, "release")
-	// Once: a second report of the pull, or of the release, would be queued before the
-	// sentinels' reports, so it has arrived when they have.
+	// Once: a second report of the pull, or of the release, made at once would be queued
+	// before the sentinels' reports, so it has arrived when they have. One made later (by a
+	// timer: the agents' expiry runs every 20 ms here) is given ten periods to come first.
+	time.Sleep(10 * 20 * time.Millisecond)
 	p.drainConsumer(t, 1)
 	p.drainProducer(t, 1)
 	if d := cmp.Diff([]reported{{"d-1", false}, {sentinelRequest, true}}, reportedOf(p.completions.Completions())); d != "" {
