@@ -834,3 +834,50 @@ func TestInFlightMetricPerPool(t *testing.T) {
 		waitFor(t, f, [2]float64{0, 0})
 	})
 }
+
+// A request never goes back to an endpoint that failed it, even when its ejection has already
+// ended: with both prefill engines answering 503 and retries to spare, each gets one leg of a
+// request, which then fails saying no prefill is left to try. Only the request's own list of
+// the endpoints it tried says so: ejection alone, once over, would send the retries round
+// the pool again until the retries ran out.
+func TestARetryNeverGoesBackToAnEndpointThisRequestTried(t *testing.T) {
+	policy := DefaultFailurePolicy()
+	policy.Eject = time.Nanosecond
+	policy.Retries = 5
+	policy.RetryBudgetPercent = 100
+	for i := range 5 { // both orders of the round robin, and more
+		kv := newLedger()
+		prefill, decode := engines("p0", "p1"), engines("d0")
+		prefill[0].do, prefill[1].do, decode[0].do = answer(503), answer(503), decodeOK(kv)
+		f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+		// Every reading of the ejector's clock is a millisecond later: an ejection is over by
+		// the time the retry picks.
+		f.r.eject.clock = &tickingClock{now: f.clock.Now()}
+		for range i {
+			f.r.prefill.turn.Add(1)
+		}
+		if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusServiceUnavailable || !strings.Contains(body, "no prefill endpoint left to try") {
+			t.Errorf("request %d: %d %s, want 503: no prefill endpoint left to try", i, code, body)
+		}
+		for _, e := range prefill {
+			if got := len(e.got()); got != 1 {
+				t.Errorf("request %d: %s got %d prefill legs, want one", i, e.name, got)
+			}
+		}
+	}
+}
+
+// tickingClock moves a millisecond on at every reading.
+type tickingClock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *tickingClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(time.Millisecond)
+	return c.now
+}
+
+func (c *tickingClock) Since(t time.Time) time.Duration { return c.Now().Sub(t) }
