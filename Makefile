@@ -99,7 +99,7 @@ lint: envtest-assets $(GOLANGCI_LINT) ## golangci-lint (.golangci.yml: vet, stat
 
 .PHONY: test
 test: envtest-assets test-plugin ## Unit, golden, connector, plugin, envtest integration and local-cluster end-to-end tests.
-	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" PDCLUSTER_VLLM_PYTHON="$$(hack/vllm-venv.sh --tested $(lastword $(VLLM_TESTED_VERSIONS)))" $(GO) test ./... -count=1
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" PDCLUSTER_VLLM_PYTHONS="$(foreach v,$(VLLM_TESTED_VERSIONS),$(v)=$$(hack/vllm-venv.sh --tested $(v)))" $(GO) test ./... -count=1
 	hack/e2e.sh
 	$(MAKE) --no-print-directory test-realengine
 

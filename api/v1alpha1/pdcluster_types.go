@@ -337,7 +337,7 @@ type KVVerification struct {
 // tensor*data*pipeline GPUs, over nodes pods.
 // +kubebuilder:validation:XValidation:rule="!has(self.nodes) || self.nodes == 1 || !has(self.data) || self.data == 1 || self.data % self.nodes == 0",message="data must be a multiple of nodes: each pod of a replica runs data/nodes of its data-parallel ranks",fieldPath=".nodes"
 // +kubebuilder:validation:XValidation:rule="!has(self.nodes) || self.nodes == 1 || (has(self.data) && self.data > 1) || ((has(self.tensor) ? self.tensor : 1) * (has(self.pipeline) ? self.pipeline : 1)) % self.nodes == 0",message="with data 1 the model is sharded across the replica's pods: tensor x pipeline must be a multiple of nodes",fieldPath=".nodes"
-// +kubebuilder:validation:XValidation:rule="!has(self.nodes) || self.nodes == 1 || !has(self.data) || self.data == 1 || self.data / self.nodes >= 2 || self.expert",message="with data-parallel ranks across pods each pod runs at least 2 (data >= 2 x nodes), or set expert: with one rank per pod vLLM's hybrid load balancing becomes external load balancing, which only MoE models support",fieldPath=".nodes"
+// +kubebuilder:validation:XValidation:rule="!has(self.nodes) || self.nodes == 1 || !has(self.data) || self.data == 1 || self.data / self.nodes >= 2 || (has(self.expert) && self.expert)",message="with data-parallel ranks across pods each pod runs at least 2 (data >= 2 x nodes), or set expert: with one rank per pod vLLM's hybrid load balancing becomes external load balancing, which only MoE models support",fieldPath=".nodes"
 type Parallelism struct {
 	// tensor is the tensor-parallel size.
 	// +kubebuilder:default=1

@@ -19,6 +19,7 @@ import (
 
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/needs"
 )
 
 var gateT0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
@@ -262,7 +263,7 @@ func TestGateRefusesImpossibleCounts(t *testing.T) {
 func TestPluginHeartbeatReachesTheSidecar(t *testing.T) {
 	python, err := exec.LookPath("python3")
 	if err != nil {
-		t.Skip("python3 not installed")
+		needs.Skip(t, "python3 not installed")
 	}
 	sock := filepath.Join(t.TempDir(), "agent.sock")
 	l, err := localapi.Listen("unix://" + sock)

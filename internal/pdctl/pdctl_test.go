@@ -179,6 +179,31 @@ func TestValidate(t *testing.T) {
 			args:  []string{"validate", "-f", "-"}, code: 1,
 			err: "ratio.min may not exceed ratio.max",
 		},
+		// The multi-node CEL rules, offline as the API server runs them.
+		{
+			name:  "data-parallel ranks that do not divide over the pods",
+			stdin: head + "decode: {parallelism: {nodes: 2, data: 3}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: "spec.decode.parallelism.nodes: Invalid value: data must be a multiple of nodes", notErr: "no such key",
+		},
+		{
+			name:  "a model sharded over pods that do not divide it",
+			stdin: head + "prefill: {parallelism: {nodes: 2, tensor: 3}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: "spec.prefill.parallelism.nodes: Invalid value: with data 1 the model is sharded across the replica's pods: tensor x pipeline must be a multiple of nodes",
+		},
+		{
+			name:  "one data-parallel rank per pod without expert",
+			stdin: head + "decode: {parallelism: {nodes: 2, data: 2}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: "spec.decode.parallelism.nodes: Invalid value: with data-parallel ranks across pods each pod runs at least 2 (data >= 2 x nodes), or set expert", notErr: "no such key",
+		},
+		{
+			name:  "one data-parallel rank per pod with expert: past the schema, refused only by this build's render",
+			stdin: head + "decode: {parallelism: {nodes: 2, data: 2, expert: true}}}\n",
+			args:  []string{"validate", "-f", "-"}, code: 1,
+			err: "spec.decode.parallelism.nodes is 2: replicas across pods run as LeaderWorkerSet groups, which this build does not render yet", notErr: "Invalid value",
+		},
 		{name: "missing file", args: []string{"validate", "-f", "/nonexistent.yaml"}, code: 1, err: "no such file"},
 		{name: "missing -f", args: []string{"validate"}, code: 1, err: "-f FILE is required"},
 		{name: "bad output format", args: []string{"render", "-f", sample, "-o", "xml"}, code: 1, err: `-o must be yaml or json, not "xml"`},

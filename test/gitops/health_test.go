@@ -20,6 +20,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/pdctl"
+	"pdcluster.dev/pdcluster-operator/test/needs"
 )
 
 const script = "../../config/gitops/argocd/pdcluster-health.lua"
@@ -76,7 +77,7 @@ func health(t *testing.T, lua string, obj map[string]any) (string, string) {
 func TestArgoCDHealthCheck(t *testing.T) {
 	lua, err := exec.LookPath("lua5.4")
 	if err != nil {
-		t.Skip("lua5.4 is not installed (Debian package lua5.4; .ci/run installs it)")
+		needs.Skip(t, "lua5.4 is not installed (Debian package lua5.4; .ci/run installs it)")
 	}
 	for _, tc := range []struct {
 		fixture, status, message string
@@ -152,7 +153,7 @@ func kustomize(t *testing.T, dir string) []map[string]any {
 	t.Helper()
 	assets := os.Getenv("KUBEBUILDER_ASSETS")
 	if assets == "" {
-		t.Skip("needs kubectl: KUBEBUILDER_ASSETS (make test sets it)")
+		needs.Skip(t, "needs kubectl: KUBEBUILDER_ASSETS (make test sets it)")
 	}
 	out, err := exec.Command(filepath.Join(assets, "kubectl"), "kustomize", dir).CombinedOutput()
 	if err != nil {

@@ -25,6 +25,7 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/controllers"
+	"pdcluster.dev/pdcluster-operator/test/needs"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
@@ -36,7 +37,7 @@ import (
 func TestHelmChartNamespaced(t *testing.T) {
 	helm := filepath.Join(os.Getenv("KUBEBUILDER_ASSETS"), "helm")
 	if _, err := os.Stat(helm); err != nil {
-		t.Skipf("helm not in KUBEBUILDER_ASSETS: %v", err)
+		needs.Skip(t, "helm not in KUBEBUILDER_ASSETS: %v", err)
 	}
 	admin := newFixture(t) // its namespace is the watched one
 	ctx := admin.ctx

@@ -15,6 +15,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	"sigs.k8s.io/yaml"
+
+	"pdcluster.dev/pdcluster-operator/test/needs"
 )
 
 // adminKubeconfig writes a kubeconfig for a cluster-admin of the envtest API server.
@@ -40,7 +42,7 @@ func adminKubeconfig(t *testing.T) string {
 func TestHelmChartInstalls(t *testing.T) {
 	helm := filepath.Join(os.Getenv("KUBEBUILDER_ASSETS"), "helm")
 	if _, err := os.Stat(helm); err != nil {
-		t.Skipf("helm not in KUBEBUILDER_ASSETS: %v", err)
+		needs.Skip(t, "helm not in KUBEBUILDER_ASSETS: %v", err)
 	}
 	kubeconfig := adminKubeconfig(t)
 	cmd := exec.Command(helm, "install", "ops", filepath.Join("..", "..", "charts", "pdcluster-operator"),

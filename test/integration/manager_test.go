@@ -29,6 +29,7 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/controllers"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/needs"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
@@ -242,7 +243,7 @@ func metricSeries(t *testing.T, name string, want map[string]string) int {
 func TestKustomizeDefaultAppliesAndIsStable(t *testing.T) {
 	kubectl := filepath.Join(os.Getenv("KUBEBUILDER_ASSETS"), "kubectl")
 	if _, err := os.Stat(kubectl); err != nil {
-		t.Skipf("kubectl not in KUBEBUILDER_ASSETS: %v", err)
+		needs.Skip(t, "kubectl not in KUBEBUILDER_ASSETS: %v", err)
 	}
 	kubeconfig := adminKubeconfig(t)
 	run := func(args ...string) string {

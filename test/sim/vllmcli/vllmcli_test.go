@@ -131,17 +131,34 @@ type vllmLoad struct {
 	WantGated  bool   `json:"wantGated"`
 }
 
-// loadInVLLM has the installed vLLM (PDCLUSTER_VLLM_PYTHON, set by make test from
-// hack/vllm-venv.sh) parse each rendered --kv-transfer-config and load its class through its
-// own KVConnectorFactory, with the plugin files where the pod mounts them on the rendered
-// PYTHONPATH: a plugin that raises on import, or the stock class under the gated name, fails
-// here. One interpreter for all (importing vLLM takes tens of seconds).
+// pythonsEnv names each tested vLLM release's interpreter, as make test sets it:
+// "0.30.0=/path/bin/python 0.32.0=/path/bin/python ..." (hack/vllm-venv.sh --tested VERSION).
+const pythonsEnv = "PDCLUSTER_VLLM_PYTHONS"
+
+// loadInVLLM has each installed vLLM release (pythonsEnv) parse each rendered
+// --kv-transfer-config and load its class through its own KVConnectorFactory, with the plugin
+// files where the pod mounts them on the rendered PYTHONPATH: a plugin that raises on import,
+// or the stock class under the gated name, fails here. One interpreter per release for all
+// (importing vLLM takes tens of seconds).
 func loadInVLLM(t *testing.T, loads []vllmLoad) {
 	t.Helper()
-	python := os.Getenv("PDCLUSTER_VLLM_PYTHON")
-	if python == "" {
-		t.Fatal("PDCLUSTER_VLLM_PYTHON is not set: run make test, or set it to $(hack/vllm-venv.sh 0.33.0)")
+	env := os.Getenv(pythonsEnv)
+	if env == "" {
+		t.Fatalf("%s is not set: run make test, or set it to \"0.33.0=$(hack/vllm-venv.sh --tested 0.33.0)\" (one VERSION=python per release)", pythonsEnv)
 	}
+	for _, pair := range strings.Fields(env) {
+		version, python, ok := strings.Cut(pair, "=")
+		if !ok || python == "" {
+			t.Fatalf("%s: %q is not VERSION=python", pythonsEnv, pair)
+		}
+		t.Run("vLLM "+version, func(t *testing.T) { loadIn(t, python, loads) })
+	}
+}
+
+// loadIn loads every connector of loads in the vLLM of python. The answer goes through a file
+// named on the command line: vLLM logs to stdout (0.30.0 at INFO), so stdout is not ours.
+func loadIn(t *testing.T, python string, loads []vllmLoad) {
+	t.Helper()
 	const script = `
 import importlib, json, sys
 from pydantic import TypeAdapter
@@ -160,27 +177,31 @@ for load in json.load(sys.stdin):
     except Exception as e:
         out.append({"name": load["name"], "error": f"{type(e).__name__}: {e}"})
     del sys.path[:len(load["pythonPath"].split(":"))]
-json.dump(out, sys.stdout)
+with open(sys.argv[1], "w") as f:
+    json.dump(out, f)
 `
 	in, err := json.Marshal(loads)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(python, "-c", script)
+	answer := filepath.Join(t.TempDir(), "loaded.json")
+	cmd := exec.Command(python, "-c", script, answer)
 	cmd.Env = append(os.Environ(), "HF_HUB_OFFLINE=1")
 	cmd.Stdin = strings.NewReader(string(in))
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	stdout, err := cmd.Output()
+	output, err := cmd.CombinedOutput() // vLLM's logs: shown only when it fails
 	if err != nil {
-		t.Fatalf("%s: %v\n%s", python, err, stderr.String())
+		t.Fatalf("%s: %v\n%s", python, err, output)
+	}
+	raw, err := os.ReadFile(answer)
+	if err != nil {
+		t.Fatalf("%s wrote no answer: %v\n%s", python, err, output)
 	}
 	var got []struct {
 		Name, Class, File, Error string
 		Gated                    bool
 	}
-	if err := json.Unmarshal(stdout, &got); err != nil {
-		t.Fatalf("%v: %s", err, stdout)
+	if err := json.Unmarshal(raw, &got); err != nil {
+		t.Fatalf("%v: %s", err, raw)
 	}
 	if len(got) != len(loads) {
 		t.Fatalf("vLLM loaded %d connectors, want %d", len(got), len(loads))
