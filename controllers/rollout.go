@@ -56,14 +56,17 @@ func (e *engineRevision) base(pdc string) bool {
 	})
 }
 
-// counts are what the revision's Deployments ask and have ready.
+// counts are what the revision's Deployments ask and have ready. Ready is available: ready
+// for the Deployment's minReadySeconds (render.EngineMinReadySeconds), long enough for every
+// router to have found the pod, so an older revision's pod goes only once the routers can send
+// its clients elsewhere.
 func (e *engineRevision) counts() rollout.Revision {
 	rev := rollout.Revision{Name: e.revision}
 	if d := e.prefill; d != nil {
-		rev.Replicas.Prefill, rev.Ready.Prefill = ptr.Deref(d.Spec.Replicas, 1), d.Status.ReadyReplicas
+		rev.Replicas.Prefill, rev.Ready.Prefill = ptr.Deref(d.Spec.Replicas, 1), d.Status.AvailableReplicas
 	}
 	if d := e.decode; d != nil {
-		rev.Replicas.Decode, rev.Ready.Decode = ptr.Deref(d.Spec.Replicas, 1), d.Status.ReadyReplicas
+		rev.Replicas.Decode, rev.Ready.Decode = ptr.Deref(d.Spec.Replicas, 1), d.Status.AvailableReplicas
 	}
 	return rev
 }

@@ -236,6 +236,20 @@ func setResource(r *corev1.ResourceRequirements, name corev1.ResourceName, q res
 	r.Requests[name] = q
 }
 
+// EngineMinReadySeconds is how long an engine pod is ready before its Deployment counts it
+// available, and so before a rollout (the Deployment's own, or a KV revision's) lets an older
+// pod go: the routers find engines by resolving their pools' headless Services every 5 s
+// (the router's --refresh) through cluster DNS (records live 5 s), so a pod ready for less
+// may be in no router's pools yet, and the clients of the pod that went would get 503.
+const EngineMinReadySeconds = 15
+
+func minReadySeconds(role v1alpha1.Role) int32 {
+	if role == v1alpha1.RoleRouter {
+		return 0
+	}
+	return EngineMinReadySeconds
+}
+
 // deployment wraps podSpec; inputs that pods read but the pod spec does not hold (a ConfigMap's
 // data) go into the config hash too, so changing them rolls the pods.
 func deployment(pdc *v1alpha1.PDCluster, role v1alpha1.Role, replicas int32, podSpec corev1.PodSpec, inputs ...any) (*appsv1.Deployment, error) {
@@ -248,8 +262,9 @@ func deployment(pdc *v1alpha1.PDCluster, role v1alpha1.Role, replicas int32, pod
 		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
 		ObjectMeta: objectMeta(pdc, role),
 		Spec: appsv1.DeploymentSpec{
-			Replicas: ptr.To(replicas),
-			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Replicas:        ptr.To(replicas),
+			MinReadySeconds: minReadySeconds(role),
+			Selector:        &metav1.LabelSelector{MatchLabels: labels},
 			Template: corev1.PodTemplateSpec{
 				ObjectMeta: metav1.ObjectMeta{
 					Labels:      labels,
