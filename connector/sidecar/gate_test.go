@@ -161,7 +161,7 @@ pdcluster_connector_gate_completions_total{engine="1",result="passed"} 11
 	}
 	// Rank 0 keeps beating; rank 1's EngineCore went quiet.
 	clk.SetTime(gateT0.Add(40 * time.Second))
-	postGate(t, g, `{"connector":"GatedMooncakeConnector","pid":40,"dp_rank":0,"counts":{"gated":3,"passed":7}}`)
+	postGate(t, g, `{"connector":"GatedMooncakeConnector","pid":40,"dp_rank":0,"counts":{"gated":3,"passed":7,"failed":1}}`)
 	if why := g.unready(); !strings.Contains(why, "(GatedMooncakeConnector, data-parallel rank 1) last reported 40s ago") {
 		t.Errorf("rank 1 silent: unready %q, want it named", why)
 	}
