@@ -8,7 +8,10 @@
 // token's KV moves, a partial last block included, so a pull made when a request is scheduled
 // always has a local block; the pulls with none are the cleanup pulls of a request that ends
 // before it is scheduled (a decode leg the API server refused, a client abort while the
-// request waits), sent with the engine's next step.
+// request waits). Their reports reach the scheduler with the engine's next step (measured);
+// the model sends the pulls at once (vLLM's connector queues them for the next step's
+// metadata, which an idle engine does not build: a prefill then holds that KV until decode's
+// next request or its own timeout).
 package vllmsched
 
 import (
@@ -103,10 +106,7 @@ type Scheduler struct {
 	mu       sync.Mutex
 	free     []kvtransfer.BlockID
 	requests map[kvtransfer.RequestID]*Request
-	// cleanup are pulls with no local block (requests that ended before they were scheduled):
-	// the connector sends them with the next step's metadata, as vLLM's does.
-	cleanup []kvtransfer.PullMeta
-	dead    error
+	dead     error
 	// Completions counts connector completions accepted, for tests.
 	completions int
 	errored     int
@@ -179,28 +179,22 @@ func (s *Scheduler) Add(id kvtransfer.RequestID, transfer kvtransfer.TransferID,
 
 // AddAborted is a consumer request submitted with abort_immediately (vLLM's
 // notify_kv_transfer_request_rejected): it is never scheduled, and request_finished turns it
-// into a cleanup pull with no local block that only tells the producer to release, sent with
-// the next step.
+// into a cleanup pull with no local block that only tells the producer to release.
 func (s *Scheduler) AddAborted(id kvtransfer.RequestID, transfer kvtransfer.TransferID) error {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.dead != nil {
+		defer s.mu.Unlock()
 		return s.dead
 	}
 	if _, dup := s.requests[id]; dup {
+		s.mu.Unlock()
 		return fmt.Errorf("request %s already exists", id)
 	}
+	s.mu.Unlock()
 	if s.cfg.Role == vllm.KVConsumer && transfer != "" {
-		s.cleanup = append(s.cleanup, kvtransfer.PullMeta{Request: id, Transfer: transfer})
+		s.emitPulls([]kvtransfer.PullMeta{{Request: id, Transfer: transfer}})
 	}
 	return nil
-}
-
-// PendingCleanup is how many cleanup pulls wait for the next step.
-func (s *Scheduler) PendingCleanup() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.cleanup)
 }
 
 func (s *Scheduler) blocksFor(tokens int) int {
@@ -223,12 +217,10 @@ func (s *Scheduler) freeLocked(r *Request) {
 
 // Schedule runs one scheduler step: waiting requests get blocks (while fewer than MaxNumSeqs
 // run) and either start running or start waiting for remote KV; requests whose pull completed
-// resume; the cleanup pulls queued since the last step go out. It returns the ids that run in
-// this step.
+// resume. It returns the ids that run in this step.
 func (s *Scheduler) Schedule() []kvtransfer.RequestID {
 	s.mu.Lock()
-	pulls := s.cleanup
-	s.cleanup = nil
+	var pulls []kvtransfer.PullMeta
 	var running []kvtransfer.RequestID
 	seqs := 0
 	for _, r := range s.requests {
@@ -385,8 +377,8 @@ func (s *Scheduler) emitHold(r *Request, hold kvtransfer.BlockIDs) {
 }
 
 // Abort is a client abort. A consumer request not yet scheduled is freed at once and its pull
-// becomes a cleanup pull with no local block, sent with the next step; one waiting for remote
-// KV keeps its blocks until the connector reports.
+// becomes a cleanup pull with no local block; one waiting for remote KV keeps its blocks until
+// the connector reports.
 func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 	s.mu.Lock()
 	if s.dead != nil {
@@ -398,6 +390,7 @@ func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 		s.mu.Unlock()
 		return nil // already gone: aborts race with completion
 	}
+	var pull *kvtransfer.PullMeta
 	wasWaiting := r.Status == WaitingForRemoteKVs
 	r.Status = FinishedAborted
 	switch {
@@ -406,7 +399,7 @@ func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 		r.delayFree = true
 	case s.cfg.Role == vllm.KVConsumer && r.Remote:
 		// request_finished with do_remote_prefill still set: notify-only cleanup pull.
-		s.cleanup = append(s.cleanup, kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer})
+		pull = &kvtransfer.PullMeta{Request: r.ID, Transfer: r.Transfer}
 		s.freeLocked(r)
 		delete(s.requests, r.ID)
 	default:
@@ -414,6 +407,9 @@ func (s *Scheduler) Abort(id kvtransfer.RequestID) error {
 		delete(s.requests, r.ID)
 	}
 	s.mu.Unlock()
+	if pull != nil {
+		s.emitPulls([]kvtransfer.PullMeta{*pull})
+	}
 	if s.cfg.Role == vllm.KVProducer && r.Transfer != "" && !wasWaiting && s.cfg.OnDrop != nil {
 		s.cfg.OnDrop(r.Transfer, r.ID, true)
 	}
