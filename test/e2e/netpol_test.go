@@ -135,7 +135,7 @@ func (r realNode) enforcesNetworkPolicy(t *testing.T) {
 	r.serves(t)
 	r.refused(t) // a cleanup pull with no local block, which decode's gate keeps back
 	r.eventually("the operator still reads the sidecars' gate status", func() error {
-		// Decode's steps send the cleanup pull and deliver its report: an idle engine does not step.
+		// Decode's next step delivers the cleanup pull's report: an idle engine does not step.
 		if code, _, err := r.complete(words(20), 2); code != http.StatusOK {
 			return fmt.Errorf("a request after the refused one: %d %v", code, err)
 		}

@@ -251,7 +251,8 @@ func gateCounts(pod corev1.Pod) (vllm.Counts, error) {
 
 // refused sends a request whose decode leg the engine's API server refuses (max_tokens past the
 // model length) after a normal prefill leg: a cleanup pull with no local block on decode, sent
-// with its next step (test/realengine testRejectedDecodeLeg on vLLM itself).
+// whose report reaches the scheduler at decode's next step (test/realengine
+// testRejectedDecodeLeg on vLLM itself).
 func (r realNode) refused(t *testing.T) {
 	t.Helper()
 	if code, _, _ := r.complete(words(40), 1<<20); code != http.StatusBadRequest {
@@ -260,11 +261,10 @@ func (r realNode) refused(t *testing.T) {
 }
 
 // gatesIdleEngine runs the pulls with no local block a decode engine meets: a decode leg the
-// API server refused behind the router, and one refused at the engine itself. A request straight
-// to decode that ends in its first step sends their cleanup pulls; their reports then wait in
-// the worker while the engine is idle for longer than the gate's TTL (set short here). The next
-// request's step delivers them; a gate that dropped its records on time alone would let them
-// kill the engine.
+// API server refused behind the router, and one refused at the engine itself. Their reports
+// wait in the worker until a step delivers them: a one-token request straight to decode's, if
+// they are back by then, else the first after an idle period longer than the gate's TTL (set
+// short here), which a gate that dropped its records on time alone would let kill the engine.
 func (r realNode) gatesIdleEngine(t *testing.T) {
 	const ttl = 2 * time.Second
 	p := &v1alpha1.PDCluster{ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: realName}}

@@ -338,7 +338,7 @@ func TestShortPromptMovesItsPartialBlock(t *testing.T) {
 
 // refuse sends n requests whose decode leg the engine's API server refuses (max_tokens past
 // the model length) after a normal prefill leg: each is a cleanup pull with no local block on
-// decode, sent with its next step.
+// decode, whose report reaches the scheduler at decode's next step.
 func refuse(t *testing.T, b *box, n int) {
 	t.Helper()
 	for i := range n {
@@ -382,7 +382,7 @@ func TestRefusedDecodeLegsAreGated(t *testing.T) {
 func TestUngatedConnectorKillsDecodeEngine(t *testing.T) {
 	b := start(t, "--block-size", "64", "--unsafe-ungated-completions")
 	refuse(t, b, 1)
-	// The cleanup pull goes with the engine's next step, which an idle engine takes only for
+	// The cleanup pull's report goes with the engine's next step, which an idle engine takes only for
 	// its next request.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
