@@ -319,24 +319,8 @@ func TestOldRevisionWaitsForEveryRouterPod(t *testing.T) {
 			p.Spec.Router.Replicas = ptr.To[int32](2)
 			p.Spec.Rollout.MaxSurge = ptr.To(intstr.FromInt32(1))
 			p.Spec.Rollout.MaxUnavailable = ptr.To(intstr.FromInt32(0))
-			f := newRolloutFixture(t, p)
-			f.reconcile()
-			f.settle()
-			f.reconcile()
+			f, newPrefill, newDecode := startKVRollout(t, p)
 			ctx := context.Background()
-			if err := f.c.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil {
-				t.Fatal(err)
-			}
-			p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0"
-			p.Generation++
-			if err := f.c.Update(ctx, p); err != nil {
-				t.Fatal(err)
-			}
-			newRev, err := render.KVRevision(p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			newPrefill, newDecode := "c-prefill-"+newRev, "c-decode-"+newRev
 			f.reconcile() // the new revision surges; the router's Deployment gets the new router.json
 
 			// The new revision ready, the router's pods as the case has them.
@@ -385,24 +369,8 @@ func TestOldRevisionWaitsForTheNewOneAvailable(t *testing.T) {
 			p := pdc() // 1 prefill, 2 decode
 			p.Spec.Rollout.MaxSurge = ptr.To(intstr.FromInt32(1))
 			p.Spec.Rollout.MaxUnavailable = ptr.To(intstr.FromInt32(0))
-			f := newRolloutFixture(t, p)
-			f.reconcile()
-			f.settle()
-			f.reconcile()
+			f, newPrefill, newDecode := startKVRollout(t, p)
 			ctx := context.Background()
-			if err := f.c.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil {
-				t.Fatal(err)
-			}
-			p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0"
-			p.Generation++
-			if err := f.c.Update(ctx, p); err != nil {
-				t.Fatal(err)
-			}
-			newRev, err := render.KVRevision(p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			newPrefill, newDecode := "c-prefill-"+newRev, "c-decode-"+newRev
 			f.reconcile() // the new revision surges
 			f.settle()    // everything ready and available, the router current
 			if !tc.available {
@@ -430,4 +398,29 @@ func TestOldRevisionWaitsForTheNewOneAvailable(t *testing.T) {
 			}
 		})
 	}
+}
+
+// startKVRollout runs p settled at its first KV revision, then changes its image (a new KV
+// revision) and returns the fixture with the new revision's Deployment names, before the
+// reconcile that starts the rollout.
+func startKVRollout(t *testing.T, p *v1alpha1.PDCluster) (f *rolloutFixture, newPrefill, newDecode string) {
+	t.Helper()
+	f = newRolloutFixture(t, p)
+	f.reconcile()
+	f.settle()
+	f.reconcile()
+	ctx := context.Background()
+	if err := f.c.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil {
+		t.Fatal(err)
+	}
+	p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0"
+	p.Generation++
+	if err := f.c.Update(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	newRev, err := render.KVRevision(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f, "c-prefill-" + newRev, "c-decode-" + newRev
 }
