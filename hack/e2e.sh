@@ -54,4 +54,4 @@ if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 		PDCLUSTER_MANAGER_METRICS_TOKEN="$("${k[@]}" create token metrics-scraper -n pdcluster-system --duration 2h)")
 fi
 env "${real[@]}" PDCLUSTER_E2E_KUBECONFIG="${PDCLUSTER_CLUSTER_DIR}/kubeconfig" PDCLUSTER_E2E_BIN="${bin}" \
-	go test ./test/e2e/ -count=1 -v -timeout 20m ${PDCLUSTER_E2E_RUN:+-run "${PDCLUSTER_E2E_RUN}"}
+	go test ./test/e2e/ -count=1 -v -timeout 30m ${PDCLUSTER_E2E_RUN:+-run "${PDCLUSTER_E2E_RUN}"}
