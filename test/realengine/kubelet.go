@@ -28,6 +28,14 @@ type podLayout struct {
 	ports   map[int32]int
 	mounts  []string // the pod's mount paths and their parents, longest first
 	volumes map[string]string
+	// rewrites are value's path and port rewrites, compiled once from mounts and ports.
+	rewrites []rewrite
+}
+
+// rewrite replaces what re matches in a value.
+type rewrite struct {
+	re   *regexp.Regexp
+	with func(match string) string
 }
 
 // newPodLayout materialises spec's volumes under dir: a ConfigMap's data as files (from
@@ -96,6 +104,19 @@ func newPodLayout(dir string, spec corev1.PodSpec, configMaps map[string]*corev1
 		}
 	}
 	slices.SortFunc(l.mounts, func(a, b string) int { return len(b) - len(a) })
+	for _, m := range l.mounts {
+		re := regexp.MustCompile(`(^|[=:/])` + regexp.QuoteMeta(m) + `(/|:|$)`)
+		to := filepath.Join(l.root, m)
+		l.rewrites = append(l.rewrites, rewrite{re, func(match string) string { return re.ReplaceAllString(match, "${1}"+to+"${2}") }})
+	}
+	l.rewrites = append(l.rewrites, rewrite{regexp.MustCompile(regexp.QuoteMeta("0.0.0.0")), func(string) string { return podIP }})
+	for from, to := range l.ports {
+		p := strconv.Itoa(int(from))
+		// A port alone (a flag's or a variable's value) or after a host (":8190", "h:8000/x").
+		l.rewrites = append(l.rewrites, rewrite{regexp.MustCompile(`(^|:)` + p + `(/|$)`), func(match string) string {
+			return strings.Replace(match, p, strconv.Itoa(to), 1)
+		}})
+	}
 	return l, nil
 }
 
@@ -103,18 +124,8 @@ func newPodLayout(dir string, spec corev1.PodSpec, configMaps map[string]*corev1
 // under a mount moved under the pod's root, the pod's declared ports renumbered, and the
 // wildcard address narrowed to loopback.
 func (l *podLayout) value(s string) string {
-	for _, m := range l.mounts {
-		re := regexp.MustCompile(`(^|[=:/])` + regexp.QuoteMeta(m) + `(/|:|$)`)
-		s = re.ReplaceAllString(s, "${1}"+filepath.Join(l.root, m)+"${2}")
-	}
-	s = strings.ReplaceAll(s, "0.0.0.0", podIP)
-	for from, to := range l.ports {
-		p := strconv.Itoa(int(from))
-		// A port alone (a flag's or a variable's value) or after a host (":8190", "h:8000/x").
-		re := regexp.MustCompile(`(^|:)` + p + `(/|$)`)
-		s = re.ReplaceAllStringFunc(s, func(m string) string {
-			return strings.Replace(m, p, strconv.Itoa(to), 1)
-		})
+	for _, r := range l.rewrites {
+		s = r.re.ReplaceAllStringFunc(s, r.with)
 	}
 	// A listen address without a host binds every interface in a pod; here, loopback.
 	if strings.HasPrefix(s, ":") {
