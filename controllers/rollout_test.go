@@ -339,14 +339,7 @@ func TestOldRevisionWaitsForEveryRouterPod(t *testing.T) {
 			}
 			f.reconcile()
 
-			want := map[string]int32{"c-prefill": 1, "c-decode": 2, newPrefill: 1, newDecode: 1}
-			if tc.shrink {
-				// Decode steps down by the surge; prefill keeps its one pod beside decode's.
-				want["c-decode"] = 1
-			}
-			if d := cmp.Diff(want, f.engines()); d != "" {
-				t.Errorf("engine Deployments after the step (-want +got):\n%s", d)
-			}
+			f.checkFirstStep(t, newPrefill, newDecode, tc.shrink)
 		})
 	}
 }
@@ -389,13 +382,7 @@ func TestOldRevisionWaitsForTheNewOneAvailable(t *testing.T) {
 				}
 			}
 			f.reconcile()
-			want := map[string]int32{"c-prefill": 1, "c-decode": 2, newPrefill: 1, newDecode: 1}
-			if tc.shrink {
-				want["c-decode"] = 1
-			}
-			if d := cmp.Diff(want, f.engines()); d != "" {
-				t.Errorf("engine Deployments after the step (-want +got):\n%s", d)
-			}
+			f.checkFirstStep(t, newPrefill, newDecode, tc.shrink)
 		})
 	}
 }
@@ -423,4 +410,18 @@ func startKVRollout(t *testing.T, p *v1alpha1.PDCluster) (f *rolloutFixture, new
 		t.Fatal(err)
 	}
 	return f, "c-prefill-" + newRev, "c-decode-" + newRev
+}
+
+// checkFirstStep checks the engine Deployments after the rollout's first step from 1 prefill
+// and 2 decode with a surge of 1: the new revision at 1 and 1 beside the old one, whose decode
+// steps down by the surge when shrink (prefill keeps its one pod beside decode's).
+func (f *rolloutFixture) checkFirstStep(t *testing.T, newPrefill, newDecode string, shrink bool) {
+	t.Helper()
+	want := map[string]int32{"c-prefill": 1, "c-decode": 2, newPrefill: 1, newDecode: 1}
+	if shrink {
+		want["c-decode"] = 1
+	}
+	if d := cmp.Diff(want, f.engines()); d != "" {
+		t.Errorf("engine Deployments after the step (-want +got):\n%s", d)
+	}
 }
