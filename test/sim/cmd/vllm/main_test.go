@@ -419,7 +419,8 @@ func TestShutdownTimeoutKeepsHeldKVForItsPull(t *testing.T) {
 // Engines of two KV formats (here --dtype; a model revision, block size, sharding or release
 // layout alike) never read each other's KV: the pull is refused, decode fails the request
 // (kv_load_failure_policy fail) instead of continuing from foreign KV, and the producer counts
-// it. Engines of one format pull as before.
+// it. Engines of one format pull as before. The failed request's error answer makes vLLM's API
+// server send a cleanup pull too (_with_kv_transfer_rejection_cleanup), refused alike: two.
 func TestPullAcrossKVFormatsFailsLoudly(t *testing.T) {
 	for _, tc := range []struct {
 		name         string
@@ -428,7 +429,7 @@ func TestPullAcrossKVFormatsFailsLoudly(t *testing.T) {
 		wantMismatch string
 	}{
 		{"same format", "--dtype=float16", "--dtype=float16", http.StatusOK, "0"},
-		{"another dtype", "--dtype=float16", "--dtype=bfloat16", http.StatusInternalServerError, "1"},
+		{"another dtype", "--dtype=float16", "--dtype=bfloat16", http.StatusInternalServerError, "2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := startPair(t, []string{tc.prefill}, []string{tc.dec})
@@ -438,15 +439,22 @@ func TestPullAcrossKVFormatsFailsLoudly(t *testing.T) {
 			if code, body := p.decodeLeg("t1"); code != tc.want {
 				t.Errorf("decode: %d %s, want %d", code, body, tc.want)
 			}
-			prefill := p.prefill
-			resp, err := http.Get(prefill + "/metrics")
-			if err != nil {
-				t.Fatal(err)
+			// The cleanup pull goes out beside the error answer: wait for the count to settle.
+			want := "vllm_sim_kv_format_mismatches_total " + tc.wantMismatch + "\n"
+			var scrape []byte
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				resp, err := http.Get(p.prefill + "/metrics")
+				if err != nil {
+					t.Fatal(err)
+				}
+				scrape, _ = io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if strings.Contains(string(scrape), want) || time.Now().After(deadline) {
+					break
+				}
 			}
-			scrape, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if want := "vllm_sim_kv_format_mismatches_total " + tc.wantMismatch + "\n"; !strings.Contains(string(scrape), want) {
-				t.Errorf("prefill /metrics lacks %q", want)
+			if !strings.Contains(string(scrape), want) {
+				t.Errorf("prefill /metrics lacks %q:\n%s", want, scrape)
 			}
 		})
 	}
