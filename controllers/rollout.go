@@ -88,6 +88,7 @@ func (e *engineRevision) hosts(namespace string) routerconfig.RevisionHosts {
 	h := routerconfig.RevisionHosts{Revision: cmp.Or(e.revision, render.UnlabelledRevision)}
 	if e.prefill != nil {
 		h.PrefillHost = render.ServiceHost(namespace, e.prefill.Name)
+		h.PrefillDataParallel = render.DataParallelOf(e.prefill)
 	}
 	if e.decode != nil {
 		h.DecodeHost = render.ServiceHost(namespace, e.decode.Name)

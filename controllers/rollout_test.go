@@ -139,9 +139,11 @@ func (f *rolloutFixture) services() []string {
 // A new KV revision gets its own Deployments and Services beside the old ones, which the
 // router lists as two revisions; the old revision shrinks only once the router runs that
 // list, both pools step in lockstep with a serving revision at every step, the drained
-// revision's objects go, and a resync after the rollout writes nothing.
+// revision's objects go, and a resync after the rollout writes nothing. Each revision's prefill
+// data-parallel ranks are its own in router.json (the router trusts only those ranks).
 func TestKVRevisionRollsOutInLockstep(t *testing.T) {
 	p := pdc() // 1 prefill, 2 decode
+	p.Spec.Prefill.Parallelism.Data = ptr.To[int32](2)
 	p.Spec.Rollout.MaxSurge = ptr.To(intstr.FromInt32(1))
 	p.Spec.Rollout.MaxUnavailable = ptr.To(intstr.FromInt32(0))
 	f := newRolloutFixture(t, p)
@@ -160,6 +162,7 @@ func TestKVRevisionRollsOutInLockstep(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.Spec.Engine.Image = "vllm/vllm-openai:v0.12.0"
+	p.Spec.Prefill.Parallelism.Data = ptr.To[int32](3)
 	p.Generation++
 	if err := f.c.Update(context.Background(), p); err != nil {
 		t.Fatal(err)
@@ -176,8 +179,8 @@ func TestKVRevisionRollsOutInLockstep(t *testing.T) {
 	}
 	file := f.routerFile()
 	want := []routerconfig.RevisionHosts{
-		{Revision: oldRev, PrefillHost: "c-prefill.ns.svc", DecodeHost: "c-decode.ns.svc"},
-		{Revision: newRev, PrefillHost: newPrefill + ".ns.svc", DecodeHost: newDecode + ".ns.svc"},
+		{Revision: oldRev, PrefillHost: "c-prefill.ns.svc", DecodeHost: "c-decode.ns.svc", PrefillDataParallel: 2},
+		{Revision: newRev, PrefillHost: newPrefill + ".ns.svc", DecodeHost: newDecode + ".ns.svc", PrefillDataParallel: 3},
 	}
 	if d := cmp.Diff(want, file.Revisions); d != "" {
 		t.Errorf("router.json revisions (-want +got):\n%s", d)

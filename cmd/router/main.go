@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -50,7 +51,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 5*time.Second, "how long a SIGTERM waits for the requests in flight to end before closing them")
 	fs.StringVar(&o.flow, "flow", string(routerconfig.FlowMooncake), "transfer flow: mooncake (both legs at once) or nixl (prefill first)")
 	fs.StringVar(&o.balance, "balance", "", "how an engine of each pool is picked: least-in-flight (the default) or round-robin (default with --config: its balance)")
-	fs.Var(&o.prefill, "prefill", "prefill engine as URL or URL,BOOTSTRAP_URL (repeatable)")
+	fs.Var(&o.prefill, "prefill", "prefill engine as URL, URL,BOOTSTRAP_URL or URL,BOOTSTRAP_URL,DATA_PARALLEL_RANKS (repeatable; the router uses only ranks below the last, default 1, of the bootstrap registry)")
 	fs.Var(&o.decode, "decode", "decode engine URL (repeatable)")
 	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", router.DefaultMaxBodyBytes, "largest request body accepted (413 past it)")
 	fs.Int64Var(&o.maxInFlight, "max-in-flight", router.DefaultMaxInFlight, "most requests proxied at once (503 past it)")
@@ -68,8 +69,17 @@ func configure(o *options) (router.Config, routerconfig.File, router.Pools, erro
 	}
 	static := router.Pools{Decode: o.decode}
 	for _, p := range o.prefill {
-		url, boot, _ := strings.Cut(p, ",")
-		static.Prefill = append(static.Prefill, router.Prefill{URL: url, Bootstrap: boot})
+		url, rest, _ := strings.Cut(p, ",")
+		boot, ranks, hasRanks := strings.Cut(rest, ",")
+		pf := router.Prefill{URL: url, Bootstrap: boot}
+		if hasRanks {
+			n, err := strconv.Atoi(ranks)
+			if err != nil || n < 1 {
+				return cfg, routerconfig.File{}, static, fmt.Errorf("--prefill %s: data-parallel ranks %q: want a whole number from 1", p, ranks)
+			}
+			pf.DataParallel = n
+		}
+		static.Prefill = append(static.Prefill, pf)
 	}
 	flagPools := len(static.Prefill) > 0 || len(static.Decode) > 0
 	var fc routerconfig.File

@@ -63,6 +63,7 @@ func TestConfigure(t *testing.T) {
 		wantFlow   routerconfig.Flow
 		wantPolicy router.FailurePolicy
 		wantStatic int // prefill engines given by flag
+		wantRanks  int // the first one's data-parallel ranks
 	}{
 		{name: "file with pools", args: []string{"--config", withPools}, wantFlow: routerconfig.FlowMooncake, wantPolicy: router.DefaultFailurePolicy()},
 		{name: "file without pools, pools by flag", args: []string{"--config", noPools, "--prefill", "http://a", "--prefill", "http://b", "--decode", "http://c"},
@@ -71,6 +72,8 @@ func TestConfigure(t *testing.T) {
 		{name: "two sources of pools", args: []string{"--config", withPools, "--decode", "http://c"}, wantErr: "may not name others"},
 		{name: "file without pools, none by flag", args: []string{"--config", noPools}, wantErr: "need --config naming the pools"},
 		{name: "flags alone", args: []string{"--flow", "nixl", "--prefill", "http://a", "--decode", "http://c"}, wantFlow: routerconfig.FlowNIXL, wantStatic: 1},
+		{name: "prefill with its data-parallel ranks", args: []string{"--prefill", "http://a,http://a:8998,2", "--decode", "http://c"}, wantFlow: routerconfig.FlowMooncake, wantStatic: 1, wantRanks: 2},
+		{name: "prefill with no data-parallel ranks", args: []string{"--prefill", "http://a,http://a:8998,0", "--decode", "http://c"}, wantErr: "data-parallel ranks"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -90,6 +93,9 @@ func TestConfigure(t *testing.T) {
 			}
 			if cfg.Flow != tc.wantFlow || len(static.Prefill) != tc.wantStatic {
 				t.Errorf("flow %s with %d fixed prefill engines, want %s and %d", cfg.Flow, len(static.Prefill), tc.wantFlow, tc.wantStatic)
+			}
+			if len(static.Prefill) > 0 && static.Prefill[0].DataParallel != tc.wantRanks {
+				t.Errorf("data-parallel ranks %d, want %d", static.Prefill[0].DataParallel, tc.wantRanks)
 			}
 			if tc.wantPolicy != (router.FailurePolicy{}) && (cfg.Failure == nil || *cfg.Failure != tc.wantPolicy) {
 				t.Errorf("failure policy %+v, want %+v", cfg.Failure, tc.wantPolicy)

@@ -192,6 +192,9 @@ type Client struct {
 	// the background, so a busy client sees a producer's new engine id within about that long
 	// while asking at most once per RefreshAfter.
 	RefreshAfter time.Duration
+	// Admit, if set, narrows each answer fetched from addr before it is cached and used: the
+	// entries the caller trusts (a registry takes any registration from anyone who reaches it).
+	Admit func(addr string, t Topology) Topology
 	// Clock dates answers; tests inject a fake one.
 	Clock clock.PassiveClock
 	group singleflight.Group
@@ -250,6 +253,9 @@ func (c *Client) fetchAndCache(ctx context.Context, addr string) (Topology, erro
 	t, err := c.fetch(ctx, addr)
 	if err != nil {
 		return nil, err
+	}
+	if c.Admit != nil {
+		t = c.Admit(addr, t)
 	}
 	if len(t) > 0 { // an empty registry is not worth remembering: workers are still coming
 		c.mu.Lock()

@@ -101,6 +101,11 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 
 	env := []corev1.EnvVar{
 		podIPEnv(),
+		// The address vLLM's transfer engine registers at the pod's bootstrap registry: the
+		// pod's own, which is the only one the router trusts (internal/router/registry.go);
+		// vLLM would otherwise take the address that routes out, another on a pod with a
+		// second network.
+		{Name: vllm.EnvHostIP, Value: "$(POD_IP)"},
 		{Name: "PDCLUSTER_CONNECTOR_URL", Value: ConnectorSocket},
 	}
 	env = append(env, connectorEnv(pdc.Spec.KVTransfer, role)...)

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -36,11 +37,16 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster, serving Serving) (*corev1.ConfigMa
 		PrefillHost: ServiceHost(pdc.Namespace, EngineObjectName(pdc.Name, v1alpha1.RolePrefill, rev, !serving.Suffixed)),
 		DecodeHost:  ServiceHost(pdc.Namespace, EngineObjectName(pdc.Name, v1alpha1.RoleDecode, rev, !serving.Suffixed)),
 	}
+	// Written only past one rank, the router's default: router.json stays as it was.
+	if d := *pool(pdc, v1alpha1.RolePrefill).Parallelism.Data; d > 1 {
+		update.PrefillDataParallel = d
+	}
 	cfg := routerconfig.File{
-		Flow:        routerconfig.FlowMooncake,
-		PrefillHost: update.PrefillHost,
-		DecodeHost:  update.DecodeHost,
-		EnginePort:  vllm.APIPort,
+		Flow:                routerconfig.FlowMooncake,
+		PrefillHost:         update.PrefillHost,
+		DecodeHost:          update.DecodeHost,
+		EnginePort:          vllm.APIPort,
+		PrefillDataParallel: update.PrefillDataParallel,
 	}
 	if p := pdc.Spec.Scheduling.Pairing; p != nil {
 		cfg.Pairing = &routerconfig.Pairing{Mode: routerconfig.PairingMode(p.Mode)}
@@ -89,6 +95,27 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster, serving Serving) (*corev1.ConfigMa
 		ObjectMeta: objectMeta(pdc, v1alpha1.RoleRouter),
 		Data:       map[string]string{routerconfig.FileName: string(b)},
 	}, nil
+}
+
+// DataParallelOf is the data-parallel size a rendered engine Deployment runs (its engine's
+// --data-parallel-size; 0 when it has none, as vLLM's default of one rank): router.json
+// names an older revision's from its Deployment.
+func DataParallelOf(d *appsv1.Deployment) int32 {
+	for _, c := range d.Spec.Template.Spec.Containers {
+		if c.Name != v1alpha1.EngineContainerName {
+			continue
+		}
+		for i, a := range c.Args {
+			v, ok := strings.CutPrefix(a, "--data-parallel-size=")
+			if !ok && a == "--data-parallel-size" && i+1 < len(c.Args) {
+				v, ok = c.Args[i+1], true
+			}
+			if n, err := strconv.ParseInt(v, 10, 32); ok && err == nil && n > 1 {
+				return int32(n)
+			}
+		}
+	}
+	return 0
 }
 
 // ServiceHost is the DNS name of Service name in namespace.

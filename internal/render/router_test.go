@@ -1,6 +1,7 @@
 package render_test
 
 import (
+	"context"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -162,5 +163,36 @@ func TestRouterJSONCarriesTheCanary(t *testing.T) {
 	}
 	if err := fc.Validate(); err != nil {
 		t.Errorf("the router refuses the rendered canary: %v", err)
+	}
+}
+
+// The prefill pool's data-parallel size reaches the router, which trusts only those ranks of a
+// prefill pod's bootstrap registry: through router.json for the update revision (left out at
+// one rank, the router's default) and, for an older revision, from its engine Deployment's
+// own --data-parallel-size, which is what its pods run.
+func TestRouterKnowsThePrefillDataParallelRanks(t *testing.T) {
+	for _, data := range []int32{1, 4} {
+		pdc := load(t, "testdata/mooncake-rdma.yaml")
+		pdc.Spec.Prefill.Parallelism.Data = ptr.To(data)
+		cm, _ := renderRouter(t, pdc)
+		fc := loadRouterJSON(t, cm)
+		want := map[int32]int32{1: 0, 4: 4}[data]
+		if fc.PrefillDataParallel != want || (data == 1) == strings.Contains(cm.Data[routerconfig.FileName], "prefillDataParallel") {
+			t.Errorf("data %d: router.json's prefillDataParallel = %d, want %d (left out at one rank):\n%s", data, fc.PrefillDataParallel, want, cm.Data[routerconfig.FileName])
+		}
+		pools, err := router.ResolvePools(t.Context(), fc, func(context.Context, string) ([]string, error) { return []string{"10.0.0.5"}, nil })
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := pools.Prefill[0].DataParallel; got != int(want) {
+			t.Errorf("data %d: the router's prefill has %d data-parallel ranks, want %d", data, got, want)
+		}
+		dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), v1alpha1.RolePrefill)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := render.DataParallelOf(dep); got != want {
+			t.Errorf("data %d: DataParallelOf(the prefill Deployment) = %d, want %d", data, got, want)
+		}
 	}
 }

@@ -8,8 +8,11 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -159,17 +162,36 @@ func hangs(_ *testEngine, _ http.ResponseWriter, r *http.Request, _ map[string]a
 	}
 }
 
-// deadAddr is an address that refuses connections.
+// deadAddr is an address that refuses connections, and that nothing else takes meanwhile: a
+// socket bound to a loopback port that does not listen. (A closed listener's port was taken by
+// another test process once, and the "dead" engine answered 404.)
 func deadAddr(t *testing.T) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := l.Addr().String()
-	l.Close()
-	return "http://" + addr
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		_ = syscall.Close(fd)
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		_ = syscall.Close(fd)
+		t.Fatal(err)
+	}
+	addr := "http://" + net.JoinHostPort("127.0.0.1", strconv.Itoa(sa.(*syscall.SockaddrInet4).Port))
+	deadSockets.Store(addr, fd)
+	t.Cleanup(func() {
+		if _, ok := deadSockets.LoadAndDelete(addr); ok { // revive took it otherwise
+			_ = syscall.Close(fd)
+		}
+	})
+	return addr
 }
+
+// deadSockets are deadAddr's sockets by URL, for revive.
+var deadSockets sync.Map
 
 type pdFixture struct {
 	r       *Router
@@ -198,7 +220,7 @@ func newPD(t *testing.T, flow routerconfig.Flow, policy FailurePolicy, prefill, 
 		boot := deadAddr(t)
 		if !e.bootstrapDown {
 			reg := bootstrap.NewRegistry()
-			_ = reg.Register(bootstrap.Registration{EngineID: "engine-" + e.name, Addr: "tcp://" + e.name + ":1"})
+			_ = reg.Register(bootstrap.Registration{EngineID: "engine-" + e.name, Addr: "tcp://127.0.0.1:1"})
 			boot = serve(reg.Handler())
 		}
 		pools.Prefill = append(pools.Prefill, Prefill{URL: e.url, Bootstrap: boot})
@@ -282,9 +304,18 @@ func waitCalls(t *testing.T, e *testEngine, n int) []engineCall {
 // engine restarted in place.
 func revive(t *testing.T, e *testEngine, do func(*testEngine, http.ResponseWriter, *http.Request, map[string]any)) {
 	t.Helper()
-	l, err := net.Listen("tcp", strings.TrimPrefix(e.url, "http://"))
+	fd, ok := deadSockets.LoadAndDelete(e.url)
+	if !ok {
+		t.Fatalf("%s is not a dead address", e.url)
+	}
+	f := os.NewFile(uintptr(fd.(int)), e.url)
+	defer f.Close() // the listener has its own copy
+	if err := syscall.Listen(fd.(int), 128); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.FileListener(f)
 	if err != nil {
-		t.Skipf("the dead address was taken meanwhile: %v", err)
+		t.Fatal(err)
 	}
 	e.do = do
 	mux := http.NewServeMux()

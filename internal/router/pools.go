@@ -24,8 +24,10 @@ type Pools struct {
 	// Domains are the engines' topology domains by URL (router.json's domains: pairing).
 	Domains map[string]string
 
-	// Set by SetPools: the domains with an engine in both pools.
-	pairable map[string]bool
+	// Set by SetPools: the domains with an engine in both pools; each prefill's data-parallel
+	// ranks by its bootstrap URL (registry.go).
+	pairable     map[string]bool
+	dataParallel map[string]int
 }
 
 // Revision is one KV revision's engines.
@@ -63,14 +65,14 @@ func ResolvePools(ctx context.Context, fc routerconfig.File, lookup Lookup) (Poo
 		}
 		return out, ips, nil
 	}
-	prefillOf := func(host string) ([]Prefill, error) {
+	prefillOf := func(host string, ranks int32) ([]Prefill, error) {
 		prefill, ips, err := urls(host, fc.EnginePort)
 		if err != nil {
 			return nil, err
 		}
 		var out []Prefill
 		for i, u := range prefill {
-			pf := Prefill{URL: u}
+			pf := Prefill{URL: u, DataParallel: int(ranks)}
 			if fc.BootstrapPort > 0 {
 				pf.Bootstrap = "http://" + net.JoinHostPort(ips[i], strconv.Itoa(int(fc.BootstrapPort)))
 			}
@@ -108,7 +110,7 @@ func ResolvePools(ctx context.Context, fc routerconfig.File, lookup Lookup) (Poo
 	if len(fc.Revisions) == 0 {
 		p := Pools{Domains: domains}
 		var err error
-		if p.Prefill, err = prefillOf(fc.PrefillHost); err != nil {
+		if p.Prefill, err = prefillOf(fc.PrefillHost, fc.PrefillDataParallel); err != nil {
 			return Pools{}, err
 		}
 		if p.Decode, err = decodeOf(fc.DecodeHost); err != nil {
@@ -120,7 +122,7 @@ func ResolvePools(ctx context.Context, fc routerconfig.File, lookup Lookup) (Poo
 	for _, rh := range fc.Revisions {
 		rev := Revision{Name: rh.Revision}
 		var err error
-		if rev.Prefill, err = prefillOf(rh.PrefillHost); err != nil && !notFound(err) {
+		if rev.Prefill, err = prefillOf(rh.PrefillHost, rh.PrefillDataParallel); err != nil && !notFound(err) {
 			return Pools{}, err
 		}
 		if rev.Decode, err = decodeOf(rh.DecodeHost); err != nil && !notFound(err) {

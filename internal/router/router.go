@@ -29,6 +29,9 @@ import (
 type Prefill struct {
 	URL       string `json:"url"`
 	Bootstrap string `json:"bootstrap"`
+	// DataParallel is how many data-parallel ranks the engine runs (0: 1): the router pins
+	// prefill legs only to those of its registry's ranks (registry.go).
+	DataParallel int `json:"dataParallel,omitempty"`
 }
 
 // Config is the router's configuration: its flow, balance and limits. The engines come through
@@ -124,6 +127,8 @@ type Router struct {
 	probeEvery time.Duration
 	metrics    metrics
 	canary     *canaryState
+	// refusalLogged is when refused registry entries were last logged (UnixNano; registry.go).
+	refusalLogged atomic.Int64
 }
 
 type metrics struct {
@@ -134,6 +139,8 @@ type metrics struct {
 	budgetDenied prometheus.Counter
 	decodeOnly   prometheus.Counter
 	byRevision   *prometheus.CounterVec
+	// registryRefused counts entries of prefills' bootstrap registries not used, by reason.
+	registryRefused *prometheus.CounterVec
 	// pairs by locality, with pairing: same-domain, cross-domain (GET /pairs and the
 	// pdcluster_router_pairs_total counter read them).
 	samePairs, crossPairs atomic.Int64
@@ -192,6 +199,10 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 				Name: "pdcluster_router_retries_denied_total", Help: "Retries not made because the router's retry budget (failurePolicy.retryBudgetPercent) was spent.",
 			}),
 			byRevision: prometheus.NewCounterVec(byRevisionOpts, []string{"revision"}),
+			registryRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "pdcluster_router_bootstrap_entries_refused_total",
+				Help: "Entries of a prefill's bootstrap registry the router did not use, counted each time the registry is read, by reason: rank (a data-parallel rank the pod does not run) or address (a worker not on the prefill pod). Above 0, something registered itself in a prefill's registry.",
+			}, []string{"reason"}),
 			decodeOnly: prometheus.NewCounter(prometheus.CounterOpts{
 				Name: "pdcluster_router_decode_only_total", Help: "Requests sent to decode alone, which computes the prompt itself, after prefill could not serve them (onPrefillFailure: DecodeOnly).",
 			}),
@@ -223,7 +234,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			Name: "pdcluster_router_in_flight_requests",
 			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
 		}, []string{"pool"})
-		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, m.byRevision, ejected, poolGauges{r, endpoints, inFlight},
+		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, m.byRevision, m.registryRefused, ejected, poolGauges{r, endpoints, inFlight},
 			histograms[0], histograms[1], histograms[2]}, append(pairs, r.canary.collectors()...)...) {
 			if err := reg.Register(c); err != nil {
 				return nil, err
@@ -232,6 +243,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	}
 	r.flow = map[routerconfig.Flow]flowFunc{routerconfig.FlowMooncake: r.mooncake, routerconfig.FlowNIXL: r.nixl}[cfg.Flow]
 	r.pools.Store(&Pools{})
+	boot.Admit = r.admitRegistry
 	return r, nil
 }
 
@@ -272,6 +284,12 @@ func (r *Router) SetPools(p Pools) error {
 	}
 	if err := validatePrefill(r.cfg.Flow, p.Prefill); err != nil {
 		return fmt.Errorf("router: %w", err)
+	}
+	p.dataParallel = map[string]int{}
+	for _, pf := range p.Prefill {
+		if pf.Bootstrap != "" {
+			p.dataParallel[pf.Bootstrap] = pf.DataParallel
+		}
 	}
 	if r.cfg.Pairing != "" {
 		p.pairable = domainsOf(&p)

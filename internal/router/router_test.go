@@ -74,7 +74,7 @@ func routerWith(t *testing.T, cfg Config, p, d http.Handler) *httptest.Server {
 func routerMetered(t *testing.T, cfg Config, p, d http.Handler, metrics prometheus.Registerer) *httptest.Server {
 	t.Helper()
 	reg := bootstrap.NewRegistry()
-	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://p:1"})
+	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", DPRank: 0, Addr: "tcp://127.0.0.1:1"})
 	boot := httptest.NewServer(reg.Handler())
 	ps, ds := httptest.NewServer(p), httptest.NewServer(d)
 	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
@@ -335,7 +335,7 @@ func TestMooncakeSpreadsOverDataParallelRanks(t *testing.T) {
 	const ranks = 12 // past 10, where ranks sorted as strings and as numbers differ
 	reg := bootstrap.NewRegistry()
 	for dp := range ranks {
-		if err := reg.Register(bootstrap.Registration{EngineID: fmt.Sprintf("engine-%d", dp), DPRank: dp, Addr: fmt.Sprintf("tcp://p:%d", dp+1)}); err != nil {
+		if err := reg.Register(bootstrap.Registration{EngineID: fmt.Sprintf("engine-%d", dp), DPRank: dp, Addr: fmt.Sprintf("tcp://127.0.0.1:%d", dp+1)}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -346,7 +346,7 @@ func TestMooncakeSpreadsOverDataParallelRanks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}); err != nil {
+	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL, DataParallel: ranks}}, Decode: []string{ds.URL}}); err != nil {
 		t.Fatal(err)
 	}
 	srv := httptest.NewServer(r.Handler(nil))
@@ -390,5 +390,73 @@ func TestMooncakeSpreadsOverDataParallelRanks(t *testing.T) {
 		if got := byRank[fmt.Sprint(dp)]; got < 10 {
 			t.Errorf("dp rank %d got %d of %d prefill legs (by rank %v), want its share", dp, got, n, byRank)
 		}
+	}
+}
+
+// A prefill pod's bootstrap registry takes any registration from anyone who reaches its port
+// (vLLM's does), and vLLM does not check the KV it pulls. The router pins prefill legs, and
+// names to decode, only ranks the pod runs whose workers are on the pod: a stranger's rank
+// past the pod's, or within them at its own address, never gets a pull; the refusals are
+// counted.
+func TestPoisonedRegistryEntriesAreNeverUsed(t *testing.T) {
+	reg := bootstrap.NewRegistry() // no limits, as vLLM's
+	for _, r := range []bootstrap.Registration{
+		{EngineID: "engine-0", DPRank: 0, Addr: "tcp://127.0.0.1:1"},
+		{EngineID: "stranger-rank", DPRank: 7, Addr: "tcp://127.0.0.1:7"},            // a rank the pod does not run
+		{EngineID: "stranger-addr", DPRank: 1, Addr: "tcp://10.9.9.9:1"},             // the pod's rank, another host
+		{EngineID: "stranger-addr", DPRank: 1, TPRank: 1, Addr: "tcp://127.0.0.1:2"}, // one worker on the pod does not make it the pod's
+	} {
+		if err := reg.Register(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p, d := &fakeEngine{}, &fakeEngine{reply: `{"choices":[{"text":"ok"}]}`}
+	boot, ps, ds := httptest.NewServer(reg.Handler()), httptest.NewServer(p), httptest.NewServer(d)
+	t.Cleanup(func() { boot.Close(); ps.Close(); ds.Close() })
+	metrics := prometheus.NewRegistry()
+	r, err := New(Config{Flow: routerconfig.FlowMooncake}, logr.Discard(), metrics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL, DataParallel: 2}}, Decode: []string{ds.URL}}); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(r.Handler(nil))
+	t.Cleanup(srv.Close)
+	for range 40 {
+		if code, body := send(t, srv.URL, `{"prompt":"hi","max_tokens":4}`); code != http.StatusOK {
+			t.Fatalf("got %d %s", code, body)
+		}
+	}
+	d.mu.Lock()
+	for _, s := range d.got {
+		kv, _ := s.body["kv_transfer_params"].(map[string]any)
+		if kv["remote_engine_id"] != "engine-0" {
+			t.Errorf("decode was told to pull from %v, want engine-0, the pod's only own rank", kv["remote_engine_id"])
+		}
+	}
+	d.mu.Unlock()
+	p.wait(t)
+	p.mu.Lock()
+	for _, s := range p.got {
+		if rank := s.headers.Get("X-data-parallel-rank"); rank != "0" {
+			t.Errorf("a prefill leg was pinned to dp rank %q, want 0", rank)
+		}
+	}
+	p.mu.Unlock()
+	families, err := metrics.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() == "pdcluster_router_bootstrap_entries_refused_total" {
+			for _, m := range f.GetMetric() {
+				refused[m.GetLabel()[0].GetValue()] = m.GetCounter().GetValue()
+			}
+		}
+	}
+	if refused["rank"] < 1 || refused["address"] < 1 {
+		t.Errorf("pdcluster_router_bootstrap_entries_refused_total = %v, want rank and address each counted", refused)
 	}
 }

@@ -63,6 +63,10 @@ type File struct {
 	DecodeHost    string `json:"decodeHost"`
 	EnginePort    int32  `json:"enginePort"`
 	BootstrapPort int32  `json:"bootstrapPort,omitempty"`
+	// PrefillDataParallel is how many data-parallel ranks each prefill pod runs (0: 1): the
+	// router trusts only those ranks of a pod's bootstrap registry, which takes any
+	// registration from anyone who reaches it.
+	PrefillDataParallel int32 `json:"prefillDataParallel,omitempty"`
 	// Balance picks engines; empty: least-in-flight.
 	Balance Balance `json:"balance,omitempty"`
 	// FailurePolicy is what the router does when a leg fails; nil: DefaultFailurePolicy.
@@ -85,6 +89,9 @@ type RevisionHosts struct {
 	Revision    string `json:"revision"`
 	PrefillHost string `json:"prefillHost"`
 	DecodeHost  string `json:"decodeHost"`
+	// PrefillDataParallel is the revision's data-parallel ranks per prefill pod (0: 1), as
+	// File's.
+	PrefillDataParallel int32 `json:"prefillDataParallel,omitempty"`
 	// Domains are the revision's engines by domain (with Pairing).
 	Domains []DomainHosts `json:"domains,omitempty"`
 }
@@ -240,9 +247,15 @@ func (f File) Validate() error {
 	if err := f.Failure().Validate(); err != nil {
 		return err
 	}
+	if f.PrefillDataParallel < 0 {
+		return fmt.Errorf("prefillDataParallel must not be negative, got %d", f.PrefillDataParallel)
+	}
 	for _, r := range f.Revisions {
 		if r.Revision == "" || r.PrefillHost == "" || r.DecodeHost == "" {
 			return fmt.Errorf("each of revisions needs revision, prefillHost and decodeHost, got %+v", r)
+		}
+		if r.PrefillDataParallel < 0 {
+			return fmt.Errorf("revision %s: prefillDataParallel must not be negative, got %d", r.Revision, r.PrefillDataParallel)
 		}
 	}
 	if p := f.Pairing; p != nil && p.Mode != PairingPreferred && p.Mode != PairingRequired {

@@ -246,8 +246,10 @@ func engineEnv(o Options, env []string, vars map[string]string) []string {
 			out = append(out, e)
 		}
 	}
+	// VLLM_HOST_IP comes from the rendered pod ($(POD_IP), laid out as loopback): the address
+	// vLLM registers at its bootstrap server, which the router checks is the pod's.
 	return append(out, "PYTHONPATH="+python, "PATH="+o.Release.Bin+":"+os.Getenv("PATH"),
-		"HOME="+os.Getenv("HOME"), "VLLM_HOST_IP="+podIP)
+		"HOME="+os.Getenv("HOME"))
 }
 
 // Router is the rendered router on loopback.

@@ -38,7 +38,7 @@ func TestPodLayoutOfTheRenderedPrefillPod(t *testing.T) {
 				"--enable-prefix-caching", "--kv-transfer-config",
 				`{"kv_buffer_device":"cpu","kv_connector":"GatedMooncakeConnector","kv_connector_extra_config":{"mooncake_protocol":"tcp"},"kv_connector_module_path":"pdgate.mooncake","kv_load_failure_policy":"fail","kv_role":"kv_producer"}`,
 				"--shutdown-timeout", "120", "--load-format=dummy", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len=1024", "--max-num-seqs=4"},
-			env: []string{"POD_IP=127.0.0.1", "PDCLUSTER_CONNECTOR_URL=" + socket, "VLLM_MOONCAKE_BOOTSTRAP_PORT=20001",
+			env: []string{"POD_IP=127.0.0.1", "VLLM_HOST_IP=127.0.0.1", "PDCLUSTER_CONNECTOR_URL=" + socket, "VLLM_MOONCAKE_BOOTSTRAP_PORT=20001",
 				"PYTHONPATH=" + root + "/opt/pdgate", "VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind", "HF_HUB_OFFLINE=1"},
 		},
 		"connector": {

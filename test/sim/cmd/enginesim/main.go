@@ -92,7 +92,7 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 			if o.bootstrapListen == "" {
 				return errors.New("--bootstrap-listen is required with --kv-role=kv_producer")
 			}
-			registry, err := transfer.Registry(1, 1) // one worker, on this host
+			registry, err := transfer.Registry(1, 1, 1) // one worker, on this host
 			if err != nil {
 				return err
 			}

@@ -142,13 +142,13 @@ func StartInProcess(ctx context.Context, cfg InProcessConfig, reg prometheus.Reg
 
 // Registry is the bootstrap registry a producer engine serves (vLLM's Mooncake bootstrap
 // server, or the NIXL side channel), with this worker registered: it takes only the engine's
-// own tp x pp ranks, each at its own address (vLLM takes anything).
-func (p *InProcess) Registry(tp, pp int) (*bootstrap.Registry, error) {
+// own dp x tp x pp ranks, each at its own address (vLLM takes anything).
+func (p *InProcess) Registry(dp, tp, pp int) (*bootstrap.Registry, error) {
 	if p.Producer == nil {
 		return nil, errors.New("agent: only a kv_producer's transfer engine registers in a bootstrap registry")
 	}
 	r := bootstrap.NewRegistry()
-	r.Limits = bootstrap.RegistryLimits{TP: max(tp, 1), PP: max(pp, 1), SameHost: true}
+	r.Limits = bootstrap.RegistryLimits{DP: max(dp, 1), TP: max(tp, 1), PP: max(pp, 1), SameHost: true}
 	if err := r.Register(p.Producer.Registration()); err != nil {
 		return nil, fmt.Errorf("register the transfer engine: %w", err)
 	}

@@ -7,11 +7,16 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/http/httptest"
 	"runtime"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 
@@ -138,4 +143,39 @@ func TestDataConnectionsPerPeerAreBounded(t *testing.T) {
 func isTimeout(err error) bool {
 	ne, ok := errors.AsType[net.Error](err)
 	return ok && ne.Timeout()
+}
+
+// The stand-in engine's bootstrap registry takes only its own ranks, dp as tp and pp: a
+// stranger's data-parallel rank, even at the engine's own host, is refused (docs/security.md:
+// only the engine's own ranks), and the engine's own worker is there.
+func TestInProcessRegistryTakesOnlyTheEnginesRanks(t *testing.T) {
+	p, err := StartInProcess(t.Context(), InProcessConfig{Role: vllm.KVProducer, Blocks: 4, BlockBytes: 64, DataListen: "127.0.0.1:0"}, prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	reg, err := p.Registry(1, 2, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(reg.Handler())
+	defer srv.Close()
+	for _, tc := range []struct {
+		name string
+		reg  bootstrap.Registration
+		want bool
+	}{
+		{"a dp rank past the engine's", bootstrap.Registration{EngineID: "stranger", DPRank: 7, Addr: "tcp://127.0.0.1:9"}, false},
+		{"a tp rank past the engine's", bootstrap.Registration{EngineID: p.Producer.Registration().EngineID, TPRank: 2, Addr: "tcp://127.0.0.1:9"}, false},
+		{"the engine's own tp rank 1", bootstrap.Registration{EngineID: p.Producer.Registration().EngineID, TPRank: 1, Addr: "tcp://127.0.0.1:9"}, true},
+	} {
+		err := bootstrap.Register(t.Context(), srv.Client(), srv.URL, tc.reg, 1)
+		if (err == nil) != tc.want {
+			t.Errorf("%s: register = %v, want accepted %v", tc.name, err, tc.want)
+		}
+	}
+	topo := reg.Snapshot()
+	if _, ok := topo["7"]; ok || len(topo) != 1 {
+		t.Errorf("registry = %+v, want the engine's dp rank 0 alone", topo)
+	}
 }
