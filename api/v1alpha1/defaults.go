@@ -26,9 +26,10 @@ const (
 	DefaultRestartBudget          int32 = 5
 	DefaultBudgetWindowSeconds    int32 = 3600
 
-	DefaultRouterRetries            int32 = 2
-	DefaultRouterRetryBudgetPercent int32 = 20
-	DefaultRouterEjectSeconds       int32 = 10
+	DefaultRouterRetries             int32 = 2
+	DefaultRouterRetryBudgetPercent  int32 = 20
+	DefaultRouterEjectSeconds        int32 = 10
+	DefaultRouterConsecutiveFailures int32 = 3
 
 	DefaultVerificationWindowSeconds int32 = 300
 	DefaultMinExternalSharePercent   int32 = 90
@@ -92,6 +93,7 @@ func (in *PDCluster) SetDefaults() {
 	setPtr(&fp.Retries, DefaultRouterRetries)
 	setPtr(&fp.RetryBudgetPercent, DefaultRouterRetryBudgetPercent)
 	setPtr(&fp.EjectSeconds, DefaultRouterEjectSeconds)
+	setPtr(&fp.ConsecutiveFailures, DefaultRouterConsecutiveFailures)
 	setString(&fp.OnPrefillFailure, OnPrefillFailureRetry)
 
 	h := &s.Connector.Health

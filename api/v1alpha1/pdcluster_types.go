@@ -660,12 +660,24 @@ type RouterFailurePolicy struct {
 
 	// ejectSeconds is how long an endpoint that failed that way is left out of the router's
 	// picks, at once rather than at the next resolution of the pools. One that was not there
-	// (refused, reset, bootstrap down) comes back as soon as its health check answers.
+	// (refused, reset, bootstrap down) comes back as soon as its health check answers. The
+	// last endpoint of a pool not left out already is never left out: it serves on.
 	// +kubebuilder:default=10
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=3600
 	// +optional
 	EjectSeconds *int32 `json:"ejectSeconds,omitempty"`
+
+	// consecutiveFailures is how many failures in a row leave an endpoint out for ejectSeconds:
+	// answers that say it is not serving (503), connections broken mid-answer, and hangs past
+	// firstTokenTimeoutSeconds; an answer in between starts the count again. An endpoint that
+	// refuses connections, or whose bootstrap server does, is left out at the first: nothing
+	// is there, and its health check brings it back as soon as something is.
+	// +kubebuilder:default=3
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=100
+	// +optional
+	ConsecutiveFailures *int32 `json:"consecutiveFailures,omitempty"`
 
 	// firstTokenTimeoutSeconds fails a request whose first byte has not come from decode in
 	// this long (for a request that does not stream, its whole answer) with 504, cancelling

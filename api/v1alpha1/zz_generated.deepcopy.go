@@ -1073,6 +1073,11 @@ func (in *RouterFailurePolicy) DeepCopyInto(out *RouterFailurePolicy) {
 		*out = new(int32)
 		**out = **in
 	}
+	if in.ConsecutiveFailures != nil {
+		in, out := &in.ConsecutiveFailures, &out.ConsecutiveFailures
+		*out = new(int32)
+		**out = **in
+	}
 	if in.FirstTokenTimeoutSeconds != nil {
 		in, out := &in.FirstTokenTimeoutSeconds, &out.FirstTokenTimeoutSeconds
 		*out = new(int32)

@@ -126,6 +126,7 @@ func RouterFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {
 	fp := defaulted(pdc).Spec.Router.FailurePolicy
 	return routerconfig.FailurePolicy{
 		Retries: *fp.Retries, RetryBudgetPercent: *fp.RetryBudgetPercent, EjectSeconds: *fp.EjectSeconds,
+		ConsecutiveFailures:      *fp.ConsecutiveFailures,
 		FirstTokenTimeoutSeconds: ptr.Deref(fp.FirstTokenTimeoutSeconds, 0), // unset: no limit
 		OnPrefillFailure:         routerconfig.OnPrefillFailure(fp.OnPrefillFailure),
 	}

@@ -127,15 +127,18 @@ func TestRouterJSONCarriesTheFailurePolicy(t *testing.T) {
 	}
 	pdc.Spec.KVTransfer.LoadFailurePolicy = v1alpha1.LoadFailurePolicyRecompute
 	pdc.Spec.Router.FailurePolicy = v1alpha1.RouterFailurePolicy{
-		Retries: ptr.To[int32](0), RetryBudgetPercent: ptr.To[int32](5), EjectSeconds: ptr.To[int32](30),
+		Retries: ptr.To[int32](0), RetryBudgetPercent: ptr.To[int32](5), EjectSeconds: ptr.To[int32](30), ConsecutiveFailures: ptr.To[int32](7),
 		FirstTokenTimeoutSeconds: ptr.To[int32](60), OnPrefillFailure: v1alpha1.OnPrefillFailureDecodeOnly,
 	}
-	want := routerconfig.FailurePolicy{Retries: 0, RetryBudgetPercent: 5, EjectSeconds: 30, FirstTokenTimeoutSeconds: 60, OnPrefillFailure: routerconfig.PrefillFailureDecodeOnly}
+	want := routerconfig.FailurePolicy{Retries: 0, RetryBudgetPercent: 5, EjectSeconds: 30, ConsecutiveFailures: 7, FirstTokenTimeoutSeconds: 60, OnPrefillFailure: routerconfig.PrefillFailureDecodeOnly}
 	fc := readBack(pdc)
 	if diff := cmp.Diff(want, fc.Failure()); diff != "" {
 		t.Errorf("router.json failure policy (-want +got):\n%s", diff)
 	}
 	p := router.PolicyFromFile(fc.Failure())
+	if p.ConsecutiveFailures != 7 {
+		t.Errorf("the router applies consecutiveFailures %d, want 7", p.ConsecutiveFailures)
+	}
 	if _, err := router.New(router.Config{Flow: fc.Flow, Failure: &p}, logr.Discard(), nil); err != nil {
 		t.Errorf("the router refuses the rendered policy: %v", err)
 	}

@@ -1,5 +1,8 @@
-// Outlier ejection: an endpoint that failed in a way that says it is not there or not serving
-// is left out at once, for FailurePolicy.Eject, not until the next resolution of the pools.
+// Outlier ejection: an endpoint that failed in a way that says it is not there or not serving,
+// FailurePolicy.ConsecutiveFailures times in a row (one that refuses connections: once), is left
+// out for FailurePolicy.Eject, not until the next resolution of the pools; never the last one of
+// its pool still in (Envoy's max ejection percent: a pool of one serves on, and each of its
+// failures is the engine's own answer rather than the router's 503 for ejectSeconds).
 
 package router
 
@@ -19,9 +22,13 @@ import (
 // one atomic load.
 type ejector struct {
 	clock  clock.PassiveClock
-	n      atomic.Int32 // entries in out
+	n      atomic.Int32 // entries in ejects
 	mu     sync.Mutex
 	ejects map[string]ejection
+	// fails are the failures in a row of endpoints not ejected; failing is its size, so that an
+	// answer on the happy path costs one atomic load.
+	fails   map[string]int
+	failing atomic.Int32
 	// rechecks runs one health check per endpoint at a time, however many requests ask.
 	rechecks singleflight.Group
 }
@@ -34,7 +41,7 @@ type ejection struct {
 }
 
 func newEjector(c clock.PassiveClock) *ejector {
-	return &ejector{clock: c, ejects: map[string]ejection{}}
+	return &ejector{clock: c, ejects: map[string]ejection{}, fails: map[string]int{}}
 }
 
 // out reports whether url is ejected now; an ejection past its time ends here.
@@ -53,17 +60,66 @@ func (e *ejector) out(url string) bool {
 	return ok
 }
 
-// eject leaves url out for d (check: see ejection); it reports whether url was not ejected
-// already.
-func (e *ejector) eject(url string, d time.Duration, check func(context.Context) error) bool {
+// ejectOutcome is what a failure did to its endpoint.
+type ejectOutcome int
+
+const (
+	// counted: a failure in a row, short of the policy's.
+	counted ejectOutcome = iota
+	// ejected: left out now.
+	ejected
+	// ejectedAlready: left out before (another request's failure).
+	ejectedAlready
+	// withheld: due, but every other endpoint of its pool is out: it serves on.
+	withheld
+)
+
+// failed counts a failure of url, an endpoint of pool (every URL of it, as the request saw it),
+// and leaves it out for d once it has failed after times in a row, unless it is the last of its
+// pool not left out (check: see ejection).
+func (e *ejector) failed(url string, pool []string, after int, d time.Duration, check func(context.Context) error) ejectOutcome {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	_, was := e.ejects[url]
-	if !was {
+	now := e.clock.Now()
+	if j, ok := e.ejects[url]; ok && now.Before(j.until) {
+		return ejectedAlready
+	}
+	if _, ok := e.fails[url]; !ok {
+		e.failing.Add(1)
+	}
+	e.fails[url]++
+	if e.fails[url] < max(after, 1) {
+		return counted
+	}
+	in := 0
+	for _, u := range pool {
+		if j, ok := e.ejects[u]; u != url && (!ok || !now.Before(j.until)) {
+			in++
+		}
+	}
+	if in == 0 {
+		return withheld // its failures stay counted: the next one asks again
+	}
+	delete(e.fails, url)
+	e.failing.Add(-1)
+	if _, was := e.ejects[url]; !was {
 		e.n.Add(1)
 	}
-	e.ejects[url] = ejection{until: e.clock.Now().Add(d), check: check}
-	return !was
+	e.ejects[url] = ejection{until: now.Add(d), check: check}
+	return ejected
+}
+
+// answered ends url's failures in a row: it served.
+func (e *ejector) answered(url string) {
+	if e.failing.Load() == 0 {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, ok := e.fails[url]; ok {
+		delete(e.fails, url)
+		e.failing.Add(-1)
+	}
 }
 
 // recheck runs the checks of the ejected endpoints among urls and restores those that answer;

@@ -355,12 +355,21 @@ func (x *exchange) record(e *legError) {
 			check = r.healthCheck(e.endpoint)
 		}
 	}
-	if r.eject.eject(e.endpoint, r.policy.Eject, check) {
+	// Nothing listens where a connection is refused: out at the first, back when it answers.
+	after := r.policy.ConsecutiveFailures
+	if e.cause == causeConnect || e.cause == causeBootstrap {
+		after = 1
+	}
+	switch r.eject.failed(e.endpoint, x.poolURLs(e.leg), after, r.policy.Eject, check) {
+	case ejected:
 		r.metrics.ejections.WithLabelValues(string(e.leg)).Inc()
 		r.log.Info("endpoint ejected", "endpoint", e.endpoint, "leg", e.leg, "cause", e.cause, "for", r.policy.Eject.String())
 		if check != nil {
 			go r.watch(e.endpoint)
 		}
+	case withheld:
+		r.metrics.ejectionsWithheld.WithLabelValues(string(e.leg)).Inc()
+		r.log.Info("endpoint not ejected: it is the last of its pool still in", "endpoint", e.endpoint, "leg", e.leg, "cause", e.cause)
 	}
 }
 

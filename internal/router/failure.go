@@ -4,6 +4,7 @@
 package router
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"net"
@@ -26,6 +27,9 @@ type FailurePolicy struct {
 	RetryBudgetPercent int
 	// Eject is how long an endpoint that failed is left out.
 	Eject time.Duration
+	// ConsecutiveFailures is how many failures in a row eject an endpoint; one that refuses
+	// connections (or whose bootstrap server does) goes at the first. 0 is 1.
+	ConsecutiveFailures int
 	// FirstTokenTimeout fails a request whose first byte has not come from decode in this
 	// long, cancelling both legs; 0: no limit.
 	FirstTokenTimeout time.Duration
@@ -37,9 +41,10 @@ type FailurePolicy struct {
 func PolicyFromFile(p routerconfig.FailurePolicy) FailurePolicy {
 	return FailurePolicy{
 		Retries: int(p.Retries), RetryBudgetPercent: int(p.RetryBudgetPercent),
-		Eject:             time.Duration(p.EjectSeconds) * time.Second,
-		FirstTokenTimeout: time.Duration(p.FirstTokenTimeoutSeconds) * time.Second,
-		OnPrefillFailure:  p.OnPrefillFailure,
+		Eject:               time.Duration(p.EjectSeconds) * time.Second,
+		ConsecutiveFailures: int(cmp.Or(p.ConsecutiveFailures, routerconfig.DefaultConsecutiveFailures)),
+		FirstTokenTimeout:   time.Duration(p.FirstTokenTimeoutSeconds) * time.Second,
+		OnPrefillFailure:    p.OnPrefillFailure,
 	}
 }
 

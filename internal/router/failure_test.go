@@ -389,8 +389,10 @@ func TestRetriesBeforeTheFirstByte(t *testing.T) {
 			if got := f.counter(t, "pdcluster_router_retries_total", "leg", leg, "cause", tc.cause); got != 1 {
 				t.Errorf("retries{leg=%s,cause=%s} = %v, want 1", leg, tc.cause, got)
 			}
-			if got := f.counter(t, "pdcluster_router_ejections_total", "pool", leg); got != 1 {
-				t.Errorf("ejections{pool=%s} = %v, want 1", leg, got)
+			// Nothing listening is out at once; one bad answer is not an outage (3 in a row are).
+			wantEjected := map[bool]float64{true: 1, false: 0}[tc.cause == "connect" || tc.cause == "bootstrap"]
+			if got := f.counter(t, "pdcluster_router_ejections_total", "pool", leg); got != wantEjected {
+				t.Errorf("ejections{pool=%s} = %v, want %v", leg, got, wantEjected)
 			}
 			// One transfer, one decode request: a retry that reached decode again has a new one.
 			transfers := map[string]int{}
@@ -522,34 +524,44 @@ func TestRetryBudgetCapsRetriesUnderAnOutage(t *testing.T) {
 	}
 }
 
-// An endpoint that failed is left out at once for the ejection time, then tried again; a pool
-// whose every endpoint is out answers 503 saying so, with Retry-After.
+// An endpoint that answers 503 consecutiveFailures times in a row is left out for the ejection
+// time, then tried again (and counted afresh); a pool whose last endpoint in fails too keeps it
+// (its failures withheld from ejection) and answers 503 saying which are out, with Retry-After.
 func TestEjectionAndReturn(t *testing.T) {
 	kv := newLedger()
 	prefill, decode := engines("p0", "p1"), engines("d0")
 	prefill[0].do, prefill[1].do, decode[0].do = answer(503), prefillOK(kv), decodeOK(kv)
 	policy := DefaultFailurePolicy()
-	policy.Eject = 10 * time.Second
+	policy.Eject = time.Minute
 	f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
-	for range 5 {
+	for range 10 {
 		if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
 			t.Fatalf("got %d %s", code, body)
 		}
 	}
-	if n := len(prefill[0].got()); n != 1 {
-		t.Errorf("the failed endpoint got %d requests while ejected, want only the first", n)
+	if n := len(prefill[0].got()); n != policy.ConsecutiveFailures {
+		t.Errorf("the failing endpoint got %d requests, want %d (its failures in a row to ejection), then none while ejected", n, policy.ConsecutiveFailures)
 	}
-	f.clock.Step(11 * time.Second)
-	for range 2 {
+	f.clock.Step(61 * time.Second)
+	for range 10 {
 		f.send(t, `{"prompt":"hi"}`)
 	}
-	if n := len(prefill[0].got()); n != 2 {
-		t.Errorf("after its ejection the endpoint got %d requests in all, want 2 (tried again, ejected again)", n)
+	if n := len(prefill[0].got()); n != 2*policy.ConsecutiveFailures {
+		t.Errorf("after its ejection the endpoint got %d requests in all, want %d (tried again, ejected again)", n, 2*policy.ConsecutiveFailures)
 	}
 
 	prefill[1].do = answer(503) // now both
-	f.clock.Step(11 * time.Second)
-	f.send(t, `{"prompt":"hi"}`) // both fail, both ejected
+	f.clock.Step(61 * time.Second)
+	for range 2 * policy.ConsecutiveFailures {
+		f.send(t, `{"prompt":"hi"}`)
+	}
+	if got := f.r.eject.count(); got != 1 {
+		t.Errorf("ejected = %d with both failing, want 1: the pool's last endpoint in stays", got)
+	}
+	if got := f.counter(t, "pdcluster_router_ejections_withheld_total", "pool", "prefill"); got == 0 {
+		t.Error("pdcluster_router_ejections_withheld_total{pool=prefill} = 0, want the withheld ejections counted")
+	}
+	f.clock.Step(11 * time.Second) // a fresh retry budget; p0 still out
 	resp, err := http.Post(f.url+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"hi"}`))
 	if err != nil {
 		t.Fatal(err)
@@ -557,7 +569,100 @@ func TestEjectionAndReturn(t *testing.T) {
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(b), "ejected") || resp.Header.Get("Retry-After") == "" {
-		t.Errorf("every prefill ejected: got %d %s (Retry-After %q), want 503 saying so", resp.StatusCode, b, resp.Header.Get("Retry-After"))
+		t.Errorf("one prefill ejected, the other failing: got %d %s (Retry-After %q), want 503 saying so", resp.StatusCode, b, resp.Header.Get("Retry-After"))
+	}
+}
+
+// The last endpoint of a pool is never ejected: a pool of one that failed serves again with its
+// next good answer, instead of the router answering 503 for the whole ejection time.
+func TestTheLastEndpointOfAPoolIsNeverEjected(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0"), engines("d0")
+	prefill[0].do, decode[0].do = answer(503), decodeOK(kv)
+	policy := DefaultFailurePolicy()
+	policy.ConsecutiveFailures, policy.Eject = 1, time.Hour
+	f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+	for range 3 {
+		if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusServiceUnavailable {
+			t.Fatalf("got %d %s, want the engine's 503", code, body)
+		}
+	}
+	prefill[0].do = prefillOK(kv)
+	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
+		t.Errorf("the pool's only engine answers again: got %d %s, want 200", code, body)
+	}
+	if got := f.counter(t, "pdcluster_router_ejections_total"); got != 0 {
+		t.Errorf("ejections = %v, want 0", got)
+	}
+	if got := f.counter(t, "pdcluster_router_ejections_withheld_total", "pool", "prefill"); got != 3 {
+		t.Errorf("ejections withheld = %v, want 3", got)
+	}
+}
+
+// Failures eject only in a row: an endpoint that answers between its failures stays in, one
+// that fails consecutiveFailures times in a row goes; a refused connection ejects at the first.
+func TestOnlyFailuresInARowEject(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		do          func(*kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any)
+		wantEjected bool
+	}{
+		{"503 every other answer", func(kv *kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+			ok := prefillOK(kv)
+			return func(e *testEngine, w http.ResponseWriter, r *http.Request, p map[string]any) {
+				if len(e.got())%2 == 1 {
+					answer(503)(e, w, r, p)
+					return
+				}
+				ok(e, w, r, p)
+			}
+		}, false},
+		{"503 twice in a row", func(kv *kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+			ok := prefillOK(kv)
+			return func(e *testEngine, w http.ResponseWriter, r *http.Request, p map[string]any) {
+				if n := len(e.got()); n%3 != 0 {
+					answer(503)(e, w, r, p)
+					return
+				}
+				ok(e, w, r, p)
+			}
+		}, false},
+		{"503 from the first", func(*kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) {
+			return answer(503)
+		}, true},
+		{"resets from the first", func(*kvLedger) func(*testEngine, http.ResponseWriter, *http.Request, map[string]any) { return resets }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			kv := newLedger()
+			prefill, decode := engines("p0", "p1"), engines("d0")
+			prefill[0].do, prefill[1].do, decode[0].do = tc.do(kv), prefillOK(kv), decodeOK(kv)
+			policy := DefaultFailurePolicy()
+			policy.RetryBudgetPercent = 100 // every failure retried: the client never sees one
+			f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+			for range 24 {
+				if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
+					t.Fatalf("got %d %s", code, body)
+				}
+			}
+			got := f.counter(t, "pdcluster_router_ejections_total", "pool", "prefill")
+			if (got == 1) != tc.wantEjected || got > 1 {
+				t.Errorf("ejections = %v, want ejected %v (once at most)", got, tc.wantEjected)
+			}
+			if n := len(prefill[0].got()); tc.wantEjected && n != 3 {
+				t.Errorf("the endpoint got %d requests, want 3: its failures in a row, then it is out", n)
+			}
+		})
+	}
+	// A dead endpoint is out at its first refused connection.
+	kv := newLedger()
+	prefill, decode := engines("p0", "p1"), engines("d0")
+	prefill[0].do, prefill[1].do, decode[0].do = nil, prefillOK(kv), decodeOK(kv)
+	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
+	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
+		t.Fatalf("got %d %s", code, body)
+	}
+	if got := f.r.eject.count(); got != 1 {
+		t.Errorf("ejected = %d after a refused connection, want 1", got)
 	}
 }
 

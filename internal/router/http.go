@@ -132,6 +132,9 @@ func (a *attempt) relay(resp *http.Response) *legError {
 	err := relay(a.x.w, resp, a)
 	switch {
 	case err == nil:
+		if resp.StatusCode < http.StatusInternalServerError {
+			a.x.r.eject.answered(a.d)
+		}
 		return nil
 	case errors.Is(err, errCommit) || a.ctx.Err() != nil:
 		return a.ended()

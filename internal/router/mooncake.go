@@ -63,6 +63,7 @@ func (r *Router) mooncake(a *attempt) *legError {
 				lerr = statusError(legPrefill, p.URL, resp.StatusCode, fmt.Sprintf("prefill leg %s: %v", p.URL, derr))
 			} else {
 				r.metrics.prefillLeg.Observe(time.Since(x.start).Seconds())
+				r.eject.answered(p.URL)
 			}
 		}
 		r.prefillLegs.Add(-1)

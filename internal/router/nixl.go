@@ -65,6 +65,7 @@ func (r *Router) nixl(a *attempt) *legError {
 		return &legError{leg: legPrefill, cause: causeAnswer, endpoint: p.URL, status: http.StatusBadGateway, msg: fmt.Sprintf("prefill leg %s returned no kv_transfer_params", p.URL)}
 	}
 	r.metrics.prefillLeg.Observe(time.Since(x.start).Seconds())
+	r.eject.answered(p.URL)
 	db := maps.Clone(x.body)
 	db[vllm.KVTransferParams] = pr.KVTransferParams
 	// Past here a failed decode leaves prefill's blocks held until NIXL's abort timeout

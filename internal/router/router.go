@@ -132,13 +132,15 @@ type Router struct {
 }
 
 type metrics struct {
-	requests     *prometheus.CounterVec
-	legFailures  *prometheus.CounterVec
-	retries      *prometheus.CounterVec
-	ejections    *prometheus.CounterVec
-	budgetDenied prometheus.Counter
-	decodeOnly   prometheus.Counter
-	byRevision   *prometheus.CounterVec
+	requests    *prometheus.CounterVec
+	legFailures *prometheus.CounterVec
+	retries     *prometheus.CounterVec
+	ejections   *prometheus.CounterVec
+	// ejectionsWithheld: ejections due but not made, the endpoint being its pool's last.
+	ejectionsWithheld *prometheus.CounterVec
+	budgetDenied      prometheus.Counter
+	decodeOnly        prometheus.Counter
+	byRevision        *prometheus.CounterVec
 	// registryRefused counts entries of prefills' bootstrap registries not used, by reason.
 	registryRefused *prometheus.CounterVec
 	// pairs by locality, with pairing: same-domain, cross-domain (GET /pairs and the
@@ -195,6 +197,9 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			ejections: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "pdcluster_router_ejections_total", Help: "Endpoints ejected after failing, by pool.",
 			}, []string{"pool"}),
+			ejectionsWithheld: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "pdcluster_router_ejections_withheld_total", Help: "Ejections due but not made because the endpoint was the last of its pool not ejected, by pool: it serves on.",
+			}, []string{"pool"}),
 			budgetDenied: prometheus.NewCounter(prometheus.CounterOpts{
 				Name: "pdcluster_router_retries_denied_total", Help: "Retries not made because the router's retry budget (failurePolicy.retryBudgetPercent) was spent.",
 			}),
@@ -234,7 +239,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			Name: "pdcluster_router_in_flight_requests",
 			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
 		}, []string{"pool"})
-		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.budgetDenied, m.decodeOnly, m.byRevision, m.registryRefused, ejected, poolGauges{r, endpoints, inFlight},
+		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.ejectionsWithheld, m.budgetDenied, m.decodeOnly, m.byRevision, m.registryRefused, ejected, poolGauges{r, endpoints, inFlight},
 			histograms[0], histograms[1], histograms[2]}, append(pairs, r.canary.collectors()...)...) {
 			if err := reg.Register(c); err != nil {
 				return nil, err

@@ -196,6 +196,9 @@ type FailurePolicy struct {
 	// EjectSeconds is how long an endpoint that failed is left out (sooner if its health
 	// check answers).
 	EjectSeconds int32 `json:"ejectSeconds"`
+	// ConsecutiveFailures is how many failures in a row eject an endpoint (one that refuses
+	// connections: the first); 0 (a router.json written before the field): the default, 3.
+	ConsecutiveFailures int32 `json:"consecutiveFailures,omitempty"`
 	// FirstTokenTimeoutSeconds fails a request whose first byte has not come from decode in
 	// this long, cancelling both legs; 0: no limit.
 	FirstTokenTimeoutSeconds int32 `json:"firstTokenTimeoutSeconds,omitempty"`
@@ -203,10 +206,14 @@ type FailurePolicy struct {
 	OnPrefillFailure OnPrefillFailure `json:"onPrefillFailure"`
 }
 
+// DefaultConsecutiveFailures is failurePolicy.consecutiveFailures' default: one 503 or broken
+// answer is not an outage.
+const DefaultConsecutiveFailures = 3
+
 // DefaultFailurePolicy is spec.router.failurePolicy's defaults (render's test holds the two
 // equal): every request that can be saved is.
 func DefaultFailurePolicy() FailurePolicy {
-	return FailurePolicy{Retries: 2, RetryBudgetPercent: 20, EjectSeconds: 10, OnPrefillFailure: PrefillFailureRetry}
+	return FailurePolicy{Retries: 2, RetryBudgetPercent: 20, EjectSeconds: 10, ConsecutiveFailures: DefaultConsecutiveFailures, OnPrefillFailure: PrefillFailureRetry}
 }
 
 // Validate reports a policy the router cannot apply.
@@ -218,6 +225,8 @@ func (p FailurePolicy) Validate() error {
 		return fmt.Errorf("failurePolicy.retryBudgetPercent must be 0 to 100, got %d", p.RetryBudgetPercent)
 	case p.EjectSeconds < 1:
 		return fmt.Errorf("failurePolicy.ejectSeconds must be at least 1, got %d", p.EjectSeconds)
+	case p.ConsecutiveFailures < 0:
+		return fmt.Errorf("failurePolicy.consecutiveFailures must not be negative, got %d", p.ConsecutiveFailures)
 	case p.FirstTokenTimeoutSeconds < 0:
 		return fmt.Errorf("failurePolicy.firstTokenTimeoutSeconds must not be negative, got %d", p.FirstTokenTimeoutSeconds)
 	}

@@ -20,6 +20,7 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	connsidecar "pdcluster.dev/pdcluster-operator/connector/sidecar"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
 )
 
@@ -31,14 +32,15 @@ func podEnv(t *testing.T) map[string]string {
 	return map[string]string{"VLLM_HOST_IP": "127.0.0.1", "PDCLUSTER_CONNECTOR_URL": "unix://" + filepath.Join(t.TempDir(), "agent.sock")}
 }
 
+// freePort is a free port below the kernel's ephemeral range: one that ":0" handed out was
+// taken by another test process before the engine bound it ("address already in use").
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	ports, err := sandbox.FreePorts(1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return ports[0]
 }
 
 func serve(t *testing.T, args []string, env map[string]string) (context.CancelFunc, chan error) {
