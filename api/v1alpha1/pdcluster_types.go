@@ -592,9 +592,18 @@ type RouterSpec struct {
 	// +optional
 	Replicas *int32 `json:"replicas,omitempty"`
 
-	// resources of the router container. Default: requests of 100m CPU and 128Mi memory.
+	// resources of the router container. Default: requests of 100m CPU and 128Mi memory, a
+	// limit of 1Gi memory. The router keeps its Go heap under 90% of its memory limit and holds
+	// at most a quarter of it in request bodies (each counted four times, its copies; 503 with
+	// Retry-After past it); without a limit, the node's memory stands for it.
 	// +optional
 	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
+
+	// maxRequestBody is the largest request body the router takes (413 past it). Default 8Mi:
+	// a prompt of a million tokens sent as token ids, or several million as text; raise it for
+	// images sent inline as base64. 1Ki to 1Gi.
+	// +optional
+	MaxRequestBody *resource.Quantity `json:"maxRequestBody,omitempty"`
 
 	// nodeSelector constrains the router to matching nodes (it needs no GPU).
 	// +optional

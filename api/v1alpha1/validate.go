@@ -9,6 +9,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -99,6 +100,9 @@ func (p *PDCluster) Validate() field.ErrorList {
 		}
 	}
 	errs = append(errs, validateTolerations(spec.Child("router", "tolerations"), p.Spec.Router.Tolerations)...)
+	if q := p.Spec.Router.MaxRequestBody; q != nil && (q.Cmp(resource.MustParse("1Ki")) < 0 || q.Cmp(resource.MustParse("1Gi")) > 0) {
+		errs = append(errs, field.Invalid(spec.Child("router", "maxRequestBody"), q.String(), "must be from 1Ki to 1Gi"))
+	}
 	errs = append(errs, validateExtraConfig(spec.Child("kvTransfer", "extraConfig"), p.Spec.KVTransfer.ExtraConfig)...)
 	// An engine-wide mount missing its volume in both pools is one mistake, said once.
 	seen := map[string]bool{}

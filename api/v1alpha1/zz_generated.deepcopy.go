@@ -1108,6 +1108,11 @@ func (in *RouterSpec) DeepCopyInto(out *RouterSpec) {
 		*out = new(corev1.ResourceRequirements)
 		(*in).DeepCopyInto(*out)
 	}
+	if in.MaxRequestBody != nil {
+		in, out := &in.MaxRequestBody, &out.MaxRequestBody
+		x := (*in).DeepCopy()
+		*out = &x
+	}
 	if in.NodeSelector != nil {
 		in, out := &in.NodeSelector, &out.NodeSelector
 		*out = make(NodeSelector, len(*in))

@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/connector/memlimit"
 	"pdcluster.dev/pdcluster-operator/connector/sidecar"
 )
 
@@ -29,6 +30,7 @@ import (
 type options struct {
 	role, listen, publicListen string
 	bindAddress                string
+	memoryLimit                int64
 	zap                        zap.Options
 }
 
@@ -48,6 +50,7 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 	fs.IntVar(&cfg.Gate.Ranks, "gate-ranks", 1, "data-parallel ranks the engine runs on this pod: vLLM runs one EngineCore, so one completion gate, per rank, and each must report (a report from a rank outside 0..N-1 is refused)")
 	fs.StringVar(&cfg.Engine.MetricsURL, "engine-metrics-url", "", "the engine's /metrics on loopback (http://127.0.0.1:8000/metrics): its prompt tokens by source and transfer counters, served to the operator in GET /gate; empty: not read")
 	fs.DurationVar(&cfg.Engine.Every, "engine-metrics-interval", 15*time.Second, "how often --engine-metrics-url is read")
+	fs.Int64Var(&o.memoryLimit, "memory-limit", 0, "the container's memory limit in bytes (the operator passes limits.memory): the Go runtime keeps under 90% of it, unless GOMEMLIMIT is set; 0: none")
 	o.zap.BindFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return cfg, o, err
@@ -84,6 +87,9 @@ func main() {
 		os.Exit(2)
 	}
 	log := zap.New(zap.UseFlagOptions(&o.zap)).WithValues("role", o.role)
+	if soft := memlimit.Apply(o.memoryLimit, os.Getenv); soft > 0 {
+		log.Info("memory limit", "container", o.memoryLimit, "runtime", soft)
+	}
 	if err := run(cfg, o, log); err != nil {
 		log.Error(err, "connector sidecar failed")
 		os.Exit(1)

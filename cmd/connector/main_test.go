@@ -17,6 +17,7 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	"pdcluster.dev/pdcluster-operator/connector/sidecar"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 // The operator starts this command with the arguments render puts in the sidecar; every one
@@ -41,18 +42,7 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			}
 			// The kubelet expands $(POD_IP) from the container's downward-API env.
 			podIP := map[v1alpha1.Role]string{v1alpha1.RolePrefill: "10.244.0.7", v1alpha1.RoleDecode: "fd00:10:244::7"}[role]
-			var args []string
-			for _, a := range c.Args {
-				for _, e := range c.Env {
-					if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP" {
-						a = strings.ReplaceAll(a, "$("+e.Name+")", podIP)
-					}
-				}
-				if strings.Contains(a, "$(") {
-					t.Fatalf("%s sidecar argument %q names a variable the container does not define", role, a)
-				}
-				args = append(args, a)
-			}
+			args := wrappers.ContainerArgs(t, c, podIP)
 			cfg, o, err := parseFlags(args)
 			if err != nil {
 				t.Fatalf("%s sidecar args %v: %v", role, args, err)
@@ -71,6 +61,10 @@ func TestAcceptsTheRenderedSidecarArguments(t *testing.T) {
 			// internal/render's sidecar test checks the engine's --host and --port).
 			if cfg.Engine.MetricsURL != render.EngineMetricsURL {
 				t.Errorf("%s sidecar args %v: engine metrics URL %q, want %q", role, c.Args, cfg.Engine.MetricsURL, render.EngineMetricsURL)
+			}
+			// Its Go heap follows the container's memory limit (the default, 256Mi).
+			if want := c.Resources.Limits.Memory().Value(); o.memoryLimit != want || want != 256<<20 {
+				t.Errorf("%s sidecar: --memory-limit %d, want the container's limit %d (256Mi)", role, o.memoryLimit, want)
 			}
 			// The public port on the pod's IP only (IPv6 included).
 			wantPublic := net.JoinHostPort(podIP, strconv.Itoa(int(render.ConnectorPort)))

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"pdcluster.dev/pdcluster-operator/connector/memlimit"
 	"pdcluster.dev/pdcluster-operator/internal/router"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
@@ -36,6 +37,7 @@ type options struct {
 	prefill, decode                   list
 	refresh, shutdownTimeout          time.Duration
 	maxBodyBytes, maxInFlight         int64
+	maxBodyBytesInFlight, memoryLimit int64
 	zap                               zap.Options
 }
 
@@ -55,8 +57,19 @@ func parseFlags(args []string) (*options, error) {
 	fs.Var(&o.decode, "decode", "decode engine URL (repeatable)")
 	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", router.DefaultMaxBodyBytes, "largest request body accepted (413 past it)")
 	fs.Int64Var(&o.maxInFlight, "max-in-flight", router.DefaultMaxInFlight, "most requests proxied at once (503 past it)")
+	fs.Int64Var(&o.maxBodyBytesInFlight, "max-body-bytes-in-flight", 0, "bytes of request bodies held at once over all requests, each counted 4 times (the router's copies; 503 past it); 0: a quarter of --memory-limit, or 8 of the largest bodies without one")
+	fs.Int64Var(&o.memoryLimit, "memory-limit", 0, "the container's memory limit in bytes (the operator passes limits.memory): the Go runtime keeps under 90% of it (unless GOMEMLIMIT is set), and the body budget defaults to a quarter of it; 0: none")
 	o.zap.BindFlags(fs)
 	return o, fs.Parse(args)
+}
+
+// bodyBudget is --max-body-bytes-in-flight, or a quarter of --memory-limit (the rest is the
+// runtime's, the connections' and the answers'), never less than one body of the largest size.
+func bodyBudget(o *options) int64 {
+	if o.maxBodyBytesInFlight > 0 || o.memoryLimit <= 0 {
+		return o.maxBodyBytesInFlight // 0: the router's default
+	}
+	return max(o.memoryLimit/4, router.MinBodyBytesInFlight(o.maxBodyBytes))
 }
 
 // configure is the router's configuration from o: router.json's when --config names one (its
@@ -66,6 +79,7 @@ func configure(o *options) (router.Config, routerconfig.File, router.Pools, erro
 	cfg := router.Config{
 		Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance),
 		MaxBodyBytes: o.maxBodyBytes, MaxInFlight: o.maxInFlight,
+		MaxBodyBytesInFlight: bodyBudget(o),
 	}
 	static := router.Pools{Decode: o.decode}
 	for _, p := range o.prefill {
@@ -116,6 +130,9 @@ func main() {
 		os.Exit(2) // the FlagSet printed why
 	}
 	log := zap.New(zap.UseFlagOptions(&o.zap))
+	if soft := memlimit.Apply(o.memoryLimit, os.Getenv); soft > 0 {
+		log.Info("memory limit", "container", o.memoryLimit, "runtime", soft)
+	}
 	if os.Getenv("GOGC") == "" {
 		// The router's live heap is a few MB of requests in flight: collecting at 5x it instead
 		// of 2x costs tens of MB and saves a sixth of its CPU per request (make bench).

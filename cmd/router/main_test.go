@@ -8,12 +8,14 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/router"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 // The operator starts this command with the arguments render puts in the router Deployment;
@@ -29,13 +31,29 @@ func TestAcceptsTheRenderedArguments(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	args := dep.Spec.Template.Spec.Containers[0].Args
+	c := dep.Spec.Template.Spec.Containers[0]
+	args := wrappers.ContainerArgs(t, c, "10.244.0.9")
 	o, err := parseFlags(args)
 	if err != nil {
 		t.Fatalf("rendered router args %v: %v", args, err)
 	}
 	if o.configPath == "" {
 		t.Errorf("rendered router args %v name no --config", args)
+	}
+	// The heap and the body budget follow the container's memory limit (the default, 1Gi).
+	if want := c.Resources.Limits.Memory().Value(); o.memoryLimit != want || want != 1<<30 {
+		t.Errorf("--memory-limit %d, want the container's limit %d (1Gi)", o.memoryLimit, want)
+	}
+	if got, want := bodyBudget(o), int64(1<<30)/4; got != want {
+		t.Errorf("body budget %d, want a quarter of the memory limit, %d", got, want)
+	}
+	// spec.router.maxRequestBody reaches --max-body-bytes.
+	pdc.Spec.Router.MaxRequestBody = ptr.To(resource.MustParse("20Mi"))
+	if dep, err = render.RouterDeployment(pdc, render.DefaultOptions(), cm); err != nil {
+		t.Fatal(err)
+	}
+	if o, err = parseFlags(wrappers.ContainerArgs(t, dep.Spec.Template.Spec.Containers[0], "10.244.0.9")); err != nil || o.maxBodyBytes != 20<<20 {
+		t.Errorf("maxRequestBody 20Mi: --max-body-bytes %d (%v), want %d", o.maxBodyBytes, err, 20<<20)
 	}
 	if _, err := parseFlags([]string{"--no-such-flag"}); err == nil {
 		t.Error("an unknown flag was accepted")
@@ -68,7 +86,7 @@ func TestConfigure(t *testing.T) {
 		{name: "file with pools", args: []string{"--config", withPools}, wantFlow: routerconfig.FlowMooncake, wantPolicy: router.DefaultFailurePolicy()},
 		{name: "file without pools, pools by flag", args: []string{"--config", noPools, "--prefill", "http://a", "--prefill", "http://b", "--decode", "http://c"},
 			wantFlow: routerconfig.FlowNIXL, wantStatic: 2,
-			wantPolicy: router.FailurePolicy{Retries: 1, RetryBudgetPercent: 50, Eject: 3 * time.Second, FirstTokenTimeout: 7 * time.Second, OnPrefillFailure: routerconfig.PrefillFailureFail}},
+			wantPolicy: router.FailurePolicy{Retries: 1, RetryBudgetPercent: 50, Eject: 3 * time.Second, ConsecutiveFailures: 3, FirstTokenTimeout: 7 * time.Second, OnPrefillFailure: routerconfig.PrefillFailureFail}},
 		{name: "two sources of pools", args: []string{"--config", withPools, "--decode", "http://c"}, wantErr: "may not name others"},
 		{name: "file without pools, none by flag", args: []string{"--config", noPools}, wantErr: "need --config naming the pools"},
 		{name: "flags alone", args: []string{"--flow", "nixl", "--prefill", "http://a", "--decode", "http://c"}, wantFlow: routerconfig.FlowNIXL, wantStatic: 1},

@@ -140,8 +140,8 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 		Containers: []corev1.Container{{
 			Name:  v1alpha1.RouterContainerName,
 			Image: opts.RouterImage,
-			Args: []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(RouterPort)),
-				"--shutdown-timeout=" + strconv.Itoa(int(routerShutdown(pdc))) + "s"},
+			Args:  routerArgs(pdc),
+			Env:   []corev1.EnvVar{memoryLimitEnv(v1alpha1.RouterContainerName)},
 			// A router pod that goes (a rollout restarts it with each new router.json) serves on
 			// while its Service drops it, then lets its requests in flight end.
 			Lifecycle:       &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: routerDrainSeconds}}},
@@ -164,6 +164,30 @@ func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 	return deployment(pdc, v1alpha1.RoleRouter, *pdc.Spec.Router.Replicas, podSpec, config.Data)
 }
 
+// routerArgs are cmd/router's flags: router.json, the port, the drain, the container's memory
+// limit (its heap and body budget follow it) and spec.router.maxRequestBody when set.
+func routerArgs(pdc *v1alpha1.PDCluster) []string {
+	args := []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(RouterPort)),
+		"--shutdown-timeout=" + strconv.Itoa(int(routerShutdown(pdc))) + "s", memoryLimitArg}
+	if q := pdc.Spec.Router.MaxRequestBody; q != nil {
+		args = append(args, "--max-body-bytes="+strconv.FormatInt(q.Value(), 10))
+	}
+	return args
+}
+
+// memoryLimitVar carries a container's memory limit in bytes (the downward API's
+// limits.memory: the node's allocatable memory when the container has no limit) to the
+// --memory-limit of the router and the sidecar, which keep their Go heap under it.
+const memoryLimitVar = "PDCLUSTER_MEMORY_LIMIT"
+
+const memoryLimitArg = "--memory-limit=$(" + memoryLimitVar + ")"
+
+func memoryLimitEnv(container string) corev1.EnvVar {
+	return corev1.EnvVar{Name: memoryLimitVar, ValueFrom: &corev1.EnvVarSource{ResourceFieldRef: &corev1.ResourceFieldSelector{
+		ContainerName: container, Resource: "limits.memory", Divisor: resource.MustParse("1"),
+	}}}
+}
+
 // routerShutdown is how long a router pod's requests in flight may take to end once it is
 // told to stop: the decode pool's drain, which bounds them there too.
 func routerShutdown(pdc *v1alpha1.PDCluster) int32 { return drainTimeout(pdc, v1alpha1.RoleDecode) }
@@ -173,8 +197,12 @@ func routerResources(r v1alpha1.RouterSpec) corev1.ResourceRequirements {
 	if r.Resources != nil {
 		return *r.Resources.DeepCopy()
 	}
-	return corev1.ResourceRequirements{Requests: corev1.ResourceList{
-		corev1.ResourceCPU:    resource.MustParse("100m"),
-		corev1.ResourceMemory: resource.MustParse("128Mi"),
-	}}
+	return corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{
+			corev1.ResourceCPU:    resource.MustParse("100m"),
+			corev1.ResourceMemory: resource.MustParse("128Mi"),
+		},
+		// Bodies in flight (a quarter of it) and the Go heap (90%) are sized from it.
+		Limits: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("1Gi")},
+	}
 }

@@ -49,9 +49,12 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		// server binds every interface of the pod, and the operator needs no path to it.
 		args = append(args, "--engine-metrics-url="+EngineMetricsURL)
 	}
+	// The container's memory limit bounds the sidecar's Go heap (90% of it).
+	args = append(args, memoryLimitArg)
 	resources := *c.Resources.DeepCopy()
 	if len(resources.Requests) == 0 && len(resources.Limits) == 0 {
 		resources.Requests = corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")}
+		resources.Limits = corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("256Mi")}
 	}
 	period := *c.Health.PeriodSeconds
 	port := intstr.FromString(portConnector)
@@ -59,7 +62,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		Name:           v1alpha1.ConnectorContainerName,
 		Image:          cmp.Or(c.Image, opts.ConnectorImage),
 		Args:           args,
-		Env:            []corev1.EnvVar{podIPEnv()},
+		Env:            []corev1.EnvVar{podIPEnv(), memoryLimitEnv(v1alpha1.ConnectorContainerName)},
 		Ports:          connectorPorts(),
 		Resources:      resources,
 		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),

@@ -25,9 +25,9 @@ func TestConnectorSidecar(t *testing.T) {
 		ports    []string
 	}{
 		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190",
-			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s", "--engine-metrics-url=http://127.0.0.1:8000/metrics"}, []string{"connector"}},
+			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s", "--engine-metrics-url=http://127.0.0.1:8000/metrics", "--memory-limit=$(PDCLUSTER_MEMORY_LIMIT)"}, []string{"connector"}},
 		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190",
-			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s", "--engine-metrics-url=http://127.0.0.1:8000/metrics"}, []string{"connector"}},
+			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s", "--engine-metrics-url=http://127.0.0.1:8000/metrics", "--memory-limit=$(PDCLUSTER_MEMORY_LIMIT)"}, []string{"connector"}},
 	} {
 		t.Run(string(tc.role), func(t *testing.T) {
 			pod := enginePod(t, pdc, tc.role)
@@ -68,9 +68,12 @@ func TestConnectorSidecar(t *testing.T) {
 			if _, ok := env["PDCLUSTER_KV_FILE"]; ok {
 				t.Error("engine env sets PDCLUSTER_KV_FILE: a production pod has no KV file")
 			}
-			// Only the pod's IP, which --bind-address names (cmd/connector checks the other side).
-			if len(c.Env) != 1 || c.Env[0].Name != "POD_IP" || c.Env[0].ValueFrom == nil || c.Env[0].ValueFrom.FieldRef.FieldPath != "status.podIP" {
-				t.Errorf("sidecar env = %v, want POD_IP from status.podIP only", c.Env)
+			// Only the pod's IP, which --bind-address names, and the container's memory limit,
+			// which --memory-limit reads (cmd/connector checks the other side).
+			if len(c.Env) != 2 || c.Env[0].Name != "POD_IP" || c.Env[0].ValueFrom == nil || c.Env[0].ValueFrom.FieldRef.FieldPath != "status.podIP" ||
+				c.Env[1].Name != "PDCLUSTER_MEMORY_LIMIT" || c.Env[1].ValueFrom == nil || c.Env[1].ValueFrom.ResourceFieldRef.Resource != "limits.memory" ||
+				c.Env[1].ValueFrom.ResourceFieldRef.ContainerName != c.Name {
+				t.Errorf("sidecar env = %v, want POD_IP from status.podIP and PDCLUSTER_MEMORY_LIMIT from its own limits.memory", c.Env)
 			}
 			if engine.Resources.Limits.Name(v1alpha1.GPUResourceName, "").IsZero() || !c.Resources.Limits.Name(v1alpha1.GPUResourceName, "").IsZero() {
 				t.Error("GPUs belong to the engine container only")

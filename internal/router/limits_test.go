@@ -14,6 +14,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
@@ -129,6 +132,87 @@ func TestBodyLimit(t *testing.T) {
 	if code, got := send(t, srv.URL, prompt(1024)); code != http.StatusRequestEntityTooLarge || !strings.Contains(got, "1024 bytes") {
 		t.Errorf("a body over the limit: got %d %s, want 413 naming the limit", code, got)
 	}
+}
+
+// The bytes of bodies in flight are bounded over all requests: past the budget a body is
+// refused with 503 and Retry-After (and counted), and the budget is whole again once the
+// requests holding it have ended. A budget that cannot hold one body of the largest size is a
+// configuration error.
+func TestBodyBudget(t *testing.T) {
+	release := make(chan struct{})
+	var once sync.Once
+	defer once.Do(func() { close(release) })
+	entered := make(chan struct{}, 4)
+	slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if n, _ := io.Copy(io.Discard, r.Body); n > 1<<10 { // the large bodies wait
+			entered <- struct{}{}
+			<-release
+		}
+		_, _ = io.WriteString(w, `{}`)
+	})
+	const maxBody = 1 << 20
+	cfg := Config{Flow: routerconfig.FlowMooncake, MaxBodyBytes: maxBody, MaxBodyBytesInFlight: 2 * bodyCopies * maxBody}
+	reg := prometheus.NewRegistry()
+	srv := routerMetered(t, cfg, &fakeEngine{}, slow, reg)
+	big := fmt.Sprintf(`{"prompt":%q}`, strings.Repeat("a", 900<<10))
+	held := make(chan int, 2)
+	for range 2 {
+		go func() {
+			code, _ := send(t, srv.URL, big)
+			held <- code
+		}()
+		<-entered
+	}
+	req, _ := http.NewRequest(http.MethodPost, srv.URL+"/v1/completions", strings.NewReader(big))
+	resp, err := (&http.Client{Timeout: 5 * time.Second}).Do(req) // taken, it would wait with the others
+	if err != nil {
+		t.Fatalf("a third large body with two held: %v, want 503 at once", err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(got), "request bodies") || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("a third large body with two held: got %d %s (Retry-After %q), want 503 naming the budget", resp.StatusCode, got, resp.Header.Get("Retry-After"))
+	}
+	if code, got := send(t, srv.URL, `{"prompt":"x"}`); code != http.StatusOK {
+		t.Errorf("a small body beside them: got %d %s, want it taken", code, got)
+	}
+	once.Do(func() { close(release) })
+	for range 2 {
+		if code := <-held; code != http.StatusOK {
+			t.Errorf("a held request: %d", code)
+		}
+	}
+	if code, got := send(t, srv.URL, big); code != http.StatusOK {
+		t.Errorf("a large body once the others ended: %d %s", code, got)
+	}
+	if got := gatherValue(t, reg, "pdcluster_router_body_budget_refused_total"); got != 1 {
+		t.Errorf("pdcluster_router_body_budget_refused_total = %v, want 1", got)
+	}
+	if got := gatherValue(t, reg, "pdcluster_router_body_bytes_in_flight"); got != 0 {
+		t.Errorf("pdcluster_router_body_bytes_in_flight = %v after every request ended, want 0", got)
+	}
+	if _, err := New(Config{Flow: routerconfig.FlowMooncake, MaxBodyBytes: maxBody, MaxBodyBytesInFlight: maxBody}, logr.Discard(), nil); err == nil {
+		t.Error("New took a body budget smaller than one body of the largest size")
+	}
+}
+
+// gatherValue is the value of the metric name in reg (its one series, or their sum).
+func gatherValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+		}
+	}
+	return sum
 }
 
 // Past MaxInFlight requests the router answers 503 at once instead of queueing without bound.

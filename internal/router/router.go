@@ -45,6 +45,10 @@ type Config struct {
 	PrefillTimeout time.Duration
 	// MaxBodyBytes bounds a client's request body (413 past it); 0: DefaultMaxBodyBytes.
 	MaxBodyBytes int64
+	// MaxBodyBytesInFlight bounds the bytes of request bodies held at once over all requests,
+	// each counted bodyCopies times (503 past it); 0: DefaultMaxBodyBytesInFlight. At least
+	// bodyCopies x MaxBodyBytes, so that one body of the largest size passes.
+	MaxBodyBytesInFlight int64
 	// MaxInFlight bounds the requests proxied at once (503 past it); 0: DefaultMaxInFlight.
 	MaxInFlight int64
 	// UpstreamHeaderTimeout bounds the wait for an engine's response headers; 0: the default
@@ -64,8 +68,14 @@ func DefaultFailurePolicy() FailurePolicy {
 
 // Defaults of Config's limits.
 const (
-	DefaultMaxBodyBytes int64 = 32 << 20
-	DefaultMaxInFlight  int64 = 4096
+	// DefaultMaxBodyBytes holds an OpenAI request with a prompt of a million tokens sent as
+	// token ids (at most 7 bytes each: six digits and a comma) or of several million as text
+	// (about 4 bytes a token); images inline as base64 need more (spec.router.maxRequestBody).
+	DefaultMaxBodyBytes int64 = 8 << 20
+	// DefaultMaxBodyBytesInFlight is the body budget of a router told no memory limit: 8
+	// bodies of the largest default size.
+	DefaultMaxBodyBytesInFlight int64 = 8 * bodyCopies * DefaultMaxBodyBytes
+	DefaultMaxInFlight          int64 = 4096
 )
 
 // Validate reports a configuration the router cannot serve with.
@@ -127,6 +137,7 @@ type Router struct {
 	probeEvery time.Duration
 	metrics    metrics
 	canary     *canaryState
+	bodies     bodyBudget
 	// refusalLogged is when refused registry entries were last logged (UnixNano; registry.go).
 	refusalLogged atomic.Int64
 }
@@ -143,6 +154,8 @@ type metrics struct {
 	byRevision        *prometheus.CounterVec
 	// registryRefused counts entries of prefills' bootstrap registries not used, by reason.
 	registryRefused *prometheus.CounterVec
+	// bodyBudgetRefused counts requests refused because the body budget was spent.
+	bodyBudgetRefused prometheus.Counter
 	// pairs by locality, with pairing: same-domain, cross-domain (GET /pairs and the
 	// pdcluster_router_pairs_total counter read them).
 	samePairs, crossPairs atomic.Int64
@@ -167,6 +180,12 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	}
 	if cfg.MaxInFlight <= 0 {
 		cfg.MaxInFlight = DefaultMaxInFlight
+	}
+	if cfg.MaxBodyBytesInFlight <= 0 {
+		cfg.MaxBodyBytesInFlight = DefaultMaxBodyBytesInFlight
+	}
+	if cfg.MaxBodyBytesInFlight < MinBodyBytesInFlight(cfg.MaxBodyBytes) {
+		return nil, fmt.Errorf("router: %d bytes of bodies in flight cannot hold one body of the largest size (%d bytes, counted %d times)", cfg.MaxBodyBytesInFlight, cfg.MaxBodyBytes, bodyCopies)
 	}
 	if cfg.UpstreamHeaderTimeout <= 0 {
 		cfg.UpstreamHeaderTimeout = 10 * time.Minute
@@ -204,6 +223,9 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 				Name: "pdcluster_router_retries_denied_total", Help: "Retries not made because the router's retry budget (failurePolicy.retryBudgetPercent) was spent.",
 			}),
 			byRevision: prometheus.NewCounterVec(byRevisionOpts, []string{"revision"}),
+			bodyBudgetRefused: prometheus.NewCounter(prometheus.CounterOpts{
+				Name: "pdcluster_router_body_budget_refused_total", Help: "Requests refused with 503 because the router held its limit of request body bytes (--max-body-bytes-in-flight) already.",
+			}),
 			registryRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "pdcluster_router_bootstrap_entries_refused_total",
 				Help: "Entries of a prefill's bootstrap registry the router did not use, counted each time the registry is read, by reason: rank (a data-parallel rank the pod does not run) or address (a worker not on the prefill pod). Above 0, something registered itself in a prefill's registry.",
@@ -229,6 +251,9 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	pairs := pairCounters(&r.metrics.samePairs, &r.metrics.crossPairs)
 	if reg != nil {
 		m := &r.metrics
+		bodyBytes := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "pdcluster_router_body_bytes_in_flight", Help: "Bytes of request bodies the router holds now, each counted as often as the router copies it (4): what --max-body-bytes-in-flight bounds.",
+		}, func() float64 { return float64(r.bodies.used.Load()) })
 		ejected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "pdcluster_router_ejected_endpoints", Help: "Endpoints ejected now.",
 		}, func() float64 { return float64(r.eject.count()) })
@@ -239,7 +264,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			Name: "pdcluster_router_in_flight_requests",
 			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
 		}, []string{"pool"})
-		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.ejectionsWithheld, m.budgetDenied, m.decodeOnly, m.byRevision, m.registryRefused, ejected, poolGauges{r, endpoints, inFlight},
+		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.ejectionsWithheld, m.budgetDenied, m.decodeOnly, m.byRevision, m.registryRefused, m.bodyBudgetRefused, bodyBytes, ejected, poolGauges{r, endpoints, inFlight},
 			histograms[0], histograms[1], histograms[2]}, append(pairs, r.canary.collectors()...)...) {
 			if err := reg.Register(c); err != nil {
 				return nil, err
@@ -248,6 +273,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	}
 	r.flow = map[routerconfig.Flow]flowFunc{routerconfig.FlowMooncake: r.mooncake, routerconfig.FlowNIXL: r.nixl}[cfg.Flow]
 	r.pools.Store(&Pools{})
+	r.bodies.limit = cfg.MaxBodyBytesInFlight
 	boot.Admit = r.admitRegistry
 	return r, nil
 }
@@ -382,10 +408,23 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		return
 	}
 	defer r.inFlight.Add(-1)
-	raw, err := io.ReadAll(http.MaxBytesReader(sw, req.Body, r.cfg.MaxBodyBytes))
+	// The body's bytes count against the router's budget until its answer has been written.
+	in := &chargedReader{r: http.MaxBytesReader(sw, req.Body, r.cfg.MaxBodyBytes), b: &r.bodies}
+	defer func() { r.bodies.give(in.taken) }()
+	var raw []byte
+	err := errBodyBudget
+	if req.ContentLength > r.cfg.MaxBodyBytes || in.prepay(req.ContentLength) {
+		raw, err = io.ReadAll(in)
+	}
 	if err != nil {
 		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
 			writeError(sw, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than %d bytes", r.cfg.MaxBodyBytes))
+			return
+		}
+		if errors.Is(err, errBodyBudget) {
+			r.metrics.bodyBudgetRefused.Inc()
+			sw.Header().Set("Retry-After", "1")
+			writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("the router holds %d bytes of request bodies, its limit: retry", r.cfg.MaxBodyBytesInFlight))
 			return
 		}
 		writeError(sw, http.StatusBadRequest, "read body: "+err.Error())

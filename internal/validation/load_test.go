@@ -70,7 +70,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		Router: v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas), Balance: v1alpha1.RouterBalanceLeastInFlight,
 			FailurePolicy: v1alpha1.RouterFailurePolicy{
 				Retries: ptr.To(v1alpha1.DefaultRouterRetries), RetryBudgetPercent: ptr.To(v1alpha1.DefaultRouterRetryBudgetPercent),
-				EjectSeconds: ptr.To(v1alpha1.DefaultRouterEjectSeconds), OnPrefillFailure: v1alpha1.OnPrefillFailureRetry,
+				EjectSeconds: ptr.To(v1alpha1.DefaultRouterEjectSeconds), ConsecutiveFailures: ptr.To(v1alpha1.DefaultRouterConsecutiveFailures), OnPrefillFailure: v1alpha1.OnPrefillFailureRetry,
 			}},
 		Connector: v1alpha1.ConnectorSpec{
 			Health: v1alpha1.ConnectorHealthPolicy{

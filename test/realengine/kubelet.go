@@ -15,6 +15,7 @@ import (
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 )
 
 // podIP is what the kubelet would give the pod: every pod of the harness is on loopback.
@@ -144,17 +145,50 @@ func (l *podLayout) env(c corev1.Container) ([]string, map[string]string, error)
 	var out []string
 	for _, e := range c.Env {
 		v := e.Value
-		if e.ValueFrom != nil {
-			if e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "status.podIP" {
-				return nil, nil, fmt.Errorf("container %s: env %s: only the pod IP comes from the downward API on loopback", c.Name, e.Name)
-			}
+		switch {
+		case e.ValueFrom == nil:
+			v = l.value(expand(v, vars))
+		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP":
 			v = podIP
+		case e.ValueFrom.ResourceFieldRef != nil:
+			var err error
+			if v, err = resourceValue(c, e.ValueFrom.ResourceFieldRef); err != nil {
+				return nil, nil, fmt.Errorf("container %s: env %s: %w", c.Name, e.Name, err)
+			}
+		default:
+			return nil, nil, fmt.Errorf("container %s: env %s: only the pod IP and the container's resources come from the downward API on loopback", c.Name, e.Name)
 		}
-		v = l.value(expand(v, vars))
 		vars[e.Name] = v
 		out = append(out, e.Name+"="+v)
 	}
 	return out, vars, nil
+}
+
+// resourceValue is the downward API's value of ref for c: its limit or request over the
+// divisor. A memory limit c does not set is the node's memory, as the kubelet gives it.
+func resourceValue(c corev1.Container, ref *corev1.ResourceFieldSelector) (string, error) {
+	kind, name, _ := strings.Cut(ref.Resource, ".")
+	list := map[string]corev1.ResourceList{"limits": c.Resources.Limits, "requests": c.Resources.Requests}[kind]
+	q, ok := list[corev1.ResourceName(name)]
+	if !ok {
+		if ref.Resource != "limits.memory" {
+			return "", fmt.Errorf("%s is not set and has no stand-in on loopback", ref.Resource)
+		}
+		b, err := os.ReadFile("/proc/meminfo")
+		var kib int64
+		if err == nil {
+			_, err = fmt.Sscanf(string(b), "MemTotal: %d kB", &kib)
+		}
+		if err != nil {
+			return "", fmt.Errorf("the node's memory for %s: %w", ref.Resource, err)
+		}
+		q = *resource.NewQuantity(kib<<10, resource.BinarySI)
+	}
+	divisor := int64(1)
+	if !ref.Divisor.IsZero() {
+		divisor = ref.Divisor.Value()
+	}
+	return strconv.FormatInt(q.Value()/divisor, 10), nil
 }
 
 // args are c's command and arguments, $(VAR) expanded as the kubelet does and laid out.

@@ -43,8 +43,8 @@ func TestPodLayoutOfTheRenderedPrefillPod(t *testing.T) {
 		},
 		"connector": {
 			args: []string{"--role=kv_producer", "--listen=" + socket, "--public-listen=127.0.0.1:20002", "--bind-address=127.0.0.1",
-				"--require-gate", "--engine-metrics-url=http://127.0.0.1:20000/metrics"},
-			env: []string{"POD_IP=127.0.0.1"},
+				"--require-gate", "--engine-metrics-url=http://127.0.0.1:20000/metrics", "--memory-limit=268435456"},
+			env: []string{"POD_IP=127.0.0.1", "PDCLUSTER_MEMORY_LIMIT=268435456"}, // its limits.memory, 256Mi
 		},
 	}
 	for _, c := range r.Prefill.Spec.Template.Spec.Containers {

@@ -4,6 +4,8 @@
 package wrappers
 
 import (
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -242,4 +244,44 @@ func (s *Sink) Wait(t testing.TB, n int, what string) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
 	}
+}
+
+// ContainerArgs are c's arguments as the kubelet runs them: each $(VAR) of c's env expanded,
+// status.podIP to podIP and a resourceFieldRef to the container's resource (over its divisor).
+// It fails the test on a variable c does not define, or one it cannot resolve here.
+func ContainerArgs(t testing.TB, c corev1.Container, podIP string) []string {
+	t.Helper()
+	values := map[string]string{}
+	for _, e := range c.Env {
+		switch {
+		case e.ValueFrom == nil:
+			values[e.Name] = e.Value
+		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP":
+			values[e.Name] = podIP
+		case e.ValueFrom.ResourceFieldRef != nil:
+			ref := e.ValueFrom.ResourceFieldRef
+			kind, name, _ := strings.Cut(ref.Resource, ".")
+			list := map[string]corev1.ResourceList{"limits": c.Resources.Limits, "requests": c.Resources.Requests}[kind]
+			q, ok := list[corev1.ResourceName(name)]
+			if !ok {
+				t.Fatalf("container %s: %s's %s is not set here (the kubelet would give the node's)", c.Name, e.Name, ref.Resource)
+			}
+			divisor := int64(1)
+			if !ref.Divisor.IsZero() {
+				divisor = ref.Divisor.Value()
+			}
+			values[e.Name] = strconv.FormatInt(q.Value()/divisor, 10)
+		}
+	}
+	out := make([]string, 0, len(c.Args))
+	for _, a := range c.Args {
+		for k, v := range values {
+			a = strings.ReplaceAll(a, "$("+k+")", v)
+		}
+		if strings.Contains(a, "$(") {
+			t.Fatalf("container %s argument %q names a variable the container does not define", c.Name, a)
+		}
+		out = append(out, a)
+	}
+	return out
 }

@@ -7,7 +7,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -582,7 +581,19 @@ func onePullPerConnection(t *testing.T, upstream string) string {
 					return
 				}
 				defer u.Close()
-				go func() { _, _ = io.Copy(u, c) }()
+				// One pull frame reaches the producer, as one connection carried one pull: a
+				// second pull sent on the kept connection must not (a copy of the whole stream
+				// once relayed it before the close, and the producer served it unseen).
+				kind, payload, err := readFrame(bufio.NewReader(c), nil, maxFrame)
+				if err != nil {
+					return
+				}
+				var pull [5]byte
+				pull[0] = kind
+				binary.BigEndian.PutUint32(pull[1:], uint32(len(payload)))
+				if _, err := u.Write(append(pull[:], payload...)); err != nil {
+					return
+				}
 				r := bufio.NewReader(u)
 				for {
 					kind, payload, err := readFrame(r, nil, maxFrame)
