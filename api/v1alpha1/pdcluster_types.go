@@ -487,7 +487,7 @@ type DisruptionBudget struct {
 // the operator renders the pods (status InvalidSpec names the field): a CEL rule on the names
 // of core/v1 types, which carry no length limit, is past the API server's cost budget.
 // +kubebuilder:validation:XValidation:rule="!has(self.env) || self.env.all(e, !(e.name in ['POD_IP', 'VLLM_HOST_IP', 'PDCLUSTER_CONNECTOR_URL', 'PYTHONPATH', 'VLLM_MOONCAKE_BOOTSTRAP_PORT', 'VLLM_NIXL_SIDE_CHANNEL_HOST', 'VLLM_NIXL_SIDE_CHANNEL_PORT', 'UCX_NET_DEVICES', 'HF_HOME', 'HF_TOKEN']))",message="env may not set POD_IP, VLLM_HOST_IP, PDCLUSTER_CONNECTOR_URL, PYTHONPATH, VLLM_MOONCAKE_BOOTSTRAP_PORT, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT, UCX_NET_DEVICES, HF_HOME or HF_TOKEN: the operator sets them from the pod, model, kvTransfer and the connector"
-// +kubebuilder:validation:XValidation:rule="!has(self.volumes) || self.volumes.all(v, !(v.name in ['dshm', 'connector-run', 'completion-gate', 'model', 'hf-cache']))",message="volumes may not be named dshm, connector-run, completion-gate, model or hf-cache: the operator's volumes have those names"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumes) || self.volumes.all(v, !(v.name in ['dshm', 'connector-run', 'connector-ctl', 'completion-gate', 'model', 'hf-cache']))",message="volumes may not be named dshm, connector-run, connector-ctl, completion-gate, model or hf-cache: the operator's volumes have those names"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in ['/dev/shm', '/var/run/pdcluster', '/opt/pdgate/pdgate', '/models', '/var/cache/huggingface']))",message="volumeMounts may not use /dev/shm, /var/run/pdcluster, /opt/pdgate/pdgate, /models or /var/cache/huggingface: the operator mounts its volumes there"
 // +kubebuilder:validation:XValidation:rule="!has(self.labels) || self.labels.all(k, !k.startsWith('app.kubernetes.io/') && !k.startsWith('serving.pdcluster.dev/'))",message="labels under app.kubernetes.io/ and serving.pdcluster.dev/ are the operator's: they select the pods"
 // +kubebuilder:validation:XValidation:rule="!has(self.annotations) || self.annotations.all(k, !k.startsWith('serving.pdcluster.dev/'))",message="annotations under serving.pdcluster.dev/ are the operator's (the config and gate hashes that roll the pods)"
@@ -689,8 +689,12 @@ type RouterFailurePolicy struct {
 	ConsecutiveFailures *int32 `json:"consecutiveFailures,omitempty"`
 
 	// firstTokenTimeoutSeconds fails a request whose first byte has not come from decode in
-	// this long (for a request that does not stream, its whole answer) with 504, cancelling
-	// both legs. Unset: no limit but the router's own 10-minute wait for an answer.
+	// this long (for a request that does not stream, its whole answer) with a 504 of type
+	// first_token_timeout naming the engine that hung, cancelling both legs; the hang counts
+	// toward that engine's consecutiveFailures. Unset: streaming requests get 60 s plus a
+	// second per 100 tokens of the engines' --max-model-len (a prefill of the longest prompt
+	// at 100 tokens/s; 300 s without --max-model-len), at most 600; a request that does not
+	// stream waits up to the router's own 10 minutes for its answer.
 	// +kubebuilder:validation:Minimum=1
 	// +optional
 	FirstTokenTimeoutSeconds *int32 `json:"firstTokenTimeoutSeconds,omitempty"`

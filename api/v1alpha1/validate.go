@@ -19,7 +19,7 @@ import (
 
 // OperatorVolumeNames are the volumes the operator adds to the engine pods (CEL keeps a
 // PDCluster's own volumes from taking these names; a volume mount may name them).
-var OperatorVolumeNames = []string{"dshm", "connector-run", "completion-gate", "model", "hf-cache"}
+var OperatorVolumeNames = []string{"dshm", "connector-run", "connector-ctl", "completion-gate", "model", "hf-cache"}
 
 // ReservedExtraConfigKeys are kv-transfer-config keys the operator derives from typed fields,
 // by the field they come from: spec.kvTransfer.extraConfig may not set them.

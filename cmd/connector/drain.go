@@ -24,7 +24,7 @@ type drainOptions struct {
 func parseDrainFlags(args []string) (drainOptions, error) {
 	var o drainOptions
 	fs := flag.NewFlagSet("connector drain", flag.ContinueOnError)
-	fs.StringVar(&o.listen, "listen", "unix:///var/run/pdcluster/agent.sock", "the running sidecar's pod-local API (its --listen)")
+	fs.StringVar(&o.listen, "listen", "unix:///var/run/pdcluster-ctl/ctl.sock", "the running sidecar's control socket (its --control-listen)")
 	fs.DurationVar(&o.min, "min", 15*time.Second, "wait at least this long: the routers' window to stop sending to the pod")
 	fs.DurationVar(&o.timeout, "timeout", 135*time.Second, "wait at most this long for the engine's held KV sends to reach 0")
 	if err := fs.Parse(args); err != nil {

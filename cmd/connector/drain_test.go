@@ -5,12 +5,14 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
@@ -36,8 +38,17 @@ func TestAcceptsTheRenderedPreStopHook(t *testing.T) {
 			}
 			var listen string
 			for _, a := range c.Args {
-				if v, ok := strings.CutPrefix(a, "--listen="); ok {
+				if v, ok := strings.CutPrefix(a, "--control-listen="); ok {
 					listen = v
+				}
+			}
+			// The control socket is on a volume the sidecar's container mounts and the engine's
+			// does not: nothing in the engine's container can drain the pod.
+			dir := filepath.Dir(strings.TrimPrefix(listen, "unix://"))
+			for _, other := range dep.Spec.Template.Spec.Containers {
+				mounted := slices.ContainsFunc(other.VolumeMounts, func(m corev1.VolumeMount) bool { return m.MountPath == dir })
+				if mounted != (other.Name == c.Name) {
+					t.Errorf("%s: container %s mounts the control socket's directory %s: %v, want the sidecar alone", role, other.Name, dir, mounted)
 				}
 			}
 			cmd := c.Lifecycle.PreStop.Exec.Command
@@ -49,7 +60,7 @@ func TestAcceptsTheRenderedPreStopHook(t *testing.T) {
 				t.Fatalf("%s preStop %q: %v", role, cmd, err)
 			}
 			if d.listen != listen || listen == "" || d.min != 15*time.Second || d.timeout != wantTimeout {
-				t.Errorf("%s preStop: %+v, want the sidecar's socket %q, 15s min, %s timeout", role, d, listen, wantTimeout)
+				t.Errorf("%s preStop: %+v, want the sidecar's control socket %q, 15s min, %s timeout", role, d, listen, wantTimeout)
 			}
 			grace := time.Duration(*dep.Spec.Template.Spec.TerminationGracePeriodSeconds) * time.Second
 			if grace <= d.timeout {
@@ -68,18 +79,21 @@ func TestAcceptsTheRenderedPreStopHook(t *testing.T) {
 // held sends and says how the drain ended; with no sidecar it fails, so the kubelet reports a
 // failed preStop hook.
 func TestDrainCommandAgainstTheSidecar(t *testing.T) {
-	sock := "unix://" + filepath.Join(t.TempDir(), "agent.sock")
+	dir := t.TempDir()
+	sock, ctl := "unix://"+filepath.Join(dir, "agent.sock"), "unix://"+filepath.Join(dir, "ctl.sock")
 	s, err := sidecar.New(sidecar.Config{Log: logr.Discard(), DrainPoll: 5 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := localapi.Listen(sock)
-	if err != nil {
-		t.Fatal(err)
+	for addr, h := range map[string]http.Handler{sock: s.LocalHandler(prometheus.NewRegistry()), ctl: s.ControlHandler()} {
+		l, err := localapi.Listen(addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := &http.Server{Handler: h}
+		go func() { _ = srv.Serve(l) }()
+		t.Cleanup(func() { _ = srv.Close() })
 	}
-	srv := &http.Server{Handler: s.LocalHandler(prometheus.NewRegistry())}
-	go func() { _ = srv.Serve(l) }()
-	t.Cleanup(func() { _ = srv.Close() })
 	base, hc := localapi.Client(sock, time.Second)
 	beat := func(held int) {
 		resp, err := hc.Post(base+localapi.PathGate, "application/json", strings.NewReader(`{"connector":"GatedNixlConnector","counts":{},"held_sends":`+string(rune('0'+held))+`}`))
@@ -96,7 +110,12 @@ func TestDrainCommandAgainstTheSidecar(t *testing.T) {
 	}()
 	var out, errOut bytes.Buffer
 	start := time.Now()
-	if code := drainMain([]string{"--listen=" + sock, "--min=10ms", "--timeout=10s"}, &out, &errOut); code != 0 {
+	if code := drainMain([]string{"--listen=" + sock, "--min=0s", "--timeout=1s"}, &out, &errOut); code != 1 {
+		t.Errorf("drain on the engine's pod-local socket: exit %d, want refused (1)", code)
+	}
+	out.Reset()
+	errOut.Reset()
+	if code := drainMain([]string{"--listen=" + ctl, "--min=10ms", "--timeout=10s"}, &out, &errOut); code != 0 {
 		t.Fatalf("drain exit %d: %s", code, errOut.String())
 	}
 	if took := time.Since(start); took < 200*time.Millisecond {

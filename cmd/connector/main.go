@@ -29,6 +29,7 @@ import (
 // options are the command-line settings besides the sidecar's own Config.
 type options struct {
 	role, listen, publicListen string
+	controlListen              string
 	bindAddress                string
 	memoryLimit                int64
 	zap                        zap.Options
@@ -42,6 +43,7 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 	fs := flag.NewFlagSet("connector", flag.ContinueOnError)
 	fs.StringVar(&o.role, "role", "", "kv_producer (prefill) or kv_consumer (decode): labels the logs")
 	fs.StringVar(&o.listen, "listen", "unix:///var/run/pdcluster/agent.sock", "pod-local API the engine's completion gate heartbeats to (and /healthz, /readyz, /metrics, /gate): unix:///path/to/socket or host:port")
+	fs.StringVar(&o.controlListen, "control-listen", "", "the control socket, where `connector drain` (the preStop hook) asks for a drain: on a volume only the sidecar's container mounts, since a drain makes the pod unready (unix:///path/to/socket); empty: no drain")
 	fs.StringVar(&o.publicListen, "public-listen", "", "HTTP address the kubelet, the operator and monitoring reach: /healthz, /readyz, /metrics, /gate (no input is taken there); empty: none")
 	fs.StringVar(&o.bindAddress, "bind-address", "", "IP the public port binds (the operator renders the pod's IP, so no other interface of the pod, such as an RDMA network no NetworkPolicy covers, reaches it); empty: the host of --public-listen")
 	fs.BoolVar(&cfg.Gate.Required, "require-gate", false, "be unready unless the engine's completion gate (the pdgate vLLM plugin) heartbeats on the local API")
@@ -107,7 +109,7 @@ func run(cfg sidecar.Config, o options, log logr.Logger) error {
 	servers := []struct {
 		addr    string
 		handler http.Handler
-	}{{o.listen, s.LocalHandler(reg)}, {o.publicListen, s.PublicHandler(reg)}}
+	}{{o.listen, s.LocalHandler(reg)}, {o.publicListen, s.PublicHandler(reg)}, {o.controlListen, s.ControlHandler()}}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	failed := make(chan error, len(servers))
@@ -130,7 +132,7 @@ func run(cfg sidecar.Config, o options, log logr.Logger) error {
 		}()
 	}
 	go s.Run(ctx)
-	log.Info("connector sidecar serving", "local", o.listen, "public", o.publicListen, "requireGate", cfg.Gate.Required, "engineMetrics", cfg.Engine.MetricsURL)
+	log.Info("connector sidecar serving", "local", o.listen, "public", o.publicListen, "control", o.controlListen, "requireGate", cfg.Gate.Required, "engineMetrics", cfg.Engine.MetricsURL)
 	select {
 	case <-ctx.Done():
 	case err = <-failed:

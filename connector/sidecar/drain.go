@@ -38,9 +38,15 @@ func (g *gateWatch) heldSends() (n int64, known, current bool) {
 	return n, known, current
 }
 
+// drainOver is how long after its drain ended a pod that is still running becomes ready
+// again: the kubelet sends SIGTERM as soon as the preStop hook returns, so a sidecar still
+// running this much later belongs to a pod that is not being deleted (a drain asked outside
+// the preStop hook), and unready for good it would be replaced by the operator.
+const drainOver = 60 * time.Second
+
 // handleDrain is POST /v1/drain: unready from now on, and an answer once the engine holds no
-// KV for a pull not made yet and min has passed, or at timeout. Only the pod reaches it (the
-// local API).
+// KV for a pull not made yet and min has passed, or at timeout. Only the sidecar's container
+// reaches it (ControlHandler). Readiness returns drainOver after the drain ended.
 func (s *Sidecar) handleDrain(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	minWait, err1 := time.ParseDuration(q.Get("min"))
@@ -53,6 +59,7 @@ func (s *Sidecar) handleDrain(w http.ResponseWriter, r *http.Request) {
 	_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(timeout + 10*time.Second))
 	clk := s.gate.cfg.Clock
 	start := clk.Now()
+	s.drains.Add(1)
 	if s.draining.CompareAndSwap(false, true) {
 		s.log.Info("draining: the pod is being deleted", "min", minWait, "timeout", timeout)
 	}
@@ -83,7 +90,17 @@ func (s *Sidecar) handleDrain(w http.ResponseWriter, r *http.Request) {
 	}
 	res.WaitedSeconds = clk.Since(start).Seconds()
 	s.log.Info("drain ended", "reason", res.Reason, "heldSends", res.HeldSends, "waited", clk.Since(start).Round(time.Millisecond))
+	go s.endDrain()
 	writeJSON(w, res)
+}
+
+// endDrain makes the pod ready again drainOver after a drain ended, unless another drain
+// runs then: a sidecar that lives that long is not being deleted.
+func (s *Sidecar) endDrain() {
+	time.Sleep(s.drainOver)
+	if s.drains.Add(-1) == 0 && s.draining.CompareAndSwap(true, false) {
+		s.log.Info("drain over and the pod still runs (it is not being deleted): ready again", "after", s.drainOver)
+	}
 }
 
 var (

@@ -28,9 +28,10 @@ func heartbeatHolding(held *int64) string {
 func held(n int64) *int64 { return &n }
 
 type drainFixture struct {
-	s   *Sidecar
-	srv *httptest.Server
-	reg *prometheus.Registry
+	s *Sidecar
+	// srv is the pod-local API (heartbeats, probes); ctl the control socket's (drains).
+	srv, ctl *httptest.Server
+	reg      *prometheus.Registry
 }
 
 func newDrainFixture(t *testing.T, cfg Config) *drainFixture {
@@ -42,9 +43,9 @@ func newDrainFixture(t *testing.T, cfg Config) *drainFixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(s.LocalHandler(reg))
-	t.Cleanup(srv.Close)
-	return &drainFixture{s: s, srv: srv, reg: reg}
+	srv, ctl := httptest.NewServer(s.LocalHandler(reg)), httptest.NewServer(s.ControlHandler())
+	t.Cleanup(func() { srv.Close(); ctl.Close() })
+	return &drainFixture{s: s, srv: srv, ctl: ctl, reg: reg}
 }
 
 func (f *drainFixture) heartbeat(t *testing.T, held *int64) {
@@ -64,7 +65,7 @@ func (f *drainFixture) drain(t *testing.T, query string) (DrainResult, time.Dura
 	start := time.Now()
 	// A drain that never ends fails this test, not the package at go test's timeout.
 	client := &http.Client{Timeout: 30 * time.Second}
-	resp, err := client.Post(f.srv.URL+localapi.PathDrain+"?"+query, "", nil)
+	resp, err := client.Post(f.ctl.URL+localapi.PathDrain+"?"+query, "", nil)
 	if err != nil {
 		t.Fatalf("drain?%s did not answer within 30 s: %v", query, err)
 	}
@@ -175,7 +176,7 @@ func TestDrainStopsForASilentEngine(t *testing.T) {
 func TestDrainRefusesBadDurations(t *testing.T) {
 	f := newDrainFixture(t, Config{})
 	for _, q := range []string{"", "min=1s", "min=2s&timeout=1s", "min=-1s&timeout=1s", "min=x&timeout=1s"} {
-		resp, err := http.Post(f.srv.URL+localapi.PathDrain+"?"+q, "", nil)
+		resp, err := http.Post(f.ctl.URL+localapi.PathDrain+"?"+q, "", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -189,21 +190,57 @@ func TestDrainRefusesBadDurations(t *testing.T) {
 	}
 }
 
-// The public port takes no input: a drain there is refused, so nobody off the pod can make it
-// unready.
-func TestDrainIsLocalOnly(t *testing.T) {
+// Only the control socket drains, which only the sidecar's container mounts (its preStop
+// hook): a drain on the public port or on the pod-local API the engine shares is refused, so
+// nothing off the pod or in the engine's container can make the pod unready (and have the
+// operator replace it, with every decode pod of its KV revision).
+func TestDrainOnlyOnTheControlSocket(t *testing.T) {
 	s, err := New(Config{Log: logr.Discard()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(s.PublicHandler(prometheus.NewRegistry()))
-	defer srv.Close()
-	resp, err := http.Post(srv.URL+localapi.PathDrain+"?min=0s&timeout=1s", "", nil)
-	if err != nil {
-		t.Fatal(err)
+	for name, h := range map[string]http.Handler{"public": s.PublicHandler(prometheus.NewRegistry()), "pod-local": s.LocalHandler(prometheus.NewRegistry())} {
+		srv := httptest.NewServer(h)
+		resp, err := http.Post(srv.URL+localapi.PathDrain+"?min=0s&timeout=1s", "", nil)
+		srv.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode < 400 || s.draining.Load() {
+			t.Errorf("%s POST %s = %d, draining %v; want refused", name, localapi.PathDrain, resp.StatusCode, s.draining.Load())
+		}
 	}
-	resp.Body.Close()
-	if resp.StatusCode < 400 || s.draining.Load() {
-		t.Errorf("public POST %s = %d, draining %v; want refused", localapi.PathDrain, resp.StatusCode, s.draining.Load())
+}
+
+// A drain ends: a sidecar still running drainOver after its drain ended belongs to a pod that
+// is not being deleted, and is ready again (unready for good, the operator would replace it).
+// A second drain within that time keeps it unready until its own end.
+func TestDrainIsOverIfThePodLives(t *testing.T) {
+	f := newDrainFixture(t, Config{DrainOver: 200 * time.Millisecond})
+	f.heartbeat(t, held(0))
+	readyWithin := func(d time.Duration) bool {
+		for deadline := time.Now().Add(d); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			if f.ready(t) == http.StatusOK {
+				return true
+			}
+		}
+		return false
+	}
+	f.drain(t, "min=0s&timeout=10s")
+	if code := f.ready(t); code != http.StatusServiceUnavailable {
+		t.Fatalf("readyz right after the drain = %d, want 503", code)
+	}
+	if !readyWithin(5 * time.Second) {
+		t.Fatal("the sidecar did not become ready again after its drain ended")
+	}
+	f.drain(t, "min=0s&timeout=10s")
+	time.Sleep(100 * time.Millisecond)
+	f.drain(t, "min=0s&timeout=10s") // within the first one's time
+	if readyWithin(150 * time.Millisecond) {
+		t.Error("ready again at the first drain's end while the second drain's time runs")
+	}
+	if !readyWithin(5 * time.Second) {
+		t.Error("the sidecar did not become ready again after its second drain")
 	}
 }

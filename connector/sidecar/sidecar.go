@@ -38,6 +38,9 @@ type Config struct {
 	RefusalLogEvery time.Duration
 	// DrainPoll is how often a drain looks at the engine's held sends again; zero is 1 s.
 	DrainPoll time.Duration
+	// DrainOver is how long after a drain ended a sidecar still running is ready again; zero
+	// is drainOver (tests shorten it).
+	DrainOver time.Duration
 }
 
 // Sidecar watches one engine's completion gate.
@@ -46,14 +49,19 @@ type Sidecar struct {
 	engine   *engineWatch
 	log      logr.Logger
 	refusals refusalLog
-	// draining is set once the pod is being deleted (POST /v1/drain): unready from then on.
+	// draining is set once the pod is being deleted (POST /v1/drain): unready from then on,
+	// until drainOver after the last drain ended; drains counts the drains running or within
+	// that time.
 	draining  atomic.Bool
+	drains    atomic.Int32
 	drainPoll time.Duration
+	drainOver time.Duration
 }
 
 // New builds a sidecar from cfg.
 func New(cfg Config) (*Sidecar, error) {
-	s := &Sidecar{gate: newGateWatch(cfg.Gate), engine: newEngineWatch(cfg.Engine, cfg.Log), log: cfg.Log, drainPoll: cmp.Or(cfg.DrainPoll, time.Second)}
+	s := &Sidecar{gate: newGateWatch(cfg.Gate), engine: newEngineWatch(cfg.Engine, cfg.Log), log: cfg.Log,
+		drainPoll: cmp.Or(cfg.DrainPoll, time.Second), drainOver: cmp.Or(cfg.DrainOver, drainOver)}
 	s.gate.log = cfg.Log
 	s.refusals = refusalLog{every: cfg.RefusalLogEvery, log: cfg.Log, clock: s.gate.cfg.Clock}
 	if s.refusals.every <= 0 {
@@ -82,12 +90,26 @@ func (s *Sidecar) State() vllm.State {
 }
 
 // LocalHandler serves the pod-local API (the gate's heartbeat, POST /v1/gate) and everything
-// PublicHandler serves. A pod binds it to the socket on the volume only its engine mounts.
+// PublicHandler serves. A pod binds it to the socket on the volume the engine and the sidecar
+// share. It does not drain: anything in the engine's container could, and a drain makes the
+// pod unready (ControlHandler).
 func (s *Sidecar) LocalHandler(gatherer prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
 	s.handlePublic(mux, gatherer)
 	mux.HandleFunc("POST "+localapi.PathGate, s.handleGate)
+	return mux
+}
+
+// ControlHandler serves POST /v1/drain, the sidecar's preStop hook. A pod binds it to a socket
+// on a volume only the sidecar's container mounts: a drain makes the pod unready, and the
+// operator replaces a pod unready too long (with every decode pod of its KV revision, for a
+// prefill pod), so nothing in the engine's container may start one.
+func (s *Sidecar) ControlHandler() http.Handler {
+	mux := http.NewServeMux()
 	mux.HandleFunc("POST "+localapi.PathDrain, s.handleDrain)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		s.refuse(w, r, http.StatusNotFound, "no such endpoint on the connector's control socket")
+	})
 	return mux
 }
 

@@ -28,6 +28,12 @@ const (
 	ConnectorSocket = "unix://" + ConnectorDir + "/agent.sock"
 	// connectorVolumeBytes bounds the volume: it holds one socket.
 	connectorVolumeBytes = 1 << 20
+	// controlVolume holds the sidecar's control socket, where its preStop hook asks for a
+	// drain: mounted in the sidecar's container alone, since a drain makes the pod unready.
+	controlVolume = "connector-ctl"
+	ControlDir    = "/var/run/pdcluster-ctl"
+	// ControlSocket is the sidecar's --control-listen and its drain's --listen.
+	ControlSocket = "unix://" + ControlDir + "/ctl.sock"
 	// ConnectorPort is the sidecar's public port: /healthz, /readyz, /metrics and /gate. It is
 	// not vLLM's bootstrap port (8998): the prefill engine binds that in the same network
 	// namespace.

@@ -124,12 +124,57 @@ func ServiceHost(namespace, name string) string { return fmt.Sprintf("%s.%s.svc"
 // RouterFailurePolicy is spec.router.failurePolicy in router.json's words.
 func RouterFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {
 	fp := defaulted(pdc).Spec.Router.FailurePolicy
-	return routerconfig.FailurePolicy{
+	p := routerconfig.FailurePolicy{
 		Retries: *fp.Retries, RetryBudgetPercent: *fp.RetryBudgetPercent, EjectSeconds: *fp.EjectSeconds,
 		ConsecutiveFailures:      *fp.ConsecutiveFailures,
-		FirstTokenTimeoutSeconds: ptr.Deref(fp.FirstTokenTimeoutSeconds, 0), // unset: no limit
+		FirstTokenTimeoutSeconds: ptr.Deref(fp.FirstTokenTimeoutSeconds, 0), // unset: streams' alone
 		OnPrefillFailure:         routerconfig.OnPrefillFailure(fp.OnPrefillFailure),
 	}
+	if fp.FirstTokenTimeoutSeconds == nil {
+		p.StreamFirstTokenTimeoutSeconds = StreamFirstTokenTimeout(pdc)
+	}
+	return p
+}
+
+// StreamFirstTokenTimeout is a streaming request's first-byte budget when
+// failurePolicy.firstTokenTimeoutSeconds is unset: a minute for the queue and the KV's move,
+// plus a prefill of the longest prompt the engines take (the largest --max-model-len of their
+// arguments) at 100 tokens a second, at most the router's 10-minute wait for an answer;
+// without --max-model-len (the model's own length, which the operator cannot read), 300 s.
+func StreamFirstTokenTimeout(pdc *v1alpha1.PDCluster) int32 {
+	pdc = defaulted(pdc)
+	var longest int64
+	for _, args := range [][]string{pdc.Spec.Engine.Args, pdc.Spec.Prefill.Args, pdc.Spec.Decode.Args} {
+		longest = max(longest, maxModelLen(args))
+	}
+	if longest == 0 {
+		return routerconfig.DefaultStreamFirstTokenTimeoutSeconds
+	}
+	return int32(min(60+(longest+99)/100, 600))
+}
+
+// maxModelLen is the --max-model-len of args (vLLM's forms: 8192, 8k, 8K, 1m, 1M, as
+// --flag=value or --flag value; k is 1000, K 1024); 0 when absent or unreadable.
+func maxModelLen(args []string) int64 {
+	var v string
+	for i, a := range args {
+		if rest, ok := strings.CutPrefix(a, "--max-model-len="); ok {
+			v = rest
+		} else if a == "--max-model-len" && i+1 < len(args) {
+			v = args[i+1]
+		}
+	}
+	mult := int64(1)
+	if n := len(v); n > 0 {
+		if m, ok := map[byte]int64{'k': 1000, 'K': 1024, 'm': 1000 * 1000, 'M': 1024 * 1024}[v[n-1]]; ok {
+			v, mult = v[:n-1], m
+		}
+	}
+	n, err := strconv.ParseFloat(v, 64)
+	if err != nil || n <= 0 {
+		return 0
+	}
+	return int64(n * float64(mult))
 }
 
 // RouterDeployment runs the P/D proxy.

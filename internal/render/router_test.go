@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/google/go-cmp/cmp"
@@ -114,7 +115,7 @@ func TestRouterReadsTheRenderedConfig(t *testing.T) {
 // router's own (so a default policy is left out of the file), and any other policy is written
 // whole and read back by the router.
 func TestRouterJSONCarriesTheFailurePolicy(t *testing.T) {
-	pdc := load(t, "testdata/mooncake-rdma.yaml")
+	pdc := load(t, "testdata/minimal.yaml") // no --max-model-len: the default stream budget
 	if got, want := render.RouterFailurePolicy(pdc), routerconfig.DefaultFailurePolicy(); got != want {
 		t.Errorf("the API's default policy %+v is not the router's %+v", got, want)
 	}
@@ -197,5 +198,40 @@ func TestRouterKnowsThePrefillDataParallelRanks(t *testing.T) {
 		if got := render.DataParallelOf(dep); got != want {
 			t.Errorf("data %d: DataParallelOf(the prefill Deployment) = %d, want %d", data, got, want)
 		}
+	}
+}
+
+// Unset, firstTokenTimeoutSeconds becomes a budget for streaming requests from the engines'
+// longest --max-model-len (a minute plus 100 tokens a second, at most 600 s; 300 s without
+// one); set, it is the budget of every request and no stream default is written.
+func TestStreamFirstTokenTimeoutFollowsTheModelLength(t *testing.T) {
+	for _, tc := range []struct {
+		name                  string
+		engine, prefill       []string
+		set                   *int32
+		wantFirst, wantStream int32
+	}{
+		{"no model length", nil, nil, nil, 0, 300},
+		{"8192 tokens", []string{"--max-model-len=8192"}, nil, nil, 0, 60 + 82},
+		{"32k on prefill, the longest", []string{"--max-model-len", "4096"}, []string{"--max-model-len=32k"}, nil, 0, 60 + 320},
+		{"128K, capped", []string{"--max-model-len=128K"}, nil, nil, 0, 600},
+		{"unreadable", []string{"--max-model-len=auto"}, nil, nil, 0, 300},
+		{"set", []string{"--max-model-len=8192"}, nil, ptr.To[int32](45), 45, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pdc := load(t, "testdata/minimal.yaml")
+			pdc.Spec.Engine.Args, pdc.Spec.Prefill.Args = tc.engine, tc.prefill
+			pdc.Spec.Router.FailurePolicy.FirstTokenTimeoutSeconds = tc.set
+			cm, _ := renderRouter(t, pdc)
+			got := loadRouterJSON(t, cm).Failure()
+			if got.FirstTokenTimeoutSeconds != tc.wantFirst || got.StreamFirstTokenTimeoutSeconds != tc.wantStream {
+				t.Errorf("router.json firstTokenTimeoutSeconds %d, streamFirstTokenTimeoutSeconds %d; want %d and %d",
+					got.FirstTokenTimeoutSeconds, got.StreamFirstTokenTimeoutSeconds, tc.wantFirst, tc.wantStream)
+			}
+			p := router.PolicyFromFile(got)
+			if p.StreamFirstTokenTimeout != time.Duration(tc.wantStream)*time.Second {
+				t.Errorf("the router applies a stream budget of %s, want %ds", p.StreamFirstTokenTimeout, tc.wantStream)
+			}
+		})
 	}
 }

@@ -27,6 +27,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 	args := []string{
 		"--role=" + string(KVRole(role)),
 		"--listen=" + ConnectorSocket,
+		"--control-listen=" + ControlSocket,
 		fmt.Sprintf("--public-listen=:%d", ConnectorPort),
 		// The pod's IP only: the kubelet and the operator come that way, and a second network
 		// of the pod (RDMA), which no NetworkPolicy covers, does not reach the port.
@@ -67,7 +68,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		Resources:      resources,
 		ReadinessProbe: probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: port}}, period, 1),
 		LivenessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: port}}, 10, 3),
-		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}},
+		VolumeMounts:   []corev1.VolumeMount{{Name: connectorVolume, MountPath: ConnectorDir}, {Name: controlVolume, MountPath: ControlDir}},
 		// It writes only its socket, on its volume (the engine, which may run as root, connects).
 		SecurityContext:          nonRoot(readOnlyRoot(hardened())),
 		Lifecycle:                connectorDrain(pdc, role),
@@ -81,7 +82,7 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 func connectorDrain(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *corev1.Lifecycle {
 	return &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{Command: []string{
 		ConnectorBinary, "drain",
-		"--listen=" + ConnectorSocket,
+		"--listen=" + ControlSocket,
 		fmt.Sprintf("--min=%ds", drainSeconds),
 		fmt.Sprintf("--timeout=%ds", drainSeconds+drainTimeout(pdc, role)),
 	}}}}

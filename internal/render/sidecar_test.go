@@ -24,9 +24,9 @@ func TestConnectorSidecar(t *testing.T) {
 		wantArgs []string
 		ports    []string
 	}{
-		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190",
+		{v1alpha1.RolePrefill, []string{"--role=kv_producer", "--listen=unix:///var/run/pdcluster/agent.sock", "--control-listen=unix:///var/run/pdcluster-ctl/ctl.sock", "--public-listen=:8190",
 			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s", "--engine-metrics-url=http://127.0.0.1:8000/metrics", "--memory-limit=$(PDCLUSTER_MEMORY_LIMIT)"}, []string{"connector"}},
-		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--public-listen=:8190",
+		{v1alpha1.RoleDecode, []string{"--role=kv_consumer", "--listen=unix:///var/run/pdcluster/agent.sock", "--control-listen=unix:///var/run/pdcluster-ctl/ctl.sock", "--public-listen=:8190",
 			"--bind-address=$(POD_IP)", "--require-gate", "--gate-startup-grace=1200s", "--engine-metrics-url=http://127.0.0.1:8000/metrics", "--memory-limit=$(PDCLUSTER_MEMORY_LIMIT)"}, []string{"connector"}},
 	} {
 		t.Run(string(tc.role), func(t *testing.T) {

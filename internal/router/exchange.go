@@ -53,6 +53,8 @@ type attempt struct {
 	pp, dp     picked
 	// decodeSent is set once the decode leg was sent: it counts in flight until release.
 	decodeSent bool
+	// prefillAnswered is set once the prefill leg answered in full: a hang is decode's then.
+	prefillAnswered atomic.Bool
 
 	state atomic.Int32 // attemptPending, attemptCommitted, attemptAbandoned
 	// ctx is the decode leg's (and NIXL's prefill leg's): the client's, cancelled with the
@@ -125,11 +127,11 @@ func (a *attempt) release() {
 func (x *exchange) run() {
 	r := x.r
 	r.budget.request()
-	if d := r.policy.FirstTokenTimeout; d > 0 {
+	if d := x.firstTokenBudget(); d > 0 {
 		t := time.AfterFunc(d, func() {
 			x.timedOut.Store(true)
 			if a := x.cur.Load(); a != nil {
-				a.abandon(x.firstTokenTimeout())
+				a.abandon(a.hung())
 			}
 		})
 		defer t.Stop()
@@ -140,7 +142,7 @@ func (x *exchange) run() {
 		if lerr == nil {
 			x.cur.Store(a)
 			if x.timedOut.Load() {
-				a.abandon(x.firstTokenTimeout())
+				a.abandon(a.hung())
 			}
 			if decodeOnly {
 				lerr = r.decodeAlone(a)
@@ -156,9 +158,13 @@ func (x *exchange) run() {
 		case lerr == nil, lerr == errClientGone:
 			return
 		case x.timedOut.Load():
+			// The hung leg's endpoint counts a failure toward its ejection; the client gets a
+			// typed 504 naming it.
 			x.record(lerr)
-			lerr = x.firstTokenTimeout()
-			writeError(x.w, lerr.status, lerr.msg)
+			if lerr.cause != causeFirstToken {
+				lerr = a.hung()
+			}
+			writeTypedError(x.w, lerr.status, string(causeFirstToken), lerr.msg, map[string]any{"leg": string(lerr.leg), "engine": lerr.endpoint})
 			return
 		}
 		x.record(lerr)
@@ -180,9 +186,29 @@ func (x *exchange) run() {
 	}
 }
 
-func (x *exchange) firstTokenTimeout() *legError {
-	return &legError{leg: legDecode, cause: causeFirstToken, status: http.StatusGatewayTimeout,
-		msg: fmt.Sprintf("no first token within %s (failurePolicy.firstTokenTimeoutSeconds): both legs cancelled", x.r.policy.FirstTokenTimeout)}
+// firstTokenBudget is how long the request may wait for its first byte: the policy's
+// firstTokenTimeoutSeconds, else, for a streaming request, the derived default (a request
+// that does not stream has its whole answer as its first byte, however long it generates).
+func (x *exchange) firstTokenBudget() time.Duration {
+	p := x.r.policy
+	if p.FirstTokenTimeout > 0 {
+		return p.FirstTokenTimeout
+	}
+	if string(x.body["stream"]) == "true" {
+		return p.StreamFirstTokenTimeout
+	}
+	return 0
+}
+
+// hung is the failure of an attempt with no first byte within the budget: its prefill's,
+// while the prefill leg has not answered (decode waits for its KV), else its decode's.
+func (a *attempt) hung() *legError {
+	l, endpoint := legDecode, a.d
+	if !a.decodeOnly && !a.prefillAnswered.Load() {
+		l, endpoint = legPrefill, a.p.URL
+	}
+	return &legError{leg: l, cause: causeFirstToken, endpoint: endpoint, status: http.StatusGatewayTimeout,
+		msg: fmt.Sprintf("no first token within %s (failurePolicy.firstTokenTimeoutSeconds): the %s engine %s did not answer; both legs cancelled", a.x.firstTokenBudget(), l, endpoint)}
 }
 
 // avoid leaves out the endpoints ejected or failed in this request; nil (nothing to check)
@@ -261,7 +287,7 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 	// Only an attempt that can be abandoned gets a context of its own (Mooncake's decode leg
 	// waits while its prefill may fail; the hang budget abandons any): NIXL's legs run one
 	// after the other on the client's.
-	if (r.cfg.Flow == routerconfig.FlowMooncake && !decodeOnly) || r.policy.FirstTokenTimeout > 0 {
+	if (r.cfg.Flow == routerconfig.FlowMooncake && !decodeOnly) || x.firstTokenBudget() > 0 {
 		a.ctx, a.cancel = context.WithCancelCause(x.req.Context())
 	} else {
 		a.ctx, a.cancel = x.req.Context(), noCancel
@@ -341,16 +367,19 @@ func (x *exchange) record(e *legError) {
 		return
 	}
 	r.metrics.legFailures.WithLabelValues(string(e.leg), string(e.cause)).Inc()
-	if !e.retriable || e.endpoint == "" {
+	// A hang is not retried (the client waited its budget already) but counts toward its
+	// endpoint's ejection: an engine that takes requests and never answers them fills the
+	// router with clients waiting.
+	if (!e.retriable && e.cause != causeFirstToken) || e.endpoint == "" {
 		return
 	}
 	x.mu.Lock()
 	x.tried = append(x.tried, e.endpoint)
 	x.mu.Unlock()
-	// One that is there and said no (503) waits out its ejection; one that was not there is
-	// back when its check answers.
+	// One that is there and said no (503) waits out its ejection, and so does a hung one (its
+	// health check answers as before); one that was not there is back when its check answers.
 	var check func(context.Context) error
-	if e.cause != causeUnavailable {
+	if e.cause != causeUnavailable && e.cause != causeFirstToken {
 		if check = e.check; check == nil {
 			check = r.healthCheck(e.endpoint)
 		}

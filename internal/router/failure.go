@@ -31,8 +31,12 @@ type FailurePolicy struct {
 	// connections (or whose bootstrap server does) goes at the first. 0 is 1.
 	ConsecutiveFailures int
 	// FirstTokenTimeout fails a request whose first byte has not come from decode in this
-	// long, cancelling both legs; 0: no limit.
+	// long, cancelling both legs; 0: StreamFirstTokenTimeout for a streaming request, else no
+	// limit.
 	FirstTokenTimeout time.Duration
+	// StreamFirstTokenTimeout is a streaming request's first-byte budget when
+	// FirstTokenTimeout is 0 (router.json's streamFirstTokenTimeoutSeconds); 0: no limit.
+	StreamFirstTokenTimeout time.Duration
 	// OnPrefillFailure is what happens once prefill cannot be served.
 	OnPrefillFailure routerconfig.OnPrefillFailure
 }
@@ -41,10 +45,11 @@ type FailurePolicy struct {
 func PolicyFromFile(p routerconfig.FailurePolicy) FailurePolicy {
 	return FailurePolicy{
 		Retries: int(p.Retries), RetryBudgetPercent: int(p.RetryBudgetPercent),
-		Eject:               time.Duration(p.EjectSeconds) * time.Second,
-		ConsecutiveFailures: int(cmp.Or(p.ConsecutiveFailures, routerconfig.DefaultConsecutiveFailures)),
-		FirstTokenTimeout:   time.Duration(p.FirstTokenTimeoutSeconds) * time.Second,
-		OnPrefillFailure:    p.OnPrefillFailure,
+		Eject:                   time.Duration(p.EjectSeconds) * time.Second,
+		ConsecutiveFailures:     int(cmp.Or(p.ConsecutiveFailures, routerconfig.DefaultConsecutiveFailures)),
+		FirstTokenTimeout:       time.Duration(p.FirstTokenTimeoutSeconds) * time.Second,
+		StreamFirstTokenTimeout: time.Duration(p.StreamFirstTokenTimeoutSeconds) * time.Second,
+		OnPrefillFailure:        p.OnPrefillFailure,
 	}
 }
 

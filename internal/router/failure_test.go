@@ -747,6 +747,70 @@ func TestFirstTokenTimeoutCancelsBothLegs(t *testing.T) {
 	}
 }
 
+// A hang is a typed 504 naming the engine that hung (decode once its prefill answered, else
+// prefill) and counts toward that engine's ejection: after consecutiveFailures hangs it takes
+// no more requests, and every later one is served. Unset, firstTokenTimeoutSeconds bounds
+// streaming requests only: one that does not stream gets its whole answer, however long.
+func TestHangsAreTypedAndEjectTheEngine(t *testing.T) {
+	type apiError struct {
+		Error struct {
+			Type, Leg, Engine string
+			Code              int
+		}
+	}
+	kv := newLedger()
+	prefill, decode := engines("p0"), engines("d0", "d1")
+	prefill[0].do, decode[0].do, decode[1].do = prefillOK(kv), hangs, decodeOK(kv)
+	policy := DefaultFailurePolicy()
+	policy.FirstTokenTimeout, policy.StreamFirstTokenTimeout, policy.ConsecutiveFailures = 0, 200*time.Millisecond, 2
+	f := newPD(t, routerconfig.FlowMooncake, policy, prefill, decode)
+	hung := 0
+	for range 8 {
+		code, body := f.send(t, `{"prompt":"hi","stream":true}`)
+		if code == http.StatusOK {
+			continue
+		}
+		hung++
+		var e apiError
+		if err := json.Unmarshal([]byte(body), &e); err != nil || code != http.StatusGatewayTimeout ||
+			e.Error.Type != "first_token_timeout" || e.Error.Leg != "decode" || e.Error.Engine != decode[0].url || e.Error.Code != 504 {
+			t.Errorf("a hung decode: got %d %s, want a 504 of type first_token_timeout naming decode %s", code, body, decode[0].url)
+		}
+	}
+	if hung != policy.ConsecutiveFailures {
+		t.Errorf("%d requests hung, want %d: then the hung engine is ejected", hung, policy.ConsecutiveFailures)
+	}
+	if got := f.counter(t, "pdcluster_router_ejections_total", "pool", "decode"); got != 1 {
+		t.Errorf("ejections{pool=decode} = %v, want 1", got)
+	}
+
+	// A prefill that hangs is named as prefill's.
+	prefill, decode = engines("p0"), engines("d0")
+	prefill[0].do, decode[0].do = hangs, decodeOK(kv)
+	f = newPD(t, routerconfig.FlowMooncake, policy, prefill, decode)
+	code, body := f.send(t, `{"prompt":"hi","stream":true}`)
+	var e apiError
+	if err := json.Unmarshal([]byte(body), &e); err != nil || code != http.StatusGatewayTimeout || e.Error.Leg != "prefill" || e.Error.Engine != prefill[0].url {
+		t.Errorf("a hung prefill: got %d %s, want a 504 naming prefill %s", code, body, prefill[0].url)
+	}
+
+	// The stream budget leaves a request that does not stream alone.
+	prefill, decode = engines("p0"), engines("d0")
+	slow := decodeOK(kv)
+	prefill[0].do = prefillOK(kv)
+	decode[0].do = func(e *testEngine, w http.ResponseWriter, r *http.Request, p map[string]any) {
+		time.Sleep(500 * time.Millisecond) // past the stream budget
+		slow(e, w, r, p)
+	}
+	f = newPD(t, routerconfig.FlowMooncake, policy, prefill, decode)
+	if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
+		t.Errorf("a request that does not stream, answered in 500 ms: got %d %s, want its answer", code, body)
+	}
+	if code, _ := f.send(t, `{"prompt":"hi","stream":true}`); code != http.StatusGatewayTimeout {
+		t.Errorf("a stream whose first byte comes in 500 ms: got %d, want 504 past the 200 ms budget", code)
+	}
+}
+
 // When the decode leg fails while Mooncake's prefill leg still runs, the prefill leg is
 // cancelled (or never sent): a decode that never got the request will not pull its blocks.
 func TestFailedDecodeCancelsPrefill(t *testing.T) {

@@ -146,9 +146,22 @@ func (a *attempt) relay(resp *http.Response) *legError {
 }
 
 func writeError(w http.ResponseWriter, status int, msg string) {
+	writeTypedError(w, status, "", msg, nil)
+}
+
+// writeTypedError is an OpenAI-style error answer with a type a client can act on and more
+// fields about it (the engine that hung, say).
+func writeTypedError(w http.ResponseWriter, status int, typ, msg string, fields map[string]any) {
+	e := map[string]any{"message": msg, "code": status}
+	if typ != "" {
+		e["type"] = typ
+	}
+	for k, v := range fields {
+		e[k] = v
+	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(map[string]any{"error": map[string]any{"message": msg, "code": status}})
+	_ = json.NewEncoder(w).Encode(map[string]any{"error": e})
 }
 
 type statusWriter struct {

@@ -64,6 +64,7 @@ func (r *Router) mooncake(a *attempt) *legError {
 			} else {
 				r.metrics.prefillLeg.Observe(time.Since(x.start).Seconds())
 				r.eject.answered(p.URL)
+				a.prefillAnswered.Store(true)
 			}
 		}
 		r.prefillLegs.Add(-1)

@@ -66,6 +66,7 @@ func (r *Router) nixl(a *attempt) *legError {
 	}
 	r.metrics.prefillLeg.Observe(time.Since(x.start).Seconds())
 	r.eject.answered(p.URL)
+	a.prefillAnswered.Store(true)
 	db := maps.Clone(x.body)
 	db[vllm.KVTransferParams] = pr.KVTransferParams
 	// Past here a failed decode leaves prefill's blocks held until NIXL's abort timeout

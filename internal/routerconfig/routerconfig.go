@@ -202,6 +202,9 @@ type FailurePolicy struct {
 	// FirstTokenTimeoutSeconds fails a request whose first byte has not come from decode in
 	// this long, cancelling both legs; 0: no limit.
 	FirstTokenTimeoutSeconds int32 `json:"firstTokenTimeoutSeconds,omitempty"`
+	// StreamFirstTokenTimeoutSeconds is a streaming request's first-byte budget when
+	// FirstTokenTimeoutSeconds is 0 (the operator derives it from the model length); 0: none.
+	StreamFirstTokenTimeoutSeconds int32 `json:"streamFirstTokenTimeoutSeconds,omitempty"`
 	// OnPrefillFailure is what happens once prefill cannot be served.
 	OnPrefillFailure OnPrefillFailure `json:"onPrefillFailure"`
 }
@@ -210,10 +213,15 @@ type FailurePolicy struct {
 // answer is not an outage.
 const DefaultConsecutiveFailures = 3
 
+// DefaultStreamFirstTokenTimeoutSeconds is a streaming request's first-byte budget when the
+// engines' model length is not known (no --max-model-len among their arguments).
+const DefaultStreamFirstTokenTimeoutSeconds = 300
+
 // DefaultFailurePolicy is spec.router.failurePolicy's defaults (render's test holds the two
 // equal): every request that can be saved is.
 func DefaultFailurePolicy() FailurePolicy {
-	return FailurePolicy{Retries: 2, RetryBudgetPercent: 20, EjectSeconds: 10, ConsecutiveFailures: DefaultConsecutiveFailures, OnPrefillFailure: PrefillFailureRetry}
+	return FailurePolicy{Retries: 2, RetryBudgetPercent: 20, EjectSeconds: 10, ConsecutiveFailures: DefaultConsecutiveFailures,
+		StreamFirstTokenTimeoutSeconds: DefaultStreamFirstTokenTimeoutSeconds, OnPrefillFailure: PrefillFailureRetry}
 }
 
 // Validate reports a policy the router cannot apply.
@@ -227,6 +235,8 @@ func (p FailurePolicy) Validate() error {
 		return fmt.Errorf("failurePolicy.ejectSeconds must be at least 1, got %d", p.EjectSeconds)
 	case p.ConsecutiveFailures < 0:
 		return fmt.Errorf("failurePolicy.consecutiveFailures must not be negative, got %d", p.ConsecutiveFailures)
+	case p.StreamFirstTokenTimeoutSeconds < 0:
+		return fmt.Errorf("failurePolicy.streamFirstTokenTimeoutSeconds must not be negative, got %d", p.StreamFirstTokenTimeoutSeconds)
 	case p.FirstTokenTimeoutSeconds < 0:
 		return fmt.Errorf("failurePolicy.firstTokenTimeoutSeconds must not be negative, got %d", p.FirstTokenTimeoutSeconds)
 	}

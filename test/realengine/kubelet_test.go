@@ -42,7 +42,8 @@ func TestPodLayoutOfTheRenderedPrefillPod(t *testing.T) {
 				"PYTHONPATH=" + root + "/opt/pdgate", "VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind", "HF_HUB_OFFLINE=1"},
 		},
 		"connector": {
-			args: []string{"--role=kv_producer", "--listen=" + socket, "--public-listen=127.0.0.1:20002", "--bind-address=127.0.0.1",
+			args: []string{"--role=kv_producer", "--listen=" + socket, "--control-listen=unix://" + root + "/var/run/pdcluster-ctl/ctl.sock",
+				"--public-listen=127.0.0.1:20002", "--bind-address=127.0.0.1",
 				"--require-gate", "--engine-metrics-url=http://127.0.0.1:20000/metrics", "--memory-limit=268435456"},
 			env: []string{"POD_IP=127.0.0.1", "PDCLUSTER_MEMORY_LIMIT=268435456"}, // its limits.memory, 256Mi
 		},
