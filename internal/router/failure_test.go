@@ -264,7 +264,14 @@ func (f *pdFixture) send(t *testing.T, body string) (int, string) {
 
 func (f *pdFixture) counter(t *testing.T, name string, labels ...string) float64 {
 	t.Helper()
-	mfs, err := f.reg.Gather()
+	return metricSum(t, f.reg, name, labels...)
+}
+
+// metricSum is the sum of reg's series of the metric name (a counter's or a gauge's value)
+// that carry every label of labels (name, value pairs).
+func metricSum(t *testing.T, reg prometheus.Gatherer, name string, labels ...string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -139,17 +139,8 @@ func TestBodyLimit(t *testing.T) {
 // requests holding it have ended. A budget that cannot hold one body of the largest size is a
 // configuration error.
 func TestBodyBudget(t *testing.T) {
-	release := make(chan struct{})
-	var once sync.Once
-	defer once.Do(func() { close(release) })
-	entered := make(chan struct{}, 4)
-	slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if n, _ := io.Copy(io.Discard, r.Body); n > 1<<10 { // the large bodies wait
-			entered <- struct{}{}
-			<-release
-		}
-		_, _ = io.WriteString(w, `{}`)
-	})
+	slow, entered, release := heldEngine(func(body int64) bool { return body > 1<<10 }) // the large bodies wait
+	defer release()                                                                     // before the servers close: they wait for their handlers
 	const maxBody = 1 << 20
 	cfg := Config{Flow: routerconfig.FlowMooncake, MaxBodyBytes: maxBody, MaxBodyBytesInFlight: 2 * bodyCopies * maxBody}
 	reg := prometheus.NewRegistry()
@@ -176,7 +167,7 @@ func TestBodyBudget(t *testing.T) {
 	if code, got := send(t, srv.URL, `{"prompt":"x"}`); code != http.StatusOK {
 		t.Errorf("a small body beside them: got %d %s, want it taken", code, got)
 	}
-	once.Do(func() { close(release) })
+	release()
 	for range 2 {
 		if code := <-held; code != http.StatusOK {
 			t.Errorf("a held request: %d", code)
@@ -185,10 +176,10 @@ func TestBodyBudget(t *testing.T) {
 	if code, got := send(t, srv.URL, big); code != http.StatusOK {
 		t.Errorf("a large body once the others ended: %d %s", code, got)
 	}
-	if got := gatherValue(t, reg, "pdcluster_router_body_budget_refused_total"); got != 1 {
+	if got := metricSum(t, reg, "pdcluster_router_body_budget_refused_total"); got != 1 {
 		t.Errorf("pdcluster_router_body_budget_refused_total = %v, want 1", got)
 	}
-	if got := gatherValue(t, reg, "pdcluster_router_body_bytes_in_flight"); got != 0 {
+	if got := metricSum(t, reg, "pdcluster_router_body_bytes_in_flight"); got != 0 {
 		t.Errorf("pdcluster_router_body_bytes_in_flight = %v after every request ended, want 0", got)
 	}
 	if _, err := New(Config{Flow: routerconfig.FlowMooncake, MaxBodyBytes: maxBody, MaxBodyBytesInFlight: maxBody}, logr.Discard(), nil); err == nil {
@@ -196,36 +187,28 @@ func TestBodyBudget(t *testing.T) {
 	}
 }
 
-// gatherValue is the value of the metric name in reg (its one series, or their sum).
-func gatherValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sum float64
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
+// heldEngine answers {} to each request, holding those whose body size held says until
+// release; entered gets a value as each held one arrives. Call release before the test's
+// servers close (defer it): they wait for their handlers.
+func heldEngine(held func(body int64) bool) (h http.Handler, entered chan struct{}, release func()) {
+	gate := make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(gate) }) }
+	entered = make(chan struct{}, 4)
+	h = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if n, _ := io.Copy(io.Discard, r.Body); held(n) {
+			entered <- struct{}{}
+			<-gate
 		}
-		for _, m := range f.GetMetric() {
-			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-		}
-	}
-	return sum
+		_, _ = io.WriteString(w, `{}`)
+	})
+	return h, entered, release
 }
 
 // Past MaxInFlight requests the router answers 503 at once instead of queueing without bound.
 func TestInFlightLimit(t *testing.T) {
-	release := make(chan struct{})
-	var once sync.Once
-	defer once.Do(func() { close(release) })
-	entered := make(chan struct{}, 4)
-	slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		entered <- struct{}{}
-		<-release
-		_, _ = io.WriteString(w, `{}`)
-	})
+	slow, entered, release := heldEngine(func(int64) bool { return true })
+	defer release() // before the servers close: they wait for their handlers
 	srv := routerWith(t, Config{Flow: routerconfig.FlowMooncake, MaxInFlight: 1}, &fakeEngine{}, slow)
 	first := make(chan int, 1)
 	go func() {
@@ -237,7 +220,7 @@ func TestInFlightLimit(t *testing.T) {
 	if code != http.StatusServiceUnavailable || !strings.Contains(got, "in flight") {
 		t.Errorf("a request past the limit: got %d %s, want 503", code, got)
 	}
-	once.Do(func() { close(release) })
+	release()
 	if code := <-first; code != http.StatusOK {
 		t.Errorf("the request in flight: %d", code)
 	}
