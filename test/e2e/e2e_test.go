@@ -91,14 +91,20 @@ func setup(t *testing.T) *env {
 // eventually polls cond until it returns nil, failing with its last error after timeout.
 func (e *env) eventually(what string, cond func() error) {
 	e.t.Helper()
-	deadline := time.Now().Add(timeout)
+	e.eventuallyWithin(what, timeout, cond)
+}
+
+// eventuallyWithin is eventually with a deadline of its own.
+func (e *env) eventuallyWithin(what string, within time.Duration, cond func() error) {
+	e.t.Helper()
+	deadline := time.Now().Add(within)
 	for {
 		err := cond()
 		if err == nil {
 			return
 		}
 		if time.Now().After(deadline) {
-			e.t.Fatalf("%s: still not true after %s: %v", what, timeout, err)
+			e.t.Fatalf("%s: still not true after %s: %v", what, within, err)
 		}
 		time.Sleep(500 * time.Millisecond)
 	}

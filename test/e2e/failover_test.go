@@ -15,6 +15,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -42,14 +43,25 @@ func enginePID(t *testing.T, ip string) int {
 	return 0
 }
 
-// patchReal merge-patches the real node's sample and waits until it settled.
+// patchReal merge-patches the real node's sample and waits until it settled: the usual
+// timeout, plus the longest grace period of its pods, since a pod the patch replaces may drain
+// for all of it (KV that earlier tests left held for pulls that never come keeps vLLM waiting
+// its --shutdown-timeout; settled waits for every pod being deleted to be gone).
 func (r realNode) patchReal(t *testing.T, spec string) {
 	t.Helper()
+	var pods corev1.PodList
+	if err := r.c.List(r.ctx, &pods, client.InNamespace(sampleNS), client.MatchingLabels{v1alpha1.LabelCluster: realName}); err != nil {
+		t.Fatal(err)
+	}
+	var grace int64
+	for _, pod := range pods.Items {
+		grace = max(grace, ptr.Deref(pod.Spec.TerminationGracePeriodSeconds, 30))
+	}
 	p := &v1alpha1.PDCluster{ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: realName}}
 	if err := r.c.Patch(r.ctx, p, client.RawPatch(types.MergePatchType, []byte(`{"spec":`+spec+`}`))); err != nil {
 		t.Fatal(err)
 	}
-	r.eventually("the sample settled after "+spec, r.settled)
+	r.eventuallyWithin("the sample settled after "+spec, timeout+time.Duration(grace)*time.Second, r.settled)
 }
 
 // routerKnows is nil once the router's Service answers with a router that knows n prefill
