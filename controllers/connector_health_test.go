@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 
@@ -198,8 +199,48 @@ func TestPrefillRestartRestartsConnectedDecodePods(t *testing.T) {
 		t.Errorf("deleted pods (-want +got):\n%s", d)
 	}
 	st := f.status
-	if st.Connector.Restarts != 3 || st.Prefill.ConnectorRestarts != 1 || st.Decode.ConnectorRestarts != 2 || len(st.Connector.RecentRounds) != 1 {
-		t.Errorf("status = %+v, prefill %d, decode %d; want 3 restarts in one round", st.Connector, st.Prefill.ConnectorRestarts, st.Decode.ConnectorRestarts)
+	if st.Connector.Restarts != 3 || st.Prefill.ConnectorRestarts != 1 || st.Decode.ConnectorRestarts != 2 || len(st.Connector.RecentRounds) != 1 ||
+		st.Connector.DecodeCascadeRestarts != 2 || len(st.Connector.RecentCascadeRounds) != 1 {
+		t.Errorf("status = %+v, prefill %d, decode %d; want 3 restarts in one round, 2 of them a cascade", st.Connector, st.Prefill.ConnectorRestarts, st.Decode.ConnectorRestarts)
+	}
+}
+
+// A prefill pod that keeps failing (a stuck drain, say) takes the decode pods along only
+// decodeCascadeBudget rounds a window; past it the prefill pod restarts alone, and the
+// condition says why the decode pods were left running.
+func TestDecodeCascadeHasABudgetOfItsOwn(t *testing.T) {
+	f := newHealthFixture(t, interceptor.Funcs{}, pod("p-0", v1alpha1.RolePrefill, time.Minute), pod("d-0", v1alpha1.RoleDecode, 0), pod("d-1", v1alpha1.RoleDecode, 0))
+	f.pdc.Spec.Connector.Health.DecodeCascadeBudget = ptr.To[int32](1)
+	if _, _, err := f.run(t); err != nil {
+		t.Fatal(err)
+	}
+	// The replacement prefill pod's connector never turns ready; the decode replacements do.
+	for _, p := range []*corev1.Pod{pod("p-1", v1alpha1.RolePrefill, 0), pod("d-2", v1alpha1.RoleDecode, 0), pod("d-3", v1alpha1.RoleDecode, 0)} {
+		if p.Name == "p-1" {
+			p.Status.ContainerStatuses[1].Ready = false
+			p.Status.ContainerStatuses[1].State.Running.StartedAt = metav1.NewTime(start)
+		}
+		if err := f.r.Create(context.Background(), p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, err := f.run(t); err != nil { // the operator sees p-1 unready at once
+		t.Fatal(err)
+	}
+	f.clock.SetTime(start.Add(2 * time.Minute)) // past the threshold and the 60s backoff
+	if _, _, err := f.run(t); err != nil {
+		t.Fatal(err)
+	}
+	sort.Strings(f.deletes)
+	if d := cmp.Diff([]string{"d-0", "d-1", "p-0", "p-1"}, f.deletes); d != "" {
+		t.Errorf("deleted pods (-want +got):\n%s", d)
+	}
+	st := f.status
+	if st.Connector.Restarts != 4 || st.Decode.ConnectorRestarts != 2 || st.Connector.DecodeCascadeRestarts != 2 || len(st.Connector.RecentCascadeRounds) != 1 || len(st.Connector.RecentRounds) != 2 {
+		t.Errorf("status = %+v, decode %d; want 4 restarts in 2 rounds, one of them a cascade of 2", st.Connector, st.Decode.ConnectorRestarts)
+	}
+	if c := f.condition(t); c.Reason != v1alpha1.ReasonConnectorRestarted || !strings.Contains(c.Message, "decodeCascadeBudget is spent") {
+		t.Errorf("condition = %+v, want ConnectorRestarted naming the spent decodeCascadeBudget", c)
 	}
 }
 

@@ -94,7 +94,7 @@ func connectorStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event 
 	if h.deferred {
 		return nil
 	}
-	connectorhealth.RecordRound(&status.Connector, in.now, len(h.restarted))
+	connectorhealth.RecordRound(&status.Connector, in.now, d, h.restarted)
 	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionConnectorHealthy)
 	msg := connectorhealth.Describe(policy, d)
 	switch {

@@ -25,6 +25,7 @@ const (
 	DefaultMaxBackoffSeconds      int32 = 600
 	DefaultRestartBudget          int32 = 5
 	DefaultBudgetWindowSeconds    int32 = 3600
+	DefaultDecodeCascadeBudget    int32 = 2
 
 	DefaultRouterRetries             int32 = 2
 	DefaultRouterRetryBudgetPercent  int32 = 20
@@ -104,8 +105,11 @@ func (in *PDCluster) SetDefaults() {
 	setPtr(&h.RestartBudget, DefaultRestartBudget)
 	setPtr(&h.BudgetWindowSeconds, DefaultBudgetWindowSeconds)
 	setPtr(&h.RestartDecodeWithPrefill, true)
+	setPtr(&h.DecodeCascadeBudget, DefaultDecodeCascadeBudget)
 
 	setPtr(&s.NetworkPolicy.Enabled, true)
+	setPtr(&s.NetworkPolicy.Egress.Enabled, true)
+	setPtr(&s.NetworkPolicy.Egress.PublicHTTPS, true)
 }
 
 func setPtr[T any](p **T, def T) {

@@ -795,6 +795,18 @@ type ConnectorHealthPolicy struct {
 	// +kubebuilder:default=true
 	// +optional
 	RestartDecodeWithPrefill *bool `json:"restartDecodeWithPrefill,omitempty"`
+
+	// decodeCascadeBudget is the most restart rounds in any budgetWindowSeconds that take decode
+	// pods along with a prefill pod (restartDecodeWithPrefill). Past it a prefill pod restarts
+	// alone and the decode pods keep serving (their transfers with it fail and are retried), so
+	// a prefill pod that keeps failing, or is made to, cannot restart the decode pool again and
+	// again. status.connector.recentCascadeRounds counts it. 0: decode pods never restart with
+	// a prefill pod.
+	// +kubebuilder:default=2
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=100
+	// +optional
+	DecodeCascadeBudget *int32 `json:"decodeCascadeBudget,omitempty"`
 }
 
 // PDClusterSpec is the desired state of a disaggregated prefill/decode deployment.
@@ -848,8 +860,9 @@ type PDClusterSpec struct {
 	Connector ConnectorSpec `json:"connector,omitempty"`
 
 	// networkPolicy isolates this PDCluster's pods: only its router reaches the engines' API,
-	// only its own pools reach each other's transfer ports, only the operator's namespace the
-	// connector sidecars. The router stays open to every client unless narrowed here.
+	// only its own pools reach each other's transfer ports, only the operator's manager pods
+	// the connector sidecars; the engines connect only to the other pool, DNS and public HTTPS
+	// (egress). The router stays open to every client unless narrowed here.
 	// +kubebuilder:default={}
 	// +optional
 	NetworkPolicy NetworkPolicySpec `json:"networkPolicy,omitempty"`
@@ -883,6 +896,44 @@ type NetworkPolicySpec struct {
 	// +kubebuilder:validation:MaxItems=16
 	// +optional
 	Monitoring []networkingv1.NetworkPolicyPeer `json:"monitoring,omitempty"`
+
+	// egress limits where the prefill and decode pods may connect (with enabled). A decode
+	// engine fetches whatever remote_bootstrap_addr a request carries, so a pod that can forge
+	// one (a compromised prefill, a client of engineClients) could otherwise make it reach any
+	// address the cluster network reaches: other namespaces' services, a cloud's metadata
+	// server.
+	// +kubebuilder:default={}
+	// +optional
+	Egress EngineEgressSpec `json:"egress,omitempty"`
+}
+
+// EngineEgressSpec is the egress half of the engine pods' NetworkPolicies. With enabled, an
+// engine pod may connect to: every port of the other pool of this PDCluster (vLLM's transfer
+// engines), port 53 anywhere (DNS), HTTPS to public addresses (publicHTTPS) and the rules of
+// allow. The router's egress is not limited (it reaches only what its pools' Services name).
+type EngineEgressSpec struct {
+	// enabled renders the egress rules; false leaves the engine pods free to connect anywhere
+	// (the NetworkPolicies still limit who reaches them).
+	// +kubebuilder:default=true
+	// +optional
+	Enabled *bool `json:"enabled,omitempty"`
+
+	// publicHTTPS lets the engine pods open HTTPS (port 443) to every address outside the
+	// private, shared, loopback and link-local ranges (10/8, 172.16/12, 192.168/16, 100.64/10,
+	// 127/8, 169.254/16; fc00::/7, fe80::/10, ::1): the Hugging Face Hub, which vLLM downloads
+	// from when the weights are on no volume, and public object stores. The cluster's own pods
+	// and Services (on private ranges in nearly every cluster) and a cloud's metadata server
+	// stay closed. Set false when the weights are on a pvc or hostPath and nothing downloads.
+	// +kubebuilder:default=true
+	// +optional
+	PublicHTTPS *bool `json:"publicHTTPS,omitempty"`
+
+	// allow adds destinations the engine pods may reach, as NetworkPolicy egress rules: an
+	// in-cluster S3 endpoint or registry mirror holding the weights (a podSelector with a
+	// namespaceSelector, or an ipBlock, and its port), a tracing collector.
+	// +kubebuilder:validation:MaxItems=16
+	// +optional
+	Allow []networkingv1.NetworkPolicyEgressRule `json:"allow,omitempty"`
 }
 
 // PoolStatus is the observed state of one pool.
@@ -968,6 +1019,16 @@ type ConnectorStatus struct {
 	// +optional
 	// +listType=atomic
 	RecentRounds []metav1.Time `json:"recentRounds,omitempty"`
+	// decodeCascadeRestarts counts the decode pods restarted because a prefill pod of their KV
+	// revision was (restartDecodeWithPrefill); restarts includes them.
+	// +optional
+	DecodeCascadeRestarts int32 `json:"decodeCascadeRestarts,omitempty"`
+	// recentCascadeRounds are the times of the rounds inside the budget window that restarted
+	// decode pods along with a prefill pod; spec.connector.health.decodeCascadeBudget bounds
+	// them.
+	// +optional
+	// +listType=atomic
+	RecentCascadeRounds []metav1.Time `json:"recentCascadeRounds,omitempty"`
 }
 
 // PDClusterStatus is the observed state of a PDCluster.

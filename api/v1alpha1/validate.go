@@ -143,8 +143,11 @@ func validateMounts(enginePath *field.Path, engine *PodSettings, poolPath *field
 	return errs
 }
 
-// validatePodSettings checks env and volume names as the API server would in the pods,
-// shmSize, and the affinity's and topology spread's selectors.
+// envDisableRequestIDRandomization is vLLM's opt-out of unique internal request ids.
+const envDisableRequestIDRandomization = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
+
+// validatePodSettings checks env and volume names as the API server would in the pods, that
+// vLLM's request ids stay unique, shmSize, and the affinity's and topology spread's selectors.
 func validatePodSettings(path *field.Path, s *PodSettings) field.ErrorList {
 	if s == nil {
 		return nil
@@ -153,6 +156,10 @@ func validatePodSettings(path *field.Path, s *PodSettings) field.ErrorList {
 	for i, e := range s.Env {
 		for _, msg := range utilvalidation.IsEnvVarName(e.Name) {
 			errs = append(errs, field.Invalid(path.Child("env").Index(i).Child("name"), e.Name, msg))
+		}
+		if e.Name == envDisableRequestIDRandomization && (e.ValueFrom != nil || e.Value != "0") {
+			errs = append(errs, field.Forbidden(path.Child("env").Index(i), envDisableRequestIDRandomization+
+				" makes vLLM use a client's X-Request-Id (which the router passes on) as its request id, and two requests with one id kill the engine (EngineDeadError on vLLM 0.30.0)"))
 		}
 	}
 	for i, v := range s.Volumes {

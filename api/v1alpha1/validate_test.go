@@ -52,6 +52,10 @@ func TestValidate(t *testing.T) {
 			p.Spec.Engine.Pod = &PodSettings{VolumeMounts: []corev1.VolumeMount{{Name: "x", MountPath: "/x"}}}
 		}, []string{`spec.engine.pod.volumeMounts[0].name: Not found: "x (no volume of that name in spec.engine.pod.volumes or spec.prefill.pod.volumes)"`,
 			`spec.engine.pod.volumeMounts[0].name: Not found: "x (no volume of that name in spec.engine.pod.volumes or spec.decode.pod.volumes)"`}},
+		{"vLLM's request ids made the client's", func(p *PDCluster) {
+			p.Spec.Engine.Pod = &PodSettings{Env: []corev1.EnvVar{{Name: "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", Value: "1"}}}
+			p.Spec.Decode.Pod = &PodSettings{Env: []corev1.EnvVar{{Name: "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", Value: "0"}}}
+		}, []string{`spec.engine.pod.env[0]: Forbidden: VLLM_DISABLE_REQUEST_ID_RANDOMIZATION makes vLLM use a client's X-Request-Id (which the router passes on) as its request id, and two requests with one id kill the engine (EngineDeadError on vLLM 0.30.0)`}},
 		{"negative shmSize", func(p *PDCluster) { p.Spec.Decode.Pod = &PodSettings{ShmSize: ptr.To(resource.MustParse("-1Gi"))} },
 			[]string{`spec.decode.pod.shmSize: Invalid value: "-1Gi": must be greater than zero`}},
 		{"affinity operator", func(p *PDCluster) { p.Spec.Decode.Pod = &PodSettings{Affinity: nodeTerm("Near", "r1")} },

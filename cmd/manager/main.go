@@ -48,7 +48,7 @@ func parseFlags(args []string, getenv func(string) string) (settings, error) {
 	if ns := getenv("POD_NAMESPACE"); ns != "" {
 		s.opts.OperatorNamespace = ns
 	}
-	fs.StringVar(&s.opts.OperatorNamespace, "operator-namespace", s.opts.OperatorNamespace, "namespace the operator runs in (default: $POD_NAMESPACE): PDClusters' NetworkPolicies admit the connector sidecars' port from it")
+	fs.StringVar(&s.opts.OperatorNamespace, "operator-namespace", s.opts.OperatorNamespace, "namespace the operator runs in (default: $POD_NAMESPACE): PDClusters' NetworkPolicies admit the connector sidecars' port from its manager pods")
 	fs.Func("watch-namespaces", "comma-separated namespaces whose PDClusters the operator reconciles (default: every namespace); with it the operator needs Roles in those namespaces only (the chart's watchNamespaces)", func(v string) error {
 		s.watchNamespaces = nil
 		for ns := range strings.SplitSeq(v, ",") {

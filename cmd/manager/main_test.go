@@ -76,6 +76,34 @@ func TestManagerReadsItsNamespaceFromTheManifest(t *testing.T) {
 	}
 }
 
+// The engine pods' NetworkPolicies admit the sidecars' port from the manager's pods only, by
+// the labels config/manager gives them (test/chart checks the chart's).
+func TestManagerPodsCarryTheLabelsTheNetworkPoliciesAdmit(t *testing.T) {
+	b, err := os.ReadFile("../../config/manager/manager.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for doc := range bytes.SplitSeq(b, []byte("\n---\n")) {
+		var dep appsv1.Deployment
+		if err := yaml.Unmarshal(doc, &dep); err != nil {
+			t.Fatal(err)
+		}
+		if dep.Kind != "Deployment" {
+			continue
+		}
+		found = true
+		for k, v := range render.ManagerPodLabels() {
+			if got := dep.Spec.Template.Labels[k]; got != v {
+				t.Errorf("manager pod label %s=%q, want %q (render.ManagerPodLabels)", k, got, v)
+			}
+		}
+	}
+	if !found {
+		t.Fatal("no manager Deployment in config/manager/manager.yaml")
+	}
+}
+
 // /metrics is behind authentication and authorization unless --metrics-secure=false.
 func TestMetricsAreSecureByDefault(t *testing.T) {
 	for _, tc := range []struct {

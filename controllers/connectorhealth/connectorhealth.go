@@ -27,6 +27,8 @@ type Policy struct {
 	Budget                   int32
 	Window                   time.Duration
 	RestartDecodeWithPrefill bool
+	// CascadeBudget bounds the rounds in Window that restart decode pods with a prefill pod.
+	CascadeBudget int32
 }
 
 // PolicyFrom reads a defaulted spec ((*PDCluster).SetDefaults) into durations.
@@ -40,6 +42,7 @@ func PolicyFrom(spec v1alpha1.ConnectorHealthPolicy) Policy {
 		Budget:                   *spec.RestartBudget,
 		Window:                   sec(spec.BudgetWindowSeconds),
 		RestartDecodeWithPrefill: *spec.RestartDecodeWithPrefill,
+		CascadeBudget:            *spec.DecodeCascadeBudget,
 	}
 }
 
@@ -96,9 +99,14 @@ type Decision struct {
 	Unhealthy []Pod
 	// Due are the unhealthy pods past the threshold.
 	Due []Pod
-	// Restart are the pods to restart now: Due, plus the decode pods connected to a due
-	// prefill pod. Empty when Blocked.
+	// Restart are the pods to restart now: Due, then Cascade. Empty when Blocked.
 	Restart []Pod
+	// Cascade are the decode pods restarted because a due prefill pod of their KV revision is
+	// (restartDecodeWithPrefill), the end of Restart.
+	Cascade []Pod
+	// CascadeWithheld are the decode pods that would have gone with a due prefill pod but for a
+	// spent cascade budget.
+	CascadeWithheld []Pod
 	// Blocked says why due pods are not restarted (v1alpha1.ReasonRestartBackoff, v1alpha1.ReasonRestartBudgetExhausted).
 	Blocked string
 	// BlockedFor is how long the block lasts (RequeueAfter may be sooner, for another pod).
@@ -153,10 +161,8 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 			wake(p.Threshold() - unready)
 		}
 	}
-	d.Status.RecentRounds = slices.DeleteFunc(d.Status.RecentRounds, func(t metav1.Time) bool { return !t.Add(p.Window).After(now) })
-	if len(d.Status.RecentRounds) == 0 {
-		d.Status.RecentRounds = nil
-	}
+	d.Status.RecentRounds = inWindow(d.Status.RecentRounds, now, p.Window)
+	d.Status.RecentCascadeRounds = inWindow(d.Status.RecentCascadeRounds, now, p.Window)
 	if len(d.Unhealthy) == 0 {
 		if len(pods) >= desired {
 			d.Status.ConsecutiveRounds = 0
@@ -182,28 +188,58 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 		}
 	}
 	d.Restart = append(d.Restart, d.Due...)
+	var cascade []Pod
 	if p.RestartDecodeWithPrefill {
 		for _, pod := range pods {
 			connected := slices.ContainsFunc(d.Due, func(x Pod) bool { return x.Role == v1alpha1.RolePrefill && x.Revision == pod.Revision })
-			if pod.Role == v1alpha1.RoleDecode && connected && !slices.ContainsFunc(d.Restart, func(x Pod) bool { return x.Name == pod.Name }) {
-				d.Restart = append(d.Restart, pod)
+			if pod.Role == v1alpha1.RoleDecode && connected && !slices.ContainsFunc(d.Due, func(x Pod) bool { return x.Name == pod.Name }) {
+				cascade = append(cascade, pod)
 			}
 		}
+	}
+	switch {
+	case len(cascade) == 0:
+	case int32(len(d.Status.RecentCascadeRounds)) < p.CascadeBudget:
+		d.Cascade = cascade
+		d.Restart = append(d.Restart, cascade...)
+	default:
+		d.CascadeWithheld = cascade
 	}
 	wake(p.Threshold())
 	return d
 }
 
-// RecordRound adds a restart round of restarted pods at now to status.
-func RecordRound(status *v1alpha1.ConnectorStatus, now time.Time, restarted int) {
-	if restarted == 0 {
+// inWindow keeps the rounds younger than window at now (nil for none).
+func inWindow(rounds []metav1.Time, now time.Time, window time.Duration) []metav1.Time {
+	rounds = slices.DeleteFunc(rounds, func(t metav1.Time) bool { return !t.Add(window).After(now) })
+	if len(rounds) == 0 {
+		return nil
+	}
+	return rounds
+}
+
+// RecordRound adds the restart round d decided at now to status, counting the pods restarted
+// (those deleted, or already gone): a round that restarted none is no round, and one whose
+// restarted pods include some of d.Cascade is a cascade round too.
+func RecordRound(status *v1alpha1.ConnectorStatus, now time.Time, d Decision, restarted []Pod) {
+	if len(restarted) == 0 {
 		return
 	}
 	t := metav1.NewTime(now)
-	status.Restarts += int32(restarted)
+	status.Restarts += int32(len(restarted))
 	status.ConsecutiveRounds++
 	status.LastRestartTime = &t
 	status.RecentRounds = append(status.RecentRounds, t)
+	var cascaded int32
+	for _, r := range restarted {
+		if slices.ContainsFunc(d.Cascade, func(c Pod) bool { return c.Name == r.Name }) {
+			cascaded++
+		}
+	}
+	if cascaded > 0 {
+		status.DecodeCascadeRestarts += cascaded
+		status.RecentCascadeRounds = append(status.RecentCascadeRounds, t)
+	}
 }
 
 // Names lists the pods' names.
@@ -231,9 +267,12 @@ func Describe(p Policy, d Decision) string {
 	case d.Blocked == v1alpha1.ReasonRestartBackoff:
 		return fmt.Sprintf("connector not ready in %s; next restart in %s (backoff after %d rounds)",
 			strings.Join(Names(d.Unhealthy), ", "), d.BlockedFor.Round(time.Second), d.Status.ConsecutiveRounds)
-	case len(d.Restart) > len(d.Due):
+	case len(d.Cascade) > 0:
 		return fmt.Sprintf("restarted %s: connector not ready for %s or more; restarted the decode pods connected to it too: %s",
-			strings.Join(Names(d.Due), ", "), p.Threshold(), strings.Join(Names(d.Restart[len(d.Due):]), ", "))
+			strings.Join(Names(d.Due), ", "), p.Threshold(), strings.Join(Names(d.Cascade), ", "))
+	case len(d.Restart) > 0 && len(d.CascadeWithheld) > 0:
+		return fmt.Sprintf("restarted %s: connector not ready for %s or more; the decode pods connected to it (%s) keep running: the decodeCascadeBudget is spent (%d rounds in the last %s took decode pods along)",
+			strings.Join(Names(d.Restart), ", "), p.Threshold(), strings.Join(Names(d.CascadeWithheld), ", "), len(d.Status.RecentCascadeRounds), p.Window)
 	case len(d.Restart) > 0:
 		return fmt.Sprintf("restarted %s: connector not ready for %s or more", strings.Join(Names(d.Restart), ", "), p.Threshold())
 	}

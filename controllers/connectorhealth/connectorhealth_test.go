@@ -18,7 +18,7 @@ var t0 = time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
 
 // policy: unready for 30s restarts; backoff 60s, 120s, 240s capped at 300s; 3 rounds an hour.
 var policy = Policy{Period: 10 * time.Second, FailureThreshold: 3, InitialBackoff: time.Minute, MaxBackoff: 5 * time.Minute,
-	Budget: 3, Window: time.Hour, RestartDecodeWithPrefill: true}
+	Budget: 3, Window: time.Hour, RestartDecodeWithPrefill: true, CascadeBudget: 2}
 
 func ready(name string, role v1alpha1.Role) Pod { return Pod{Name: name, Role: role, Ready: true} }
 
@@ -109,6 +109,48 @@ func TestDecide(t *testing.T) {
 			wantRestart: []string{"p-1", "d-0", "d-1"},
 			wantRequeue: 30 * time.Second,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
+		},
+		{
+			name: "a spent cascade budget restarts the prefill pod alone",
+			prev: v1alpha1.ConnectorStatus{Restarts: 6, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-10 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-30 * time.Minute), at(-10 * time.Minute)}, DecodeCascadeRestarts: 4,
+				RecentCascadeRounds: []metav1.Time{at(-30 * time.Minute), at(-10 * time.Minute)}, UnhealthyPods: records(seen("p-1", time.Minute))},
+			pods:        []Pod{unready("p-1", v1alpha1.RolePrefill), ready("d-1", v1alpha1.RoleDecode), ready("d-0", v1alpha1.RoleDecode)},
+			wantRestart: []string{"p-1"},
+			wantRequeue: 30 * time.Second,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 6, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-10 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-30 * time.Minute), at(-10 * time.Minute)}, DecodeCascadeRestarts: 4,
+				RecentCascadeRounds: []metav1.Time{at(-30 * time.Minute), at(-10 * time.Minute)}, UnhealthyPods: records(seen("p-1", time.Minute))},
+		},
+		{
+			name: "cascade rounds older than the window give the cascade budget back",
+			prev: v1alpha1.ConnectorStatus{Restarts: 6, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-10 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-30 * time.Minute), at(-10 * time.Minute)}, DecodeCascadeRestarts: 4,
+				RecentCascadeRounds: []metav1.Time{at(-61 * time.Minute), at(-10 * time.Minute)}, UnhealthyPods: records(seen("p-1", time.Minute))},
+			pods:        []Pod{unready("p-1", v1alpha1.RolePrefill), ready("d-0", v1alpha1.RoleDecode)},
+			wantRestart: []string{"p-1", "d-0"},
+			wantRequeue: 30 * time.Second,
+			wantStatus: v1alpha1.ConnectorStatus{Restarts: 6, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(-10 * time.Minute)),
+				RecentRounds: []metav1.Time{at(-30 * time.Minute), at(-10 * time.Minute)}, DecodeCascadeRestarts: 4,
+				RecentCascadeRounds: []metav1.Time{at(-10 * time.Minute)}, UnhealthyPods: records(seen("p-1", time.Minute))},
+		},
+		{
+			name:        "a zero cascade budget never takes decode pods along",
+			policy:      withPolicy(func(p *Policy) { p.CascadeBudget = 0 }),
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
+			pods:        []Pod{unready("p-1", v1alpha1.RolePrefill), ready("d-0", v1alpha1.RoleDecode)},
+			wantRestart: []string{"p-1"},
+			wantRequeue: 30 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
+		},
+		{
+			name:        "a decode pod due on its own restarts whatever the cascade budget",
+			policy:      withPolicy(func(p *Policy) { p.CascadeBudget = 0 }),
+			prev:        v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute), seen("d-0", time.Minute))},
+			pods:        []Pod{unready("p-1", v1alpha1.RolePrefill), unready("d-0", v1alpha1.RoleDecode), ready("d-1", v1alpha1.RoleDecode)},
+			wantRestart: []string{"d-0", "p-1"},
+			wantRequeue: 30 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("d-0", time.Minute), seen("p-1", time.Minute))},
 		},
 		{
 			name:        "during a rollout a prefill restart takes only its own revision's decode pods",
@@ -225,12 +267,32 @@ func TestBackoffDoublesUpToTheCap(t *testing.T) {
 }
 
 func TestRecordRound(t *testing.T) {
-	st := v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, RecentRounds: []metav1.Time{at(-time.Minute)}}
-	RecordRound(&st, t0, 3)
-	RecordRound(&st, t0, 0) // nothing restarted: no round
-	want := v1alpha1.ConnectorStatus{Restarts: 4, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(0)), RecentRounds: []metav1.Time{at(-time.Minute), at(0)}}
-	if diff := cmp.Diff(want, st); diff != "" {
-		t.Errorf("status (-want +got):\n%s", diff)
+	p0, d0, d1 := unready("p-0", v1alpha1.RolePrefill), ready("d-0", v1alpha1.RoleDecode), ready("d-1", v1alpha1.RoleDecode)
+	alone := Decision{Due: []Pod{d0}, Restart: []Pod{d0}}
+	cascade := Decision{Due: []Pod{p0}, Cascade: []Pod{d0, d1}, Restart: []Pod{p0, d0, d1}}
+	for _, tc := range []struct {
+		name      string
+		d         Decision
+		restarted []Pod
+		want      v1alpha1.ConnectorStatus
+	}{
+		{"a round", alone, []Pod{d0}, v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(0)),
+			RecentRounds: []metav1.Time{at(-time.Minute), at(0)}}},
+		{"nothing restarted: no round", alone, nil, v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, RecentRounds: []metav1.Time{at(-time.Minute)}}},
+		{"a cascade round counts its decode pods", cascade, []Pod{p0, d0, d1}, v1alpha1.ConnectorStatus{Restarts: 4, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(0)),
+			RecentRounds: []metav1.Time{at(-time.Minute), at(0)}, DecodeCascadeRestarts: 2, RecentCascadeRounds: []metav1.Time{at(0)}}},
+		{"only the cascade pods deleted count", cascade, []Pod{p0, d1}, v1alpha1.ConnectorStatus{Restarts: 3, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(0)),
+			RecentRounds: []metav1.Time{at(-time.Minute), at(0)}, DecodeCascadeRestarts: 1, RecentCascadeRounds: []metav1.Time{at(0)}}},
+		{"a cascade whose decode deletes all failed is no cascade round", cascade, []Pod{p0}, v1alpha1.ConnectorStatus{Restarts: 2, ConsecutiveRounds: 2, LastRestartTime: ptr.To(at(0)),
+			RecentRounds: []metav1.Time{at(-time.Minute), at(0)}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st := v1alpha1.ConnectorStatus{Restarts: 1, ConsecutiveRounds: 1, RecentRounds: []metav1.Time{at(-time.Minute)}}
+			RecordRound(&st, t0, tc.d, tc.restarted)
+			if diff := cmp.Diff(tc.want, st); diff != "" {
+				t.Errorf("status (-want +got):\n%s", diff)
+			}
+		})
 	}
 }
 
@@ -279,6 +341,8 @@ func TestDescribeNamesWhatHappened(t *testing.T) {
 	sick := v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-0", time.Minute))}
 	spent := *sick.DeepCopy()
 	spent.RecentRounds = []metav1.Time{at(-3 * time.Minute), at(-2 * time.Minute), at(-time.Minute)}
+	cascadesSpent := *sick.DeepCopy()
+	cascadesSpent.RecentCascadeRounds = []metav1.Time{at(-3 * time.Minute), at(-2 * time.Minute)}
 	pods := []Pod{unready("p-0", v1alpha1.RolePrefill), ready("d-0", v1alpha1.RoleDecode)}
 	cases := []struct {
 		name   string
@@ -288,6 +352,7 @@ func TestDescribeNamesWhatHappened(t *testing.T) {
 	}{
 		{"healthy", policy, v1alpha1.ConnectorStatus{}, "1 running connectors ready"},
 		{"restart with cascade", policy, sick, "restarted p-0: connector not ready for 30s or more; restarted the decode pods connected to it too: d-0"},
+		{"cascade budget spent", policy, cascadesSpent, "restarted p-0: connector not ready for 30s or more; the decode pods connected to it (d-0) keep running: the decodeCascadeBudget is spent (2 rounds in the last 1h0m0s took decode pods along)"},
 		{"budget spent", policy, spent, "connector not ready in p-0; 3 restart rounds in the last 1h0m0s spent the budget, so restarts stop until the window frees one: check the connector logs"},
 		{"restarts off", noBudget, sick, "connector not ready in p-0; operator restarts are off (restartBudget: 0)"},
 		// d-1 turned unready 25s ago and is due in 5s, sooner than the backoff lifts: the

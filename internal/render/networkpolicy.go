@@ -18,17 +18,23 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 }
 
 // NetworkPolicies isolate pdc's pods, one per pool and one for the router, each named like
-// its Deployment; nil when spec.networkPolicy.enabled is false. Ingress only: egress (DNS,
-// model downloads) stays the namespace's to restrict.
+// its Deployment; nil when spec.networkPolicy.enabled is false.
+//
+// Ingress:
 //   - engines' OpenAI port: this PDCluster's router, and engineClients.
 //   - prefill's bootstrap port: the router (Mooncake asks it for the engine id) and decode.
 //   - every port of a pool from the other pool of this PDCluster: vLLM's transfer engines
 //     (Mooncake, NIXL over UCX) listen on ports they pick at run time, besides the declared
 //     bootstrap and side-channel ports.
-//   - the connector sidecars' port: the operator's namespace (it reads /gate) and monitoring.
+//   - the connector sidecars' port: the operator's manager pods (they read /gate) and
+//     monitoring.
 //   - the router's port: routerClients, or everyone when none is set (then also monitoring, and
-//     the operator's namespace with verification mode Canary or pairing: it reads GET /canary
-//     and GET /pairs).
+//     the operator's manager pods with verification mode Canary or pairing: they read
+//     GET /canary and GET /pairs).
+//
+// Egress of the engine pods (spec.networkPolicy.egress): the other pool (every port), DNS,
+// public HTTPS and the author's rules. A decode engine connects to whatever
+// remote_bootstrap_addr a request names, which these rules keep inside the PDCluster.
 //
 // Kubelet probes come from the node, which a NetworkPolicy always admits.
 func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
@@ -42,9 +48,10 @@ func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 	}
 	var operator []networkingv1.NetworkPolicyPeer
 	if opts.OperatorNamespace != "" {
-		operator = []networkingv1.NetworkPolicyPeer{{NamespaceSelector: &metav1.LabelSelector{
-			MatchLabels: map[string]string{corev1.LabelMetadataName: opts.OperatorNamespace},
-		}}}
+		operator = []networkingv1.NetworkPolicyPeer{{
+			NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{corev1.LabelMetadataName: opts.OperatorNamespace}},
+			PodSelector:       &metav1.LabelSelector{MatchLabels: ManagerPodLabels()},
+		}}
 	}
 	var out []*networkingv1.NetworkPolicy
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
@@ -65,7 +72,7 @@ func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 		if len(np.Monitoring) > 0 {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(vllm.APIPort, ConnectorPort)})
 		}
-		out = append(out, networkPolicy(pdc, role, rules))
+		out = append(out, networkPolicy(pdc, role, rules, engineEgress(np.Egress, pods(other))))
 	}
 	routerRules := []networkingv1.NetworkPolicyIngressRule{{From: np.RouterClients, Ports: tcp(RouterPort)}}
 	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
@@ -76,25 +83,66 @@ func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 		// (GET /pairs).
 		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(RouterPort)})
 	}
-	return append(out, networkPolicy(pdc, v1alpha1.RoleRouter, routerRules))
+	return append(out, networkPolicy(pdc, v1alpha1.RoleRouter, routerRules, nil))
 }
 
-func networkPolicy(pdc *v1alpha1.PDCluster, role v1alpha1.Role, ingress []networkingv1.NetworkPolicyIngressRule) *networkingv1.NetworkPolicy {
+// ManagerPodLabels are the labels the chart and config/manager give the operator's pods: the
+// engine pods' sidecar port admits only them from the operator's namespace.
+func ManagerPodLabels() map[string]string {
+	return map[string]string{"app.kubernetes.io/name": "pdcluster-operator", "app.kubernetes.io/component": "manager"}
+}
+
+// privateV4 and privateV6 are the ranges publicHTTPS keeps closed: where a cluster's pods,
+// Services and nodes live, and link-local (a cloud's metadata server).
+var (
+	privateV4 = []string{"0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16"}
+	privateV6 = []string{"::1/128", "fc00::/7", "fe80::/10"}
+)
+
+// engineEgress is an engine pool's egress (nil: not limited): every port of the other pool,
+// DNS (port 53 anywhere: cluster DNS, or a node-local cache on a link-local address), public
+// HTTPS and the author's rules.
+func engineEgress(e v1alpha1.EngineEgressSpec, otherPool networkingv1.NetworkPolicyPeer) []networkingv1.NetworkPolicyEgressRule {
+	if !ptr.Deref(e.Enabled, true) {
+		return nil
+	}
+	dns := append(udp(53), tcp(53)...)
+	rules := []networkingv1.NetworkPolicyEgressRule{{To: []networkingv1.NetworkPolicyPeer{otherPool}}, {Ports: dns}}
+	if ptr.Deref(e.PublicHTTPS, true) {
+		rules = append(rules, networkingv1.NetworkPolicyEgressRule{Ports: tcp(443), To: []networkingv1.NetworkPolicyPeer{
+			{IPBlock: &networkingv1.IPBlock{CIDR: "0.0.0.0/0", Except: privateV4}},
+			{IPBlock: &networkingv1.IPBlock{CIDR: "::/0", Except: privateV6}},
+		}})
+	}
+	return append(rules, e.Allow...)
+}
+
+// networkPolicy selects role's pods; egress nil leaves their connections out unlimited.
+func networkPolicy(pdc *v1alpha1.PDCluster, role v1alpha1.Role, ingress []networkingv1.NetworkPolicyIngressRule, egress []networkingv1.NetworkPolicyEgressRule) *networkingv1.NetworkPolicy {
+	types := []networkingv1.PolicyType{networkingv1.PolicyTypeIngress}
+	if egress != nil {
+		types = append(types, networkingv1.PolicyTypeEgress)
+	}
 	return &networkingv1.NetworkPolicy{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
 		ObjectMeta: objectMeta(pdc, role),
 		Spec: networkingv1.NetworkPolicySpec{
 			PodSelector: metav1.LabelSelector{MatchLabels: Labels(pdc.Name, role)},
-			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			PolicyTypes: types,
 			Ingress:     ingress,
+			Egress:      egress,
 		},
 	}
 }
 
-func tcp(ports ...int32) []networkingv1.NetworkPolicyPort {
+func tcp(ports ...int32) []networkingv1.NetworkPolicyPort { return portsOf(corev1.ProtocolTCP, ports) }
+
+func udp(ports ...int32) []networkingv1.NetworkPolicyPort { return portsOf(corev1.ProtocolUDP, ports) }
+
+func portsOf(proto corev1.Protocol, ports []int32) []networkingv1.NetworkPolicyPort {
 	out := make([]networkingv1.NetworkPolicyPort, len(ports))
 	for i, p := range ports {
-		out[i] = networkingv1.NetworkPolicyPort{Protocol: ptr.To(corev1.ProtocolTCP), Port: ptr.To(intstr.FromInt32(p))}
+		out[i] = networkingv1.NetworkPolicyPort{Protocol: ptr.To(proto), Port: ptr.To(intstr.FromInt32(p))}
 	}
 	return out
 }

@@ -1,7 +1,10 @@
 package render_test
 
 import (
+	"maps"
+	"net/netip"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -11,6 +14,7 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -96,9 +100,11 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 			of := func(role v1alpha1.Role) peer {
 				return peer{name: string(role), labels: render.Labels(pdc.Name, role), nsLabels: ns, sameNS: true}
 			}
-			operator := peer{name: "operator", labels: map[string]string{"control-plane": "controller-manager"}, nsLabels: map[string]string{corev1.LabelMetadataName: opts.OperatorNamespace}}
+			operatorNS := map[string]string{corev1.LabelMetadataName: opts.OperatorNamespace}
+			operator := peer{name: "operator", labels: render.ManagerPodLabels(), nsLabels: operatorNS}
 			strangers := []peer{
 				{name: "a pod of the namespace", labels: map[string]string{"app": "other"}, nsLabels: ns, sameNS: true},
+				{name: "another pod of the operator's namespace", labels: map[string]string{"app": "webhook"}, nsLabels: operatorNS},
 				{name: "another PDCluster's router", labels: render.Labels("other", v1alpha1.RoleRouter), nsLabels: ns, sameNS: true},
 				{name: "a pod of another namespace", labels: render.Labels(pdc.Name, v1alpha1.RoleRouter), nsLabels: map[string]string{corev1.LabelMetadataName: "elsewhere"}},
 			}
@@ -107,7 +113,7 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 			needs := func(role v1alpha1.Role, port string) ([]peer, bool) {
 				switch {
 				case role == v1alpha1.RoleRouter && port == "http":
-					return append([]peer{of(v1alpha1.RolePrefill)}, strangers...), true // everyone
+					return append([]peer{{name: "a client", labels: map[string]string{"app": "chat"}, nsLabels: ns, sameNS: true}}, strangers...), true // everyone (the engines need not reach it)
 				case port == "http":
 					return []peer{of(v1alpha1.RoleRouter), of(other[role])}, true
 				case port == "bootstrap":
@@ -135,6 +141,11 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 							if !admits(t, policies, to, p.ContainerPort, from) {
 								t.Errorf("%s port %s (%d) is closed to %s", role, p.Name, p.ContainerPort, from.name)
 							}
+							// and the sender's own egress lets it out
+							there := dest{peer: peer{labels: to, nsLabels: ns, sameNS: true}, proto: corev1.ProtocolTCP, port: p.ContainerPort}
+							if from.sameNS && !allowsEgress(t, policies, from.labels, there) {
+								t.Errorf("%s port %s (%d): %s may not connect to it", role, p.Name, p.ContainerPort, from.name)
+							}
 						}
 						for _, from := range strangers {
 							if !wanted[from.name] && admits(t, policies, to, p.ContainerPort, from) {
@@ -155,7 +166,7 @@ func TestNetworkPolicyAdmitsTheOperatorToTheCanary(t *testing.T) {
 	pdc := load(t, filepath.Join("testdata", "minimal.yaml"))
 	opts := render.DefaultOptions()
 	opts.OperatorNamespace = "pdcluster-system"
-	operator := peer{name: "operator", labels: map[string]string{"app": "manager"}, nsLabels: map[string]string{corev1.LabelMetadataName: "pdcluster-system"}}
+	operator := peer{name: "operator", labels: render.ManagerPodLabels(), nsLabels: map[string]string{corev1.LabelMetadataName: "pdcluster-system"}}
 	pdc.Spec.NetworkPolicy.RouterClients = []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "bench"}}}}
 	for mode, want := range map[v1alpha1.KVVerificationMode]bool{v1alpha1.KVVerificationPassive: false, v1alpha1.KVVerificationCanary: true} {
 		p := pdc.DeepCopy()
@@ -211,6 +222,162 @@ func TestNetworkPolicySettings(t *testing.T) {
 				}
 				if got := admits(t, policies, render.Labels(p.Name, v1alpha1.Role(role)), int32(port), peers[from]); got != want {
 					t.Errorf("%s: admitted %v, want %v", key, got, want)
+				}
+			}
+		})
+	}
+}
+
+// dest is where a pod connects: another pod (labels, its namespace's labels, sameNS) or an
+// address outside the cluster's pods (ip).
+type dest struct {
+	peer
+	ip    string
+	proto corev1.Protocol
+	port  int32
+}
+
+// allowsEgress evaluates NetworkPolicy egress as the API defines it: a pod selected by no
+// policy of type Egress connects anywhere; a selected pod where some egress rule of some such
+// policy allows (no to: every destination; no ports: every port). An ipBlock matches
+// addresses, not pods (implementations differ there, so the rules never rely on it).
+func allowsEgress(t *testing.T, policies []*networkingv1.NetworkPolicy, from map[string]string, to dest) bool {
+	t.Helper()
+	match := func(sel *metav1.LabelSelector, l map[string]string) bool {
+		s, err := metav1.LabelSelectorAsSelector(sel)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.Matches(labels.Set(l))
+	}
+	inBlock := func(b *networkingv1.IPBlock) bool {
+		if to.ip == "" {
+			return false
+		}
+		ip := netip.MustParseAddr(to.ip)
+		if !netip.MustParsePrefix(b.CIDR).Contains(ip) {
+			return false
+		}
+		for _, e := range b.Except {
+			if netip.MustParsePrefix(e).Contains(ip) {
+				return false
+			}
+		}
+		return true
+	}
+	selected := false
+	for _, np := range policies {
+		if !match(&np.Spec.PodSelector, from) || !slices.Contains(np.Spec.PolicyTypes, networkingv1.PolicyTypeEgress) {
+			continue
+		}
+		selected = true
+		for _, rule := range np.Spec.Egress {
+			portOK := len(rule.Ports) == 0
+			for _, p := range rule.Ports {
+				if ptr.Deref(p.Protocol, corev1.ProtocolTCP) == to.proto && (p.Port == nil || p.Port.IntVal == to.port) {
+					portOK = true
+				}
+			}
+			toOK := len(rule.To) == 0
+			for _, p := range rule.To {
+				switch {
+				case p.IPBlock != nil:
+					toOK = toOK || inBlock(p.IPBlock)
+				case to.ip != "":
+				case p.NamespaceSelector == nil:
+					toOK = toOK || (to.sameNS && match(p.PodSelector, to.labels))
+				default:
+					toOK = toOK || (match(p.NamespaceSelector, to.nsLabels) && (p.PodSelector == nil || match(p.PodSelector, to.labels)))
+				}
+			}
+			if portOK && toOK {
+				return true
+			}
+		}
+	}
+	return !selected
+}
+
+// The engine pods connect to the other pool on any port (transfer engines), DNS and public
+// HTTPS, and nowhere else a forged remote_bootstrap_addr could send a decode engine: not the
+// cluster's Services, other pods, or a cloud's metadata server. spec.networkPolicy.egress
+// narrows or widens that; the router is not limited.
+func TestNetworkPolicyEgress(t *testing.T) {
+	pdc := load(t, filepath.Join("testdata", "minimal.yaml"))
+	ns := map[string]string{corev1.LabelMetadataName: pdc.Namespace}
+	pod := func(l map[string]string, nsLabels map[string]string, port int32) dest {
+		return dest{peer: peer{labels: l, nsLabels: nsLabels, sameNS: nsLabels[corev1.LabelMetadataName] == pdc.Namespace}, proto: corev1.ProtocolTCP, port: port}
+	}
+	addr := func(ip string, port int32) dest { return dest{ip: ip, proto: corev1.ProtocolTCP, port: port} }
+	dests := map[string]dest{
+		"decode:41000":    pod(render.Labels(pdc.Name, v1alpha1.RoleDecode), ns, 41000),
+		"prefill:8998":    pod(render.Labels(pdc.Name, v1alpha1.RolePrefill), ns, 8998),
+		"prefill:41000":   pod(render.Labels(pdc.Name, v1alpha1.RolePrefill), ns, 41000),
+		"router:8000":     pod(render.Labels(pdc.Name, v1alpha1.RoleRouter), ns, 8000),
+		"other-pdc:8998":  pod(render.Labels("other", v1alpha1.RolePrefill), ns, 8998),
+		"stranger:8080":   pod(map[string]string{"app": "stranger"}, ns, 8080),
+		"elsewhere:443":   pod(map[string]string{"app": "api"}, map[string]string{corev1.LabelMetadataName: "elsewhere"}, 443),
+		"kube-dns:udp/53": {peer: peer{labels: map[string]string{"k8s-app": "kube-dns"}, nsLabels: map[string]string{corev1.LabelMetadataName: "kube-system"}}, proto: corev1.ProtocolUDP, port: 53},
+		"node-dns:udp/53": {ip: "169.254.20.10", proto: corev1.ProtocolUDP, port: 53},
+		"metadata:80":     addr("169.254.169.254", 80),
+		"metadata:443":    addr("169.254.169.254", 443),
+		"kubernetes:443":  addr("10.96.0.1", 443),
+		"node:10250":      addr("192.168.1.10", 10250),
+		"hub:443":         addr("18.244.28.70", 443),
+		"hub:80":          addr("18.244.28.70", 80),
+		"hub-v6:443":      addr("2600:9000:2000::1", 443),
+		"ula-v6:443":      addr("fd00::10", 443),
+		"minio:9000":      addr("10.0.5.7", 9000),
+	}
+	minio := networkingv1.NetworkPolicyEgressRule{
+		To:    []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "10.0.5.0/24"}}},
+		Ports: []networkingv1.NetworkPolicyPort{{Protocol: ptr.To(corev1.ProtocolTCP), Port: ptr.To(intstr.FromInt32(9000))}},
+	}
+	defaults := map[string]bool{
+		"prefill/decode:41000": true, "decode/prefill:8998": true, "decode/prefill:41000": true,
+		"decode/kube-dns:udp/53": true, "prefill/node-dns:udp/53": true,
+		"decode/hub:443": true, "prefill/hub-v6:443": true,
+		"prefill/prefill:41000": false, "decode/router:8000": false, "decode/other-pdc:8998": false,
+		"decode/stranger:8080": false, "decode/elsewhere:443": false, "prefill/elsewhere:443": false,
+		"decode/metadata:80": false, "decode/metadata:443": false, "decode/kubernetes:443": false,
+		"decode/node:10250": false, "decode/hub:80": false, "decode/ula-v6:443": false, "decode/minio:9000": false,
+		"router/prefill:8998": true, "router/stranger:8080": true, "router/metadata:80": true,
+	}
+	everywhere := map[string]bool{}
+	for key := range defaults {
+		everywhere[key] = true
+	}
+	with := func(over map[string]bool) map[string]bool {
+		out := maps.Clone(defaults)
+		maps.Copy(out, over)
+		return out
+	}
+	for _, tc := range []struct {
+		name string
+		e    v1alpha1.EngineEgressSpec
+		want map[string]bool
+	}{
+		{"defaults", v1alpha1.EngineEgressSpec{}, defaults},
+		{"disabled", v1alpha1.EngineEgressSpec{Enabled: ptr.To(false)}, everywhere},
+		{"no public HTTPS", v1alpha1.EngineEgressSpec{PublicHTTPS: ptr.To(false)}, with(map[string]bool{
+			"decode/hub:443": false, "prefill/hub-v6:443": false,
+		})},
+		{"an S3 endpoint allowed", v1alpha1.EngineEgressSpec{Allow: []networkingv1.NetworkPolicyEgressRule{minio}}, with(map[string]bool{
+			"decode/minio:9000": true, "prefill/minio:9000": true,
+		})},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := pdc.DeepCopy()
+			p.Spec.NetworkPolicy.Egress = tc.e
+			policies := render.NetworkPolicies(p, render.DefaultOptions())
+			for key, want := range tc.want {
+				role, to, _ := strings.Cut(key, "/")
+				d, ok := dests[to]
+				if !ok {
+					t.Fatalf("no destination %q", to)
+				}
+				if got := allowsEgress(t, policies, render.Labels(p.Name, v1alpha1.Role(role)), d); got != want {
+					t.Errorf("%s: allowed %v, want %v", key, got, want)
 				}
 			}
 		})

@@ -77,10 +77,10 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 				PeriodSeconds: ptr.To(v1alpha1.DefaultHealthPeriodSeconds), FailureThreshold: ptr.To(v1alpha1.DefaultHealthFailureThreshold),
 				InitialBackoffSeconds: ptr.To(v1alpha1.DefaultInitialBackoffSeconds), MaxBackoffSeconds: ptr.To(v1alpha1.DefaultMaxBackoffSeconds),
 				RestartBudget: ptr.To(v1alpha1.DefaultRestartBudget), BudgetWindowSeconds: ptr.To(v1alpha1.DefaultBudgetWindowSeconds),
-				RestartDecodeWithPrefill: ptr.To(true),
+				RestartDecodeWithPrefill: ptr.To(true), DecodeCascadeBudget: ptr.To(v1alpha1.DefaultDecodeCascadeBudget),
 			},
 		},
-		NetworkPolicy: v1alpha1.NetworkPolicySpec{Enabled: ptr.To(true)},
+		NetworkPolicy: v1alpha1.NetworkPolicySpec{Enabled: ptr.To(true), Egress: v1alpha1.EngineEgressSpec{Enabled: ptr.To(true), PublicHTTPS: ptr.To(true)}},
 	}
 	if diff := cmp.Diff(want, doc.PDCluster.Spec); diff != "" {
 		t.Errorf("defaulted spec (-want +got):\n%s", diff)

@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -78,6 +80,41 @@ func dial(stranger, addr string) error {
 	return nil
 }
 
+// seen is how many requests reached the stranger other than the test's own.
+func seen(stranger string) (int, error) {
+	hc := &http.Client{Timeout: 10 * time.Second}
+	resp, err := hc.Get("http://" + net.JoinHostPort(stranger, "8080") + "/seen")
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return strconv.Atoi(strings.TrimSpace(string(b)))
+}
+
+// forgedPull sends decode a request whose kv_transfer_params name the stranger as prefill's
+// bootstrap server, as a compromised pod of the PDCluster could (the router refuses a client's
+// kv_transfer_params; the node's own processes reach decode's API unjudged): decode asks the
+// stranger for the engine's topology when it schedules the pull. It returns once decode has
+// answered or given up.
+func (r realNode) forgedPull(t *testing.T, stranger string) {
+	t.Helper()
+	decode := r.pods(v1alpha1.RoleDecode)[0].Status.PodIP
+	body, _ := json.Marshal(map[string]any{"model": realModel, "prompt": words(20), "max_tokens": 1, "kv_transfer_params": map[string]any{
+		vllm.DoRemotePrefill: true, vllm.TransferID: "forged-" + strconv.FormatInt(time.Now().UnixNano(), 36),
+		vllm.RemoteEngineID: "forged", vllm.RemoteBootstrapAddr: "http://" + net.JoinHostPort(stranger, "8080"),
+	}})
+	hc := &http.Client{Timeout: 60 * time.Second}
+	resp, err := hc.Post("http://"+net.JoinHostPort(decode, "8000")+"/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Logf("forged pull: %v", err)
+		return
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	t.Logf("forged pull: decode answered %s %s", resp.Status, bytes.TrimSpace(b))
+}
+
 // engineTargets are the ports of the sample's engine pods nobody outside the PDCluster may
 // reach: each engine's API and sidecar, prefill's bootstrap server, and the port its transfer
 // engine registered there (picked at run time).
@@ -128,6 +165,15 @@ func (r realNode) enforcesNetworkPolicy(t *testing.T) {
 		return nil
 	}
 	r.eventually("the stranger reaches the router and none of the engines' ports", blocked)
+	// Egress: a forged remote_bootstrap_addr cannot send decode out of the PDCluster.
+	before, err := seen(stranger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.forgedPull(t, stranger)
+	if after, err := seen(stranger); err != nil || after != before {
+		t.Fatalf("decode, sent to the stranger by a forged remote_bootstrap_addr, reached it: %d requests seen, %d before (%v)", after, before, err)
+	}
 	var gated int64
 	if g := r.pdc().Status.Decode.Gate; g != nil {
 		gated = g.GatedCompletions
@@ -158,6 +204,18 @@ func (r realNode) enforcesNetworkPolicy(t *testing.T) {
 			if err := dial(stranger, addr); err != nil {
 				return fmt.Errorf("%s at %s: %w", what, addr, err)
 			}
+		}
+		return nil
+	})
+	// The same forged pull reaches the stranger now: what stopped it was the egress policy.
+	r.eventually("without the policies a forged remote_bootstrap_addr sends decode to the stranger", func() error {
+		before, err := seen(stranger)
+		if err != nil {
+			return err
+		}
+		r.forgedPull(t, stranger)
+		if after, err := seen(stranger); err != nil || after == before {
+			return fmt.Errorf("the stranger saw %d requests, %d before (%v)", after, before, err)
 		}
 		return nil
 	})

@@ -22,6 +22,8 @@ type Completion struct {
 	MaxTokens int
 	// KVTransferParams, if set, are sent as the router sends them to one leg.
 	KVTransferParams map[string]any
+	// RequestID, if set, is sent as X-Request-Id.
+	RequestID string
 }
 
 // Answer is an OpenAI completion answer as far as the tests read it.
@@ -50,6 +52,9 @@ func Complete(ctx context.Context, base string, c Completion) (Answer, error) {
 		return Answer{}, err
 	}
 	hreq.Header.Set("Content-Type", "application/json")
+	if c.RequestID != "" {
+		hreq.Header.Set("X-Request-Id", c.RequestID)
+	}
 	resp, err := http.DefaultClient.Do(hreq)
 	if err != nil {
 		return Answer{}, err

@@ -57,6 +57,7 @@ func TestRealEngines(t *testing.T) {
 			t.Run("a producer's held KV reaches the sidecar", d.testHeldSends)
 			t.Run("a decode leg the API server refuses", d.testRejectedDecodeLeg)
 			t.Run("a client that gives up while decode waits", d.testAbortWhileWaiting)
+			t.Run("two clients with one X-Request-Id", d.testDuplicateRequestIDs)
 			// Last: they kill and restart engines.
 			t.Run("prefill killed while its leg waits", d.testPrefillKilled)
 			t.Run("decode killed while it generates", d.testDecodeKilled)
@@ -408,6 +409,84 @@ func (d *deployment) testAbortWhileWaiting(t *testing.T) {
 		}
 		<-busy
 	})
+}
+
+// Two clients that send the same X-Request-Id (the router hands a client's id to both legs, as
+// the engines' request id): vLLM adds a random suffix to every request id it is given (its
+// InputProcessor.assign_request_id), so both complete with their own prompt's tokens, and one
+// client giving up aborts its own request only (vLLM aborts a disconnected request by its
+// internal id), on both engines. The router therefore keeps the client's id.
+func (d *deployment) testDuplicateRequestIDs(t *testing.T) {
+	ctx := context.Background()
+	const id = "one-id-two-clients"
+	alone := func(c Completion) []int {
+		t.Helper()
+		a, err := Complete(ctx, d.prefill.Engine, Completion{Prompt: c.Prompt, MaxTokens: c.MaxTokens})
+		if err != nil || a.Status != 200 {
+			t.Fatalf("one engine alone: %d %s %v", a.Status, a.Body, err)
+		}
+		return a.TokenIDs
+	}
+	type result struct {
+		a   Answer
+		err error
+	}
+	start := func(ctx context.Context, c Completion) <-chan result {
+		out := make(chan result, 1)
+		go func() {
+			a, err := Complete(ctx, d.gatedVia.URL, c)
+			out <- result{a, err}
+		}()
+		return out
+	}
+	// Both run in decode at once and answer their own tokens.
+	first := Completion{Prompt: Prompt(11, 100), MaxTokens: 300, RequestID: id}
+	second := Completion{Prompt: Prompt(12, 100), MaxTokens: 8, RequestID: id}
+	firstDone := start(ctx, first)
+	if !waitGauge(d.gated, vllm.MetricNumRequestsRunning, 1) {
+		t.Fatal("decode does not run the first request")
+	}
+	secondDone := start(ctx, second)
+	for _, r := range []struct {
+		c    Completion
+		done <-chan result
+	}{{first, firstDone}, {second, secondDone}} {
+		got := <-r.done
+		if got.err != nil || got.a.Status != 200 {
+			t.Fatalf("a request sharing its X-Request-Id: %d %s %v", got.a.Status, got.a.Body, got.err)
+		}
+		if want := alone(r.c); fmt.Sprint(got.a.TokenIDs) != fmt.Sprint(want) {
+			t.Errorf("a request sharing its X-Request-Id answered %v, the same prompt alone %v", got.a.TokenIDs, want)
+		}
+	}
+
+	// One client gives up while the other's request, same id, runs: the other completes.
+	gone, giveUp := context.WithCancel(ctx)
+	goneDone := start(gone, Completion{Prompt: Prompt(13, 100), MaxTokens: 900, RequestID: id}) // up to the model length, 1024
+	if !waitGauge(d.gated, vllm.MetricNumRequestsRunning, 1) {
+		t.Fatal("decode does not run the request that will be given up")
+	}
+	stays := Completion{Prompt: Prompt(14, 100), MaxTokens: 200, RequestID: id}
+	staysDone := start(ctx, stays)
+	if !waitGauge(d.gated, vllm.MetricNumRequestsRunning, 2) {
+		t.Fatal("decode does not run both requests")
+	}
+	giveUp()
+	if r := <-goneDone; r.err == nil {
+		t.Logf("the given-up request answered %d before the client left", r.a.Status)
+	}
+	got := <-staysDone
+	if got.err != nil || got.a.Status != 200 {
+		t.Fatalf("the request whose twin's client gave up: %d %s %v", got.a.Status, got.a.Body, got.err)
+	}
+	if want := alone(stays); fmt.Sprint(got.a.TokenIDs) != fmt.Sprint(want) {
+		t.Errorf("the request whose twin's client gave up answered %v, the same prompt alone %v", got.a.TokenIDs, want)
+	}
+	for _, p := range []*Pod{d.prefill, d.gated} {
+		if !Healthy(ctx, p.Engine) {
+			t.Errorf("%s unhealthy after two requests shared an id; its log ends:\n%s", p.Name, p.EngineProc.Tail(3000))
+		}
+	}
 }
 
 // The router's failure policy with a real prefill engine killed while a request's prefill leg

@@ -1,7 +1,9 @@
 // Command netprobe is a stranger on the local cluster's pod network, for the end-to-end test of
 // NetworkPolicy enforcement: GET /dial?addr=host:port tries one TCP connection from this pod and
 // answers 200 when it was accepted, 502 with the error when not (refused, or no answer within
-// --dial-timeout: a dropped SYN). It never ships.
+// --dial-timeout: a dropped SYN). Every other request (a decode engine sent here by a forged
+// remote_bootstrap_addr asks GET /query) is answered 404 and counted: GET /seen answers the
+// count. It never ships.
 package main
 
 import (
@@ -10,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"sync/atomic"
 	"time"
 )
 
@@ -32,6 +35,12 @@ func main() {
 		}
 		c.Close()
 		fmt.Fprintln(w, "connected")
+	})
+	var seen atomic.Int64
+	mux.HandleFunc("GET /seen", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, seen.Load()) })
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		seen.Add(1)
+		http.NotFound(w, r)
 	})
 	srv := &http.Server{Addr: *listen, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	if err := srv.ListenAndServe(); err != nil {
