@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
-	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -105,14 +104,9 @@ func DataParallelOf(d *appsv1.Deployment) int32 {
 		if c.Name != v1alpha1.EngineContainerName {
 			continue
 		}
-		for i, a := range c.Args {
-			v, ok := strings.CutPrefix(a, "--data-parallel-size=")
-			if !ok && a == "--data-parallel-size" && i+1 < len(c.Args) {
-				v, ok = c.Args[i+1], true
-			}
-			if n, err := strconv.ParseInt(v, 10, 32); ok && err == nil && n > 1 {
-				return int32(n)
-			}
+		v := flagValues(c.Args, map[string]string{"--data-parallel-size": "dp"})["dp"]
+		if n, err := strconv.ParseInt(v, 10, 32); err == nil && n > 1 {
+			return int32(n)
 		}
 	}
 	return 0
@@ -156,14 +150,7 @@ func StreamFirstTokenTimeout(pdc *v1alpha1.PDCluster) int32 {
 // maxModelLen is the --max-model-len of args (vLLM's forms: 8192, 8k, 8K, 1m, 1M, as
 // --flag=value or --flag value; k is 1000, K 1024); 0 when absent or unreadable.
 func maxModelLen(args []string) int64 {
-	var v string
-	for i, a := range args {
-		if rest, ok := strings.CutPrefix(a, "--max-model-len="); ok {
-			v = rest
-		} else if a == "--max-model-len" && i+1 < len(args) {
-			v = args[i+1]
-		}
-	}
+	v := flagValues(args, map[string]string{"--max-model-len": "len"})["len"]
 	mult := int64(1)
 	if n := len(v); n > 0 {
 		if m, ok := map[byte]int64{'k': 1000, 'K': 1024, 'm': 1000 * 1000, 'M': 1024 * 1024}[v[n-1]]; ok {

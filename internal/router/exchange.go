@@ -29,6 +29,9 @@ type exchange struct {
 	reqID string
 	pools *Pools
 	start time.Time // the request's arrival
+	// firstToken is how long the request may wait for its first byte (firstTokenBudget); 0:
+	// no limit.
+	firstToken time.Duration
 
 	mu       sync.Mutex
 	tried    []string // endpoints that failed in this request
@@ -127,8 +130,8 @@ func (a *attempt) release() {
 func (x *exchange) run() {
 	r := x.r
 	r.budget.request()
-	if d := x.firstTokenBudget(); d > 0 {
-		t := time.AfterFunc(d, func() {
+	if x.firstToken > 0 {
+		t := time.AfterFunc(x.firstToken, func() {
 			x.timedOut.Store(true)
 			if a := x.cur.Load(); a != nil {
 				a.abandon(a.hung())
@@ -189,12 +192,11 @@ func (x *exchange) run() {
 // firstTokenBudget is how long the request may wait for its first byte: the policy's
 // firstTokenTimeoutSeconds, else, for a streaming request, the derived default (a request
 // that does not stream has its whole answer as its first byte, however long it generates).
-func (x *exchange) firstTokenBudget() time.Duration {
-	p := x.r.policy
+func firstTokenBudget(p FailurePolicy, body map[string]json.RawMessage) time.Duration {
 	if p.FirstTokenTimeout > 0 {
 		return p.FirstTokenTimeout
 	}
-	if string(x.body["stream"]) == "true" {
+	if string(body["stream"]) == "true" {
 		return p.StreamFirstTokenTimeout
 	}
 	return 0
@@ -208,7 +210,7 @@ func (a *attempt) hung() *legError {
 		l, endpoint = legPrefill, a.p.URL
 	}
 	return &legError{leg: l, cause: causeFirstToken, endpoint: endpoint, status: http.StatusGatewayTimeout,
-		msg: fmt.Sprintf("no first token within %s (failurePolicy.firstTokenTimeoutSeconds): the %s engine %s did not answer; both legs cancelled", a.x.firstTokenBudget(), l, endpoint)}
+		msg: fmt.Sprintf("no first token within %s (failurePolicy.firstTokenTimeoutSeconds): the %s engine %s did not answer; both legs cancelled", a.x.firstToken, l, endpoint)}
 }
 
 // avoid leaves out the endpoints ejected or failed in this request; nil (nothing to check)
@@ -287,7 +289,7 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 	// Only an attempt that can be abandoned gets a context of its own (Mooncake's decode leg
 	// waits while its prefill may fail; the hang budget abandons any): NIXL's legs run one
 	// after the other on the client's.
-	if (r.cfg.Flow == routerconfig.FlowMooncake && !decodeOnly) || x.firstTokenBudget() > 0 {
+	if (r.cfg.Flow == routerconfig.FlowMooncake && !decodeOnly) || x.firstToken > 0 {
 		a.ctx, a.cancel = context.WithCancelCause(x.req.Context())
 	} else {
 		a.ctx, a.cancel = x.req.Context(), noCancel

@@ -469,6 +469,6 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		writeError(sw, http.StatusServiceUnavailable, noPairableDomain)
 		return
 	}
-	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start}
+	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start, firstToken: firstTokenBudget(r.policy, body)}
 	x.run()
 }

@@ -16,6 +16,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 // podIP is what the kubelet would give the pod: every pod of the harness is on loopback.
@@ -167,13 +169,8 @@ func (l *podLayout) env(c corev1.Container) ([]string, map[string]string, error)
 // resourceValue is the downward API's value of ref for c: its limit or request over the
 // divisor. A memory limit c does not set is the node's memory, as the kubelet gives it.
 func resourceValue(c corev1.Container, ref *corev1.ResourceFieldSelector) (string, error) {
-	kind, name, _ := strings.Cut(ref.Resource, ".")
-	list := map[string]corev1.ResourceList{"limits": c.Resources.Limits, "requests": c.Resources.Requests}[kind]
-	q, ok := list[corev1.ResourceName(name)]
-	if !ok {
-		if ref.Resource != "limits.memory" {
-			return "", fmt.Errorf("%s is not set and has no stand-in on loopback", ref.Resource)
-		}
+	var node corev1.ResourceList
+	if ref.Resource == "limits.memory" {
 		b, err := os.ReadFile("/proc/meminfo")
 		var kib int64
 		if err == nil {
@@ -182,13 +179,13 @@ func resourceValue(c corev1.Container, ref *corev1.ResourceFieldSelector) (strin
 		if err != nil {
 			return "", fmt.Errorf("the node's memory for %s: %w", ref.Resource, err)
 		}
-		q = *resource.NewQuantity(kib<<10, resource.BinarySI)
+		node = corev1.ResourceList{corev1.ResourceMemory: *resource.NewQuantity(kib<<10, resource.BinarySI)}
 	}
-	divisor := int64(1)
-	if !ref.Divisor.IsZero() {
-		divisor = ref.Divisor.Value()
+	v, ok := wrappers.ResourceFieldValue(c, ref, node)
+	if !ok {
+		return "", fmt.Errorf("%s is not set and has no stand-in on loopback", ref.Resource)
 	}
-	return strconv.FormatInt(q.Value()/divisor, 10), nil
+	return v, nil
 }
 
 // args are c's command and arguments, $(VAR) expanded as the kubelet does and laid out.

@@ -259,18 +259,11 @@ func ContainerArgs(t testing.TB, c corev1.Container, podIP string) []string {
 		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP":
 			values[e.Name] = podIP
 		case e.ValueFrom.ResourceFieldRef != nil:
-			ref := e.ValueFrom.ResourceFieldRef
-			kind, name, _ := strings.Cut(ref.Resource, ".")
-			list := map[string]corev1.ResourceList{"limits": c.Resources.Limits, "requests": c.Resources.Requests}[kind]
-			q, ok := list[corev1.ResourceName(name)]
+			v, ok := ResourceFieldValue(c, e.ValueFrom.ResourceFieldRef, nil)
 			if !ok {
-				t.Fatalf("container %s: %s's %s is not set here (the kubelet would give the node's)", c.Name, e.Name, ref.Resource)
+				t.Fatalf("container %s: %s's %s is not set here (the kubelet would give the node's)", c.Name, e.Name, e.ValueFrom.ResourceFieldRef.Resource)
 			}
-			divisor := int64(1)
-			if !ref.Divisor.IsZero() {
-				divisor = ref.Divisor.Value()
-			}
-			values[e.Name] = strconv.FormatInt(q.Value()/divisor, 10)
+			values[e.Name] = v
 		}
 	}
 	out := make([]string, 0, len(c.Args))
@@ -284,4 +277,23 @@ func ContainerArgs(t testing.TB, c corev1.Container, podIP string) []string {
 		out = append(out, a)
 	}
 	return out
+}
+
+// ResourceFieldValue is what the kubelet gives a resourceFieldRef of c: the container's request
+// or limit divided by the divisor. Unset, the kubelet gives the node's allocatable: node is it
+// (nil: none; ok false).
+func ResourceFieldValue(c corev1.Container, ref *corev1.ResourceFieldSelector, node corev1.ResourceList) (string, bool) {
+	kind, name, _ := strings.Cut(ref.Resource, ".")
+	list := map[string]corev1.ResourceList{"limits": c.Resources.Limits, "requests": c.Resources.Requests}[kind]
+	q, ok := list[corev1.ResourceName(name)]
+	if !ok {
+		if q, ok = node[corev1.ResourceName(name)]; !ok {
+			return "", false
+		}
+	}
+	divisor := int64(1)
+	if !ref.Divisor.IsZero() {
+		divisor = ref.Divisor.Value()
+	}
+	return strconv.FormatInt(q.Value()/divisor, 10), true
 }
