@@ -39,7 +39,7 @@ helm_install() {
 
 # run_manager_process runs the manager here, for a cluster of kwok nodes only (they run no
 # containers), with a token of the chart's ServiceAccount: exactly the RBAC a manager pod has.
-# --read-gate-status=false: kwok's pods run no sidecar.
+# --read-pod-reports=false: kwok's pods run no sidecar and no router answers.
 run_manager_process() {
 	(cd "${root}" && go build -o bin/manager ./cmd/manager)
 	local token; token="$("${kubectl}" create token "${release}" --namespace "${namespace}" --duration 24h)"
@@ -60,7 +60,7 @@ current-context: operator
 KC
 	KUBECONFIG="${dir}/operator.kubeconfig" "${root}/bin/manager" \
 		--metrics-bind-address "${manager_metrics}" --metrics-secure=false --health-probe-bind-address "${manager_probes}" \
-		--read-gate-status=false >"${dir}/manager.log" 2>&1 &
+		--read-pod-reports=false >"${dir}/manager.log" 2>&1 &
 	echo $! >"${dir}/manager.pid"
 	for _ in $(seq 1 60); do curl -fsS "http://${manager_probes}/readyz" >/dev/null 2>&1 && break; sleep 0.5; done
 	curl -fsS "http://${manager_probes}/readyz" >/dev/null || { tail -20 "${dir}/manager.log" >&2; exit 1; }

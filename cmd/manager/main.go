@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime"
@@ -25,11 +26,13 @@ import (
 type settings struct {
 	metricsAddr, probeAddr string
 	metricsSecure          bool
-	leaderElect, readGate  bool
+	leaderElect, readPods  bool
 	concurrency            int
-	watchNamespaces        []string
-	opts                   render.Options
-	zap                    zap.Options
+	// deprecated are the deprecated flags given, each with what replaces it, logged at start.
+	deprecated      []string
+	watchNamespaces []string
+	opts            render.Options
+	zap             zap.Options
 }
 
 // parseFlags is separate from main so a test can check what the chart and config/manager give
@@ -62,7 +65,16 @@ func parseFlags(args []string, getenv func(string) string) (settings, error) {
 		return nil
 	})
 	fs.IntVar(&s.concurrency, "max-concurrent-reconciles", 16, "PDClusters reconciled at once")
-	fs.BoolVar(&s.readGate, "read-gate-status", true, "read the completion gate's counts from each engine pod's connector sidecar (GET http://<pod IP>:8190/gate) into status.<pool>.gate")
+	fs.BoolVar(&s.readPods, "read-pod-reports", true, "read what the pods report into status: each engine pod's connector sidecar (GET http://<pod IP>:8190/gate: the gate's counts, KV-verification evidence, held sends for drain deletion costs) and each router (GET /canary, GET /pairs); false leaves them all out (a cluster whose pods run no sidecar, as kwok's)")
+	fs.BoolFunc("read-gate-status", "deprecated: use --read-pod-reports, which it sets (it always covered the routers' canaries and pair counts too)", func(v string) error {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return err
+		}
+		s.readPods = b
+		s.deprecated = append(s.deprecated, "--read-gate-status: use --read-pod-reports")
+		return nil
+	})
 	s.zap.BindFlags(fs)
 	return s, fs.Parse(args)
 }
@@ -72,9 +84,12 @@ func main() {
 	if err != nil {
 		os.Exit(2) // the FlagSet printed why
 	}
-	metricsAddr, probeAddr, leaderElect, readGate, concurrency, opts, zapOpts := s.metricsAddr, s.probeAddr, s.leaderElect, s.readGate, s.concurrency, s.opts, s.zap
+	metricsAddr, probeAddr, leaderElect, readPods, concurrency, opts, zapOpts := s.metricsAddr, s.probeAddr, s.leaderElect, s.readPods, s.concurrency, s.opts, s.zap
 	ctrl.SetLogger(zap.New(zap.UseFlagOptions(&zapOpts)))
 	setupLog := ctrl.Log.WithName("setup")
+	for _, d := range s.deprecated {
+		setupLog.Info("deprecated flag", "flag", d)
+	}
 
 	scheme := runtime.NewScheme()
 	if err := clientgoscheme.AddToScheme(scheme); err != nil {
@@ -107,7 +122,7 @@ func main() {
 
 		MaxConcurrentReconciles: concurrency,
 	}
-	if readGate {
+	if readPods {
 		reconciler.GateReader = controllers.NewHTTPGateReader()
 		routers := controllers.NewHTTPRouterReader()
 		reconciler.CanaryReader, reconciler.PairsReader = routers, routers

@@ -121,6 +121,32 @@ func TestMetricsAreSecureByDefault(t *testing.T) {
 	}
 }
 
+// --read-pod-reports turns every pod read off; the deprecated --read-gate-status still sets it
+// and is named at start.
+func TestReadPodReports(t *testing.T) {
+	for _, tc := range []struct {
+		args       []string
+		want       bool
+		deprecated bool
+	}{
+		{nil, true, false},
+		{[]string{"--read-pod-reports=false"}, false, false},
+		{[]string{"--read-gate-status=false"}, false, true},
+		{[]string{"--read-gate-status"}, true, true},
+	} {
+		s, err := parseFlags(tc.args, func(string) string { return "" })
+		if err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		if s.readPods != tc.want || (len(s.deprecated) > 0) != tc.deprecated {
+			t.Errorf("%v: read pods %v, deprecated %q; want %v, deprecated named %v", tc.args, s.readPods, s.deprecated, tc.want, tc.deprecated)
+		}
+	}
+	if _, err := parseFlags([]string{"--read-gate-status=maybe"}, func(string) string { return "" }); err == nil {
+		t.Error("--read-gate-status=maybe accepted")
+	}
+}
+
 // --watch-namespaces confines the cache to the namespaces the chart's Roles cover.
 func TestWatchNamespaces(t *testing.T) {
 	for _, tc := range []struct {
