@@ -198,22 +198,22 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	}
 	serving := revs.serving(pdc)
 	serving.Domains = topo.domains
-	objs, err := render.RenderServing(scaling.Scaled(pdc, scale.effective), r.Options, serving)
-	if err != nil {
-		return nil, nil, events, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
+	scaled := scaling.Scaled(pdc, scale.effective)
+	renderErr := func(err error) error {
+		return permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
 	}
-	// A new KV revision steps in lockstep with the older ones: the update revision's
-	// Deployments get the step's replicas, the older ones are scaled after the apply.
-	step := planRollout(pdc, revs, scale.effective, revs.routerCurrent(objs))
-	for _, o := range objs {
-		if dep, ok := o.(*appsv1.Deployment); ok {
-			switch v1alpha1.Role(dep.Labels[v1alpha1.LabelRole]) {
-			case v1alpha1.RolePrefill:
-				dep.Spec.Replicas = ptrTo(step.update.Prefill)
-			case v1alpha1.RoleDecode:
-				dep.Spec.Replicas = ptrTo(step.update.Decode)
-			}
-		}
+	// A new KV revision steps in lockstep with the older ones, and the older ones shrink only
+	// once every router pod runs the router this reconcile applies: render takes the step's
+	// replicas for the update revision's Deployments; the older ones are scaled after the apply.
+	_, router, err := render.Router(scaled, r.Options, serving)
+	if err != nil {
+		return nil, nil, events, renderErr(err)
+	}
+	step := planRollout(pdc, revs, scale.effective, revs.routerCurrent(router))
+	serving.Step = &step.update
+	objs, err := render.RenderServing(scaled, r.Options, serving)
+	if err != nil {
+		return nil, nil, events, renderErr(err)
 	}
 	// One event per action for all the children it touched: the events library merges events
 	// of one reason and action into a series that keeps only the first note, so one event per

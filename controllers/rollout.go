@@ -226,14 +226,10 @@ func planRollout(pdc *v1alpha1.PDCluster, revs engineRevisions, target scaling.E
 }
 
 // routerCurrent reports whether every router pod runs the rendered router Deployment (and so
-// its router.json) of objs: none is older, and all are available.
-func (e engineRevisions) routerCurrent(objs []render.Object) bool {
+// its router.json): none is older, and all are available.
+func (e engineRevisions) routerCurrent(rendered *appsv1.Deployment) bool {
 	observed := e.router
-	if observed == nil {
-		return false
-	}
-	i := slices.IndexFunc(objs, func(o render.Object) bool { _, ok := o.(*appsv1.Deployment); return ok && o.GetName() == observed.Name })
-	if i < 0 || !upToDate(objs[i].(*appsv1.Deployment), observed) {
+	if observed == nil || rendered.Name != observed.Name || !upToDate(rendered, observed) {
 		return false
 	}
 	want := ptr.Deref(observed.Spec.Replicas, 1)

@@ -121,13 +121,12 @@ func (r *PDClusterReconciler) writeScaleStatus(ctx context.Context, pdc *v1alpha
 	return nil
 }
 
-// scaleStatus writes each pool's requestedReplicas and the RatioConstrained condition.
-func scaleStatus(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, d *scaleDecision) []event {
+// ratioStatus writes the RatioConstrained condition: whether the scale decision ran what the
+// pools' scalers asked (poolStatuses writes what they asked).
+func ratioStatus(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, d *scaleDecision) []event {
 	if d == nil {
 		return nil
 	}
-	status.Prefill.RequestedReplicas = ptrTo(d.requested[v1alpha1.RolePrefill])
-	status.Decode.RequestedReplicas = ptrTo(d.requested[v1alpha1.RoleDecode])
 	if !scaling.Bounded(pdc) {
 		meta.RemoveStatusCondition(&status.Conditions, v1alpha1.ConditionRatioConstrained)
 		return nil

@@ -71,7 +71,7 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 		events = append(events, connectorStatus(&status, in)...)
 		events = append(events, kvStatus(&status, in.pdc, in.kv)...)
 		poolStatuses(&status, in, gates)
-		events = append(events, scaleStatus(&status, in.pdc, in.scale)...)
+		events = append(events, ratioStatus(&status, in.pdc, in.scale)...)
 		events = append(events, revisionStatus(&status, in)...)
 		pairingStatus(&status, in)
 		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
@@ -125,8 +125,9 @@ func connectorStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event 
 	return nil
 }
 
-// poolStatuses writes status.prefill, status.decode and status.router (replica counts, the
-// restarts counted so far, the gate counts), the pool conditions and Ready.
+// poolStatuses writes status.prefill, status.decode and status.router (replica counts, what the
+// pools' scalers asked, the restarts counted so far, the gate counts), the pool conditions and
+// Ready.
 func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateCounts) {
 	pdc := in.pdc
 	restarted := map[v1alpha1.Role]int32{}
@@ -197,6 +198,11 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 			notReady = append(notReady, string(c.role))
 		}
 		setCondition(status, pdc, c.condition, condStatus, reason, msg)
+	}
+	if d := in.scale; d != nil {
+		// What each pool's scaler asked (the Deployments run the decision's effective counts).
+		status.Prefill.RequestedReplicas = ptrTo(d.requested[v1alpha1.RolePrefill])
+		status.Decode.RequestedReplicas = ptrTo(d.requested[v1alpha1.RoleDecode])
 	}
 	kvReason, kvMsg := kvBlocksReady(pdc, status)
 	switch {

@@ -24,6 +24,7 @@ import (
 	"pdcluster.dev/pdcluster-operator/controllers/connectorhealth"
 	"pdcluster.dev/pdcluster-operator/controllers/kvverify"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/scaling"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
@@ -383,6 +384,16 @@ func TestComputeStatus(t *testing.T) {
 			wantDecode: v1alpha1.PoolStatus{Replicas: 2, ReadyReplicas: 2, UpdatedReplicas: 2, Ready: "2/2", ConnectorRestarts: 1},
 			wantReady:  v1alpha1.ReasonDecodeRecomputing,
 			wantEvents: []string{"Warning DecodeRecomputing", "Warning Degraded"},
+		},
+		{
+			name: "what each pool's scaler asked, beside what its Deployment runs",
+			in: func(p *v1alpha1.PDCluster) statusInputs {
+				scale := &scaleDecision{requested: map[v1alpha1.Role]int32{v1alpha1.RolePrefill: 1, v1alpha1.RoleDecode: 5},
+					effective: scaling.Effective{Prefill: 1, Decode: 2, Why: scaling.AsRequested}}
+				return statusInputs{pdc: p, now: start, obs: observed{deployments: allReady}, scale: scale}
+			},
+			wantDecode: v1alpha1.PoolStatus{Replicas: 2, ReadyReplicas: 2, UpdatedReplicas: 2, Ready: "2/2", ConnectorRestarts: 1, RequestedReplicas: ptr.To[int32](5)},
+			wantReady:  v1alpha1.ReasonAllReady,
 		},
 		{
 			name: "the decode Deployment gone: counts cleared, restarts kept, Degraded",

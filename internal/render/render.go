@@ -11,10 +11,13 @@ package render
 import (
 	"fmt"
 
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/rollout"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
@@ -53,6 +56,10 @@ type Serving struct {
 	// Domains are the values of spec.scheduling.pairing.topologyKey on the cluster's nodes,
 	// sorted: each pool of each running revision gets a Service per domain.
 	Domains []string
+	// Step, when set, is the replicas of the update revision's engine Deployments in a rollout
+	// between KV revisions (the reconciler's rollout step, which steps the revisions in
+	// lockstep); unset, each pool runs its replicas from the spec and its scaling.
+	Step *rollout.Counts
 }
 
 // RenderServing returns every object the operator creates for pdc while serving runs, in a
@@ -83,6 +90,13 @@ func RenderServing(pdc *v1alpha1.PDCluster, opts Options, serving Serving) ([]Ob
 			return nil, fmt.Errorf("render %s pool: %w", role, err)
 		}
 		dep.Name = EngineObjectName(pdc.Name, role, rev, !serving.Suffixed)
+		if serving.Step != nil {
+			n := serving.Step.Decode
+			if role == v1alpha1.RolePrefill {
+				n = serving.Step.Prefill
+			}
+			dep.Spec.Replicas = &n
+		}
 		objs = append(objs, dep, EngineService(pdc, role, rev, dep.Name))
 		if pdb := DisruptionBudget(pdc, role); pdb != nil {
 			objs = append(objs, pdb)
@@ -92,19 +106,30 @@ func RenderServing(pdc *v1alpha1.PDCluster, opts Options, serving Serving) ([]Ob
 	if GateEnabled(pdc.Spec.KVTransfer) {
 		objs = append(objs, GateConfigMap(pdc))
 	}
-	cm, err := RouterConfigMap(pdc, serving)
+	cm, router, err := Router(pdc, opts, serving)
 	if err != nil {
-		return nil, fmt.Errorf("render router config: %w", err)
-	}
-	router, err := RouterDeployment(pdc, opts, cm)
-	if err != nil {
-		return nil, fmt.Errorf("render router: %w", err)
+		return nil, err
 	}
 	objs = append(objs, cm, router, RouterService(pdc))
 	for _, np := range NetworkPolicies(pdc, opts) {
 		objs = append(objs, np)
 	}
 	return objs, nil
+}
+
+// Router is the router's ConfigMap (router.json) and Deployment as RenderServing renders them:
+// the reconciler plans a rollout's step on whether every router pod runs this Deployment
+// before it renders the engines with that step.
+func Router(pdc *v1alpha1.PDCluster, opts Options, serving Serving) (*corev1.ConfigMap, *appsv1.Deployment, error) {
+	cm, err := RouterConfigMap(pdc, serving)
+	if err != nil {
+		return nil, nil, fmt.Errorf("render router config: %w", err)
+	}
+	dep, err := RouterDeployment(pdc, opts, cm)
+	if err != nil {
+		return nil, nil, fmt.Errorf("render router: %w", err)
+	}
+	return cm, dep, nil
 }
 
 // Object is a rendered Kubernetes object. It is controller-runtime's client.Object, declared

@@ -13,6 +13,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/rollout"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
@@ -205,6 +206,42 @@ func TestRenderServing(t *testing.T) {
 	}
 	if file.PrefillHost != update.PrefillHost || file.DecodeHost != update.DecodeHost {
 		t.Errorf("router.json hosts %s, %s: want the update revision's", file.PrefillHost, file.DecodeHost)
+	}
+}
+
+// A rollout's step is render's input: the update revision's engine Deployments run the step's
+// replicas, and nothing else changes (the reconciler rewrites nothing after render, so
+// RenderServing is what it applies).
+func TestRenderServingTakesTheRolloutStep(t *testing.T) {
+	pdc := revisionBase() // prefill 2, decode 1
+	old := routerconfig.RevisionHosts{Revision: "0123456789", PrefillHost: "pd-prefill.ns.svc", DecodeHost: "pd-decode.ns.svc"}
+	serving := Serving{Suffixed: true, Old: []routerconfig.RevisionHosts{old}}
+	plain, err := RenderServing(pdc, DefaultOptions(), serving)
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving.Step = &rollout.Counts{Prefill: 1, Decode: 0}
+	stepped, err := RenderServing(pdc, DefaultOptions(), serving)
+	if err != nil {
+		t.Fatal(err)
+	}
+	replicas := map[string]int32{}
+	for i, o := range stepped {
+		if d, ok := o.(*appsv1.Deployment); ok {
+			replicas[d.Labels[v1alpha1.LabelRole]] = *d.Spec.Replicas
+			pd := plain[i].(*appsv1.Deployment).DeepCopy()
+			pd.Spec.Replicas = d.Spec.Replicas
+			if diff := cmp.Diff(pd, d); diff != "" {
+				t.Errorf("Deployment %s differs beyond its replicas (-without +with the step):\n%s", d.Name, diff)
+			}
+			continue
+		}
+		if diff := cmp.Diff(plain[i], o); diff != "" {
+			t.Errorf("%s changed with the step (-without +with):\n%s", o.GetName(), diff)
+		}
+	}
+	if d := cmp.Diff(map[string]int32{"prefill": 1, "decode": 0, "router": 1}, replicas); d != "" {
+		t.Errorf("replicas with the step (-want +got):\n%s", d)
 	}
 }
 
