@@ -114,36 +114,37 @@ func engineRestarts(pod *corev1.Pod) int32 {
 
 // kvStatus writes status.kvTransfer and KVTransferVerified from the verdict: a Warning event
 // on each change to False (or of its reason), a Normal one when verified again. With
-// verification disabled both are removed; without a verdict (pods unknown) both are kept.
-func kvStatus(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, v *kvverify.Verdict) []event {
+// verification disabled both are removed; without a verdict (pods unknown) both are kept. It
+// returns the condition as it now stands, for Ready (kvBlocksReady).
+func kvStatus(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, v *kvverify.Verdict) ([]event, *metav1.Condition) {
 	if !verificationOn(pdc) {
 		status.KVTransfer = nil
 		meta.RemoveStatusCondition(&status.Conditions, v1alpha1.ConditionKVTransferVerified)
-		return nil
+		return nil, nil
 	}
 	if v == nil {
-		return nil
+		return nil, meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionKVTransferVerified)
 	}
 	kv := v.KV
 	status.KVTransfer = &kv
 	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionKVTransferVerified)
 	setCondition(status, pdc, v1alpha1.ConditionKVTransferVerified, v.Status, v.Reason, v.Message)
+	now := meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionKVTransferVerified)
 	switch {
 	case v.Status == metav1.ConditionFalse && (before == nil || before.Status != metav1.ConditionFalse || before.Reason != v.Reason):
-		return []event{{corev1.EventTypeWarning, v.Reason, "VerifyKVTransfer", v.Message}}
+		return []event{{corev1.EventTypeWarning, v.Reason, "VerifyKVTransfer", v.Message}}, now
 	case v.Status == metav1.ConditionTrue && before != nil && before.Status == metav1.ConditionFalse:
-		return []event{{corev1.EventTypeNormal, v.Reason, "VerifyKVTransfer", v.Message}}
+		return []event{{corev1.EventTypeNormal, v.Reason, "VerifyKVTransfer", v.Message}}, now
 	}
-	return nil
+	return nil, now
 }
 
-// kvBlocksReady is the reason and message Ready takes from a False KVTransferVerified when
-// verification.requiredForReady is set; "" otherwise.
-func kvBlocksReady(pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus) (string, string) {
+// kvBlocksReady is the reason and message Ready takes from a False KVTransferVerified (c, as
+// kvStatus left it) when verification.requiredForReady is set; "" otherwise.
+func kvBlocksReady(pdc *v1alpha1.PDCluster, c *metav1.Condition) (string, string) {
 	if !pdc.Spec.KVTransfer.Verification.RequiredForReady {
 		return "", ""
 	}
-	c := meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionKVTransferVerified)
 	if c == nil || c.Status != metav1.ConditionFalse {
 		return "", ""
 	}

@@ -18,9 +18,9 @@ import (
 
 // revisionStatus writes status.updateRevision, status.currentRevision and Progressing from the
 // KV revision render put on the engine pod templates and the revisions the engine pods carry.
-// It runs after the pool conditions: a rollout completes when every engine pod serves the
-// update revision and both pools are ready.
-func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
+// A rollout completes when every engine pod serves the update revision and both pools are
+// ready (poolsReady, poolStatuses' verdict).
+func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs, poolsReady bool) []event {
 	pdc := in.pdc
 	update := appliedRevision(in.applied)
 	if update == "" || in.obs.podsErr != nil {
@@ -81,8 +81,6 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event {
 	if len(status.Revisions) > 16 {
 		status.Revisions = status.Revisions[len(status.Revisions)-16:] // the newest, with updateRevision
 	}
-	poolsReady := meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionPrefillReady) &&
-		meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionDecodeReady)
 	before := meta.FindStatusCondition(pdc.Status.Conditions, v1alpha1.ConditionProgressing)
 	wasRolling := before != nil && before.Status == metav1.ConditionTrue
 	// Once a revision has rolled out, a pod of it that is not ready is a pool problem

@@ -141,17 +141,11 @@ func TestRevisionStatus(t *testing.T) {
 				p.Status.Conditions = []metav1.Condition{*tc.wasRolling}
 			}
 			status := p.Status.DeepCopy()
-			condStatus := metav1.ConditionFalse
-			if tc.ready {
-				condStatus = metav1.ConditionTrue
-			}
-			setCondition(status, p, v1alpha1.ConditionPrefillReady, condStatus, "R", "")
-			setCondition(status, p, v1alpha1.ConditionDecodeReady, metav1.ConditionTrue, "R", "")
 			in := statusInputs{pdc: p, applied: tc.applied, obs: observed{podsErr: tc.podsErr}}
 			for _, w := range tc.pods {
 				in.obs.pods = append(in.obs.pods, *w.Obj())
 			}
-			events := revisionStatus(status, in)
+			events := revisionStatus(status, in, tc.ready)
 			if d := cmp.Diff(tc.want, revs{status.UpdateRevision, status.CurrentRevision}); d != "" {
 				t.Errorf("revisions (-want +got):\n%s", d)
 			}
@@ -180,13 +174,11 @@ func TestRevisionNotReadyPoolsKeepRolling(t *testing.T) {
 	p := pdc()
 	p.Status.UpdateRevision, p.Status.CurrentRevision = "new", "old"
 	status := p.Status.DeepCopy()
-	setCondition(status, p, v1alpha1.ConditionPrefillReady, metav1.ConditionTrue, "R", "")
-	setCondition(status, p, v1alpha1.ConditionDecodeReady, metav1.ConditionFalse, "R", "")
 	dep := &appsv1.Deployment{}
 	dep.Spec.Template.Labels = map[string]string{v1alpha1.LabelKVRevision: "new"}
 	in := statusInputs{pdc: p, applied: []render.Object{dep}}
 	in.obs.pods = []corev1.Pod{*wrappers.MakeEnginePod("ns", "d-0", "c", v1alpha1.RoleDecode, start).KVRevision("new").Obj()}
-	revisionStatus(status, in)
+	revisionStatus(status, in, false) // decode not ready
 	if status.CurrentRevision != "old" || !meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionProgressing) {
 		t.Errorf("current %q, Progressing %+v: want old and True", status.CurrentRevision, meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionProgressing))
 	}
@@ -222,7 +214,7 @@ func TestRevisionsInStatus(t *testing.T) {
 	in.obs.olderDeployments = map[v1alpha1.Role][]*appsv1.Deployment{
 		v1alpha1.RolePrefill: {engineDep("c-old", 2)}, v1alpha1.RoleDecode: {engineDep("c-old", 1)},
 	}
-	revisionStatus(status, in)
+	revisionStatus(status, in, false)
 	want := []v1alpha1.RevisionStatus{
 		{Revision: "c-old", Prefill: v1alpha1.RevisionPods{Desired: 2, Pods: 2, Ready: 2}, Decode: v1alpha1.RevisionPods{Desired: 1, Pods: 1, Ready: 1}, TrafficPercent: 100},
 		// No ready decode: the router sends it nothing.
@@ -233,7 +225,7 @@ func TestRevisionsInStatus(t *testing.T) {
 	}
 	// Its decode ready: traffic by ready pods, 3 to 2.
 	in.obs.pods[5] = *pod("d-2", v1alpha1.RoleDecode, "b-new").Ready().Obj()
-	revisionStatus(status, in)
+	revisionStatus(status, in, false)
 	want[0].TrafficPercent, want[1].Decode.Ready, want[1].TrafficPercent = 60, 1, 40
 	if d := cmp.Diff(want, status.Revisions); d != "" {
 		t.Errorf("status.revisions with both serving (-want +got):\n%s", d)

@@ -69,10 +69,11 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 	} else {
 		gates := gateSummary(gateAnswers(in.pdc, in.obs), in.health.restarted)
 		events = append(events, connectorStatus(&status, in)...)
-		events = append(events, kvStatus(&status, in.pdc, in.kv)...)
-		poolStatuses(&status, in, gates)
+		kvEvents, kv := kvStatus(&status, in.pdc, in.kv)
+		events = append(events, kvEvents...)
+		poolsReady := poolStatuses(&status, in, gates, kv)
 		events = append(events, ratioStatus(&status, in.pdc, in.scale)...)
-		events = append(events, revisionStatus(&status, in)...)
+		events = append(events, revisionStatus(&status, in, poolsReady)...)
 		pairingStatus(&status, in)
 		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
 	}
@@ -127,8 +128,9 @@ func connectorStatus(status *v1alpha1.PDClusterStatus, in statusInputs) []event 
 
 // poolStatuses writes status.prefill, status.decode and status.router (replica counts, what the
 // pools' scalers asked, the restarts counted so far, the gate counts), the pool conditions and
-// Ready.
-func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateCounts) {
+// Ready (kv is KVTransferVerified as it stands). It returns whether both engine pools' conditions
+// are True, for the rollout's completion.
+func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateCounts, kv *metav1.Condition) (poolsReady bool) {
 	pdc := in.pdc
 	restarted := map[v1alpha1.Role]int32{}
 	gone := map[string]bool{}
@@ -204,7 +206,7 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 		status.Prefill.RequestedReplicas = ptrTo(d.requested[v1alpha1.RolePrefill])
 		status.Decode.RequestedReplicas = ptrTo(d.requested[v1alpha1.RoleDecode])
 	}
-	kvReason, kvMsg := kvBlocksReady(pdc, status)
+	kvReason, kvMsg := kvBlocksReady(pdc, kv)
 	switch {
 	case in.obs.depsErr != nil:
 		// Unknown: Ready keeps what it said.
@@ -217,6 +219,8 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 	default:
 		setCondition(status, pdc, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonNotReady, fmt.Sprintf("not ready: %v", notReady))
 	}
+	return meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionPrefillReady) &&
+		meta.IsStatusConditionTrue(status.Conditions, v1alpha1.ConditionDecodeReady)
 }
 
 // gateCounts are the gate's counts per pool and the pods whose connector is unready while
