@@ -11,6 +11,9 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"sigs.k8s.io/yaml"
 )
 
 const root = "../.."
@@ -235,4 +238,76 @@ func atLeast(t *testing.T, what string, n, want int) {
 		t.Errorf("checked %d %s in the docs, want at least %d: does the pattern still match?", n, what, want)
 	}
 	t.Logf("checked %d %s", n, what)
+}
+
+// notPDClusterFields are spec. and status. paths the docs name that are not a PDCluster's: other
+// kinds' fields, a misspelling shown as one, fields named as removed.
+var notPDClusterFields = map[string]string{
+	"spec.clusterIP":              "a Service's",
+	"spec.replicas":               "a Deployment's and a PoolScale's",
+	"spec.prefil":                 "the misspelling pdctl validate refuses",
+	"spec.connector.blockBytes":   "named as removed",
+	"spec.connector.bufferBlocks": "named as removed",
+	"status.hpaPodSelector":       "a LeaderWorkerSet's",
+}
+
+var fieldPath = regexp.MustCompile(`\b(?:spec|status)\.[A-Za-z][A-Za-z0-9_.<>-]*[A-Za-z0-9>]`)
+
+// Every spec. and status. field the docs name is in the schema of the PDCluster or the
+// PoolScale CRD (`<pool>` stands for prefill and decode).
+func TestDocsNameExistingFields(t *testing.T) {
+	var tops []*apiextensionsv1.JSONSchemaProps
+	for _, f := range []string{"serving.pdcluster.dev_pdclusters.yaml", "serving.pdcluster.dev_poolscales.yaml"} {
+		b, err := os.ReadFile(filepath.Join(root, "config/crd/bases", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var crd apiextensionsv1.CustomResourceDefinition
+		if err := yaml.Unmarshal(b, &crd); err != nil {
+			t.Fatal(err)
+		}
+		tops = append(tops, crd.Spec.Versions[0].Schema.OpenAPIV3Schema)
+	}
+	exists := func(path string) bool {
+		return slices.ContainsFunc(tops, func(top *apiextensionsv1.JSONSchemaProps) bool { return inSchema(top, path) })
+	}
+	checked := 0
+	for _, d := range docs(t) {
+		b, err := os.ReadFile(filepath.Join(root, d.path))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, path := range fieldPath.FindAllString(string(b), -1) {
+			if _, ok := notPDClusterFields[path]; ok {
+				continue
+			}
+			checked++
+			for _, p := range []string{strings.ReplaceAll(path, "<pool>", "prefill"), strings.ReplaceAll(path, "<pool>", "decode")} {
+				if !exists(p) {
+					t.Errorf("%s names %s, which neither the PDCluster nor the PoolScale CRD has", d.path, p)
+					break
+				}
+			}
+		}
+	}
+	atLeast(t, "fields", checked, 60)
+}
+
+// inSchema reports whether path (dot-separated field names) is in the schema below top.
+func inSchema(top *apiextensionsv1.JSONSchemaProps, path string) bool {
+	s := top
+	for _, name := range strings.Split(path, ".") {
+		for s.Items != nil && s.Items.Schema != nil { // a list's elements
+			s = s.Items.Schema
+		}
+		next, ok := s.Properties[name]
+		if !ok {
+			if s.AdditionalProperties == nil || s.AdditionalProperties.Schema == nil {
+				return false
+			}
+			next = *s.AdditionalProperties.Schema // a map's values
+		}
+		s = &next
+	}
+	return true
 }
