@@ -311,3 +311,29 @@ func inSchema(top *apiextensionsv1.JSONSchemaProps, path string) bool {
 	}
 	return true
 }
+
+var makeTarget = regexp.MustCompile(`^make ([a-z][a-z-]*)`)
+
+// Every `make TARGET` the docs name is a target of the Makefile.
+func TestDocsNameExistingMakeTargets(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join(root, "Makefile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	targets := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^([a-z][a-z-]*):`).FindAllStringSubmatch(string(b), -1) {
+		targets[m[1]] = true
+	}
+	checked := 0
+	for _, d := range docs(t) {
+		for _, span := range d.spans {
+			if m := makeTarget.FindStringSubmatch(span); m != nil {
+				checked++
+				if !targets[m[1]] {
+					t.Errorf("%s names `make %s`, which the Makefile does not define", d.path, m[1])
+				}
+			}
+		}
+	}
+	atLeast(t, "make targets", checked, 20)
+}
