@@ -29,21 +29,37 @@ type peer struct {
 	sameNS   bool
 }
 
+// selectorTakes reports whether sel selects labels l.
+func selectorTakes(t *testing.T, sel *metav1.LabelSelector, l map[string]string) bool {
+	t.Helper()
+	s, err := metav1.LabelSelectorAsSelector(sel)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s.Matches(labels.Set(l))
+}
+
+// selectsPod reports whether a policy peer's selectors take pod p (an ipBlock takes no pod).
+func selectsPod(t *testing.T, np networkingv1.NetworkPolicyPeer, p peer) bool {
+	t.Helper()
+	switch {
+	case np.IPBlock != nil:
+		return false
+	case np.NamespaceSelector == nil:
+		return p.sameNS && selectorTakes(t, np.PodSelector, p.labels)
+	default:
+		return selectorTakes(t, np.NamespaceSelector, p.nsLabels) && (np.PodSelector == nil || selectorTakes(t, np.PodSelector, p.labels))
+	}
+}
+
 // admits evaluates NetworkPolicy ingress as the API defines it: a pod selected by no policy
 // takes everything; a selected pod takes what some rule of some policy selecting it admits
 // (no from: every source; no ports: every port).
 func admits(t *testing.T, policies []*networkingv1.NetworkPolicy, to map[string]string, port int32, from peer) bool {
 	t.Helper()
-	match := func(sel *metav1.LabelSelector, l map[string]string) bool {
-		s, err := metav1.LabelSelectorAsSelector(sel)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s.Matches(labels.Set(l))
-	}
 	selected := false
 	for _, np := range policies {
-		if !match(&np.Spec.PodSelector, to) {
+		if !selectorTakes(t, &np.Spec.PodSelector, to) {
 			continue
 		}
 		selected = true
@@ -54,16 +70,7 @@ func admits(t *testing.T, policies []*networkingv1.NetworkPolicy, to map[string]
 					portOK = true
 				}
 			}
-			fromOK := len(rule.From) == 0
-			for _, f := range rule.From {
-				switch {
-				case f.IPBlock != nil:
-				case f.NamespaceSelector == nil:
-					fromOK = fromOK || (from.sameNS && match(f.PodSelector, from.labels))
-				default:
-					fromOK = fromOK || (match(f.NamespaceSelector, from.nsLabels) && (f.PodSelector == nil || match(f.PodSelector, from.labels)))
-				}
-			}
+			fromOK := len(rule.From) == 0 || slices.ContainsFunc(rule.From, func(f networkingv1.NetworkPolicyPeer) bool { return selectsPod(t, f, from) })
 			if portOK && fromOK {
 				return true
 			}
@@ -243,13 +250,6 @@ type dest struct {
 // addresses, not pods (implementations differ there, so the rules never rely on it).
 func allowsEgress(t *testing.T, policies []*networkingv1.NetworkPolicy, from map[string]string, to dest) bool {
 	t.Helper()
-	match := func(sel *metav1.LabelSelector, l map[string]string) bool {
-		s, err := metav1.LabelSelectorAsSelector(sel)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s.Matches(labels.Set(l))
-	}
 	inBlock := func(b *networkingv1.IPBlock) bool {
 		if to.ip == "" {
 			return false
@@ -265,9 +265,15 @@ func allowsEgress(t *testing.T, policies []*networkingv1.NetworkPolicy, from map
 		}
 		return true
 	}
+	reaches := func(p networkingv1.NetworkPolicyPeer) bool {
+		if p.IPBlock != nil {
+			return inBlock(p.IPBlock)
+		}
+		return to.ip == "" && selectsPod(t, p, to.peer)
+	}
 	selected := false
 	for _, np := range policies {
-		if !match(&np.Spec.PodSelector, from) || !slices.Contains(np.Spec.PolicyTypes, networkingv1.PolicyTypeEgress) {
+		if !selectorTakes(t, &np.Spec.PodSelector, from) || !slices.Contains(np.Spec.PolicyTypes, networkingv1.PolicyTypeEgress) {
 			continue
 		}
 		selected = true
@@ -278,19 +284,7 @@ func allowsEgress(t *testing.T, policies []*networkingv1.NetworkPolicy, from map
 					portOK = true
 				}
 			}
-			toOK := len(rule.To) == 0
-			for _, p := range rule.To {
-				switch {
-				case p.IPBlock != nil:
-					toOK = toOK || inBlock(p.IPBlock)
-				case to.ip != "":
-				case p.NamespaceSelector == nil:
-					toOK = toOK || (to.sameNS && match(p.PodSelector, to.labels))
-				default:
-					toOK = toOK || (match(p.NamespaceSelector, to.nsLabels) && (p.PodSelector == nil || match(p.PodSelector, to.labels)))
-				}
-			}
-			if portOK && toOK {
+			if portOK && (len(rule.To) == 0 || slices.ContainsFunc(rule.To, reaches)) {
 				return true
 			}
 		}
