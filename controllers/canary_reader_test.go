@@ -83,13 +83,13 @@ func TestObserveReadsTheNewestCanary(t *testing.T) {
 		"r-0": {Time: at, Result: routerconfig.CanaryExternal, PromptTokens: 256, ExternalTokens: 255},
 		"r-1": {Time: at.Add(time.Minute), Result: routerconfig.CanaryRecomputed, PromptTokens: 256, Message: "m"},
 	}}
-	o := r.observe(context.Background(), p, nil)
+	o := r.observe(context.Background(), p, nil, r.now())
 	want := &v1alpha1.CanaryResult{Time: metav1.NewTime(at.Add(time.Minute).Truncate(time.Second)), Router: "r-1", Result: v1alpha1.CanaryRecomputed, PromptTokens: 256, Message: "m"}
 	if d := cmp.Diff(want, o.canary); d != "" {
 		t.Errorf("observed canary (-want +got):\n%s", d)
 	}
 	p.Spec.KVTransfer.Verification.Mode = v1alpha1.KVVerificationPassive
-	if o := r.observe(context.Background(), p, nil); o.canary != nil {
+	if o := r.observe(context.Background(), p, nil, r.now()); o.canary != nil {
 		t.Errorf("mode Passive read a canary: %+v", o.canary)
 	}
 	var _ client.Object = p
@@ -110,7 +110,7 @@ func TestObserveRefusesCanariesFromTheFuture(t *testing.T) {
 		"r-1": {Time: time.Date(2999, 1, 1, 0, 0, 0, 0, time.UTC), Result: routerconfig.CanaryExternal},
 		"r-2": {Time: now.Add(20 * time.Second), Result: routerconfig.CanaryRecomputed},
 	}}
-	o := r.observe(context.Background(), p, nil)
+	o := r.observe(context.Background(), p, nil, r.now())
 	want := &v1alpha1.CanaryResult{Time: metav1.NewTime(now), Router: "r-2", Result: v1alpha1.CanaryRecomputed}
 	if d := cmp.Diff(want, o.canary); d != "" {
 		t.Errorf("observed canary (-want +got):\n%s", d)

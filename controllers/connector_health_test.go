@@ -115,7 +115,7 @@ func (f *healthFixture) run(t *testing.T) (time.Duration, []event, error) {
 	t.Helper()
 	ctx := context.Background()
 	in := statusInputs{pdc: f.pdc, now: f.clock.Now()}
-	in.obs = f.r.observe(ctx, f.pdc, nil)
+	in.obs = f.r.observe(ctx, f.pdc, nil, f.r.now())
 	in.health = f.r.decideConnectorHealth(ctx, f.pdc, in.obs, in.now, int(*f.pdc.Spec.Prefill.Replicas+*f.pdc.Spec.Decode.Replicas))
 	status, events := computeStatus(in)
 	f.status = &status

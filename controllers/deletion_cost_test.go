@@ -53,7 +53,7 @@ func TestDeletionCostFollowsHeldSends(t *testing.T) {
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), GateReader: gates}
 	ctx := context.Background()
 	p := pdc()
-	if err := r.setDeletionCosts(ctx, r.observe(ctx, p, nil)); err != nil {
+	if err := r.setDeletionCosts(ctx, r.observe(ctx, p, nil, r.now())); err != nil {
 		t.Fatal(err)
 	}
 	got := map[string]string{}
@@ -78,12 +78,12 @@ func TestDeletionCostFollowsHeldSends(t *testing.T) {
 	}
 	// Nothing changed: no write.
 	patched = nil
-	if err := r.setDeletionCosts(ctx, r.observe(ctx, p, nil)); err != nil || len(patched) != 0 {
+	if err := r.setDeletionCosts(ctx, r.observe(ctx, p, nil, r.now())); err != nil || len(patched) != 0 {
 		t.Errorf("second pass: err %v, patched %v; want no write", err, patched)
 	}
 	// The busy pod's pulls were made: its cost falls to 0.
 	gates["p-busy"] = holding(0)
-	if err := r.setDeletionCosts(ctx, r.observe(ctx, p, nil)); err != nil {
+	if err := r.setDeletionCosts(ctx, r.observe(ctx, p, nil, r.now())); err != nil {
 		t.Fatal(err)
 	}
 	var busy corev1.Pod
@@ -100,7 +100,7 @@ func TestDeletionCostWriteErrorNamesThePod(t *testing.T) {
 			return errors.New("forbidden")
 		}}).Build()
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), GateReader: fakeGates{"p-0": holding(1)}}
-	err := r.setDeletionCosts(context.Background(), r.observe(context.Background(), pdc(), nil))
+	err := r.setDeletionCosts(context.Background(), r.observe(context.Background(), pdc(), nil, r.now()))
 	if err == nil || !cmp.Equal(err.Error(), "set controller.kubernetes.io/pod-deletion-cost of pod p-0: forbidden") {
 		t.Errorf("err = %v", err)
 	}

@@ -11,7 +11,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/controllers/kvverify"
 )
 
@@ -71,9 +70,9 @@ func (r *PDClusterReconciler) verifyKV(pdc *v1alpha1.PDCluster, o observed, now 
 	}
 	policy := kvverify.PolicyOf(pdc)
 	h := r.kv.of(pdc)
-	read := map[types.UID]vllm.State{}
+	read := map[types.UID]gateRead{}
 	for _, g := range o.gates {
-		read[g.pod.UID] = g.st
+		read[g.pod.UID] = g
 	}
 	live := map[types.UID]bool{}
 	var pods []kvverify.Pod
@@ -84,10 +83,11 @@ func (r *PDClusterReconciler) verifyKV(pdc *v1alpha1.PDCluster, o observed, now 
 			continue
 		}
 		live[pod.UID] = true
-		st, answered := read[pod.UID]
+		g, answered := read[pod.UID]
+		st := g.st
 		if answered && st.Engine != nil {
-			// The sidecar read its engine AgeSeconds ago.
-			at := now.Add(-time.Duration(st.Engine.AgeSeconds * float64(time.Second)))
+			// The sidecar had read its engine AgeSeconds before it answered.
+			at := g.at.Add(-time.Duration(st.Engine.AgeSeconds * float64(time.Second)))
 			if s, ok := kvverify.SampleOf(at, st); ok {
 				h.Add(pod.UID, engineRestarts(pod), s, policy.Window)
 			}

@@ -59,7 +59,7 @@ var (
 
 func init() {
 	metrics.Registry.MustRegister(appliesTotal, readyGauge, poolReadyReplicas, poolDesiredReplicas, connectorRestarts, connectorUnhealthy, kvVerified, kvExternalShare, kvTransferMBps,
-		rolloutInProgress, revisionTraffic)
+		rolloutInProgress, revisionTraffic, podReads)
 }
 
 // recordStatus exports one PDCluster's readiness, replica counts and unhealthy connectors.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -41,11 +42,18 @@ type observed struct {
 	pairs *routerconfig.PairCounts
 }
 
-// gateRead is one engine pod's answer to GET /gate.
+// gateRead is one engine pod's answer to GET /gate, read at at.
 type gateRead struct {
 	role v1alpha1.Role
 	pod  *corev1.Pod
 	st   vllm.State
+	at   time.Time
+}
+
+// timedGateReader is a GateReader that says when it read each answer (PodReports): a
+// reader without it answers as the reconcile asks.
+type timedGateReader interface {
+	ReadGateAt(pod *corev1.Pod) (vllm.State, time.Time, error)
 }
 
 func (o observed) err() error { return errors.Join(o.podsErr, o.depsErr) }
@@ -54,9 +62,9 @@ func (o observed) err() error { return errors.Join(o.podsErr, o.depsErr) }
 const gateReads = 16
 
 // observe lists the PDCluster's pods and Deployments (from the cache) and reads the gate
-// counts of its running engine pods. A part that cannot be read is left unknown, with its
-// error; the others are still observed.
-func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDCluster, applied []render.Object) observed {
+// counts of its running engine pods (an answer read now, or PodReports' last one). A part that
+// cannot be read is left unknown, with its error; the others are still observed.
+func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDCluster, applied []render.Object, now time.Time) observed {
 	var o observed
 	inCluster := []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
 	var pods corev1.PodList
@@ -87,7 +95,7 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 	// The sidecars answer the gate's state and their engine's KV counts: asked when either is
 	// wanted.
 	if r.GateReader != nil && (render.GateEnabled(pdc.Spec.KVTransfer) || verificationOn(pdc)) && o.podsErr == nil {
-		o.gates, o.gatesRead = r.readGates(ctx, o.pods), true
+		o.gates, o.gatesRead = r.readGates(ctx, o.pods, now), true
 	}
 	if r.CanaryReader != nil && pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary && o.podsErr == nil {
 		o.canary = r.readCanary(ctx, o.pods)
@@ -158,8 +166,9 @@ func withOlder(update *appsv1.Deployment, old []*appsv1.Deployment) *appsv1.Depl
 }
 
 // readGates asks the sidecars of the running engine pods for their gate's state, a few at a
-// time. Sidecars that do not answer are left out.
-func (r *PDClusterReconciler) readGates(ctx context.Context, pods []corev1.Pod) []gateRead {
+// time; an answer is dated now unless the reader says when it read it. Sidecars that do not
+// answer are left out.
+func (r *PDClusterReconciler) readGates(ctx context.Context, pods []corev1.Pod, now time.Time) []gateRead {
 	var (
 		mu    sync.Mutex
 		reads []gateRead
@@ -176,13 +185,22 @@ func (r *PDClusterReconciler) readGates(ctx context.Context, pods []corev1.Pod) 
 		slots <- struct{}{}
 		go func() {
 			defer func() { <-slots; wg.Done() }()
-			st, err := r.GateReader.ReadGate(ctx, pod)
+			var (
+				st  vllm.State
+				at  = now
+				err error
+			)
+			if timed, ok := r.GateReader.(timedGateReader); ok {
+				st, at, err = timed.ReadGateAt(pod)
+			} else {
+				st, err = r.GateReader.ReadGate(ctx, pod)
+			}
 			if err != nil {
 				log.FromContext(ctx).V(1).Info("gate counts not read", "pod", pod.Name, "error", err.Error())
 				return
 			}
 			mu.Lock()
-			reads = append(reads, gateRead{role, pod, st})
+			reads = append(reads, gateRead{role, pod, st, at})
 			mu.Unlock()
 		}()
 	}

@@ -35,6 +35,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -58,6 +59,10 @@ type PDClusterReconciler struct {
 	// PairsReader reads each router's pair counts (spec.scheduling.pairing); nil leaves them
 	// out.
 	PairsReader PairsReader
+	// Reports, when set, is the runnable behind the three readers above (each of them set to
+	// it): SetupWithManager starts it with the manager and enqueues the PDClusters its
+	// events name, so Reconcile reads only its last answers and never waits on a pod.
+	Reports *PodReports
 	// APIReader reads past the cache: a restart round first checks that the cached PDCluster
 	// (and the restart record in its status) is current. nil skips the check.
 	APIReader client.Reader
@@ -111,7 +116,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	reconcileErr := err // every step's error: apply, observe, restarts
 	var requeueAfter time.Duration
 	if err == nil {
-		in.obs = r.observe(ctx, &pdc, applied)
+		in.obs = r.observe(ctx, &pdc, applied, in.now)
 		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now, int(scale.effective.Prefill+scale.effective.Decode))
 		in.kv = r.verifyKV(&pdc, in.obs, in.now)
 		costErr := r.setDeletionCosts(ctx, in.obs)
@@ -417,9 +422,17 @@ func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) erro
 	return r.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.OperatorName), client.ForceOwnership)
 }
 
-// SetupWithManager registers the controller and its watches on owned children.
+// SetupWithManager registers the controller and its watches on owned children, and the pod
+// reads (Reports) with their events.
 func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
-	return ctrl.NewControllerManagedBy(mgr).
+	b := ctrl.NewControllerManagedBy(mgr)
+	if r.Reports != nil {
+		if err := mgr.Add(r.Reports); err != nil {
+			return fmt.Errorf("add the pod reads: %w", err)
+		}
+		b = b.WatchesRawSource(source.Channel(r.Reports.Events(), &handler.EnqueueRequestForObject{}))
+	}
+	return b.
 		For(&v1alpha1.PDCluster{}).
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).

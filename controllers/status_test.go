@@ -32,7 +32,7 @@ import (
 // reconcile's apply.
 func poolStatusOf(t *testing.T, r *PDClusterReconciler, p *v1alpha1.PDCluster, applied []render.Object) *v1alpha1.PDClusterStatus {
 	t.Helper()
-	in := statusInputs{pdc: p, applied: applied, obs: r.observe(context.Background(), p, applied)}
+	in := statusInputs{pdc: p, applied: applied, obs: r.observe(context.Background(), p, applied, r.now())}
 	if err := in.obs.err(); err != nil {
 		t.Fatal(err)
 	}
@@ -95,7 +95,7 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 			}
 			// A stale value from an earlier read must not survive a reconcile that reads nothing.
 			p.Status.Decode.Gate = &v1alpha1.PoolGateStatus{GatedCompletions: 1234}
-			in := statusInputs{pdc: p, obs: r.observe(context.Background(), p, nil)}
+			in := statusInputs{pdc: p, obs: r.observe(context.Background(), p, nil, r.now())}
 			if err := in.obs.err(); err != nil {
 				t.Fatal(err)
 			}
@@ -196,7 +196,7 @@ func TestUnschedulableDecodeIsTheReadyReason(t *testing.T) {
 		WithObjects(deps...).WithStatusSubresource(&v1alpha1.PDCluster{}).Build()
 	rec := events.NewFakeRecorder(100)
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: rec, Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start)}
-	in := statusInputs{pdc: p, obs: r.observe(context.Background(), p, nil)}
+	in := statusInputs{pdc: p, obs: r.observe(context.Background(), p, nil, r.now())}
 	if err := in.obs.err(); err != nil {
 		t.Fatal(err)
 	}
@@ -356,8 +356,8 @@ func TestComputeStatus(t *testing.T) {
 			name: "gate counts of the pool's answering pods, a restarted pod's left out",
 			in: func(p *v1alpha1.PDCluster) statusInputs {
 				return statusInputs{pdc: p, now: start, health: restartedD0, obs: observed{deployments: allReady, gatesRead: true, gates: []gateRead{
-					{v1alpha1.RoleDecode, decodePod("d-0"), loaded(100, 100, 100)},
-					{v1alpha1.RoleDecode, decodePod("d-1"), loaded(1, 2, 3)},
+					{v1alpha1.RoleDecode, decodePod("d-0"), loaded(100, 100, 100), start},
+					{v1alpha1.RoleDecode, decodePod("d-1"), loaded(1, 2, 3), start},
 				}}}
 			},
 			wantDecode: v1alpha1.PoolStatus{Replicas: 2, ReadyReplicas: 2, UpdatedReplicas: 2, Ready: "2/2", ConnectorRestarts: 2,

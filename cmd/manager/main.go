@@ -123,9 +123,11 @@ func main() {
 		MaxConcurrentReconciles: concurrency,
 	}
 	if readPods {
-		reconciler.GateReader = controllers.NewHTTPGateReader()
+		// Read outside Reconcile: a slow pod never holds a reconcile worker.
 		routers := controllers.NewHTTPRouterReader()
-		reconciler.CanaryReader, reconciler.PairsReader = routers, routers
+		reports := controllers.NewPodReports(controllers.NewHTTPGateReader(), routers, routers)
+		reconciler.Reports = reports
+		reconciler.GateReader, reconciler.CanaryReader, reconciler.PairsReader = reports, reports, reports
 	}
 	if err := reconciler.SetupWithManager(mgr); err != nil {
 		setupLog.Error(err, "set up controller")

@@ -297,7 +297,8 @@ type series struct {
 // Add records a sample of the pod (uid), whose engine container has restarted restarts times:
 // a restart, or a counter that went down, starts the pod's series again (the engine's counters
 // began at 0). Samples older than window are dropped, but the newest of them is kept as the
-// window's start.
+// window's start. A sample no newer than the pod's last is the same read seen again (the
+// reconciler reads the pods' last answers, which several reconciles may share) and is ignored.
 func (h *History) Add(uid types.UID, restarts int32, s Sample, window time.Duration) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -305,6 +306,9 @@ func (h *History) Add(uid types.UID, restarts int32, s Sample, window time.Durat
 		h.pods = map[types.UID]*series{}
 	}
 	ser := h.pods[uid]
+	if ser != nil && ser.restarts == restarts && len(ser.samples) > 0 && !s.At.After(ser.samples[len(ser.samples)-1].At) {
+		return
+	}
 	if ser == nil || ser.restarts != restarts || (len(ser.samples) > 0 && wentDown(ser.samples[len(ser.samples)-1], s)) {
 		ser = &series{restarts: restarts}
 		h.pods[uid] = ser

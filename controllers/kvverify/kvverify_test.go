@@ -263,6 +263,23 @@ func TestHistoryRestartsTheSeries(t *testing.T) {
 	}
 }
 
+// Several reconciles may read one cached answer: a sample no newer than the last is the same
+// read again and must not count as another (two reads are what a verdict waits for).
+func TestHistoryIgnoresTheSameReadTwice(t *testing.T) {
+	var h History
+	s := Sample{At: t0, HasSources: true, External: 100}
+	h.Add("u", 0, s, time.Hour)
+	h.Add("u", 0, s, time.Hour)
+	h.Add("u", 0, Sample{At: t0.Add(-time.Second), HasSources: true, External: 90}, time.Hour)
+	if got := h.Samples("u"); len(got) != 1 {
+		t.Errorf("one read added three times: %d samples, want 1", len(got))
+	}
+	h.Add("u", 1, Sample{At: t0, HasSources: true, External: 5}, time.Hour) // the engine restarted
+	if got := h.Samples("u"); len(got) != 1 || got[0].External != 5 {
+		t.Errorf("after a restart: %+v, want the restarted engine's sample alone", got)
+	}
+}
+
 // The window keeps its newest sample at or before its start as the baseline, and forgets
 // pods that are gone.
 func TestHistoryWindow(t *testing.T) {

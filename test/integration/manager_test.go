@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -27,6 +28,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/controllers"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/needs"
@@ -51,8 +53,9 @@ func eventually(t *testing.T, what string, check func() error) {
 }
 
 // startManager runs the reconciler in a manager with opts (plus this suite's scheme, leader
-// election, no metrics listener) as the user of cfg, until the test ends.
-func startManager(t *testing.T, cfg *rest.Config, opts ctrl.Options) {
+// election, no metrics listener) as the user of cfg, until the test ends; each with changes the
+// reconciler before it is set up.
+func startManager(t *testing.T, cfg *rest.Config, opts ctrl.Options, with ...func(*controllers.PDClusterReconciler)) {
 	t.Helper()
 	opts.Scheme, opts.LeaderElection = scheme, true
 	opts.Metrics = metricsserver.Options{BindAddress: "0"}
@@ -62,10 +65,14 @@ func startManager(t *testing.T, cfg *rest.Config, opts ctrl.Options) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := (&controllers.PDClusterReconciler{
+	r := &controllers.PDClusterReconciler{
 		Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Scheme: mgr.GetScheme(),
 		Recorder: mgr.GetEventRecorder(v1alpha1.OperatorName), Options: render.DefaultOptions(),
-	}).SetupWithManager(mgr); err != nil {
+	}
+	for _, w := range with {
+		w(r)
+	}
+	if err := r.SetupWithManager(mgr); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -281,4 +288,79 @@ func TestKustomizeDefaultAppliesAndIsStable(t *testing.T) {
 	if sa, _, _ := unstructured.NestedString(dep.Object, "spec", "template", "spec", "serviceAccountName"); sa != "pdcluster-manager" {
 		t.Errorf("manager serviceAccountName = %q, want pdcluster-manager", sa)
 	}
+}
+
+// heldGate answers every pod as a loaded gate, but holds its first read until released.
+type heldGate struct {
+	asked   chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (h *heldGate) ReadGate(ctx context.Context, _ *corev1.Pod) (vllm.State, error) {
+	h.once.Do(func() { close(h.asked) })
+	select {
+	case <-h.release:
+	case <-ctx.Done():
+		return vllm.State{}, ctx.Err()
+	}
+	return vllm.State{Loaded: true, Report: &vllm.Report{Connector: "GatedMooncakeConnector"}}, nil
+}
+
+// The pods are read outside Reconcile, and an answer that changes what a reconcile acts on
+// enqueues the PDCluster through the manager (PodReports' events, a channel source): with the
+// first read held until every reconcile it caused is over, the gate's answer still reaches
+// status long before the reconciler's own refresh (60 s with verification Disabled).
+func TestPodReportsEnqueueThroughTheManager(t *testing.T) {
+	f := newFixture(t)
+	gate := &heldGate{asked: make(chan struct{}), release: make(chan struct{})}
+	t.Cleanup(func() {
+		select {
+		case <-gate.release:
+		default:
+			close(gate.release)
+		}
+	})
+	startManager(t, cfg, ctrl.Options{
+		Cache:                   controllers.CacheOptions(),
+		LeaderElectionID:        "pdcluster-it-" + f.ns,
+		LeaderElectionNamespace: f.ns,
+	}, func(r *controllers.PDClusterReconciler) {
+		reports := controllers.NewPodReports(gate, nil, nil)
+		reports.Interval, reports.Timeout = time.Hour, time.Hour // only the first read, on the first ask
+		r.Reports, r.GateReader = reports, reports
+	})
+	pdc := wrappers.MakePDCluster(f.ns, "rep").Verification(v1alpha1.KVVerification{Mode: v1alpha1.KVVerificationDisabled}).Obj()
+	if err := f.c.Create(f.ctx, pdc); err != nil {
+		t.Fatal(err)
+	}
+	f.enginePodWithConnector("rep", "rep-decode-a", v1alpha1.RoleDecode, true, time.Now().Add(-time.Hour))
+	select {
+	case <-gate.asked:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the sidecar was never read after a reconcile asked for it")
+	}
+	// Every reconcile the pod and the status writes caused is over once the PDCluster stops
+	// changing.
+	var last string
+	stable := 0
+	for stable < 20 {
+		var p v1alpha1.PDCluster
+		f.get(&p, "rep")
+		if p.ResourceVersion == last {
+			stable++
+		} else {
+			last, stable = p.ResourceVersion, 0
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	close(gate.release)
+	eventually(t, "the gate's answer in status", func() error {
+		var p v1alpha1.PDCluster
+		f.get(&p, "rep")
+		if g := p.Status.Decode.Gate; g == nil || g.ReportingPods != 1 {
+			return fmt.Errorf("status.decode.gate = %+v, want 1 reporting pod", g)
+		}
+		return nil
+	})
 }
