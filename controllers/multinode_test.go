@@ -41,7 +41,7 @@ func TestMultiNodeAvailable(t *testing.T) {
 			r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
 			p := pdc()
 			p.Spec.Prefill.Parallelism.Nodes, p.Spec.Decode.Parallelism.Nodes = tc.prefill, tc.decode
-			err := r.multiNodeAvailable(p)
+			_, err := r.prepare(p)
 			if tc.wantReason == "" {
 				if err != nil {
 					t.Fatalf("refused: %v", err)

@@ -39,7 +39,6 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
-	"pdcluster.dev/pdcluster-operator/internal/scaling"
 )
 
 // PDClusterReconciler reconciles PDCluster objects.
@@ -183,17 +182,11 @@ func isPermanent(err error) bool {
 // for the pool status, and the events of what it did.
 func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, topo topology) ([]render.Object, *scaleDecision, []event, error) {
 	// What the CRD cannot check, in the PDCluster's field names, before anything is applied.
-	if err := pdc.Validate().ToAggregate(); err != nil {
-		return nil, nil, nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
-	}
-	if err := r.multiNodeAvailable(pdc); err != nil {
+	prep, err := r.prepare(pdc)
+	if err != nil {
 		return nil, nil, nil, err
 	}
-	update, err := render.KVRevision(pdc)
-	if err != nil {
-		return nil, nil, nil, fmt.Errorf("KV revision: %w", err)
-	}
-	revs, err := r.observeEngineRevisions(ctx, pdc, update)
+	revs, err := r.observeEngineRevisions(ctx, pdc, prep.Revision())
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -203,20 +196,20 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	}
 	serving := revs.serving(pdc)
 	serving.Domains = topo.domains
-	scaled := scaling.Scaled(pdc, scale.effective)
+	scaled := prep.Scaled(scale.effective)
 	renderErr := func(err error) error {
 		return permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
 	}
 	// A new KV revision steps in lockstep with the older ones, and the older ones shrink only
 	// once every router pod runs the router this reconcile applies: render takes the step's
 	// replicas for the update revision's Deployments; the older ones are scaled after the apply.
-	_, router, err := render.Router(scaled, r.Options, serving)
+	router, err := scaled.Router(r.Options, serving)
 	if err != nil {
 		return nil, nil, events, renderErr(err)
 	}
-	step := planRollout(pdc, revs, scale.effective, revs.routerCurrent(router))
+	step := planRollout(pdc, revs, scale.effective, revs.routerCurrent(router.Deployment))
 	serving.Step = &step.update
-	objs, err := render.RenderServing(scaled, r.Options, serving)
+	objs, err := scaled.Objects(r.Options, serving, router)
 	if err != nil {
 		return nil, nil, events, renderErr(err)
 	}

@@ -13,7 +13,11 @@ import (
 
 // DisruptionBudget is role's PodDisruptionBudget, or nil when the pool asks for none.
 func DisruptionBudget(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *policyv1.PodDisruptionBudget {
-	pdc = defaulted(pdc)
+	return disruptionBudget(defaulted(pdc), role)
+}
+
+// disruptionBudget is DisruptionBudget of a defaulted PDCluster.
+func disruptionBudget(pdc *v1alpha1.PDCluster, role v1alpha1.Role) *policyv1.PodDisruptionBudget {
 	b := pool(pdc, role).DisruptionBudget
 	if b == nil {
 		return nil

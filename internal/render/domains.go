@@ -65,7 +65,7 @@ func domainServices(pdc *v1alpha1.PDCluster, revs []pairedRevision, domains []st
 				role v1alpha1.Role
 				name string
 			}{{v1alpha1.RolePrefill, r.prefill}, {v1alpha1.RoleDecode, r.decode}} {
-				svc := EngineService(pdc, p.role, r.rev, DomainServiceName(p.name, d))
+				svc := engineService(pdc, p.role, r.rev, DomainServiceName(p.name, d))
 				svc.Labels[v1alpha1.LabelDomain] = d
 				svc.Spec.Selector[v1alpha1.LabelDomain] = d
 				objs = append(objs, svc)

@@ -42,7 +42,11 @@ func gpusPerReplica(p v1alpha1.Parallelism) int64 {
 
 // EngineArgs is the full `vllm serve` argument list for role.
 func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
-	pdc = defaulted(pdc)
+	return engineArgs(defaulted(pdc), role)
+}
+
+// engineArgs is EngineArgs of a defaulted PDCluster.
+func engineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 	spec := pdc.Spec
 	p := pool(pdc, role)
 	kvcfg, err := KVTransferConfig(spec.KVTransfer, role)
@@ -87,8 +91,17 @@ func EngineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 // and, beside it, the connector sidecar that watches its completion gate.
 func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) (*appsv1.Deployment, error) {
 	pdc = defaulted(pdc)
+	rev, err := kvRevision(pdc)
+	if err != nil {
+		return nil, err
+	}
+	return engineDeployment(pdc, opts, role, rev)
+}
+
+// engineDeployment is EngineDeployment of a defaulted PDCluster whose KV revision is rev.
+func engineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role, rev string) (*appsv1.Deployment, error) {
 	p := pool(pdc, role)
-	args, err := EngineArgs(pdc, role)
+	args, err := engineArgs(pdc, role)
 	if err != nil {
 		return nil, err
 	}
@@ -178,10 +191,6 @@ func EngineDeployment(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role)
 	tmpl := &dep.Spec.Template.ObjectMeta
 	tmpl.Labels = mergeMaps(nodeSelector(settings.Labels), tmpl.Labels)
 	tmpl.Annotations = mergeMaps(settings.Annotations, tmpl.Annotations)
-	rev, err := KVRevision(pdc)
-	if err != nil {
-		return nil, err
-	}
 	tmpl.Labels[v1alpha1.LabelKVRevision] = rev
 	// A Deployment holds one KV revision for its life: a new one gets its own (the selector
 	// cannot change), which the reconciler steps in lockstep with the other pool's.

@@ -29,7 +29,11 @@ func GateObjectName(cluster string) string { return cluster + "-" + vllm.Package
 
 // GateConfigMap holds the completion-gate plugin's Python files, mounted into every engine.
 func GateConfigMap(pdc *v1alpha1.PDCluster) *corev1.ConfigMap {
-	pdc = defaulted(pdc)
+	return gateConfigMap(defaulted(pdc))
+}
+
+// gateConfigMap is GateConfigMap of a defaulted PDCluster.
+func gateConfigMap(pdc *v1alpha1.PDCluster) *corev1.ConfigMap {
 	return &corev1.ConfigMap{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
 		ObjectMeta: metav1.ObjectMeta{

@@ -38,7 +38,11 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //
 // Kubelet probes come from the node, which a NetworkPolicy always admits.
 func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
-	pdc = defaulted(pdc)
+	return networkPolicies(defaulted(pdc), opts)
+}
+
+// networkPolicies is NetworkPolicies of a defaulted PDCluster.
+func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
 	if !NetworkPoliciesEnabled(pdc) {
 		return nil
 	}

@@ -10,6 +10,7 @@ package render
 
 import (
 	"fmt"
+	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -19,6 +20,7 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/rollout"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+	"pdcluster.dev/pdcluster-operator/internal/scaling"
 )
 
 // Options are the operator-wide settings that are not part of a PDCluster.
@@ -66,26 +68,100 @@ type Serving struct {
 // stable order. The engine objects are the update revision's; an older revision's Deployments
 // are the reconciler's to scale down and delete, not render's.
 func RenderServing(pdc *v1alpha1.PDCluster, opts Options, serving Serving) ([]Object, error) {
+	p, err := Prepare(pdc)
+	if err != nil {
+		return nil, err
+	}
+	router, err := p.Router(opts, serving)
+	if err != nil {
+		return nil, err
+	}
+	return p.Objects(opts, serving, router)
+}
+
+// Prepared is a PDCluster made ready to render, once for every builder of one render (the
+// reconciler's, or pdctl's): defaulted, checked, its KV revision computed.
+type Prepared struct {
+	pdc *v1alpha1.PDCluster
+	rev string
+}
+
+// SpecError is a PDCluster that fails the checks the CRD cannot make
+// ((*PDCluster).Validate), each naming its field.
+type SpecError struct{ Err error }
+
+func (e *SpecError) Error() string { return e.Err.Error() }
+func (e *SpecError) Unwrap() error { return e.Err }
+
+// MultiNodeError is a PDCluster with a pool whose replicas span pods: they run as
+// LeaderWorkerSet groups, which this build renders no object for.
+type MultiNodeError struct {
+	// Pools say which: "spec.<pool>.parallelism.nodes is N", one per such pool.
+	Pools []string
+}
+
+func (e *MultiNodeError) Error() string {
+	return fmt.Sprintf("%s: replicas across pods run as LeaderWorkerSet groups, which this build does not render yet", strings.Join(e.Pools, ", "))
+}
+
+// Prepare defaults a copy of pdc, checks it (a *SpecError, then a *MultiNodeError) and computes
+// its KV revision.
+func Prepare(pdc *v1alpha1.PDCluster) (*Prepared, error) {
 	pdc = defaulted(pdc)
 	// The checks the CRD cannot make, each naming the PDCluster field (the API server would
 	// otherwise refuse the Deployment in its own words).
 	if err := pdc.Validate().ToAggregate(); err != nil {
-		return nil, err
+		return nil, &SpecError{err}
 	}
+	// Nothing half-way: a replica across pods is a LeaderWorkerSet group, not a Deployment's
+	// pod asking for every GPU of the replica.
+	var multi []string
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 		if n := *pool(pdc, role).Parallelism.Nodes; n > 1 {
-			// Nothing half-way: a replica across pods is a LeaderWorkerSet group, not a
-			// Deployment's pod asking for every GPU of the replica.
-			return nil, fmt.Errorf("spec.%s.parallelism.nodes is %d: replicas across pods run as LeaderWorkerSet groups, which this build does not render yet", role, n)
+			multi = append(multi, fmt.Sprintf("spec.%s.parallelism.nodes is %d", role, n))
 		}
 	}
-	rev, err := KVRevision(pdc)
+	if len(multi) > 0 {
+		return nil, &MultiNodeError{multi}
+	}
+	rev, err := kvRevision(pdc)
 	if err != nil {
 		return nil, err
 	}
+	return &Prepared{pdc: pdc, rev: rev}, nil
+}
+
+// Revision is the KV revision the engines render with: the update revision.
+func (p *Prepared) Revision() string { return p.rev }
+
+// RouterObjects are the router's ConfigMap (router.json) and Deployment.
+type RouterObjects struct {
+	Config     *corev1.ConfigMap
+	Deployment *appsv1.Deployment
+}
+
+// Router renders the router's ConfigMap and Deployment. They do not depend on serving.Step:
+// the reconciler plans a rollout's step on whether every router pod runs this Deployment,
+// then renders the rest with that step (Objects).
+func (p *Prepared) Router(opts Options, serving Serving) (RouterObjects, error) {
+	cm, err := routerConfigMap(p.pdc, serving, p.rev)
+	if err != nil {
+		return RouterObjects{}, fmt.Errorf("render router config: %w", err)
+	}
+	dep, err := routerDeployment(p.pdc, opts, cm)
+	if err != nil {
+		return RouterObjects{}, fmt.Errorf("render router: %w", err)
+	}
+	return RouterObjects{cm, dep}, nil
+}
+
+// Objects are every object the operator creates while serving runs, in a stable order, with
+// the router as Router rendered it for the same serving.
+func (p *Prepared) Objects(opts Options, serving Serving, router RouterObjects) ([]Object, error) {
+	pdc, rev := p.pdc, p.rev
 	var objs []Object
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		dep, err := EngineDeployment(pdc, opts, role)
+		dep, err := engineDeployment(pdc, opts, role, rev)
 		if err != nil {
 			return nil, fmt.Errorf("render %s pool: %w", role, err)
 		}
@@ -97,39 +173,26 @@ func RenderServing(pdc *v1alpha1.PDCluster, opts Options, serving Serving) ([]Ob
 			}
 			dep.Spec.Replicas = &n
 		}
-		objs = append(objs, dep, EngineService(pdc, role, rev, dep.Name))
-		if pdb := DisruptionBudget(pdc, role); pdb != nil {
+		objs = append(objs, dep, engineService(pdc, role, rev, dep.Name))
+		if pdb := disruptionBudget(pdc, role); pdb != nil {
 			objs = append(objs, pdb)
 		}
 	}
 	objs = append(objs, domainServices(pdc, pairedRevisions(pdc, rev, serving), serving.Domains)...)
 	if GateEnabled(pdc.Spec.KVTransfer) {
-		objs = append(objs, GateConfigMap(pdc))
+		objs = append(objs, gateConfigMap(pdc))
 	}
-	cm, router, err := Router(pdc, opts, serving)
-	if err != nil {
-		return nil, err
-	}
-	objs = append(objs, cm, router, RouterService(pdc))
-	for _, np := range NetworkPolicies(pdc, opts) {
+	objs = append(objs, router.Config, router.Deployment, routerService(pdc))
+	for _, np := range networkPolicies(pdc, opts) {
 		objs = append(objs, np)
 	}
 	return objs, nil
 }
 
-// Router is the router's ConfigMap (router.json) and Deployment as RenderServing renders them:
-// the reconciler plans a rollout's step on whether every router pod runs this Deployment
-// before it renders the engines with that step.
-func Router(pdc *v1alpha1.PDCluster, opts Options, serving Serving) (*corev1.ConfigMap, *appsv1.Deployment, error) {
-	cm, err := RouterConfigMap(pdc, serving)
-	if err != nil {
-		return nil, nil, fmt.Errorf("render router config: %w", err)
-	}
-	dep, err := RouterDeployment(pdc, opts, cm)
-	if err != nil {
-		return nil, nil, fmt.Errorf("render router: %w", err)
-	}
-	return cm, dep, nil
+// Scaled is p with each pool's replicas set to what it runs (the reconciler's scale
+// decision); the KV revision does not depend on them.
+func (p *Prepared) Scaled(e scaling.Effective) *Prepared {
+	return &Prepared{pdc: scaling.Scaled(p.pdc, e), rev: p.rev}
 }
 
 // Object is a rendered Kubernetes object. It is controller-runtime's client.Object, declared

@@ -42,7 +42,11 @@ type kvRevisionInputs struct {
 // read prefill's KV, and only with that, so a change of resources, tolerations or logging
 // rolls the pods within one revision.
 func KVRevision(pdc *v1alpha1.PDCluster) (string, error) {
-	pdc = defaulted(pdc)
+	return kvRevision(defaulted(pdc))
+}
+
+// kvRevision is KVRevision of a defaulted PDCluster.
+func kvRevision(pdc *v1alpha1.PDCluster) (string, error) {
 	spec := pdc.Spec
 	in := kvRevisionInputs{
 		Model:     ModelArg(spec.Model),

@@ -26,11 +26,16 @@ import (
 // (serving.Old) it lists every revision with its pair of Services.
 func RouterConfigMap(pdc *v1alpha1.PDCluster, serving Serving) (*corev1.ConfigMap, error) {
 	pdc = defaulted(pdc)
-	connector := pdc.Spec.KVTransfer.Connector
-	rev, err := KVRevision(pdc)
+	rev, err := kvRevision(pdc)
 	if err != nil {
 		return nil, err
 	}
+	return routerConfigMap(pdc, serving, rev)
+}
+
+// routerConfigMap is RouterConfigMap of a defaulted PDCluster whose KV revision is rev.
+func routerConfigMap(pdc *v1alpha1.PDCluster, serving Serving, rev string) (*corev1.ConfigMap, error) {
+	connector := pdc.Spec.KVTransfer.Connector
 	update := routerconfig.RevisionHosts{
 		Revision:    rev,
 		PrefillHost: ServiceHost(pdc.Namespace, EngineObjectName(pdc.Name, v1alpha1.RolePrefill, rev, !serving.Suffixed)),
@@ -71,7 +76,7 @@ func RouterConfigMap(pdc *v1alpha1.PDCluster, serving Serving) (*corev1.ConfigMa
 	}
 	// Written only when it is not the router's default (which equals the API's): router.json,
 	// and so the router's pods, stay as they were before the field existed.
-	if fp := RouterFailurePolicy(pdc); fp != routerconfig.DefaultFailurePolicy() {
+	if fp := routerFailurePolicy(pdc); fp != routerconfig.DefaultFailurePolicy() {
 		cfg.FailurePolicy = &fp
 	}
 	if v := pdc.Spec.KVTransfer.Verification; v.Mode == v1alpha1.KVVerificationCanary {
@@ -117,7 +122,12 @@ func ServiceHost(namespace, name string) string { return fmt.Sprintf("%s.%s.svc"
 
 // RouterFailurePolicy is spec.router.failurePolicy in router.json's words.
 func RouterFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {
-	fp := defaulted(pdc).Spec.Router.FailurePolicy
+	return routerFailurePolicy(defaulted(pdc))
+}
+
+// routerFailurePolicy is RouterFailurePolicy of a defaulted PDCluster.
+func routerFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {
+	fp := pdc.Spec.Router.FailurePolicy
 	p := routerconfig.FailurePolicy{
 		Retries: *fp.Retries, RetryBudgetPercent: *fp.RetryBudgetPercent, EjectSeconds: *fp.EjectSeconds,
 		ConsecutiveFailures:      *fp.ConsecutiveFailures,
@@ -125,7 +135,7 @@ func RouterFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {
 		OnPrefillFailure:         routerconfig.OnPrefillFailure(fp.OnPrefillFailure),
 	}
 	if fp.FirstTokenTimeoutSeconds == nil {
-		p.StreamFirstTokenTimeoutSeconds = StreamFirstTokenTimeout(pdc)
+		p.StreamFirstTokenTimeoutSeconds = streamFirstTokenTimeout(pdc)
 	}
 	return p
 }
@@ -136,7 +146,11 @@ func RouterFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {
 // arguments) at 100 tokens a second, at most the router's 10-minute wait for an answer;
 // without --max-model-len (the model's own length, which the operator cannot read), 300 s.
 func StreamFirstTokenTimeout(pdc *v1alpha1.PDCluster) int32 {
-	pdc = defaulted(pdc)
+	return streamFirstTokenTimeout(defaulted(pdc))
+}
+
+// streamFirstTokenTimeout is StreamFirstTokenTimeout of a defaulted PDCluster.
+func streamFirstTokenTimeout(pdc *v1alpha1.PDCluster) int32 {
 	var longest int64
 	for _, args := range [][]string{pdc.Spec.Engine.Args, pdc.Spec.Prefill.Args, pdc.Spec.Decode.Args} {
 		longest = max(longest, maxModelLen(args))
@@ -166,7 +180,11 @@ func maxModelLen(args []string) int64 {
 
 // RouterDeployment runs the P/D proxy.
 func RouterDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.ConfigMap) (*appsv1.Deployment, error) {
-	pdc = defaulted(pdc)
+	return routerDeployment(defaulted(pdc), opts, config)
+}
+
+// routerDeployment is RouterDeployment of a defaulted PDCluster.
+func routerDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.ConfigMap) (*appsv1.Deployment, error) {
 	health := &corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString(portHTTP)}}
 	podSpec := corev1.PodSpec{
 		Containers: []corev1.Container{{

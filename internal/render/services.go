@@ -15,7 +15,11 @@ import (
 // a load-balanced VIP, and only the pods of one revision behind one name, so that it never
 // pairs a prefill and a decode of two.
 func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string) *corev1.Service {
-	pdc = defaulted(pdc)
+	return engineService(defaulted(pdc), role, rev, name)
+}
+
+// engineService is EngineService of a defaulted PDCluster.
+func engineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string) *corev1.Service {
 	// Every port the pod's containers declare, under the same name: the pods are reached by
 	// their own addresses, so the Service publishes the set for discovery and DNS SRV records.
 	declared := append(enginePorts(pdc, role), connectorPorts()...)
@@ -40,7 +44,11 @@ func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string
 
 // RouterService is the client-facing OpenAI endpoint of the cluster.
 func RouterService(pdc *v1alpha1.PDCluster) *corev1.Service {
-	pdc = defaulted(pdc)
+	return routerService(defaulted(pdc))
+}
+
+// routerService is RouterService of a defaulted PDCluster.
+func routerService(pdc *v1alpha1.PDCluster) *corev1.Service {
 	return &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
 		ObjectMeta: objectMeta(pdc, v1alpha1.RoleRouter),
