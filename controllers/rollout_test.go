@@ -347,6 +347,26 @@ func TestOldRevisionWaitsForEveryRouterPod(t *testing.T) {
 	}
 }
 
+// The reconcile that starts a rollout finds the router Deployment as it was: every pod updated
+// and available, but to the router.json without the new revision, which this reconcile only
+// now applies. No older pod goes in that reconcile, even where maxUnavailable would let one go
+// before the new revision has any: the router could send its clients nowhere.
+func TestOldRevisionWaitsForTheRouterToRunTheNewList(t *testing.T) {
+	p := pdc() // 1 prefill, 2 decode
+	p.Spec.Rollout.MaxSurge = ptr.To(intstr.FromInt32(1))
+	p.Spec.Rollout.MaxUnavailable = ptr.To(intstr.FromInt32(1))
+	f, newPrefill, newDecode := startKVRollout(t, p)
+	var router appsv1.Deployment
+	if err := f.c.Get(context.Background(), client.ObjectKey{Namespace: "ns", Name: "c-router"}, &router); err != nil {
+		t.Fatal(err)
+	}
+	if st := router.Status; st.UpdatedReplicas != 1 || st.AvailableReplicas != 1 || st.ObservedGeneration != router.Generation {
+		t.Fatalf("router before the rollout: %+v, want every pod updated and available", st)
+	}
+	f.reconcile()
+	f.checkFirstStep(t, newPrefill, newDecode, false)
+}
+
 // An older revision's pod goes only once the new revision's pods are available (ready for
 // their Deployment's minReadySeconds), not as soon as they are ready: the routers resolve
 // their pools every few seconds, and until they have found the new pods, the old pod's

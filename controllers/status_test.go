@@ -108,6 +108,11 @@ func TestGateStatusSumsEachPool(t *testing.T) {
 			if d := cmp.Diff(tc.wantSilent, silent); d != "" {
 				t.Errorf("pods unready for a silent gate (-want +got):\n%s", d)
 			}
+			// The status names them: CompletionGated False/GateSilent.
+			if c := meta.FindStatusCondition(status.Conditions, v1alpha1.ConditionCompletionGated); len(tc.wantSilent) > 0 &&
+				(c == nil || c.Reason != v1alpha1.ReasonGateSilent || !strings.Contains(c.Message, strings.Join(tc.wantSilent, ", "))) {
+				t.Errorf("CompletionGated = %+v, want GateSilent naming %v", c, tc.wantSilent)
+			}
 			if d := cmp.Diff(tc.wantPrefill, status.Prefill.Gate); d != "" {
 				t.Errorf("prefill gate (-want +got):\n%s", d)
 			}

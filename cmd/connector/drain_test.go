@@ -43,12 +43,21 @@ func TestAcceptsTheRenderedPreStopHook(t *testing.T) {
 				}
 			}
 			// The control socket is on a volume the sidecar's container mounts and the engine's
-			// does not: nothing in the engine's container can drain the pod.
+			// does not, at any path: nothing in the engine's container can drain the pod.
 			dir := filepath.Dir(strings.TrimPrefix(listen, "unix://"))
+			var volume string
+			for _, m := range c.VolumeMounts {
+				if m.MountPath == dir {
+					volume = m.Name
+				}
+			}
+			if volume == "" {
+				t.Fatalf("%s: the sidecar mounts no volume at the control socket's directory %s", role, dir)
+			}
 			for _, other := range dep.Spec.Template.Spec.Containers {
-				mounted := slices.ContainsFunc(other.VolumeMounts, func(m corev1.VolumeMount) bool { return m.MountPath == dir })
+				mounted := slices.ContainsFunc(other.VolumeMounts, func(m corev1.VolumeMount) bool { return m.Name == volume })
 				if mounted != (other.Name == c.Name) {
-					t.Errorf("%s: container %s mounts the control socket's directory %s: %v, want the sidecar alone", role, other.Name, dir, mounted)
+					t.Errorf("%s: container %s mounts the control socket's volume %s: %v, want the sidecar alone", role, other.Name, volume, mounted)
 				}
 			}
 			cmd := c.Lifecycle.PreStop.Exec.Command
