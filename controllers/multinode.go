@@ -21,7 +21,7 @@ var leaderWorkerSet = schema.GroupKind{Group: "leaderworkerset.x-k8s.io", Kind: 
 // run as LeaderWorkerSet groups, which the cluster must serve and this operator must render.
 // Neither half-way: nothing of the PDCluster is applied, and Ready says which field and what
 // is missing.
-func (r *PDClusterReconciler) prepare(pdc *v1alpha1.PDCluster) (*render.Prepared, error) {
+func prepare(pdc *v1alpha1.PDCluster, s *snapshot) (*render.Prepared, error) {
 	p, err := render.Prepare(pdc)
 	var invalid *render.SpecError
 	var multi *render.MultiNodeError
@@ -29,7 +29,7 @@ func (r *PDClusterReconciler) prepare(pdc *v1alpha1.PDCluster) (*render.Prepared
 	case errors.As(err, &invalid):
 		return nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
 	case errors.As(err, &multi):
-		return nil, r.multiNodeUnavailable(multi.Pools)
+		return nil, multiNodeUnavailable(multi.Pools, s)
 	case err != nil:
 		return nil, fmt.Errorf("KV revision: %w", err)
 	}
@@ -37,13 +37,35 @@ func (r *PDClusterReconciler) prepare(pdc *v1alpha1.PDCluster) (*render.Prepared
 }
 
 // multiNodeUnavailable says why pools (render.MultiNodeError's) cannot run yet.
-func (r *PDClusterReconciler) multiNodeUnavailable(pools []string) error {
+func multiNodeUnavailable(pools []string, s *snapshot) error {
 	why := "this operator build does not render LeaderWorkerSets yet"
-	if _, err := r.RESTMapper().RESTMapping(leaderWorkerSet, "v1"); meta.IsNoMatchError(err) {
+	if s.lwsErr != nil {
+		return s.lwsErr
+	}
+	if !s.lwsServed {
 		why = "the cluster does not serve LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): install it"
-	} else if err != nil {
-		return fmt.Errorf("look up LeaderWorkerSet: %w", err)
 	}
 	msg := fmt.Sprintf("%s: a replica across pods runs as a LeaderWorkerSet group, and %s; nothing is applied until then (set nodes to 1 to run one pod per replica)", strings.Join(pools, ", "), why)
 	return &readyError{v1alpha1.ReasonMultiNodeUnavailable, "Render", msg, errors.New(msg)}
+}
+
+// observeLeaderWorkerSet records in the snapshot whether the cluster serves LeaderWorkerSet, for
+// a PDCluster with a pool whose replicas span pods (the only one that asks).
+func (r *PDClusterReconciler) observeLeaderWorkerSet(pdc *v1alpha1.PDCluster, s *snapshot) {
+	multi := false
+	for _, p := range []*v1alpha1.PoolSpec{&pdc.Spec.Prefill, &pdc.Spec.Decode} {
+		if n := p.Parallelism.Nodes; n != nil && *n > 1 {
+			multi = true
+		}
+	}
+	if !multi {
+		return
+	}
+	_, err := r.RESTMapper().RESTMapping(leaderWorkerSet, "v1")
+	switch {
+	case err == nil:
+		s.lwsServed = true
+	case !meta.IsNoMatchError(err):
+		s.lwsErr = fmt.Errorf("look up LeaderWorkerSet: %w", err)
+	}
 }

@@ -1,6 +1,7 @@
 package controllers
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -41,7 +42,11 @@ func TestMultiNodeAvailable(t *testing.T) {
 			r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
 			p := pdc()
 			p.Spec.Prefill.Parallelism.Nodes, p.Spec.Decode.Parallelism.Nodes = tc.prefill, tc.decode
-			_, err := r.prepare(p)
+			s, err := r.observeSnapshot(context.Background(), p, start)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = prepare(p, s)
 			if tc.wantReason == "" {
 				if err != nil {
 					t.Fatalf("refused: %v", err)

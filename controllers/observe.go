@@ -3,7 +3,6 @@ package controllers
 import (
 	"context"
 	"errors"
-	"fmt"
 	"slices"
 	"sync"
 	"time"
@@ -11,7 +10,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/utils/ptr"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -61,47 +59,30 @@ func (o observed) err() error { return errors.Join(o.podsErr, o.depsErr) }
 // gateReads bounds the sidecars read at once.
 const gateReads = 16
 
-// observe lists the PDCluster's pods and Deployments (from the cache) and reads the gate
-// counts of its running engine pods (an answer read now, or PodReports' last one). A part that
-// cannot be read is left unknown, with its error; the others are still observed.
-func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDCluster, applied []render.Object, now time.Time) observed {
-	var o observed
-	inCluster := []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
-	var pods corev1.PodList
-	if err := r.List(ctx, &pods, inCluster...); err != nil {
-		o.podsErr = fmt.Errorf("list pods: %w", err)
-	} else {
-		o.pods = pods.Items
-	}
-	var deps appsv1.DeploymentList
-	if err := r.List(ctx, &deps, inCluster...); err != nil {
-		o.depsErr = fmt.Errorf("list deployments: %w", err)
-	} else {
-		o.deployments = map[v1alpha1.Role]*appsv1.Deployment{}
-		for i := range deps.Items {
-			if deps.Items[i].Name == render.ObjectName(pdc.Name, v1alpha1.RoleRouter) {
-				o.deployments[v1alpha1.RoleRouter] = &deps.Items[i]
-			}
-		}
-		o.olderDeployments = map[v1alpha1.Role][]*appsv1.Deployment{}
-		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-			update, old := poolDeployments(deps.Items, role, applied)
-			if update != nil {
-				o.deployments[role] = update
-			}
-			o.olderDeployments[role] = old
+// observed is the snapshot as the reconcile's act left it (the Deployments it applied, as the
+// API server answered, and without the ones it deleted), grouped for connector health, KV
+// verification and status; applied are the objects it applied, as rendered.
+func (s *snapshot) observed(applied []render.Object) observed {
+	o := observed{pods: s.pods, podsErr: s.podsErr, gates: s.gates, gatesRead: s.gatesRead, canary: s.canary, pairs: s.pairs}
+	var deps []appsv1.Deployment
+	for _, d := range s.deployments {
+		if d != nil {
+			deps = append(deps, *d)
 		}
 	}
-	// The sidecars answer the gate's state and their engine's KV counts: asked when either is
-	// wanted.
-	if r.GateReader != nil && (render.GateEnabled(pdc.Spec.KVTransfer) || verificationOn(pdc)) && o.podsErr == nil {
-		o.gates, o.gatesRead = r.readGates(ctx, o.pods, now), true
+	o.deployments = map[v1alpha1.Role]*appsv1.Deployment{}
+	for i := range deps {
+		if deps[i].Name == render.ObjectName(s.pdc.Name, v1alpha1.RoleRouter) {
+			o.deployments[v1alpha1.RoleRouter] = &deps[i]
+		}
 	}
-	if r.CanaryReader != nil && pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary && o.podsErr == nil {
-		o.canary = r.readCanary(ctx, o.pods)
-	}
-	if r.PairsReader != nil && pdc.Spec.Scheduling.Pairing != nil && o.podsErr == nil {
-		o.pairs = r.readPairs(ctx, o.pods)
+	o.olderDeployments = map[v1alpha1.Role][]*appsv1.Deployment{}
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+		update, old := poolDeployments(deps, role, applied)
+		if update != nil {
+			o.deployments[role] = update
+		}
+		o.olderDeployments[role] = old
 	}
 	return o
 }

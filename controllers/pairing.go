@@ -12,7 +12,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
@@ -76,36 +75,6 @@ func (r *PDClusterReconciler) labelDomains(ctx context.Context, pdc *v1alpha1.PD
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// deleteUnusedDomainServices deletes the PDCluster's domain Services that render no longer
-// gives (a domain gone, a revision drained, pairing turned off).
-func (r *PDClusterReconciler) deleteUnusedDomainServices(ctx context.Context, pdc *v1alpha1.PDCluster, rendered []render.Object) ([]event, error) {
-	var svcs corev1.ServiceList
-	if err := r.List(ctx, &svcs, client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}, client.HasLabels{v1alpha1.LabelDomain}); err != nil {
-		return nil, fmt.Errorf("list domain Services: %w", err)
-	}
-	keep := map[string]bool{}
-	for _, o := range rendered {
-		if _, ok := o.(*corev1.Service); ok {
-			keep[o.GetName()] = true
-		}
-	}
-	var gone []string
-	for i := range svcs.Items {
-		svc := &svcs.Items[i]
-		if keep[svc.Name] || !metav1.IsControlledBy(svc, pdc) {
-			continue
-		}
-		if err := r.deleteObserved(ctx, svc); err != nil {
-			return nil, fmt.Errorf("delete the unused domain Service %s: %w", svc.Name, err)
-		}
-		gone = append(gone, svc.Name)
-	}
-	if len(gone) == 0 {
-		return nil, nil
-	}
-	return []event{{corev1.EventTypeNormal, "Deleted", "Delete", fmt.Sprintf("deleted the domain Services %v: no pool of a running revision in those domains", gone)}}, nil
 }
 
 // pairingStatus writes status.pairing: the domains and the routers' pairs by locality. Counts

@@ -1,11 +1,16 @@
-// Package controllers holds the PDCluster reconciler: it renders the desired children with
-// internal/render, applies the ones that differ with server-side apply, and reports status.
+// Package controllers holds the PDCluster reconciler. A reconcile observes once (snapshot.go:
+// the nodes' domains, the children, the pods, the pods' last reports from PodReports), decides
+// in pure functions (render.Prepare, revisionsOf, decideScale, planRollout, render, keepSet,
+// unused), acts (apply what differs with server-side apply, step the older KV revisions, prune
+// by inventory, connector-health restarts, deletion costs), computes the status in one pure
+// function and writes it once, events after.
 package controllers
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"time"
 	"unique"
@@ -100,26 +105,26 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	// The API server has defaulted what its CRD knows; this covers a CRD older than the
 	// operator (an upgrade that applied the manager first). Only status is written back.
 	pdc.SetDefaults()
-	// Apply, observe once, act on connector health, then compute the whole status from what
-	// was learned and write it once; events go out after the write.
+	// Observe once, decide, act (apply, scale, prune), act on connector health, then compute
+	// the whole status from what was learned and write it once; events go out after the write.
 	in := statusInputs{pdc: &pdc, now: r.now()}
-	topo, err := r.observeTopology(ctx, &pdc)
-	in.topo = topo
+	snap, err := r.observeSnapshot(ctx, &pdc, in.now)
+	in.topo = snap.topo
 	var applied []render.Object
 	var scale *scaleDecision
 	var events []event
 	if err == nil {
-		applied, scale, events, err = r.reconcileChildren(ctx, &pdc, topo)
+		applied, scale, events, err = r.reconcileChildren(ctx, &pdc, snap)
 	}
 	in.applied, in.scale, in.childrenErr = applied, scale, err
-	reconcileErr := err // every step's error: apply, observe, restarts
+	reconcileErr := err // every step's error: observe, apply, restarts
 	var requeueAfter time.Duration
 	if err == nil {
-		in.obs = r.observe(ctx, &pdc, applied, in.now)
+		in.obs = snap.observed(applied)
 		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now, int(scale.effective.Prefill+scale.effective.Decode))
 		in.kv = r.verifyKV(&pdc, in.obs, in.now)
 		costErr := r.setDeletionCosts(ctx, in.obs)
-		domainErr := r.labelDomains(ctx, &pdc, in.obs.pods, topo)
+		domainErr := r.labelDomains(ctx, &pdc, in.obs.pods, snap.topo)
 		reconcileErr = errors.Join(in.obs.err(), in.health.err, costErr, domainErr)
 		requeueAfter = in.health.requeueAfter()
 		if in.obs.gatesRead {
@@ -176,26 +181,25 @@ func isPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
-// reconcileChildren decides what each pool runs, renders the desired objects and applies the
-// ones that differ from the cluster. Nothing is written when everything already matches. It
-// returns what it applied (as rendered, not as the server answered) and the scale decision,
-// for the pool status, and the events of what it did.
-func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, topo topology) ([]render.Object, *scaleDecision, []event, error) {
-	// What the CRD cannot check, in the PDCluster's field names, before anything is applied.
-	prep, err := r.prepare(pdc)
+// reconcileChildren decides from the snapshot what each pool runs and the rollout's step,
+// renders the desired objects, applies the ones that differ from the cluster, steps the older
+// KV revisions, and prunes every child the PDCluster no longer keeps. Nothing is written when
+// everything already matches. It returns what it applied (as rendered, not as the server
+// answered) and the scale decision, for the pool status, and the events of what it did.
+func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, snap *snapshot) ([]render.Object, *scaleDecision, []event, error) {
+	// Decide: what the CRD cannot check, in the PDCluster's field names, before anything is
+	// applied; then the scale and the rollout's step, and render with them.
+	prep, err := prepare(pdc, snap)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	revs, err := r.observeEngineRevisions(ctx, pdc, prep.Revision())
+	revs := revisionsOf(pdc, snap.deployments, prep.Revision())
+	scale, err := decideScale(pdc, snap, revs)
 	if err != nil {
 		return nil, nil, nil, err
-	}
-	scale, events, err := r.decideScale(ctx, pdc, revs)
-	if err != nil {
-		return nil, nil, events, err
 	}
 	serving := revs.serving(pdc)
-	serving.Domains = topo.domains
+	serving.Domains = snap.topo.domains
 	scaled := prep.Scaled(scale.effective)
 	renderErr := func(err error) error {
 		return permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
@@ -205,17 +209,45 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	// replicas for the update revision's Deployments; the older ones are scaled after the apply.
 	router, err := scaled.Router(r.Options, serving)
 	if err != nil {
-		return nil, nil, events, renderErr(err)
+		return nil, nil, nil, renderErr(err)
 	}
 	step := planRollout(pdc, revs, scale.effective, revs.routerCurrent(router.Deployment))
 	serving.Step = &step.update
 	objs, err := scaled.Objects(r.Options, serving, router)
 	if err != nil {
-		return nil, nil, events, renderErr(err)
+		return nil, nil, nil, renderErr(err)
 	}
-	// One event per action for all the children it touched: the events library merges events
-	// of one reason and action into a series that keeps only the first note, so one event per
-	// child named a single child (and cost a write each).
+	removals := unused(pdc, snap, keepSet(objs, revs, scale), revs)
+
+	// Act.
+	events, err := r.createPoolScales(ctx, pdc, scale)
+	if err != nil {
+		return nil, nil, events, err
+	}
+	applyEvents, err := r.applyAll(ctx, pdc, snap, objs)
+	events = append(events, applyEvents...)
+	if err != nil {
+		return nil, nil, events, err
+	}
+	stepped, err := r.stepOldRevisions(ctx, snap, revs, step)
+	events = append(events, stepped...)
+	if err != nil {
+		return objs, &scale, events, err
+	}
+	pruned, err := r.prune(ctx, snap, removals)
+	events = append(events, pruned...)
+	if err != nil {
+		return objs, &scale, events, err
+	}
+	return objs, &scale, events, r.writeScaleStatus(ctx, pdc, scale)
+}
+
+// applyAll applies each object that is missing or differs, keeping the snapshot's Deployments
+// current with the API server's answers, and returns one event per action for all the children
+// it touched: the events library merges events of one reason and action into a series that
+// keeps only the first note, so one event per child named a single child (and cost a write
+// each).
+func (r *PDClusterReconciler) applyAll(ctx context.Context, pdc *v1alpha1.PDCluster, snap *snapshot, objs []render.Object) (events []event, err error) {
 	var created, updated []string
 	summarize := func() {
 		for _, e := range []struct {
@@ -227,16 +259,18 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 			}
 		}
 	}
+	defer summarize()
 	for _, obj := range objs {
 		if err := controllerutil.SetControllerReference(pdc, obj, r.Scheme); err != nil {
-			summarize()
-			return nil, nil, events, fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
+			return events, fmt.Errorf("set owner of %s: %w", obj.GetName(), err)
 		}
-		action, err := r.reconcileObject(ctx, obj)
+		action, answer, err := r.reconcileObject(ctx, obj)
 		if err != nil {
-			summarize()
 			msg := fmt.Sprintf("apply %T %s: %v", obj, obj.GetName(), err)
-			return nil, nil, events, &readyError{v1alpha1.ReasonApplyFailed, "Apply", msg, fmt.Errorf("apply %s: %w", obj.GetName(), err)}
+			return events, &readyError{v1alpha1.ReasonApplyFailed, "Apply", msg, fmt.Errorf("apply %s: %w", obj.GetName(), err)}
+		}
+		if d, ok := answer.(*appsv1.Deployment); ok {
+			snap.wrote(d)
 		}
 		name := obj.GetObjectKind().GroupVersionKind().Kind + " " + obj.GetName()
 		switch action {
@@ -246,80 +280,7 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 			updated = append(updated, name)
 		}
 	}
-	summarize()
-	stepped, err := r.stepOldRevisions(ctx, pdc, revs, step)
-	events = append(events, stepped...)
-	if err != nil {
-		return objs, &scale, events, err
-	}
-	deleted, err := r.deleteUnusedChildren(ctx, pdc)
-	events = append(events, deleted...)
-	if err != nil {
-		return objs, &scale, events, err
-	}
-	deleted, err = r.deleteUnusedDomainServices(ctx, pdc, objs)
-	events = append(events, deleted...)
-	if err != nil {
-		return objs, &scale, events, err
-	}
-	return objs, &scale, events, r.writeScaleStatus(ctx, pdc, scale)
-}
-
-// deleteUnusedChildren removes the children render leaves out depending on the spec once the
-// spec no longer asks for them: the completion gate's ConfigMap, a pool's PodDisruptionBudget,
-// the NetworkPolicies. It returns an event for each.
-func (r *PDClusterReconciler) deleteUnusedChildren(ctx context.Context, pdc *v1alpha1.PDCluster) ([]event, error) {
-	var events []event
-	del := func(obj client.Object, kind, why string) error {
-		e, err := r.deleteUnused(ctx, pdc, obj, kind, why)
-		if e != nil {
-			events = append(events, *e)
-		}
-		return err
-	}
-	if !render.GateEnabled(pdc.Spec.KVTransfer) {
-		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.GateObjectName(pdc.Name)}}
-		if err := del(cm, "ConfigMap", "the completion gate is disabled"); err != nil {
-			return events, err
-		}
-	}
-	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		if render.DisruptionBudget(pdc, role) != nil {
-			continue
-		}
-		pdb := &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}}
-		if err := del(pdb, "PodDisruptionBudget", fmt.Sprintf("spec.%s.disruptionBudget is unset", role)); err != nil {
-			return events, err
-		}
-	}
-	if !render.NetworkPoliciesEnabled(pdc) {
-		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
-			np := &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}}
-			if err := del(np, "NetworkPolicy", "spec.networkPolicy.enabled is false"); err != nil {
-				return events, err
-			}
-		}
-	}
 	return events, nil
-}
-
-// deleteUnused deletes obj (named, of kind) if it exists and this PDCluster controls it, and
-// returns the event saying so.
-func (r *PDClusterReconciler) deleteUnused(ctx context.Context, pdc *v1alpha1.PDCluster, obj client.Object, kind, why string) (*event, error) {
-	err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj)
-	if apierrors.IsNotFound(err) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("get %s %s: %w", kind, obj.GetName(), err)
-	}
-	if !metav1.IsControlledBy(obj, pdc) {
-		return nil, nil
-	}
-	if err := r.deleteObserved(ctx, obj); err != nil {
-		return nil, fmt.Errorf("delete the unused %s %s: %w", kind, obj.GetName(), err)
-	}
-	return &event{corev1.EventTypeNormal, "Deleted", "Delete", fmt.Sprintf("deleted %s %s: %s", kind, obj.GetName(), why)}, nil
 }
 
 // deleteObserved deletes obj as it was observed (its UID: never a newer object of the same
@@ -337,38 +298,41 @@ const (
 	actionUpdated
 )
 
-// reconcileObject applies obj when it is missing or differs; it returns what it did.
-func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired client.Object) (applyAction, error) {
+// reconcileObject applies obj when it is missing or differs; it returns what it did and the
+// object as the cluster now has it (the API server's answer to the apply, or what was read).
+func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired client.Object) (applyAction, client.Object, error) {
 	kind := desired.GetObjectKind().GroupVersionKind().Kind // render sets TypeMeta
 	existing, ok := desired.DeepCopyObject().(client.Object)
 	if !ok {
-		return actionNone, fmt.Errorf("%T is not a client.Object", desired)
+		return actionNone, nil, fmt.Errorf("%T is not a client.Object", desired)
 	}
 	err := r.Get(ctx, client.ObjectKeyFromObject(desired), existing)
 	switch {
 	case apierrors.IsNotFound(err):
-		if err := r.apply(ctx, desired); err != nil {
+		answer, err := r.apply(ctx, desired)
+		if err != nil {
 			appliesTotal.WithLabelValues(kind, "create", "error").Inc()
-			return actionNone, err
+			return actionNone, nil, err
 		}
 		appliesTotal.WithLabelValues(kind, "create", "ok").Inc()
-		return actionCreated, nil
+		return actionCreated, answer, nil
 	case err != nil:
-		return actionNone, fmt.Errorf("get: %w", err)
+		return actionNone, nil, fmt.Errorf("get: %w", err)
 	}
 	if owner := metav1.GetControllerOf(existing); owner == nil || owner.UID != ownerUID(desired) {
 		// Never taken over: another PDCluster's (or a user's) object of the same name.
-		return actionNone, fmt.Errorf("%s %s exists and is not this PDCluster's: delete or rename it", kind, desired.GetName())
+		return actionNone, nil, fmt.Errorf("%s %s exists and is not this PDCluster's: delete or rename it", kind, desired.GetName())
 	}
 	if upToDate(desired, existing) {
-		return actionNone, nil
+		return actionNone, existing, nil
 	}
-	if err := r.apply(ctx, desired); err != nil {
+	answer, err := r.apply(ctx, desired)
+	if err != nil {
 		appliesTotal.WithLabelValues(kind, "update", "error").Inc()
-		return actionNone, err
+		return actionNone, nil, err
 	}
 	appliesTotal.WithLabelValues(kind, "update", "ok").Inc()
-	return actionUpdated, nil
+	return actionUpdated, answer, nil
 }
 
 // ownerUID is the UID of obj's controller.
@@ -406,13 +370,24 @@ func upToDate(desired, existing client.Object) bool {
 	return derivative.DeepDerivative(d, existing)
 }
 
-func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) error {
+// apply applies obj with server-side apply and returns the API server's answer, of obj's type.
+func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) (client.Object, error) {
 	m, err := render.ToUnstructured(obj)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	u := &unstructured.Unstructured{Object: m}
-	return r.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.OperatorName), client.ForceOwnership)
+	if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.OperatorName), client.ForceOwnership); err != nil {
+		return nil, err
+	}
+	answer, ok := reflect.New(reflect.TypeOf(obj).Elem()).Interface().(client.Object)
+	if !ok {
+		return nil, fmt.Errorf("%T is not a client.Object", obj)
+	}
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, answer); err != nil {
+		return nil, fmt.Errorf("read the answer to applying %s: %w", obj.GetName(), err)
+	}
+	return answer, nil
 }
 
 // SetupWithManager registers the controller and its watches on owned children, and the pod

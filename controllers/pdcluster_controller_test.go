@@ -8,7 +8,6 @@ import (
 	"time"
 	"unsafe"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
@@ -27,37 +26,33 @@ import (
 )
 
 // A restart round that deleted pods is saved in status even when another part of the
-// reconcile fails (here the Deployments cannot be read, so the pool status is unknown): backoff
-// and budget count on that record, so losing it would restart again at once.
+// reconcile fails (here the prefill pod's deletion cost cannot be written): backoff and budget
+// count on that record, so losing it would restart again at once.
 func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 	p := pdc()
 	p.Status.Connector.UnhealthyPods = []v1alpha1.UnhealthyPod{{Name: "d-0", Since: metav1.NewTime(start.Add(-time.Minute))}}
-	deleted, depLists := false, 0
+	deleted := false
 	funcs := interceptor.Funcs{
 		Delete: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
 			deleted = true
 			return c.Delete(ctx, obj, opts...)
 		},
-		// The Deployments can be read for the apply, then not for the status (the pool status
-		// is unknown); the pods can.
-		List: func(ctx context.Context, c client.WithWatch, list client.ObjectList, opts ...client.ListOption) error {
-			if _, ok := list.(*appsv1.DeploymentList); ok {
-				if depLists++; depLists > 1 {
-					return errors.New("apiserver unavailable")
-				}
+		Patch: func(ctx context.Context, c client.WithWatch, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+			if _, ok := obj.(*corev1.Pod); ok {
+				return errors.New("apiserver unavailable")
 			}
-			return c.List(ctx, list, opts...)
+			return c.Patch(ctx, obj, patch, opts...)
 		},
 	}
 	c := newFakeClient(t).
 		WithObjects(p, pod("d-0", v1alpha1.RoleDecode, time.Minute), pod("d-1", v1alpha1.RoleDecode, 0), pod("p-0", v1alpha1.RolePrefill, 0)).
 		WithStatusSubresource(&v1alpha1.PDCluster{}).WithInterceptorFuncs(funcs).Build()
 	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: events.NewFakeRecorder(100),
-		Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start)}
+		Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start), GateReader: fakeGates{"p-0": holding(3)}}
 
 	_, err := r.Reconcile(context.Background(), ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)})
 	if err == nil || !strings.Contains(err.Error(), "apiserver unavailable") {
-		t.Fatalf("err = %v, want the failed pool status", err)
+		t.Fatalf("err = %v, want the failed deletion cost", err)
 	}
 	if !deleted {
 		t.Fatal("no pod was restarted; the test needs a round")
@@ -87,16 +82,16 @@ func TestRestartRoundIsRecordedWhenPoolStatusFails(t *testing.T) {
 func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 	owner := []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
 	gateCM := func() client.Object {
-		return &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.GateObjectName("c")}}
+		return &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.GateObjectName("c"), Labels: map[string]string{v1alpha1.LabelCluster: "c"}}}
 	}
 	pdb := func(role v1alpha1.Role) func() client.Object {
 		return func() client.Object {
-			return &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.ObjectName("c", role)}}
+			return &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.ObjectName("c", role), Labels: render.Labels("c", role)}}
 		}
 	}
 	netpol := func(role v1alpha1.Role) func() client.Object {
 		return func() client.Object {
-			return &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.ObjectName("c", role)}}
+			return &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.ObjectName("c", role), Labels: render.Labels("c", role)}}
 		}
 	}
 	noPolicies := func(p *v1alpha1.PDCluster) { p.Spec.NetworkPolicy.Enabled = ptr.To(false) }
@@ -130,7 +125,7 @@ func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 			}
 			c := newFakeClient(t).WithObjects(p, child).Build()
 			r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
-			pending, err := r.deleteUnusedChildren(context.Background(), p)
+			pending, err := pruneAsReconciled(t, r, p)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -143,6 +138,23 @@ func TestUnusedChildrenAreDeletedOnlyWhenOwned(t *testing.T) {
 			}
 		})
 	}
+}
+
+// pruneAsReconciled prunes what a reconcile of p with nothing running would: every child of p
+// in the cluster that render does not give.
+func pruneAsReconciled(t *testing.T, r *PDClusterReconciler, p *v1alpha1.PDCluster) ([]event, error) {
+	t.Helper()
+	ctx := context.Background()
+	snap, err := r.observeSnapshot(ctx, p, start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := render.RenderServing(p, render.DefaultOptions(), render.Serving{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	revs := revisionsOf(p, snap.deployments, "")
+	return r.prune(ctx, snap, unused(p, snap, keepSet(objs, revs, scaleDecision{}), revs))
 }
 
 // The cache keeps no managedFields, and one copy of a large ConfigMap value shared by every

@@ -9,7 +9,6 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -119,26 +118,18 @@ func (e engineRevisions) running(role v1alpha1.Role) *int32 {
 	return nil
 }
 
-// observeEngineRevisions lists the PDCluster's engine Deployments (from the cache) and groups
-// them by revision; update is the revision render gives the engines now.
-func (r *PDClusterReconciler) observeEngineRevisions(ctx context.Context, pdc *v1alpha1.PDCluster, update string) (engineRevisions, error) {
-	var deps appsv1.DeploymentList
-	if err := r.List(ctx, &deps, client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}); err != nil {
-		return engineRevisions{}, fmt.Errorf("list deployments: %w", err)
-	}
-	items := deps.Items
-	slices.SortFunc(items, func(a, b appsv1.Deployment) int {
-		return cmp.Or(a.CreationTimestamp.Compare(b.CreationTimestamp.Time), strings.Compare(a.Name, b.Name))
-	})
+// revisionsOf groups the snapshot's Deployments (the PDCluster's, oldest first) by KV
+// revision; update is the revision render gives the engines now. The groups point at the
+// snapshot's Deployments: what act writes to them, the snapshot sees.
+func revisionsOf(pdc *v1alpha1.PDCluster, deps []*appsv1.Deployment, update string) engineRevisions {
 	var all []*engineRevision
 	var router *appsv1.Deployment
-	for i := range items {
-		d := &items[i]
+	for _, d := range deps {
 		role := v1alpha1.Role(d.Labels[v1alpha1.LabelRole])
 		if role == v1alpha1.RoleRouter && d.Name == render.ObjectName(pdc.Name, role) {
 			router = d
 		}
-		if (role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode) || !metav1.IsControlledBy(d, pdc) {
+		if role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode {
 			continue
 		}
 		rev := d.Spec.Template.Labels[v1alpha1.LabelKVRevision]
@@ -162,7 +153,7 @@ func (r *PDClusterReconciler) observeEngineRevisions(ctx context.Context, pdc *v
 			out.old = append(out.old, e)
 		}
 	}
-	return out, nil
+	return out
 }
 
 // serving is what render needs of the running revisions: where the update revision's objects
@@ -237,37 +228,23 @@ func (e engineRevisions) routerCurrent(rendered *appsv1.Deployment) bool {
 	return st.ObservedGeneration >= observed.Generation && st.UpdatedReplicas == want && st.Replicas == want && st.AvailableReplicas == want
 }
 
-// stepOldRevisions scales the older revisions' Deployments to the step, pins a Service that
-// still selects every revision to its own, and deletes the revisions that have drained. It
-// returns the events of what it did.
-func (r *PDClusterReconciler) stepOldRevisions(ctx context.Context, pdc *v1alpha1.PDCluster, revs engineRevisions, step rolloutStep) ([]event, error) {
+// stepOldRevisions scales the older revisions' Deployments to the step and pins a Service that
+// still selects every revision to its own; the drained revisions are prune's. It returns the
+// events of what it did.
+func (r *PDClusterReconciler) stepOldRevisions(ctx context.Context, s *snapshot, revs engineRevisions, step rolloutStep) ([]event, error) {
 	var events []event
 	for i, o := range revs.old {
-		name := cmp.Or(o.revision, render.UnlabelledRevision)
 		if o.drained() {
-			var gone []string
-			for _, d := range o.deps() {
-				if err := r.deleteObserved(ctx, d); err != nil {
-					return events, fmt.Errorf("delete Deployment %s of a drained KV revision: %w", d.Name, err)
-				}
-				// Its Service has its name; the revision's one event says both went.
-				svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: d.Namespace, Name: d.Name}}
-				if _, err := r.deleteUnused(ctx, pdc, svc, "Service", "its KV revision drained"); err != nil {
-					return events, err
-				}
-				gone = append(gone, d.Name)
-			}
-			events = append(events, event{corev1.EventTypeNormal, v1alpha1.ReasonKVRevisionRollingOut, "Delete",
-				fmt.Sprintf("KV revision %s has drained: deleted its Deployments and Services %s", name, strings.Join(gone, ", "))})
 			continue
 		}
+		name := cmp.Or(o.revision, render.UnlabelledRevision)
 		var moved []string
 		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
 			d := o.dep(role)
 			if d == nil {
 				continue
 			}
-			if err := r.pinService(ctx, pdc, d, o.revision); err != nil {
+			if err := r.pinService(ctx, s.service(d.Name), o.revision); err != nil {
 				return events, err
 			}
 			want := step.old[i].Prefill
@@ -293,18 +270,15 @@ func (r *PDClusterReconciler) stepOldRevisions(ctx context.Context, pdc *v1alpha
 	return events, nil
 }
 
-// pinService narrows an older revision's Service that selects every revision's pods (one made
-// before revisions had Services of their own) to that revision's: the router reads it as that
-// revision's pool and must not find the update revision's pods behind it.
-func (r *PDClusterReconciler) pinService(ctx context.Context, pdc *v1alpha1.PDCluster, d *appsv1.Deployment, rev string) error {
+// pinService narrows an older revision's Service (svc, the snapshot's; nil when it has none)
+// that selects every revision's pods (one made before revisions had Services of their own) to
+// that revision's: the router reads it as that revision's pool and must not find the update
+// revision's pods behind it.
+func (r *PDClusterReconciler) pinService(ctx context.Context, svc *corev1.Service, rev string) error {
 	if rev == "" {
 		return nil // pods without the label cannot be told apart
 	}
-	svc := &corev1.Service{}
-	if err := r.Get(ctx, client.ObjectKey{Namespace: d.Namespace, Name: d.Name}, svc); err != nil {
-		return client.IgnoreNotFound(err)
-	}
-	if !metav1.IsControlledBy(svc, pdc) || svc.Spec.Selector[v1alpha1.LabelKVRevision] == rev {
+	if svc == nil || svc.Spec.Selector[v1alpha1.LabelKVRevision] == rev {
 		return nil
 	}
 	patch := client.MergeFrom(svc.DeepCopy())

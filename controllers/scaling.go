@@ -9,7 +9,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -24,8 +23,10 @@ import (
 type scaleDecision struct {
 	requested map[v1alpha1.Role]int32
 	effective scaling.Effective
-	// scales are the External pools' PoolScales, as read or created.
+	// scales are the External pools' PoolScales, as read or to be created.
 	scales map[v1alpha1.Role]*v1alpha1.PoolScale
+	// create are the PoolScales of External pools that have none yet, seeded.
+	create []*v1alpha1.PoolScale
 }
 
 func (d scaleDecision) runs(role v1alpha1.Role) int32 {
@@ -35,69 +36,54 @@ func (d scaleDecision) runs(role v1alpha1.Role) int32 {
 	return d.effective.Prefill
 }
 
-// decideScale reads what each pool's scaler asks (spec.<pool>.replicas, or the PoolScale of an
-// External pool, created seeded when missing; a Static pool's is deleted) and decides what the
-// pools run within spec.scaling.
-func (r *PDClusterReconciler) decideScale(ctx context.Context, pdc *v1alpha1.PDCluster, revs engineRevisions) (scaleDecision, []event, error) {
+// decideScale decides what the pools run within spec.scaling from what each pool's scaler asks:
+// spec.<pool>.replicas, or the PoolScale of an External pool, seeded with what the pool runs
+// when it has none yet (act creates it: scaleDecision.create). A Static pool's PoolScale is
+// not kept (prune deletes it).
+func decideScale(pdc *v1alpha1.PDCluster, s *snapshot, revs engineRevisions) (scaleDecision, error) {
 	d := scaleDecision{requested: map[v1alpha1.Role]int32{}, scales: map[v1alpha1.Role]*v1alpha1.PoolScale{}}
-	var events []event
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		name := render.ObjectName(pdc.Name, role)
 		if !scaling.External(pdc, role) {
 			d.requested[role] = scaling.SpecReplicas(pdc, role)
-			e, err := r.deleteUnused(ctx, pdc, &v1alpha1.PoolScale{ObjectMeta: metav1.ObjectMeta{Namespace: pdc.Namespace, Name: name}},
-				"PoolScale", fmt.Sprintf("spec.scaling.%s.mode is Static", role))
-			if e != nil {
-				events = append(events, *e)
-			}
-			if err != nil {
-				return d, events, err
-			}
 			continue
 		}
-		ps, created, err := r.poolScale(ctx, pdc, role, revs.running(role))
-		if err != nil {
-			return d, events, err
-		}
-		if created {
-			events = append(events, event{corev1.EventTypeNormal, "Created", "Create",
-				fmt.Sprintf("created PoolScale %s at %d replicas: spec.scaling.%s.mode is External, so its scaler sets the count", name, ps.Spec.Replicas, role)})
+		ps := s.poolScale(render.ObjectName(pdc.Name, role))
+		if ps == nil {
+			// Seeded with what the pool runs now, so switching to External moves nothing.
+			ps = render.PoolScale(pdc, role, scaling.Seed(pdc, role, revs.running(role)))
+			d.create = append(d.create, ps)
 		}
 		d.scales[role] = ps
 		d.requested[role] = ps.Spec.Replicas
 	}
 	eff, err := scaling.ForSpec(pdc, d.requested[v1alpha1.RolePrefill], d.requested[v1alpha1.RoleDecode])
 	if err != nil {
-		return d, events, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), err}}
+		return d, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), err}}
 	}
 	d.effective = eff
-	return d, events, nil
+	return d, nil
 }
 
-// poolScale reads role's PoolScale, creating it seeded when it is missing.
-func (r *PDClusterReconciler) poolScale(ctx context.Context, pdc *v1alpha1.PDCluster, role v1alpha1.Role, running *int32) (*v1alpha1.PoolScale, bool, error) {
-	key := client.ObjectKey{Namespace: pdc.Namespace, Name: render.ObjectName(pdc.Name, role)}
-	ps := &v1alpha1.PoolScale{}
-	err := r.Get(ctx, key, ps)
-	switch {
-	case err == nil:
-		if !metav1.IsControlledBy(ps, pdc) {
-			err := fmt.Errorf("PoolScale %s exists and is not this PDCluster's: delete it, or rename the PDCluster", key.Name)
-			return nil, false, &readyError{v1alpha1.ReasonApplyFailed, "Create", err.Error(), err}
+// createPoolScales creates the PoolScales the decision seeded, and returns the events saying so.
+func (r *PDClusterReconciler) createPoolScales(ctx context.Context, pdc *v1alpha1.PDCluster, d scaleDecision) ([]event, error) {
+	var events []event
+	for _, ps := range d.create {
+		if err := controllerutil.SetControllerReference(pdc, ps, r.Scheme); err != nil {
+			return events, fmt.Errorf("set owner of PoolScale %s: %w", ps.Name, err)
 		}
-		return ps, false, nil
-	case !apierrors.IsNotFound(err):
-		return nil, false, fmt.Errorf("get PoolScale %s: %w", key.Name, err)
+		role := v1alpha1.Role(ps.Labels[v1alpha1.LabelRole])
+		switch err := r.Create(ctx, ps); {
+		case apierrors.IsAlreadyExists(err):
+			// The snapshot holds the PDCluster's own: this one is someone else's.
+			err := fmt.Errorf("PoolScale %s exists and is not this PDCluster's: delete it, or rename the PDCluster", ps.Name)
+			return events, &readyError{v1alpha1.ReasonApplyFailed, "Create", err.Error(), err}
+		case err != nil:
+			return events, fmt.Errorf("create PoolScale %s: %w", ps.Name, err)
+		}
+		events = append(events, event{corev1.EventTypeNormal, "Created", "Create",
+			fmt.Sprintf("created PoolScale %s at %d replicas: spec.scaling.%s.mode is External, so its scaler sets the count", ps.Name, ps.Spec.Replicas, role)})
 	}
-	// Seeded with what the pool runs now, so switching to External moves nothing.
-	ps = render.PoolScale(pdc, role, scaling.Seed(pdc, role, running))
-	if err := controllerutil.SetControllerReference(pdc, ps, r.Scheme); err != nil {
-		return nil, false, fmt.Errorf("set owner of PoolScale %s: %w", key.Name, err)
-	}
-	if err := r.Create(ctx, ps); err != nil {
-		return nil, false, fmt.Errorf("create PoolScale %s: %w", key.Name, err)
-	}
-	return ps, true, nil
+	return events, nil
 }
 
 // writeScaleStatus tells each External pool's scaler what the pool runs, and its pods'

@@ -252,6 +252,9 @@ func TestStaleCachedDeploymentIsNotReady(t *testing.T) {
 			t.Fatal(err)
 		}
 		dep.Status = appsv1.DeploymentStatus{ObservedGeneration: dep.Generation, Replicas: *dep.Spec.Replicas, UpdatedReplicas: *dep.Spec.Replicas, ReadyReplicas: *dep.Spec.Replicas}
+		if err := controllerutil.SetControllerReference(p, dep, newFakeClient(t).Build().Scheme()); err != nil {
+			t.Fatal(err)
+		}
 		objs = append(objs, dep)
 	}
 	c := newFakeClient(t).WithObjects(objs...).Build()

@@ -1,0 +1,181 @@
+package controllers
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// childKey names a child: its kind and name.
+type childKey struct{ kind, name string }
+
+func keyOf(obj client.Object) childKey {
+	return childKey{kindOf(obj), obj.GetName()}
+}
+
+// kindOf is obj's kind, from its type: objects read from the cache carry no TypeMeta.
+func kindOf(obj client.Object) string {
+	switch obj.(type) {
+	case *appsv1.Deployment:
+		return "Deployment"
+	case *corev1.Service:
+		return "Service"
+	case *corev1.ConfigMap:
+		return "ConfigMap"
+	case *policyv1.PodDisruptionBudget:
+		return "PodDisruptionBudget"
+	case *networkingv1.NetworkPolicy:
+		return "NetworkPolicy"
+	case *v1alpha1.PoolScale:
+		return "PoolScale"
+	}
+	return obj.GetObjectKind().GroupVersionKind().Kind
+}
+
+// keepSet is every child a reconcile keeps: what it rendered, each older KV revision's
+// Deployments and their Services until the revision drains, and the External pools'
+// PoolScales.
+func keepSet(rendered []render.Object, revs engineRevisions, scale scaleDecision) map[childKey]bool {
+	keep := map[childKey]bool{}
+	for _, o := range rendered {
+		keep[keyOf(o)] = true
+	}
+	for _, o := range revs.old {
+		if o.drained() {
+			continue
+		}
+		for _, d := range o.deps() {
+			keep[childKey{"Deployment", d.Name}] = true
+			keep[childKey{"Service", d.Name}] = true // each revision's Service has its Deployment's name
+		}
+	}
+	for _, ps := range scale.scales {
+		keep[childKey{"PoolScale", ps.Name}] = true
+	}
+	return keep
+}
+
+// removal is children to delete and the event that reports them.
+type removal struct {
+	objs []client.Object
+	e    event
+}
+
+// unused are the snapshot's children outside keep, grouped as they are reported: a drained
+// KV revision's Deployments and Services in one event, the domain Services in one, each other
+// child in its own, saying why the spec no longer asks for it.
+func unused(pdc *v1alpha1.PDCluster, s *snapshot, keep map[childKey]bool, revs engineRevisions) []removal {
+	gone := func(o client.Object) bool { return !keep[keyOf(o)] }
+	var out []removal
+	claimed := map[childKey]bool{}
+	for _, o := range revs.old {
+		if !o.drained() {
+			continue
+		}
+		var objs []client.Object
+		var names []string
+		for _, d := range o.deps() {
+			objs = append(objs, d)
+			names = append(names, d.Name)
+			claimed[keyOf(d)] = true
+			if svc := s.service(d.Name); svc != nil && gone(svc) {
+				objs = append(objs, svc)
+				claimed[keyOf(svc)] = true
+			}
+		}
+		out = append(out, removal{objs, event{corev1.EventTypeNormal, v1alpha1.ReasonKVRevisionRollingOut, "Delete",
+			fmt.Sprintf("KV revision %s has drained: deleted its Deployments and Services %s", cmp.Or(o.revision, render.UnlabelledRevision), strings.Join(names, ", "))}})
+	}
+	var domain removal
+	var domainNames []string
+	for _, svc := range s.services {
+		if _, ok := svc.Labels[v1alpha1.LabelDomain]; ok && gone(svc) && !claimed[keyOf(svc)] {
+			domain.objs = append(domain.objs, svc)
+			domainNames = append(domainNames, svc.Name)
+			claimed[keyOf(svc)] = true
+		}
+	}
+	if len(domain.objs) > 0 {
+		domain.e = event{corev1.EventTypeNormal, "Deleted", "Delete", fmt.Sprintf("deleted the domain Services %v: no pool of a running revision in those domains", domainNames)}
+		out = append(out, domain)
+	}
+	var rest []client.Object
+	for _, d := range s.deployments {
+		rest = append(rest, d)
+	}
+	for _, o := range s.services {
+		rest = append(rest, o)
+	}
+	for _, o := range s.configMaps {
+		rest = append(rest, o)
+	}
+	for _, o := range s.budgets {
+		rest = append(rest, o)
+	}
+	for _, o := range s.policies {
+		rest = append(rest, o)
+	}
+	for _, o := range s.poolScales {
+		rest = append(rest, o)
+	}
+	for _, o := range rest {
+		if !gone(o) || claimed[keyOf(o)] {
+			continue
+		}
+		out = append(out, removal{[]client.Object{o}, event{corev1.EventTypeNormal, "Deleted", "Delete",
+			fmt.Sprintf("deleted %s %s: %s", kindOf(o), o.GetName(), whyUnused(pdc, o))}})
+	}
+	return out
+}
+
+// whyUnused says which part of the spec no longer asks for obj.
+func whyUnused(pdc *v1alpha1.PDCluster, obj client.Object) string {
+	role := obj.GetLabels()[v1alpha1.LabelRole]
+	switch obj.(type) {
+	case *corev1.ConfigMap:
+		if obj.GetName() == render.GateObjectName(pdc.Name) {
+			return "the completion gate is disabled"
+		}
+	case *v1alpha1.PoolScale:
+		return fmt.Sprintf("spec.scaling.%s.mode is Static", role)
+	case *policyv1.PodDisruptionBudget:
+		return fmt.Sprintf("spec.%s.disruptionBudget is unset", role)
+	case *networkingv1.NetworkPolicy:
+		return "spec.networkPolicy.enabled is false"
+	}
+	return "the PDCluster no longer renders it"
+}
+
+// prune deletes the removals' children as observed (a UID precondition: never a newer object
+// of the same name) and returns the event of each removal done; it goes on past an error and
+// returns them all.
+func (r *PDClusterReconciler) prune(ctx context.Context, s *snapshot, removals []removal) ([]event, error) {
+	var events []event
+	var errs []error
+	for _, rm := range removals {
+		ok := true
+		for _, o := range rm.objs {
+			if err := r.deleteObserved(ctx, o); err != nil {
+				errs = append(errs, fmt.Errorf("delete the unused %s %s: %w", kindOf(o), o.GetName(), err))
+				ok = false
+				continue
+			}
+			s.deleted(o)
+		}
+		if ok {
+			events = append(events, rm.e)
+		}
+	}
+	return events, errors.Join(errs...)
+}

@@ -1,0 +1,55 @@
+package controllers
+
+import (
+	"context"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+)
+
+// Prune works from the inventory, not from a list of names: every child of a managed kind the
+// PDCluster controls and no longer keeps goes (one an older operator made, a Static pool's
+// PoolScale), each with an event saying why; children it does not control, and the ones it
+// renders, stay.
+func TestPruneDeletesEveryControlledChildNotKept(t *testing.T) {
+	p := pdc()
+	p.UID = "uid-c"
+	owner := []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
+	labels := render.Labels("c", v1alpha1.RolePrefill)
+	legacy := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c-legacy", Labels: labels, OwnerReferences: owner}}
+	theirs := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c-theirs", Labels: labels}}
+	scale := render.PoolScale(p, v1alpha1.RolePrefill, 1)
+	scale.OwnerReferences = owner
+	rendered := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: render.ObjectName("c", v1alpha1.RoleRouter), Labels: labels, OwnerReferences: owner}}
+	c := newFakeClient(t).WithObjects(p, legacy, theirs, scale, rendered).Build()
+	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
+	events, err := pruneAsReconciled(t, r, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var notes []string
+	for _, e := range events {
+		notes = append(notes, e.note)
+	}
+	want := []string{
+		"deleted ConfigMap c-legacy: the PDCluster no longer renders it",
+		"deleted PoolScale c-prefill: spec.scaling.prefill.mode is Static",
+	}
+	if d := cmp.Diff(want, notes); d != "" {
+		t.Errorf("events (-want +got):\n%s", d)
+	}
+	for obj, gone := range map[client.Object]bool{legacy: true, scale: true, theirs: false, rendered: false} {
+		err := c.Get(context.Background(), client.ObjectKeyFromObject(obj), obj.DeepCopyObject().(client.Object))
+		if apierrors.IsNotFound(err) != gone {
+			t.Errorf("%s: deleted %v (err %v), want %v", obj.GetName(), apierrors.IsNotFound(err), err, gone)
+		}
+	}
+}

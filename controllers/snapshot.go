@@ -1,0 +1,170 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// snapshot is what one reconcile reads of the cluster, read once and first, before anything is
+// decided: the nodes' domains, the PDCluster's children of every kind it manages, its pods, and
+// what the pods last reported. Every later step decides from it; only act writes, and act
+// keeps the snapshot's Deployments current with what it wrote (observed).
+//
+// A child is the PDCluster's when the PDCluster controls it (its controller reference): one
+// rule for every kind. Children are listed by the PDCluster's label, as the manager's cache
+// holds them.
+type snapshot struct {
+	pdc  *v1alpha1.PDCluster
+	topo topology
+
+	deployments []*appsv1.Deployment
+	services    []*corev1.Service
+	configMaps  []*corev1.ConfigMap
+	budgets     []*policyv1.PodDisruptionBudget
+	policies    []*networkingv1.NetworkPolicy
+	poolScales  []*v1alpha1.PoolScale
+
+	// pods are the PDCluster's pods, every role (they belong to ReplicaSets: by label);
+	// podsErr says why they are unknown, which leaves the children's reconcile going.
+	pods    []corev1.Pod
+	podsErr error
+	// gates are the completion gate states the engine pods' sidecars answered; gatesRead says
+	// whether they were asked at all (a reader is set, the gate or KV verification is on, the
+	// pods are known).
+	gates     []gateRead
+	gatesRead bool
+	// canary is the newest canary the routers reported (verification mode Canary), or nil.
+	canary *v1alpha1.CanaryResult
+	// pairs are the routers' pair counts summed (pairing), or nil.
+	pairs *routerconfig.PairCounts
+	// lwsServed says whether the cluster serves LeaderWorkerSet; lwsErr why that is unknown.
+	// Looked up only for a PDCluster with a multi-node pool.
+	lwsServed bool
+	lwsErr    error
+}
+
+// observeSnapshot reads the snapshot. An error in any read but the pods' stops the reconcile
+// before it decides anything.
+func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1.PDCluster, now time.Time) (*snapshot, error) {
+	s := &snapshot{pdc: pdc}
+	var err error
+	if s.topo, err = r.observeTopology(ctx, pdc); err != nil {
+		return s, err
+	}
+	r.observeLeaderWorkerSet(pdc, s)
+	mine := []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
+	var (
+		deps     appsv1.DeploymentList
+		svcs     corev1.ServiceList
+		cms      corev1.ConfigMapList
+		pdbs     policyv1.PodDisruptionBudgetList
+		nps      networkingv1.NetworkPolicyList
+		scales   v1alpha1.PoolScaleList
+		podsList corev1.PodList
+	)
+	for _, l := range []struct {
+		kind string
+		list client.ObjectList
+	}{{"deployments", &deps}, {"services", &svcs}, {"configmaps", &cms}, {"poddisruptionbudgets", &pdbs}, {"networkpolicies", &nps}, {"poolscales", &scales}} {
+		if err := r.List(ctx, l.list, mine...); err != nil {
+			return s, fmt.Errorf("list %s: %w", l.kind, err)
+		}
+	}
+	s.deployments = controlled(pdc, deps.Items)
+	s.services = controlled(pdc, svcs.Items)
+	s.configMaps = controlled(pdc, cms.Items)
+	s.budgets = controlled(pdc, pdbs.Items)
+	s.policies = controlled(pdc, nps.Items)
+	s.poolScales = controlled(pdc, scales.Items)
+	if err := r.List(ctx, &podsList, mine...); err != nil {
+		s.podsErr = fmt.Errorf("list pods: %w", err)
+		return s, nil
+	}
+	s.pods = podsList.Items
+	// The sidecars answer the gate's state and their engine's KV counts: asked when either is
+	// wanted.
+	if r.GateReader != nil && (render.GateEnabled(pdc.Spec.KVTransfer) || verificationOn(pdc)) {
+		s.gates, s.gatesRead = r.readGates(ctx, s.pods, now), true
+	}
+	if r.CanaryReader != nil && pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary {
+		s.canary = r.readCanary(ctx, s.pods)
+	}
+	if r.PairsReader != nil && pdc.Spec.Scheduling.Pairing != nil {
+		s.pairs = r.readPairs(ctx, s.pods)
+	}
+	return s, nil
+}
+
+// controlled are the items pdc controls, by pointer into items, sorted by creation, then name.
+func controlled[T any, PT interface {
+	*T
+	client.Object
+}](pdc *v1alpha1.PDCluster, items []T) []PT {
+	var out []PT
+	for i := range items {
+		if o := PT(&items[i]); metav1.IsControlledBy(o, pdc) {
+			out = append(out, o)
+		}
+	}
+	slices.SortFunc(out, func(a, b PT) int {
+		if c := a.GetCreationTimestamp().Compare(b.GetCreationTimestamp().Time); c != 0 {
+			return c
+		}
+		return strings.Compare(a.GetName(), b.GetName())
+	})
+	return out
+}
+
+// service is the snapshot's Service named name, or nil.
+func (s *snapshot) service(name string) *corev1.Service {
+	for _, svc := range s.services {
+		if svc.Name == name {
+			return svc
+		}
+	}
+	return nil
+}
+
+// poolScale is the snapshot's PoolScale named name, or nil.
+func (s *snapshot) poolScale(name string) *v1alpha1.PoolScale {
+	for _, ps := range s.poolScales {
+		if ps.Name == name {
+			return ps
+		}
+	}
+	return nil
+}
+
+// wrote keeps the snapshot's Deployments current with what act wrote: answer is a Deployment
+// as the API server answered an apply.
+func (s *snapshot) wrote(answer *appsv1.Deployment) {
+	for i, d := range s.deployments {
+		if d != nil && d.Name == answer.Name {
+			s.deployments[i] = answer
+			return
+		}
+	}
+	s.deployments = append(s.deployments, answer)
+}
+
+// deleted drops what act deleted from the snapshot's Deployments.
+func (s *snapshot) deleted(obj client.Object) {
+	if _, ok := obj.(*appsv1.Deployment); !ok {
+		return
+	}
+	s.deployments = slices.DeleteFunc(s.deployments, func(d *appsv1.Deployment) bool { return d.Name == obj.GetName() })
+}
