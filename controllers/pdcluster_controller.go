@@ -1,9 +1,9 @@
 // Package controllers holds the PDCluster reconciler. A reconcile observes once (snapshot.go:
 // the nodes' domains, the children, the pods, the pods' last reports from PodReports), decides
-// in pure functions (render.Prepare, revisionsOf, decideScale, planRollout, render, keepSet,
-// unused), acts (apply what differs with server-side apply, step the older KV revisions, prune
-// by inventory, connector-health restarts, deletion costs), computes the status in one pure
-// function and writes it once, events after.
+// in pure functions (decide: render.Prepare, revisionsOf, decideScale, planRollout, render,
+// keepSet, unused), acts (apply what differs with server-side apply, step the older KV
+// revisions, prune by inventory, connector-health restarts, deletion costs), computes the
+// status in one pure function and writes it once, events after.
 package controllers
 
 import (
@@ -76,6 +76,9 @@ type PDClusterReconciler struct {
 
 	// kv keeps each PDCluster's engine samples between reconciles, for KV verification.
 	kv kvHistories
+	// childrenIndexed: the client's cache has childIndex (SetupWithManager adds it); without
+	// it (a client that reads the API server) the snapshot lists by label.
+	childrenIndexed bool
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
@@ -181,65 +184,81 @@ func isPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
-// reconcileChildren decides from the snapshot what each pool runs and the rollout's step,
-// renders the desired objects, applies the ones that differ from the cluster, steps the older
-// KV revisions, and prunes every child the PDCluster no longer keeps. Nothing is written when
-// everything already matches. It returns what it applied (as rendered, not as the server
-// answered) and the scale decision, for the pool status, and the events of what it did.
-func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, snap *snapshot) ([]render.Object, *scaleDecision, []event, error) {
-	// Decide: what the CRD cannot check, in the PDCluster's field names, before anything is
-	// applied; then the scale and the rollout's step, and render with them.
+// plan is what a reconcile decides from the spec and the snapshot, without the client: the
+// objects to apply (rendered with the scale and the rollout's step), the children to remove,
+// the scale decision, the older revisions' step.
+type plan struct {
+	objs     []render.Object
+	removals []removal
+	scale    scaleDecision
+	revs     engineRevisions
+	step     rolloutStep
+}
+
+// decide plans a reconcile: what the CRD cannot check, in the PDCluster's field names, before
+// anything is applied; the scale and the rollout's step; render with them; the children the
+// PDCluster no longer keeps.
+func decide(pdc *v1alpha1.PDCluster, snap *snapshot, opts render.Options) (*plan, error) {
 	prep, err := prepare(pdc, snap)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
-	revs := revisionsOf(pdc, snap.deployments, prep.Revision())
-	scale, err := decideScale(pdc, snap, revs)
-	if err != nil {
-		return nil, nil, nil, err
+	p := &plan{revs: revisionsOf(pdc, snap.deployments, prep.Revision())}
+	if p.scale, err = decideScale(pdc, snap, p.revs); err != nil {
+		return nil, err
 	}
-	serving := revs.serving(pdc)
+	serving := p.revs.serving(pdc)
 	serving.Domains = snap.topo.domains
-	scaled := prep.Scaled(scale.effective)
+	scaled := prep.Scaled(p.scale.effective)
 	renderErr := func(err error) error {
 		return permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
 	}
 	// A new KV revision steps in lockstep with the older ones, and the older ones shrink only
 	// once every router pod runs the router this reconcile applies: render takes the step's
-	// replicas for the update revision's Deployments; the older ones are scaled after the apply.
-	router, err := scaled.Router(r.Options, serving)
+	// replicas for the update revision's Deployments; act scales the older ones after the apply.
+	router, err := scaled.Router(opts, serving)
 	if err != nil {
-		return nil, nil, nil, renderErr(err)
+		return nil, renderErr(err)
 	}
-	step := planRollout(pdc, revs, scale.effective, revs.routerCurrent(router.Deployment))
-	serving.Step = &step.update
-	objs, err := scaled.Objects(r.Options, serving, router)
-	if err != nil {
-		return nil, nil, nil, renderErr(err)
+	p.step = planRollout(pdc, p.revs, p.scale.effective, p.revs.routerCurrent(router.Deployment))
+	serving.Step = &p.step.update
+	if p.objs, err = scaled.Objects(opts, serving, router); err != nil {
+		return nil, renderErr(err)
 	}
-	removals := unused(pdc, snap, keepSet(objs, revs, scale), revs)
+	p.removals = unused(pdc, snap, keepSet(p.objs, p.revs, p.scale), p.revs)
+	return p, nil
+}
 
-	// Act.
-	events, err := r.createPoolScales(ctx, pdc, scale)
+// reconcileChildren decides (decide) and acts: it creates the PoolScales the decision seeded,
+// applies the objects that differ from the cluster, steps the older KV revisions and prunes.
+// Nothing is written when everything already matches. It returns what it applied (as
+// rendered, not as the server answered) and the scale decision, for the pool status, and the
+// events of what it did.
+func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alpha1.PDCluster, snap *snapshot) ([]render.Object, *scaleDecision, []event, error) {
+	p, err := decide(pdc, snap, r.Options)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	events, err := r.createPoolScales(ctx, pdc, p.scale)
 	if err != nil {
 		return nil, nil, events, err
 	}
-	applyEvents, err := r.applyAll(ctx, pdc, snap, objs)
+	applyEvents, err := r.applyAll(ctx, pdc, snap, p.objs)
 	events = append(events, applyEvents...)
 	if err != nil {
 		return nil, nil, events, err
 	}
-	stepped, err := r.stepOldRevisions(ctx, snap, revs, step)
+	stepped, err := r.stepOldRevisions(ctx, snap, p.revs, p.step)
 	events = append(events, stepped...)
 	if err != nil {
-		return objs, &scale, events, err
+		return p.objs, &p.scale, events, err
 	}
-	pruned, err := r.prune(ctx, snap, removals)
+	pruned, err := r.prune(ctx, snap, p.removals)
 	events = append(events, pruned...)
 	if err != nil {
-		return objs, &scale, events, err
+		return p.objs, &p.scale, events, err
 	}
-	return objs, &scale, events, r.writeScaleStatus(ctx, pdc, scale)
+	return p.objs, &p.scale, events, r.writeScaleStatus(ctx, pdc, p.scale)
 }
 
 // applyAll applies each object that is missing or differs, keeping the snapshot's Deployments
@@ -393,6 +412,10 @@ func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) (cli
 // SetupWithManager registers the controller and its watches on owned children, and the pod
 // reads (Reports) with their events.
 func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
+	if err := indexChildren(context.Background(), mgr.GetFieldIndexer()); err != nil {
+		return err
+	}
+	r.childrenIndexed = true
 	b := ctrl.NewControllerManagedBy(mgr)
 	if r.Reports != nil {
 		if err := mgr.Add(r.Reports); err != nil {

@@ -67,6 +67,12 @@ func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1
 	}
 	r.observeLeaderWorkerSet(pdc, s)
 	mine := []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
+	if r.childrenIndexed {
+		// The same objects from the cache's index: a reconcile reads its own children, not
+		// every one of the namespace (which, with many PDClusters in one namespace, made each
+		// reconcile's lists grow with the fleet).
+		mine = []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingFields{childIndex: pdc.Name}}
+	}
 	var (
 		deps     appsv1.DeploymentList
 		svcs     corev1.ServiceList
@@ -167,4 +173,30 @@ func (s *snapshot) deleted(obj client.Object) {
 		return
 	}
 	s.deployments = slices.DeleteFunc(s.deployments, func(d *appsv1.Deployment) bool { return d.Name == obj.GetName() })
+}
+
+// childIndex is the cache's index of the PDClusters' children and pods by the PDCluster their
+// label names (v1alpha1.LabelCluster).
+const childIndex = "serving.pdcluster.dev/cluster"
+
+// indexedKinds are the kinds the snapshot lists.
+func indexedKinds() []client.Object {
+	return []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &corev1.ConfigMap{}, &policyv1.PodDisruptionBudget{},
+		&networkingv1.NetworkPolicy{}, &v1alpha1.PoolScale{}, &corev1.Pod{}}
+}
+
+// indexChildren adds childIndex to the cache for every kind the snapshot lists.
+func indexChildren(ctx context.Context, indexer client.FieldIndexer) error {
+	for _, obj := range indexedKinds() {
+		err := indexer.IndexField(ctx, obj, childIndex, func(o client.Object) []string {
+			if c := o.GetLabels()[v1alpha1.LabelCluster]; c != "" {
+				return []string{c}
+			}
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("index %T by PDCluster: %w", obj, err)
+		}
+	}
+	return nil
 }

@@ -2,10 +2,18 @@ package controllers
 
 import (
 	"context"
+	"slices"
+	"strings"
+	"testing"
 	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 // observe is the snapshot and what status reads of it when act applied applied and wrote
@@ -17,4 +25,59 @@ func (r *PDClusterReconciler) observe(ctx context.Context, pdc *v1alpha1.PDClust
 		o.depsErr = err
 	}
 	return o
+}
+
+// With the cache's index (as SetupWithManager adds it), the snapshot lists the PDCluster's own
+// children and pods, the same ones the label selector finds, not its neighbours'.
+func TestSnapshotListsOwnChildrenByIndex(t *testing.T) {
+	mine, theirs := pdc(), pdc()
+	mine.UID, theirs.Name, theirs.UID = "uid-c", "other", "uid-other"
+	var objs []client.Object
+	for _, p := range []*v1alpha1.PDCluster{mine, theirs} {
+		rendered, err := render.Render(p, render.DefaultOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, o := range rendered {
+			if err := controllerutil.SetControllerReference(p, o, testScheme(t)); err != nil {
+				t.Fatal(err)
+			}
+			objs = append(objs, o)
+		}
+		objs = append(objs, wrappers.MakeEnginePod("ns", p.Name+"-d-0", p.Name, v1alpha1.RoleDecode, start).Obj())
+	}
+	b := newFakeClient(t).WithObjects(objs...)
+	for _, kind := range indexedKinds() {
+		b = b.WithIndex(kind, childIndex, func(o client.Object) []string { return []string{o.GetLabels()[v1alpha1.LabelCluster]} })
+	}
+	c := b.Build()
+	names := func(indexed bool) []string {
+		r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), childrenIndexed: indexed}
+		s, err := r.observeSnapshot(context.Background(), mine, start)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, d := range s.deployments {
+			out = append(out, "Deployment "+d.Name)
+		}
+		for _, o := range s.services {
+			out = append(out, "Service "+o.Name)
+		}
+		for _, o := range s.configMaps {
+			out = append(out, "ConfigMap "+o.Name)
+		}
+		for _, o := range s.pods {
+			out = append(out, "Pod "+o.Name)
+		}
+		slices.Sort(out)
+		return out
+	}
+	byLabel := names(false)
+	if len(byLabel) < 8 || slices.ContainsFunc(byLabel, func(n string) bool { return strings.Contains(n, "other") }) {
+		t.Fatalf("by label: %v, want c's children and pod alone", byLabel)
+	}
+	if d := cmp.Diff(byLabel, names(true)); d != "" {
+		t.Errorf("by index (-label +index):\n%s", d)
+	}
 }

@@ -35,7 +35,7 @@ var clientSteps = map[string]string{
 
 // decisions are the reconcile's pure steps: they see the snapshot and the spec, never the
 // client, and call no step that does.
-var decisions = []string{"prepare", "multiNodeUnavailable", "revisionsOf", "decideScale", "planRollout", "keepSet", "unused", "observed", "computeStatus"}
+var decisions = []string{"decide", "prepare", "multiNodeUnavailable", "revisionsOf", "decideScale", "planRollout", "keepSet", "unused", "observed", "computeStatus"}
 
 // clientMethods are the client's methods (and the reconciler's other windows on the cluster).
 var clientMethods = map[string]bool{"Get": true, "List": true, "Create": true, "Update": true, "Patch": true, "Delete": true,
