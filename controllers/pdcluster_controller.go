@@ -8,6 +8,7 @@ package controllers
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"reflect"
@@ -193,6 +194,8 @@ type plan struct {
 	scale    scaleDecision
 	revs     engineRevisions
 	step     rolloutStep
+	// serving is what render took of the cluster (`pdctl render --serving` takes it too).
+	serving render.Serving
 }
 
 // decide plans a reconcile: what the CRD cannot check, in the PDCluster's field names, before
@@ -225,6 +228,7 @@ func decide(pdc *v1alpha1.PDCluster, snap *snapshot, opts render.Options) (*plan
 	if p.objs, err = scaled.Objects(opts, serving, router); err != nil {
 		return nil, renderErr(err)
 	}
+	p.serving = serving
 	p.removals = unused(pdc, snap, keepSet(p.objs, p.revs, p.scale), p.revs)
 	return p, nil
 }
@@ -238,6 +242,12 @@ func (r *PDClusterReconciler) reconcileChildren(ctx context.Context, pdc *v1alph
 	p, err := decide(pdc, snap, r.Options)
 	if err != nil {
 		return nil, nil, nil, err
+	}
+	if logger := log.FromContext(ctx).V(1); logger.Enabled() {
+		// What render took of the cluster: `pdctl render --serving` renders the same objects.
+		if b, err := json.Marshal(p.serving); err == nil {
+			logger.Info("planned", "serving", string(b), "prefill", p.scale.effective.Prefill, "decode", p.scale.effective.Decode)
+		}
 	}
 	events, err := r.createPoolScales(ctx, pdc, p.scale)
 	if err != nil {

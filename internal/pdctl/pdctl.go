@@ -2,7 +2,9 @@
 package pdctl
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -156,10 +158,10 @@ func newValidateCommand(stdin io.Reader) *cobra.Command {
 }
 
 func newRenderCommand(stdin io.Reader) *cobra.Command {
-	var file, output, fields string
+	var file, output, fields, servingFile string
 	opts := render.DefaultOptions()
 	cmd := &cobra.Command{
-		Use:   "render -f FILE [-o yaml|json]",
+		Use:   "render -f FILE [-o yaml|json] [--serving FILE]",
 		Short: "Print every object the operator would create for the PDClusters in FILE",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -170,6 +172,10 @@ func newRenderCommand(stdin io.Reader) *cobra.Command {
 				return err
 			}
 			docs, err := readInput(cmd.Context(), file, stdin)
+			if err != nil {
+				return err
+			}
+			serving, err := readServing(servingFile)
 			if err != nil {
 				return err
 			}
@@ -184,6 +190,15 @@ func newRenderCommand(stdin io.Reader) *cobra.Command {
 				initial, err := scaling.Initial(pdc)
 				if err != nil {
 					return fmt.Errorf("PDCluster %q: %w", pdc.Name, err)
+				}
+				if serving != nil {
+					// What a reconcile applied, from what it took of the cluster.
+					o, err := render.RenderServing(scaling.Scaled(pdc, initial), opts, *serving)
+					if err != nil {
+						return fmt.Errorf("PDCluster %q: %w", pdc.Name, err)
+					}
+					objs = append(objs, o...)
+					continue
 				}
 				o, err := render.Render(scaling.Scaled(pdc, initial), opts)
 				if err != nil {
@@ -214,5 +229,25 @@ func newRenderCommand(stdin io.Reader) *cobra.Command {
 	fieldValidationFlag(cmd, &fields)
 	cmd.Flags().StringVar(&opts.RouterImage, "router-image", opts.RouterImage, "image of the P/D router, as the manager's --router-image")
 	cmd.Flags().StringVar(&opts.ConnectorImage, "connector-image", opts.ConnectorImage, "image of the connector sidecar, as the manager's --connector-image")
+	cmd.Flags().StringVar(&opts.OperatorNamespace, "operator-namespace", opts.OperatorNamespace, "namespace the operator runs in, as the manager's --operator-namespace (the NetworkPolicies admit its pods)")
+	cmd.Flags().StringVar(&servingFile, "serving", "", "what a reconcile took of the cluster, as the manager logs it with each plan (\"planned\", serving=JSON, at --zap-log-level=debug): the older KV revisions that run, the topology domains, the rollout's step; renders exactly what that reconcile applied (no PoolScale: it is created once, not applied)")
 	return cmd
+}
+
+// readServing reads --serving: JSON of render.Serving, unknown fields refused; nil when unset.
+func readServing(path string) (*render.Serving, error) {
+	if path == "" {
+		return nil, nil
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("--serving: %w", err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	var s render.Serving
+	if err := dec.Decode(&s); err != nil {
+		return nil, fmt.Errorf("--serving %s: %w", path, err)
+	}
+	return &s, nil
 }

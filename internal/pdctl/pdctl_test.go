@@ -3,6 +3,8 @@ package pdctl
 import (
 	"bytes"
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -224,5 +226,45 @@ func TestValidate(t *testing.T) {
 				t.Errorf("stderr %q has %q", stderr, tc.notErr)
 			}
 		})
+	}
+}
+
+// --serving is read strictly: a misspelled field or a missing file is an error naming the flag,
+// never a render that silently ignores it.
+func TestRenderServingIsReadStrictly(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		name, content, want string
+	}{
+		{"unknown field", `{"stpe": {"prefill": 1, "decode": 1}}`, `unknown field "stpe"`},
+		{"not JSON", `step: 1`, "--serving"},
+		{"missing file", "", "no such file"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "-")+".json")
+			if tc.content != "" {
+				if err := os.WriteFile(path, []byte(tc.content), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			code, _, stderr := run("", "render", "-f", sample, "--serving", path)
+			if code == 0 || !strings.Contains(stderr, tc.want) {
+				t.Errorf("exit %d, stderr %q; want a failure with %q", code, stderr, tc.want)
+			}
+		})
+	}
+	// A step renders the update revision's Deployments at its counts.
+	step := filepath.Join(dir, "step.json")
+	if err := os.WriteFile(step, []byte(`{"step": {"prefill": 3, "decode": 5}}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	code, out, stderr := run("", "render", "-f", sample, "--serving", step, "-o", "json")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	for _, want := range []string{`"name": "qwen3-32b-prefill"`, `"replicas": 3`, `"replicas": 5`} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %s", want)
+		}
 	}
 }

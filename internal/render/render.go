@@ -46,22 +46,23 @@ func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
 }
 
 // Serving is what runs now that the rendered objects depend on; the reconciler reads it from
-// the cluster.
+// the cluster and logs it with each plan (at -zap-log-level=debug), so that `pdctl render
+// --serving` renders what a reconcile applied.
 type Serving struct {
 	// Suffixed puts the update revision's Deployments and Services under
 	// <pdc>-<pool>-<revision> (EngineObjectName): an older revision still holds the base names.
-	Suffixed bool
+	Suffixed bool `json:"suffixed,omitempty"`
 	// Old are the older KV revisions still running, oldest first, each with its Services:
 	// router.json lists them beside the update revision, and a request goes to one revision's
 	// prefill and decode.
-	Old []routerconfig.RevisionHosts
+	Old []routerconfig.RevisionHosts `json:"old,omitempty"`
 	// Domains are the values of spec.scheduling.pairing.topologyKey on the cluster's nodes,
 	// sorted: each pool of each running revision gets a Service per domain.
-	Domains []string
+	Domains []string `json:"domains,omitempty"`
 	// Step, when set, is the replicas of the update revision's engine Deployments in a rollout
 	// between KV revisions (the reconciler's rollout step, which steps the revisions in
 	// lockstep); unset, each pool runs its replicas from the spec and its scaling.
-	Step *rollout.Counts
+	Step *rollout.Counts `json:"step,omitempty"`
 }
 
 // RenderServing returns every object the operator creates for pdc while serving runs, in a

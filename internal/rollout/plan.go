@@ -10,7 +10,10 @@
 package rollout
 
 // Counts are replicas per pool.
-type Counts struct{ Prefill, Decode int32 }
+type Counts struct {
+	Prefill int32 `json:"prefill"`
+	Decode  int32 `json:"decode"`
+}
 
 func (c Counts) get(prefill bool) int32 {
 	if prefill {
