@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
@@ -38,8 +39,26 @@ var (
 	metricDef = regexp.MustCompile(`(?:Name:\s*|NewDesc\(\s*)"(pdcluster_[a-z0-9_]+)"`)
 )
 
+// docs are README.md and docs/**/*.md with their code spans, read once for every test.
 func docs(t *testing.T) []doc {
 	t.Helper()
+	docsOnce.Do(func() { docsRead, docsErr = readDocs() })
+	if docsErr != nil {
+		t.Fatal(docsErr)
+	}
+	if len(docsRead) < 5 {
+		t.Fatalf("found %d docs", len(docsRead))
+	}
+	return docsRead
+}
+
+var (
+	docsOnce sync.Once
+	docsRead []doc
+	docsErr  error
+)
+
+func readDocs() ([]doc, error) {
 	files := []string{filepath.Join(root, "README.md")}
 	err := filepath.WalkDir(filepath.Join(root, "docs"), func(p string, d fs.DirEntry, err error) error {
 		if err == nil && !d.IsDir() && strings.HasSuffix(p, ".md") {
@@ -48,13 +67,13 @@ func docs(t *testing.T) []doc {
 		return err
 	})
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	var out []doc
 	for _, f := range files {
 		b, err := os.ReadFile(f)
 		if err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
 		d := doc{path: strings.TrimPrefix(f, root+"/")}
 		for _, m := range codeSpan.FindAllStringSubmatch(string(b), -1) {
@@ -62,17 +81,42 @@ func docs(t *testing.T) []doc {
 		}
 		out = append(out, d)
 	}
-	if len(out) < 5 {
-		t.Fatalf("found %d docs", len(out))
+	return out, nil
+}
+
+// sources reads every file of the repository outside docs, bin and hidden directories (but
+// .ci) that keep says to. The repository is walked once for every test, and each file read
+// once.
+func sources(t *testing.T, keep func(path string) bool) map[string]string {
+	t.Helper()
+	repoOnce.Do(func() { repoPaths, repoErr = walkRepo() })
+	if repoErr != nil {
+		t.Fatal(repoErr)
+	}
+	out := map[string]string{}
+	for _, rel := range repoPaths {
+		if !keep(rel) {
+			continue
+		}
+		s, err := readRepoFile(rel)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[rel] = s
 	}
 	return out
 }
 
-// sources reads every file of the repository outside docs, bin and hidden directories (but
-// .ci) that keep says to.
-func sources(t *testing.T, keep func(path string) bool) map[string]string {
-	t.Helper()
-	out := map[string]string{}
+var (
+	repoOnce  sync.Once
+	repoPaths []string
+	repoErr   error
+	readMu    sync.Mutex
+	readFiles = map[string]string{}
+)
+
+func walkRepo() ([]string, error) {
+	var paths []string
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
@@ -84,19 +128,24 @@ func sources(t *testing.T, keep func(path string) bool) map[string]string {
 			}
 			return nil
 		}
-		if keep(rel) {
-			b, err := os.ReadFile(p)
-			if err != nil {
-				return err
-			}
-			out[rel] = string(b)
-		}
+		paths = append(paths, rel)
 		return nil
 	})
-	if err != nil {
-		t.Fatal(err)
+	return paths, err
+}
+
+func readRepoFile(rel string) (string, error) {
+	readMu.Lock()
+	defer readMu.Unlock()
+	if s, ok := readFiles[rel]; ok {
+		return s, nil
 	}
-	return out
+	b, err := os.ReadFile(filepath.Join(root, rel))
+	if err != nil {
+		return "", err
+	}
+	readFiles[rel] = string(b)
+	return string(b), nil
 }
 
 // Every repository path a doc names exists (a glob matches something).
