@@ -110,26 +110,7 @@ func unused(pdc *v1alpha1.PDCluster, s *snapshot, keep map[childKey]bool, revs e
 		domain.e = event{corev1.EventTypeNormal, "Deleted", "Delete", fmt.Sprintf("deleted the domain Services %v: no pool of a running revision in those domains", domainNames)}
 		out = append(out, domain)
 	}
-	var rest []client.Object
-	for _, d := range s.deployments {
-		rest = append(rest, d)
-	}
-	for _, o := range s.services {
-		rest = append(rest, o)
-	}
-	for _, o := range s.configMaps {
-		rest = append(rest, o)
-	}
-	for _, o := range s.budgets {
-		rest = append(rest, o)
-	}
-	for _, o := range s.policies {
-		rest = append(rest, o)
-	}
-	for _, o := range s.poolScales {
-		rest = append(rest, o)
-	}
-	for _, o := range rest {
+	for _, o := range s.children() {
 		if !gone(o) || claimed[keyOf(o)] {
 			continue
 		}

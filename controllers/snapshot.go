@@ -135,6 +135,24 @@ func controlled[T any, PT interface {
 	return out
 }
 
+// children are the snapshot's children of every managed kind.
+func (s *snapshot) children() []client.Object {
+	var out []client.Object
+	out = appendObjects(out, s.deployments)
+	out = appendObjects(out, s.services)
+	out = appendObjects(out, s.configMaps)
+	out = appendObjects(out, s.budgets)
+	out = appendObjects(out, s.policies)
+	return appendObjects(out, s.poolScales)
+}
+
+func appendObjects[T client.Object](out []client.Object, items []T) []client.Object {
+	for _, o := range items {
+		out = append(out, o)
+	}
+	return out
+}
+
 // service is the snapshot's Service named name, or nil.
 func (s *snapshot) service(name string) *corev1.Service {
 	for _, svc := range s.services {
