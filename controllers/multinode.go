@@ -52,13 +52,7 @@ func multiNodeUnavailable(pools []string, s *snapshot) error {
 // observeLeaderWorkerSet records in the snapshot whether the cluster serves LeaderWorkerSet, for
 // a PDCluster with a pool whose replicas span pods (the only one that asks).
 func (r *PDClusterReconciler) observeLeaderWorkerSet(pdc *v1alpha1.PDCluster, s *snapshot) {
-	multi := false
-	for _, p := range []*v1alpha1.PoolSpec{&pdc.Spec.Prefill, &pdc.Spec.Decode} {
-		if n := p.Parallelism.Nodes; n != nil && *n > 1 {
-			multi = true
-		}
-	}
-	if !multi {
+	if len(render.MultiNodePools(pdc)) == 0 {
 		return
 	}
 	_, err := r.RESTMapper().RESTMapping(leaderWorkerSet, "v1")

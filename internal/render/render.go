@@ -16,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/rollout"
@@ -46,7 +47,7 @@ func Render(pdc *v1alpha1.PDCluster, opts Options) ([]Object, error) {
 }
 
 // Serving is what runs now that the rendered objects depend on; the reconciler reads it from
-// the cluster and logs it with each plan (at -zap-log-level=debug), so that `pdctl render
+// the cluster and logs it with each plan (at --zap-log-level=debug), so that `pdctl render
 // --serving` renders what a reconcile applied.
 type Serving struct {
 	// Suffixed puts the update revision's Deployments and Services under
@@ -105,6 +106,18 @@ func (e *MultiNodeError) Error() string {
 	return fmt.Sprintf("%s: replicas across pods run as LeaderWorkerSet groups, which this build does not render yet", strings.Join(e.Pools, ", "))
 }
 
+// MultiNodePools names the pools of pdc whose replicas span pods, as MultiNodeError.Pools
+// does; an unset spec.<pool>.parallelism.nodes is one pod.
+func MultiNodePools(pdc *v1alpha1.PDCluster) []string {
+	var out []string
+	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
+		if n := ptr.Deref(pool(pdc, role).Parallelism.Nodes, 1); n > 1 {
+			out = append(out, fmt.Sprintf("spec.%s.parallelism.nodes is %d", role, n))
+		}
+	}
+	return out
+}
+
 // Prepare defaults a copy of pdc, checks it (a *SpecError, then a *MultiNodeError) and computes
 // its KV revision.
 func Prepare(pdc *v1alpha1.PDCluster) (*Prepared, error) {
@@ -116,13 +129,7 @@ func Prepare(pdc *v1alpha1.PDCluster) (*Prepared, error) {
 	}
 	// Nothing half-way: a replica across pods is a LeaderWorkerSet group, not a Deployment's
 	// pod asking for every GPU of the replica.
-	var multi []string
-	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		if n := *pool(pdc, role).Parallelism.Nodes; n > 1 {
-			multi = append(multi, fmt.Sprintf("spec.%s.parallelism.nodes is %d", role, n))
-		}
-	}
-	if len(multi) > 0 {
+	if multi := MultiNodePools(pdc); len(multi) > 0 {
 		return nil, &MultiNodeError{multi}
 	}
 	rev, err := kvRevision(pdc)
