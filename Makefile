@@ -73,8 +73,9 @@ manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC into config/.
 	} > charts/pdcluster-operator/templates/_manager_rules.tpl
 
 .PHONY: golden
-golden: ## Rewrite the render golden files from the current code.
+golden: ## Rewrite the render golden files, and the launched commands of their multi-node pods, from the current code.
 	$(GO) test ./internal/render/... -update
+	$(GO) test ./cmd/connector -run TestLaunchesTheRenderedGroups -update
 
 .PHONY: verify
 verify: generate manifests ## Regenerate and fail if anything changed.

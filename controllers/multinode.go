@@ -17,28 +17,27 @@ var leaderWorkerSet = schema.GroupKind{Group: "leaderworkerset.x-k8s.io", Kind: 
 
 // prepare makes the PDCluster ready to render (render.Prepare: defaults, the checks the CRD
 // cannot make, the KV revision), once per reconcile, and says in Ready's words why it cannot
-// be. A PDCluster whose replicas span pods (spec.<pool>.parallelism.nodes > 1) is refused: they
-// run as LeaderWorkerSet groups, which the cluster must serve and this operator must render.
-// Neither half-way: nothing of the PDCluster is applied, and Ready says which field and what
-// is missing.
+// be. A PDCluster whose replicas span pods (spec.<pool>.parallelism.nodes > 1) runs them as
+// LeaderWorkerSet groups, which the cluster must serve: without, nothing of it is applied (not
+// half-way), and Ready says which field and what is missing.
 func prepare(pdc *v1alpha1.PDCluster, s *snapshot) (*render.Prepared, error) {
 	p, err := render.Prepare(pdc)
 	var invalid *render.SpecError
-	var multi *render.MultiNodeError
 	switch {
 	case errors.As(err, &invalid):
 		return nil, permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Validate", err.Error(), fmt.Errorf("validate: %w", err)}}
-	case errors.As(err, &multi):
-		return nil, multiNodeUnavailable(multi.Pools, s)
 	case err != nil:
 		return nil, fmt.Errorf("KV revision: %w", err)
+	}
+	if pools := render.MultiNodePools(pdc); len(pools) > 0 {
+		return nil, multiNodeUnavailable(pools, s)
 	}
 	return p, nil
 }
 
-// multiNodeUnavailable says why pools (render.MultiNodeError's) cannot run yet.
+// multiNodeUnavailable says why pools (render.MultiNodePools) cannot run yet.
 func multiNodeUnavailable(pools []string, s *snapshot) error {
-	why := "this operator build does not render LeaderWorkerSets yet"
+	why := "this operator build does not manage LeaderWorkerSets yet"
 	if s.lwsErr != nil {
 		return s.lwsErr
 	}

@@ -28,6 +28,10 @@ const (
 	// AnnotationGateHash on an engine pod template is the content hash of the completion-gate
 	// plugin it mounts: a new plugin rolls the engines, which import it once at start.
 	AnnotationGateHash = "serving.pdcluster.dev/completion-gate-hash"
+	// AnnotationService on a LeaderWorkerSet names the headless Service of its serving pods
+	// (the router's pool). They cannot share a name: LeaderWorkerSet makes its own headless
+	// Service, named after itself, for its pods' DNS names.
+	AnnotationService = "serving.pdcluster.dev/service"
 )
 
 // Container names in the pods the operator renders.

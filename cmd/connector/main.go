@@ -2,6 +2,8 @@
 // it hears the completion gate's heartbeat on the pod-local socket, answers the kubelet's probes
 // and the operator's GET /gate, and exports the gate's counts. It moves no KV: vLLM does.
 // `connector drain` is its preStop hook: it asks the running sidecar to drain and waits.
+// `connector launch` starts one pod of an engine replica that spans pods, and `connector
+// install` copies the binary into such a pod's engine container (its init container).
 package main
 
 import (
@@ -80,6 +82,9 @@ func main() {
 	}
 	if len(os.Args) > 1 && os.Args[1] == "launch" {
 		os.Exit(launchMain(os.Args[2:], os.Stderr))
+	}
+	if len(os.Args) > 1 && os.Args[1] == "install" {
+		os.Exit(installMain(os.Args[2:], os.Stderr))
 	}
 	cfg, o, err := parseFlags(os.Args[1:])
 	if err != nil {

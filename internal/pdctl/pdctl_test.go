@@ -201,10 +201,10 @@ func TestValidate(t *testing.T) {
 			err: "spec.decode.parallelism.nodes: Invalid value: with data-parallel ranks across pods each pod runs at least 2 (data >= 2 x nodes), or set expert", notErr: "no such key",
 		},
 		{
-			name:  "one data-parallel rank per pod with expert: past the schema, refused only by this build's render",
+			name:  "one data-parallel rank per pod with expert: a LeaderWorkerSet",
 			stdin: head + "decode: {parallelism: {nodes: 2, data: 2, expert: true}}}\n",
-			args:  []string{"validate", "-f", "-"}, code: 1,
-			err: "spec.decode.parallelism.nodes is 2: replicas across pods run as LeaderWorkerSet groups, which this build does not render yet", notErr: "Invalid value",
+			args:  []string{"render", "-f", "-"}, code: 0,
+			out: "kind: LeaderWorkerSet",
 		},
 		{name: "missing file", args: []string{"validate", "-f", "/nonexistent.yaml"}, code: 1, err: "no such file"},
 		{name: "missing -f", args: []string{"validate"}, code: 1, err: "-f FILE is required"},

@@ -86,13 +86,16 @@ const maxNameLength = 63
 
 // fitLabel is full, the name prefix with a suffix, when it fits a DNS label; else prefix cut
 // short and a hash of full, which keeps apart two names that share the kept part.
-func fitLabel(prefix, full string) string {
-	if len(full) <= maxNameLength {
+func fitLabel(prefix, full string) string { return fitName(prefix, full, maxNameLength) }
+
+// fitName is fitLabel within max characters.
+func fitName(prefix, full string, limit int) string {
+	if len(full) <= limit {
 		return full
 	}
 	sum := sha256.Sum256([]byte(full))
 	h := hex.EncodeToString(sum[:])[:10]
-	return prefix[:min(len(prefix), maxNameLength-len(h)-1)] + "-" + h
+	return prefix[:min(len(prefix), limit-len(h)-1)] + "-" + h
 }
 
 // Labels are the selector labels of role's pods in cluster.

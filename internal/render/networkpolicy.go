@@ -25,14 +25,15 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //   - prefill's bootstrap port: the router (Mooncake asks it for the engine id) and decode.
 //   - every port of a pool from the other pool of this PDCluster: vLLM's transfer engines
 //     (Mooncake, NIXL over UCX) listen on ports they pick at run time, besides the declared
-//     bootstrap and side-channel ports.
+//     bootstrap and side-channel ports; and from its own pool when its replicas span pods.
 //   - the connector sidecars' port: the operator's manager pods (they read /gate) and
 //     monitoring.
 //   - the router's port: routerClients, or everyone when none is set (then also monitoring, and
 //     the operator's manager pods with verification mode Canary or pairing: they read
 //     GET /canary and GET /pairs).
 //
-// Egress of the engine pods (spec.networkPolicy.egress): the other pool (every port), DNS,
+// Egress of the engine pods (spec.networkPolicy.egress): the other pool (every port; its own
+// too when its replicas span pods), DNS,
 // public HTTPS and the author's rules. A decode engine connects to whatever
 // remote_bootstrap_addr a request names, which these rules keep inside the PDCluster.
 //
@@ -63,9 +64,15 @@ func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 		if role == v1alpha1.RoleDecode {
 			other = v1alpha1.RolePrefill
 		}
+		peers := []networkingv1.NetworkPolicyPeer{pods(other)}
+		if MultiNode(pdc, role) {
+			// The pods of one replica talk on ports they pick at run time (torch.distributed,
+			// NCCL, vLLM's data-parallel coordination).
+			peers = append(peers, pods(role))
+		}
 		rules := []networkingv1.NetworkPolicyIngressRule{
 			{From: append([]networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, np.EngineClients...), Ports: tcp(vllm.APIPort)},
-			{From: []networkingv1.NetworkPolicyPeer{pods(other)}},
+			{From: peers},
 		}
 		if role == v1alpha1.RolePrefill && pdc.Spec.KVTransfer.Connector == v1alpha1.ConnectorMooncake {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(vllm.MooncakeBootstrapPort)})
@@ -76,7 +83,7 @@ func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 		if len(np.Monitoring) > 0 {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(vllm.APIPort, ConnectorPort)})
 		}
-		out = append(out, networkPolicy(pdc, role, rules, engineEgress(np.Egress, pods(other))))
+		out = append(out, networkPolicy(pdc, role, rules, engineEgress(np.Egress, peers)))
 	}
 	routerRules := []networkingv1.NetworkPolicyIngressRule{{From: np.RouterClients, Ports: tcp(RouterPort)}}
 	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
@@ -103,15 +110,15 @@ var (
 	privateV6 = []string{"::1/128", "fc00::/7", "fe80::/10"}
 )
 
-// engineEgress is an engine pool's egress (nil: not limited): every port of the other pool,
-// DNS (port 53 anywhere: cluster DNS, or a node-local cache on a link-local address), public
+// engineEgress is an engine pool's egress (nil: not limited): every port of pools (the other
+// pool, and its own when its replicas span pods), DNS (port 53 anywhere: cluster DNS, or a node-local cache on a link-local address), public
 // HTTPS and the author's rules.
-func engineEgress(e v1alpha1.EngineEgressSpec, otherPool networkingv1.NetworkPolicyPeer) []networkingv1.NetworkPolicyEgressRule {
+func engineEgress(e v1alpha1.EngineEgressSpec, pools []networkingv1.NetworkPolicyPeer) []networkingv1.NetworkPolicyEgressRule {
 	if !ptr.Deref(e.Enabled, true) {
 		return nil
 	}
 	dns := append(udp(53), tcp(53)...)
-	rules := []networkingv1.NetworkPolicyEgressRule{{To: []networkingv1.NetworkPolicyPeer{otherPool}}, {Ports: dns}}
+	rules := []networkingv1.NetworkPolicyEgressRule{{To: pools}, {Ports: dns}}
 	if ptr.Deref(e.PublicHTTPS, true) {
 		rules = append(rules, networkingv1.NetworkPolicyEgressRule{Ports: tcp(443), To: []networkingv1.NetworkPolicyPeer{
 			{IPBlock: &networkingv1.IPBlock{CIDR: "0.0.0.0/0", Except: privateV4}},

@@ -24,7 +24,9 @@ func ToUnstructured(obj Object) (map[string]any, error) {
 		return nil, fmt.Errorf("convert %T %s: %w", obj, obj.GetName(), err)
 	}
 	unstructured.RemoveNestedField(m, "metadata", "creationTimestamp")
-	unstructured.RemoveNestedField(m, "spec", "template", "metadata", "creationTimestamp")
+	for _, template := range [][]string{{"template"}, {"leaderWorkerTemplate", "leaderTemplate"}, {"leaderWorkerTemplate", "workerTemplate"}} {
+		unstructured.RemoveNestedField(m, append(append([]string{"spec"}, template...), "metadata", "creationTimestamp")...)
+	}
 	if status, ok := m["status"].(map[string]any); ok && len(status) == 0 {
 		delete(m, "status")
 	}

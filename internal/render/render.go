@@ -10,13 +10,11 @@ package render
 
 import (
 	"fmt"
-	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/rollout"
@@ -95,30 +93,19 @@ type SpecError struct{ Err error }
 func (e *SpecError) Error() string { return e.Err.Error() }
 func (e *SpecError) Unwrap() error { return e.Err }
 
-// MultiNodeError is a PDCluster with a pool whose replicas span pods: they run as
-// LeaderWorkerSet groups, which this build renders no object for.
-type MultiNodeError struct {
-	// Pools say which: "spec.<pool>.parallelism.nodes is N", one per such pool.
-	Pools []string
-}
-
-func (e *MultiNodeError) Error() string {
-	return fmt.Sprintf("%s: replicas across pods run as LeaderWorkerSet groups, which this build does not render yet", strings.Join(e.Pools, ", "))
-}
-
-// MultiNodePools names the pools of pdc whose replicas span pods, as MultiNodeError.Pools
-// does; an unset spec.<pool>.parallelism.nodes is one pod.
+// MultiNodePools names the pools of pdc whose replicas span pods ("spec.<pool>.parallelism.nodes
+// is N", one per such pool): they run as LeaderWorkerSets, which the cluster must serve.
 func MultiNodePools(pdc *v1alpha1.PDCluster) []string {
 	var out []string
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		if n := ptr.Deref(pool(pdc, role).Parallelism.Nodes, 1); n > 1 {
-			out = append(out, fmt.Sprintf("spec.%s.parallelism.nodes is %d", role, n))
+		if MultiNode(pdc, role) {
+			out = append(out, fmt.Sprintf("spec.%s.parallelism.nodes is %d", role, *pool(pdc, role).Parallelism.Nodes))
 		}
 	}
 	return out
 }
 
-// Prepare defaults a copy of pdc, checks it (a *SpecError, then a *MultiNodeError) and computes
+// Prepare defaults a copy of pdc, checks it (a *SpecError) and computes
 // its KV revision.
 func Prepare(pdc *v1alpha1.PDCluster) (*Prepared, error) {
 	pdc = defaulted(pdc)
@@ -126,11 +113,6 @@ func Prepare(pdc *v1alpha1.PDCluster) (*Prepared, error) {
 	// otherwise refuse the Deployment in its own words).
 	if err := pdc.Validate().ToAggregate(); err != nil {
 		return nil, &SpecError{err}
-	}
-	// Nothing half-way: a replica across pods is a LeaderWorkerSet group, not a Deployment's
-	// pod asking for every GPU of the replica.
-	if multi := MultiNodePools(pdc); len(multi) > 0 {
-		return nil, &MultiNodeError{multi}
 	}
 	rev, err := kvRevision(pdc)
 	if err != nil {
@@ -169,19 +151,30 @@ func (p *Prepared) Objects(opts Options, serving Serving, router RouterObjects) 
 	pdc, rev := p.pdc, p.rev
 	var objs []Object
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		dep, err := engineDeployment(pdc, opts, role, rev)
+		name := EngineObjectName(pdc.Name, role, rev, !serving.Suffixed)
+		replicas := scaling.SpecReplicas(pdc, role)
+		if serving.Step != nil {
+			replicas = serving.Step.Decode
+			if role == v1alpha1.RolePrefill {
+				replicas = serving.Step.Prefill
+			}
+		}
+		var engines Object
+		var err error
+		if MultiNode(pdc, role) {
+			engines, err = engineGroupSet(pdc, opts, role, rev, name, replicas)
+		} else {
+			var dep *appsv1.Deployment
+			dep, err = engineDeployment(pdc, opts, role, rev)
+			if dep != nil {
+				dep.Name, dep.Spec.Replicas = name, &replicas
+			}
+			engines = dep
+		}
 		if err != nil {
 			return nil, fmt.Errorf("render %s pool: %w", role, err)
 		}
-		dep.Name = EngineObjectName(pdc.Name, role, rev, !serving.Suffixed)
-		if serving.Step != nil {
-			n := serving.Step.Decode
-			if role == v1alpha1.RolePrefill {
-				n = serving.Step.Prefill
-			}
-			dep.Spec.Replicas = &n
-		}
-		objs = append(objs, dep, engineService(pdc, role, rev, dep.Name))
+		objs = append(objs, engines, engineService(pdc, role, rev, name))
 		if pdb := disruptionBudget(pdc, role); pdb != nil {
 			objs = append(objs, pdb)
 		}

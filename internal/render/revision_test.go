@@ -307,14 +307,3 @@ func TestRenderPairing(t *testing.T) {
 		t.Errorf("update revision's r2 decode host %s", got)
 	}
 }
-
-// A replica across pods renders nothing (not a Deployment of one pod asking for every GPU of
-// the replica), saying which field.
-func TestRenderRefusesReplicasAcrossPods(t *testing.T) {
-	pdc := revisionBase()
-	pdc.Spec.Decode.Parallelism.Data, pdc.Spec.Decode.Parallelism.Nodes = ptr.To[int32](16), ptr.To[int32](2)
-	objs, err := Render(pdc, DefaultOptions())
-	if err == nil || len(objs) != 0 || !strings.Contains(err.Error(), "spec.decode.parallelism.nodes is 2") {
-		t.Errorf("rendered %d objects, err %v; want none and the field named", len(objs), err)
-	}
-}

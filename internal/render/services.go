@@ -6,6 +6,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
@@ -13,7 +14,8 @@ import (
 // EngineService is the headless Service, named name, of a pool's engines of KV revision rev:
 // the router needs each pod's address (the Mooncake bootstrap server runs per prefill pod), not
 // a load-balanced VIP, and only the pods of one revision behind one name, so that it never
-// pairs a prefill and a decode of two.
+// pairs a prefill and a decode of two. Of a pool whose replicas span pods, it selects the pods
+// that serve: every pod with data-parallel ranks, the leaders of a sharded model.
 func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string) *corev1.Service {
 	return engineService(defaulted(pdc), role, rev, name)
 }
@@ -30,12 +32,17 @@ func engineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string
 	meta := objectMeta(pdc, role)
 	meta.Name = name
 	meta.Labels[v1alpha1.LabelKVRevision] = rev
+	selector := RevisionLabels(pdc.Name, role, rev)
+	if leaderServesAlone(pdc, role) {
+		// A model sharded across a group's pods serves from its leader only.
+		selector[lwsv1.WorkerIndexLabelKey] = "0"
+	}
 	return &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
 		ObjectMeta: meta,
 		Spec: corev1.ServiceSpec{
 			ClusterIP:                corev1.ClusterIPNone,
-			Selector:                 RevisionLabels(pdc.Name, role, rev),
+			Selector:                 selector,
 			Ports:                    ports,
 			PublishNotReadyAddresses: false,
 		},

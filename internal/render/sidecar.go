@@ -23,6 +23,12 @@ func connectorPorts() []corev1.ContainerPort {
 // health.periodSeconds and flips on the first failure: the operator, not the kubelet, decides
 // when unready has lasted too long.
 func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role) corev1.Container {
+	return connectorContainerOf(pdc, opts, role, GateEnabled(pdc.Spec.KVTransfer))
+}
+
+// connectorContainerOf is connectorContainer beside an engine that runs a completion gate
+// (gated: the gate is enabled and the engine runs vLLM's scheduler) or none.
+func connectorContainerOf(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role, gated bool) corev1.Container {
 	c := pdc.Spec.Connector
 	args := []string{
 		"--role=" + string(KVRole(role)),
@@ -33,15 +39,16 @@ func connectorContainer(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Rol
 		// of the pod (RDMA), which no NetworkPolicy covers, does not reach the port.
 		"--bind-address=$(POD_IP)",
 	}
-	if GateEnabled(pdc.Spec.KVTransfer) {
+	if gated {
 		// Not ready until the engine's gate has loaded and while its heartbeat is missing.
 		args = append(args, "--require-gate")
 		if g := c.Health.GateStartupGraceSeconds; g != nil {
 			args = append(args, fmt.Sprintf("--gate-startup-grace=%ds", *g))
 		}
-		// vLLM runs one EngineCore, and so one gate, per data-parallel rank of the pod: the
-		// sidecar waits for each and refuses a rank the pod does not run.
-		if dp := *pool(pdc, role).Parallelism.Data; dp > 1 {
+		// vLLM runs one EngineCore, and so one gate, per data-parallel rank of the pod (of a
+		// replica across pods, each pod runs data/nodes): the sidecar waits for each and
+		// refuses a rank the pod does not run.
+		if dp := *pool(pdc, role).Parallelism.Data / *pool(pdc, role).Parallelism.Nodes; dp > 1 {
 			args = append(args, fmt.Sprintf("--gate-ranks=%d", dp))
 		}
 	}

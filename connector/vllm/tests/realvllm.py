@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parents[3]
 GOLDEN = REPO / "internal" / "render" / "testdata"
 # The launcher's command lines of multi-node replicas (connector/launch).
 LAUNCHED = REPO / "connector" / "launch" / "testdata" / "commands.golden.json"
+# Each pod's command line of render's LeaderWorkerSets as the connector binary launches it.
+LAUNCHED_RENDERED = REPO / "cmd" / "connector" / "testdata" / "launched.golden.json"
 BLOCK = 16
 ENGINE = "prefill-engine-0"
 

@@ -432,6 +432,36 @@ class ContractTest(unittest.TestCase):
                     self.assertEqual(ns.headless, index > 0)
                     self.assertEqual(ns.distributed_executor_backend, "mp")
 
+    def test_vllms_parser_takes_the_rendered_groups_pods(self) -> None:
+        # Every pod of render's LeaderWorkerSets, its command completed by the connector
+        # binary's own `launch` (cmd/connector): vLLM's parser takes it, with this pod's rank,
+        # and the rendered --kv-transfer-config.
+        import json
+
+        parser = rv.serve_parser()
+        pods = json.loads(rv.LAUNCHED_RENDERED.read_text())
+        self.assertGreaterEqual(len(pods), 6)
+        for p in pods:
+            with self.subTest(pod=p["name"]):
+                try:
+                    ns = parser.parse_args(p["args"][1:])
+                except SystemExit as e:
+                    self.fail(f"vLLM {VERSION} refuses {p['args']}: exit {e.code}")
+                index = int(p["name"].rsplit("/", 1)[1])
+                role = "kv_producer" if "-prefill-" in p["name"] else "kv_consumer"
+                self.assertEqual(ns.kv_transfer_config.kv_role, role)
+                self.assertTrue(ns.kv_transfer_config.kv_connector.startswith("Gated"))
+                if ns.data_parallel_hybrid_lb:
+                    self.assertEqual(ns.data_parallel_start_rank, ns.data_parallel_size_local * index)
+                    self.assertEqual(ns.data_parallel_size % ns.data_parallel_size_local, 0)
+                    self.assertFalse(ns.headless)
+                else:
+                    self.assertEqual(ns.node_rank, index)
+                    self.assertEqual(ns.headless, index > 0)
+                    self.assertEqual(ns.distributed_executor_backend, "mp")
+                    self.assertEqual(ns.tensor_parallel_size * ns.pipeline_parallel_size % ns.nnodes, 0)
+                self.assertIn(f"VLLM_HOST_IP=10.0.0.{10 + index}", p["env"])
+
     def test_stock_name_with_the_plugin_module_fails_loudly(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         import json

@@ -1,0 +1,192 @@
+package render
+
+import (
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/utils/ptr"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/rollout"
+)
+
+// A pool whose replicas span pods renders a LeaderWorkerSet (one group of nodes pods per
+// replica) beside its Service; the other pool keeps its Deployment.
+func TestRenderGroupsReplicasAcrossPods(t *testing.T) {
+	type want struct {
+		layout      []string // the launcher's flags, before "--"
+		gpusPerPod  string
+		gateRanks   string // the sidecar's --gate-ranks, "" for none
+		leaderOnly  bool   // the Service selects leaders; the worker template differs
+		workerGated bool
+	}
+	for _, tc := range []struct {
+		name string
+		par  v1alpha1.Parallelism
+		want want
+	}{
+		{"model tp8 pp2 over 2 pods", v1alpha1.Parallelism{Tensor: ptr.To[int32](8), Pipeline: ptr.To[int32](2), Nodes: ptr.To[int32](2)},
+			want{[]string{"--layout=model", "--port=29501"}, "8", "", true, false}},
+		{"model tp4 over 4 pods", v1alpha1.Parallelism{Tensor: ptr.To[int32](4), Nodes: ptr.To[int32](4)},
+			want{[]string{"--layout=model", "--port=29501"}, "1", "", true, false}},
+		{"data 16 expert over 2 pods", v1alpha1.Parallelism{Data: ptr.To[int32](16), Expert: true, Nodes: ptr.To[int32](2)},
+			want{[]string{"--layout=data-parallel", "--local-ranks=8", "--port=29550"}, "8", "--gate-ranks=8", false, true}},
+		{"data 4 tp2 over 2 pods", v1alpha1.Parallelism{Tensor: ptr.To[int32](2), Data: ptr.To[int32](4), Nodes: ptr.To[int32](2)},
+			want{[]string{"--layout=data-parallel", "--local-ranks=2", "--port=29550"}, "4", "--gate-ranks=2", false, true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pdc := revisionBase()
+			pdc.Spec.Decode.Parallelism = tc.par
+			pdc.SetDefaults()
+			objs, err := RenderServing(pdc, DefaultOptions(), Serving{Step: &rollout.Counts{Prefill: 2, Decode: 3}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var lws *lwsv1.LeaderWorkerSet
+			var svc *corev1.Service
+			var np *networkingv1.NetworkPolicy
+			for _, o := range objs {
+				switch x := o.(type) {
+				case *lwsv1.LeaderWorkerSet:
+					lws = x
+				case *appsv1.Deployment:
+					if x.Labels[v1alpha1.LabelRole] == string(v1alpha1.RoleDecode) {
+						t.Errorf("decode renders Deployment %s besides its LeaderWorkerSet", x.Name)
+					}
+				case *corev1.Service:
+					if x.Name == "pd-decode" {
+						svc = x
+					}
+				case *networkingv1.NetworkPolicy:
+					if x.Name == "pd-decode" {
+						np = x
+					}
+				}
+			}
+			if lws == nil || svc == nil || np == nil {
+				t.Fatalf("LeaderWorkerSet %v, Service %v, NetworkPolicy %v: want each", lws != nil, svc != nil, np != nil)
+			}
+			// Named apart from the Service (LeaderWorkerSet makes its own headless Service,
+			// named after itself, with not-ready addresses), which the annotation names.
+			if lws.Name != "pd-decode-lws" || lws.Annotations[v1alpha1.AnnotationService] != svc.Name {
+				t.Errorf("LeaderWorkerSet %s for Service %s (annotation %q)", lws.Name, svc.Name, lws.Annotations[v1alpha1.AnnotationService])
+			}
+			s := lws.Spec
+			if *s.Replicas != 3 || *s.LeaderWorkerTemplate.Size != *tc.par.Nodes {
+				t.Errorf("replicas %d size %d, want the step's 3 and nodes %d", *s.Replicas, *s.LeaderWorkerTemplate.Size, *tc.par.Nodes)
+			}
+			// What the LeaderWorkerSet controller dereferences and its webhook would default:
+			// rendered, so that the object applies as stored.
+			if s.StartupPolicy != lwsv1.LeaderCreatedStartupPolicy || s.LeaderWorkerTemplate.RestartPolicy != lwsv1.RecreateGroupOnPodRestart ||
+				s.RolloutStrategy.RollingUpdateConfiguration == nil || s.RolloutStrategy.RollingUpdateConfiguration.Partition == nil ||
+				s.NetworkConfig == nil || ptr.Deref(s.NetworkConfig.SubdomainPolicy, "") != lwsv1.SubdomainShared {
+				t.Errorf("spec leaves to the server what the controller dereferences: %+v", s)
+			}
+			if got := s.LeaderWorkerTemplate.WorkerTemplate.Labels[v1alpha1.LabelKVRevision]; got == "" || got != lws.Labels[v1alpha1.LabelKVRevision] {
+				t.Errorf("pods carry KV revision %q, the LeaderWorkerSet %q", got, lws.Labels[v1alpha1.LabelKVRevision])
+			}
+			leader := s.LeaderWorkerTemplate.LeaderTemplate
+			worker := &s.LeaderWorkerTemplate.WorkerTemplate
+			if (leader != nil) != tc.want.leaderOnly {
+				t.Fatalf("leader template set %v, want %v", leader != nil, tc.want.leaderOnly)
+			}
+			if leader == nil {
+				leader = worker
+			}
+			for _, pod := range []struct {
+				name   string
+				t      *corev1.PodTemplateSpec
+				serves bool
+			}{{"leader", leader, true}, {"worker", worker, !tc.want.leaderOnly}} {
+				spec := pod.t.Spec
+				engine, connector := containerNamed(spec.Containers, v1alpha1.EngineContainerName), containerNamed(spec.Containers, v1alpha1.ConnectorContainerName)
+				i := slices.Index(engine.Command, "--")
+				if i < 2 || engine.Command[0] != Launcher || engine.Command[1] != "launch" || !slices.Equal(engine.Command[i:], []string{"--", "vllm"}) {
+					t.Fatalf("%s engine command %q: want %s launch ... -- vllm", pod.name, engine.Command, Launcher)
+				}
+				if d := cmp.Diff(tc.want.layout, engine.Command[2:i]); d != "" {
+					t.Errorf("%s launcher flags (-want +got):\n%s", pod.name, d)
+				}
+				if engine.Args[0] != "serve" {
+					t.Errorf("%s engine args %q: want vllm serve's", pod.name, engine.Args)
+				}
+				if got := engine.Resources.Limits[v1alpha1.GPUResourceName]; got.String() != tc.want.gpusPerPod {
+					t.Errorf("%s asks %s GPUs, want its share %s", pod.name, got.String(), tc.want.gpusPerPod)
+				}
+				// The launcher comes from the connector image through the init container.
+				if len(spec.InitContainers) != 1 || spec.InitContainers[0].Image != connector.Image ||
+					!slices.Equal(spec.InitContainers[0].Command, []string{ConnectorBinary, "install", Launcher}) ||
+					!mounts(spec.InitContainers[0], launcherVolume, launcherDir) || !mounts(*engine, launcherVolume, launcherDir) {
+					t.Errorf("%s init containers %+v do not put the launcher where the engine runs it", pod.name, spec.InitContainers)
+				}
+				gated := slices.Contains(connector.Args, "--require-gate")
+				if gated != pod.serves {
+					t.Errorf("%s sidecar requires the gate %v, want %v (the gate runs where vLLM's scheduler runs)", pod.name, gated, pod.serves)
+				}
+				ranks := ""
+				for _, a := range connector.Args {
+					if strings.HasPrefix(a, "--gate-ranks=") {
+						ranks = a
+					}
+				}
+				if pod.serves && ranks != tc.want.gateRanks {
+					t.Errorf("%s sidecar %q, want %q (each pod runs its share of the ranks)", pod.name, ranks, tc.want.gateRanks)
+				}
+				if (engine.ReadinessProbe != nil) != pod.serves {
+					t.Errorf("%s engine readiness probe %v, want one where vLLM serves HTTP", pod.name, engine.ReadinessProbe)
+				}
+			}
+			if _, ok := svc.Spec.Selector[lwsv1.WorkerIndexLabelKey]; ok != tc.want.leaderOnly {
+				t.Errorf("Service selector %v: leaders only %v, want %v", svc.Spec.Selector, ok, tc.want.leaderOnly)
+			}
+			// The pods of a group reach each other on every port.
+			if !admitsEveryPortFrom(np, v1alpha1.RoleDecode) {
+				t.Errorf("decode's NetworkPolicy does not admit its own pool: %+v", np.Spec.Ingress)
+			}
+		})
+	}
+}
+
+func mounts(c corev1.Container, volume, path string) bool {
+	return slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool { return m.Name == volume && m.MountPath == path })
+}
+
+func admitsEveryPortFrom(np *networkingv1.NetworkPolicy, role v1alpha1.Role) bool {
+	for _, r := range np.Spec.Ingress {
+		if len(r.Ports) > 0 {
+			continue
+		}
+		for _, p := range r.From {
+			if p.PodSelector != nil && p.PodSelector.MatchLabels[v1alpha1.LabelRole] == string(role) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// A LeaderWorkerSet's name leaves room for its StatefulSets (<lws>-<group>) and their
+// revision labels within a DNS label, and two long names stay apart.
+func TestGroupSetName(t *testing.T) {
+	long := strings.Repeat("a", 55)
+	for _, service := range []string{"pd-decode", long + "-prefill", long + "-prefill-0123456789", long + "-decode"} {
+		name := GroupSetName(service)
+		if len(name) > maxGroupSetName || len(validation.IsDNS1035Label(name)) > 0 {
+			t.Errorf("%s: %q (%d characters)", service, name, len(name))
+		}
+		// <lws>-<group> with a six-digit group, then "-" and a 10-character revision hash.
+		if n := len(name) + 7 + 11; n > maxNameLength {
+			t.Errorf("%s: a StatefulSet revision label would be %d characters", service, n)
+		}
+	}
+	if GroupSetName(long+"-prefill") == GroupSetName(long+"-prefill-0123456789") {
+		t.Error("two long names give one LeaderWorkerSet name")
+	}
+}
