@@ -29,28 +29,32 @@ func prepare(pdc *v1alpha1.PDCluster, s *snapshot) (*render.Prepared, error) {
 	case err != nil:
 		return nil, fmt.Errorf("KV revision: %w", err)
 	}
-	if pools := render.MultiNodePools(pdc); len(pools) > 0 {
+	if pools := render.MultiNodePools(pdc); len(pools) > 0 && !s.lwsServed {
 		return nil, multiNodeUnavailable(pools, s)
 	}
 	return p, nil
 }
 
-// multiNodeUnavailable says why pools (render.MultiNodePools) cannot run yet.
+// multiNodeUnavailable says why pools (render.MultiNodePools) cannot run: the cluster does
+// not serve LeaderWorkerSet, or whether it does is unknown.
 func multiNodeUnavailable(pools []string, s *snapshot) error {
-	why := "this operator build does not manage LeaderWorkerSets yet"
 	if s.lwsErr != nil {
 		return s.lwsErr
 	}
-	if !s.lwsServed {
-		why = "the cluster does not serve LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): install it"
-	}
-	msg := fmt.Sprintf("%s: a replica across pods runs as a LeaderWorkerSet group, and %s; nothing is applied until then (set nodes to 1 to run one pod per replica)", strings.Join(pools, ", "), why)
+	msg := fmt.Sprintf("%s: a replica across pods runs as a LeaderWorkerSet group, and the cluster does not serve LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): install it; nothing is applied until then (set nodes to 1 to run one pod per replica)", strings.Join(pools, ", "))
 	return &readyError{v1alpha1.ReasonMultiNodeUnavailable, "Render", msg, errors.New(msg)}
 }
 
-// observeLeaderWorkerSet records in the snapshot whether the cluster serves LeaderWorkerSet, for
-// a PDCluster with a pool whose replicas span pods (the only one that asks).
+// observeLeaderWorkerSet records in the snapshot whether the cluster serves LeaderWorkerSet:
+// it does when the manager watches them, or once a lookup found it (remembered: a PDCluster
+// back to one pod per replica still has its LeaderWorkerSets to delete). Else it is looked up
+// for a PDCluster with a pool whose replicas span pods only: a lookup of a kind the cluster
+// does not serve costs a discovery request.
 func (r *PDClusterReconciler) observeLeaderWorkerSet(pdc *v1alpha1.PDCluster, s *snapshot) {
+	if r.groupSetsWatched || r.groupSetsServed.Load() {
+		s.lwsServed = true
+		return
+	}
 	if len(render.MultiNodePools(pdc)) == 0 {
 		return
 	}
@@ -58,6 +62,7 @@ func (r *PDClusterReconciler) observeLeaderWorkerSet(pdc *v1alpha1.PDCluster, s 
 	switch {
 	case err == nil:
 		s.lwsServed = true
+		r.groupSetsServed.Store(true)
 	case !meta.IsNoMatchError(err):
 		s.lwsErr = fmt.Errorf("look up LeaderWorkerSet: %w", err)
 	}

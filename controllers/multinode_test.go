@@ -30,8 +30,7 @@ func TestMultiNodeAvailable(t *testing.T) {
 		{name: "nodes 1", prefill: ptr.To[int32](1), decode: ptr.To[int32](1)},
 		{name: "prefill across pods, no LeaderWorkerSet in the cluster", prefill: ptr.To[int32](2), wantReason: v1alpha1.ReasonMultiNodeUnavailable,
 			wantInMessages: []string{"spec.prefill.parallelism.nodes is 2", "does not serve LeaderWorkerSet", "nothing is applied"}},
-		{name: "both across pods, LeaderWorkerSet served", prefill: ptr.To[int32](2), decode: ptr.To[int32](4), clusterHasLWS: true, wantReason: v1alpha1.ReasonMultiNodeUnavailable,
-			wantInMessages: []string{"spec.prefill.parallelism.nodes is 2, spec.decode.parallelism.nodes is 4", "does not manage LeaderWorkerSets yet"}},
+		{name: "both across pods, LeaderWorkerSet served", prefill: ptr.To[int32](2), decode: ptr.To[int32](4), clusterHasLWS: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			mapper := meta.NewDefaultRESTMapper(nil)

@@ -7,9 +7,7 @@ import (
 	"sync"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -24,12 +22,12 @@ type observed struct {
 	// pods are the PDCluster's pods, every role; podsErr says why they are unknown.
 	pods    []corev1.Pod
 	podsErr error
-	// deployments are the pools' Deployments by role (a missing one is absent): the router's,
-	// and each engine pool's of the update revision; olderDeployments each engine pool's of
-	// older revisions. depsErr says why they are unknown.
-	deployments      map[v1alpha1.Role]*appsv1.Deployment
-	olderDeployments map[v1alpha1.Role][]*appsv1.Deployment
-	depsErr          error
+	// sets are the pools' pod sets by role (a missing one is absent): the router's Deployment,
+	// and each engine pool's Deployment or LeaderWorkerSet of the update revision; olderSets
+	// each engine pool's of older revisions. depsErr says why they are unknown.
+	sets      map[v1alpha1.Role]*podSet
+	olderSets map[v1alpha1.Role][]*podSet
+	depsErr   error
 	// gates are the completion gate states the engine pods' sidecars answered; gatesRead says
 	// whether they were asked at all (a reader is set, the gate is enabled, the pods are known).
 	gates     []gateRead
@@ -59,56 +57,50 @@ func (o observed) err() error { return errors.Join(o.podsErr, o.depsErr) }
 // gateReads bounds the sidecars read at once.
 const gateReads = 16
 
-// observed is the snapshot as the reconcile's act left it (the Deployments it applied, as the
+// observed is the snapshot as the reconcile's act left it (the pod sets it applied, as the
 // API server answered, and without the ones it deleted), grouped for connector health, KV
 // verification and status; applied are the objects it applied, as rendered.
 func (s *snapshot) observed(applied []render.Object) observed {
 	o := observed{pods: s.pods, podsErr: s.podsErr, gates: s.gates, gatesRead: s.gatesRead, canary: s.canary, pairs: s.pairs}
-	var deps []appsv1.Deployment
+	o.sets = map[v1alpha1.Role]*podSet{}
 	for _, d := range s.deployments {
-		if d != nil {
-			deps = append(deps, *d)
+		if d.Name == render.ObjectName(s.pdc.Name, v1alpha1.RoleRouter) {
+			o.sets[v1alpha1.RoleRouter] = &podSet{d}
 		}
 	}
-	o.deployments = map[v1alpha1.Role]*appsv1.Deployment{}
-	for i := range deps {
-		if deps[i].Name == render.ObjectName(s.pdc.Name, v1alpha1.RoleRouter) {
-			o.deployments[v1alpha1.RoleRouter] = &deps[i]
-		}
-	}
-	o.olderDeployments = map[v1alpha1.Role][]*appsv1.Deployment{}
+	engines := enginePodSets(s.deployments, s.groupSets)
+	o.olderSets = map[v1alpha1.Role][]*podSet{}
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		update, old := poolDeployments(deps, role, applied)
+		update, old := poolSets(engines, role, applied)
 		if update != nil {
-			o.deployments[role] = update
+			o.sets[role] = update
 		}
-		o.olderDeployments[role] = old
+		o.olderSets[role] = old
 	}
 	return o
 }
 
-// poolDeployments are role's Deployments: the update revision's (the one this reconcile
-// applied; nil when it is not there yet) and the older revisions'.
-func poolDeployments(deps []appsv1.Deployment, role v1alpha1.Role, applied []render.Object) (update *appsv1.Deployment, old []*appsv1.Deployment) {
+// poolSets are role's pod sets (engines, oldest first): the update revision's (the one this
+// reconcile applied; nil when it is not there yet) and the older revisions'.
+func poolSets(engines []*podSet, role v1alpha1.Role, applied []render.Object) (update *podSet, old []*podSet) {
 	var name string
 	for _, o := range applied {
-		if d, ok := o.(*appsv1.Deployment); ok && d.Labels[v1alpha1.LabelRole] == string(role) {
-			name = d.Name
+		if d, ok := asPodSet(o); ok && d.role() == role {
+			name = d.GetName()
 		}
 	}
-	var mine []*appsv1.Deployment
-	for i := range deps {
-		if d := &deps[i]; d.Labels[v1alpha1.LabelRole] == string(role) {
+	var mine []*podSet
+	for _, d := range engines {
+		if d.role() == role {
 			mine = append(mine, d)
 		}
 	}
 	if name == "" && len(mine) > 0 {
 		// Nothing applied (the reconcile failed before): the newest is the update revision's.
-		slices.SortFunc(mine, func(a, b *appsv1.Deployment) int { return a.CreationTimestamp.Compare(b.CreationTimestamp.Time) })
-		name = mine[len(mine)-1].Name
+		name = mine[len(mine)-1].GetName()
 	}
 	for _, d := range mine {
-		if d.Name == name {
+		if d.GetName() == name {
 			update = d
 		} else {
 			old = append(old, d)
@@ -117,33 +109,31 @@ func poolDeployments(deps []appsv1.Deployment, role v1alpha1.Role, applied []ren
 	return update, old
 }
 
-// engineDeployments are role's Deployments of every revision.
-func (o observed) engineDeployments(role v1alpha1.Role) []*appsv1.Deployment {
-	out := slices.Clone(o.olderDeployments[role])
-	if d := o.deployments[role]; d != nil {
+// engineSets are role's pod sets of every revision.
+func (o observed) engineSets(role v1alpha1.Role) []*podSet {
+	out := slices.Clone(o.olderSets[role])
+	if d := o.sets[role]; d != nil {
 		out = append(out, d)
 	}
 	return out
 }
 
-// withOlder is a pool's update-revision Deployment (nil before it exists: one asking for no
-// pod) with the older revisions' pods added to its counts: a pool in a lockstep rollout reads
-// as rolling out until only the update revision's pods run.
-func withOlder(update *appsv1.Deployment, old []*appsv1.Deployment) *appsv1.Deployment {
-	if len(old) == 0 {
-		return update
-	}
-	pool := &appsv1.Deployment{Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](0)}}
+// withOlder are the counts of a pool's update-revision set (nil before it exists: one asking
+// for no pod) with the older revisions' replicas added: a pool in a lockstep rollout reads as
+// rolling out until only the update revision's pods run.
+func withOlder(update *podSet, old []*podSet) podCounts {
+	c := podCounts{current: true}
 	if update != nil {
-		pool = update.DeepCopy()
+		c = update.counts()
 	}
 	for _, d := range old {
-		*pool.Spec.Replicas += ptr.Deref(d.Spec.Replicas, 1)
-		pool.Status.Replicas += d.Status.Replicas
-		pool.Status.ReadyReplicas += d.Status.ReadyReplicas
-		pool.Status.AvailableReplicas += d.Status.AvailableReplicas
+		o := d.counts()
+		c.wants += o.wants
+		c.replicas += o.replicas
+		c.ready += o.ready
+		c.available += o.available
 	}
-	return pool
+	return c
 }
 
 // readGates asks the sidecars of the running engine pods for their gate's state, a few at a

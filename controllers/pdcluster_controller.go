@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
+	"sync/atomic"
 	"time"
 	"unique"
 
@@ -22,6 +23,7 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -42,6 +44,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 	"sigs.k8s.io/controller-runtime/pkg/source"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -80,11 +83,17 @@ type PDClusterReconciler struct {
 	// childrenIndexed: the client's cache has childIndex (SetupWithManager adds it); without
 	// it (a client that reads the API server) the snapshot lists by label.
 	childrenIndexed bool
+	// groupSetsWatched: the cluster served LeaderWorkerSet when the manager started, and the
+	// controller watches and indexes them (SetupWithManager); groupSetsServed: a lookup since
+	// found it served.
+	groupSetsWatched bool
+	groupSetsServed  atomic.Bool
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=leaderworkerset.x-k8s.io,resources=leaderworkersets,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=services;configmaps,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;update;patch;delete
@@ -125,7 +134,7 @@ func (r *PDClusterReconciler) Reconcile(ctx context.Context, req ctrl.Request) (
 	var requeueAfter time.Duration
 	if err == nil {
 		in.obs = snap.observed(applied)
-		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now, int(scale.effective.Prefill+scale.effective.Decode))
+		in.health = r.decideConnectorHealth(ctx, &pdc, in.obs, in.now, enginePods(&pdc, scale.effective))
 		in.kv = r.verifyKV(&pdc, in.obs, in.now)
 		costErr := r.setDeletionCosts(ctx, in.obs)
 		domainErr := r.labelDomains(ctx, &pdc, in.obs.pods, snap.topo)
@@ -206,7 +215,7 @@ func decide(pdc *v1alpha1.PDCluster, snap *snapshot, opts render.Options) (*plan
 	if err != nil {
 		return nil, err
 	}
-	p := &plan{revs: revisionsOf(pdc, snap.deployments, prep.Revision())}
+	p := &plan{revs: revisionsOf(pdc, snap.deployments, snap.groupSets, prep.Revision())}
 	if p.scale, err = decideScale(pdc, snap, p.revs); err != nil {
 		return nil, err
 	}
@@ -298,9 +307,7 @@ func (r *PDClusterReconciler) applyAll(ctx context.Context, pdc *v1alpha1.PDClus
 			msg := fmt.Sprintf("apply %T %s: %v", obj, obj.GetName(), err)
 			return events, &readyError{v1alpha1.ReasonApplyFailed, "Apply", msg, fmt.Errorf("apply %s: %w", obj.GetName(), err)}
 		}
-		if d, ok := answer.(*appsv1.Deployment); ok {
-			snap.wrote(d)
-		}
+		snap.wrote(answer)
 		name := obj.GetObjectKind().GroupVersionKind().Kind + " " + obj.GetName()
 		switch action {
 		case actionCreated:
@@ -393,6 +400,8 @@ func upToDate(desired, existing client.Object) bool {
 	switch x := existing.(type) {
 	case *appsv1.Deployment:
 		d.(*appsv1.Deployment).Status = x.Status
+	case *lwsv1.LeaderWorkerSet:
+		d.(*lwsv1.LeaderWorkerSet).Status = x.Status
 	case *corev1.Service:
 		d.(*corev1.Service).Status = x.Status
 	}
@@ -422,11 +431,21 @@ func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) (cli
 // SetupWithManager registers the controller and its watches on owned children, and the pod
 // reads (Reports) with their events.
 func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
-	if err := indexChildren(context.Background(), mgr.GetFieldIndexer()); err != nil {
+	// LeaderWorkerSets are watched when the cluster serves them now: a watch on a kind it does
+	// not serve would keep the manager from starting.
+	if _, err := mgr.GetRESTMapper().RESTMapping(leaderWorkerSet, lwsv1.GroupVersion.Version); err == nil {
+		r.groupSetsWatched = true
+	} else if !meta.IsNoMatchError(err) {
+		return fmt.Errorf("look up LeaderWorkerSet: %w", err)
+	}
+	if err := indexChildren(context.Background(), mgr.GetFieldIndexer(), r.groupSetsWatched); err != nil {
 		return err
 	}
 	r.childrenIndexed = true
 	b := ctrl.NewControllerManagedBy(mgr)
+	if r.groupSetsWatched {
+		b = b.Owns(&lwsv1.LeaderWorkerSet{})
+	}
 	if r.Reports != nil {
 		if err := mgr.Add(r.Reports); err != nil {
 			return fmt.Errorf("add the pod reads: %w", err)
@@ -459,7 +478,9 @@ func podToPDCluster(_ context.Context, obj client.Object) []reconcile.Request {
 }
 
 // CacheOptions shape the manager's cache. Pods, Deployments, Services, ConfigMaps and
-// PodDisruptionBudgets: only the ones the operator manages, by their managed-by label (caching
+// PodDisruptionBudgets: only the ones the operator manages, by their managed-by label
+// (LeaderWorkerSets are cached whole: a kind named here must be served when the cache starts,
+// and the cluster may not serve it; there are few of them; caching
 // every one of a large cluster would cost memory for nothing; a child whose label a user
 // removed is found missing and applied again, label and all). Every object: no managedFields
 // (the reconciler compares fields, never their managers; they were a third of each cached

@@ -153,7 +153,7 @@ func pruneAsReconciled(t *testing.T, r *PDClusterReconciler, p *v1alpha1.PDClust
 	if err != nil {
 		t.Fatal(err)
 	}
-	revs := revisionsOf(p, snap.deployments, "")
+	revs := revisionsOf(p, snap.deployments, snap.groupSets, "")
 	return r.prune(ctx, snap, unused(p, snap, keepSet(objs, revs, scaleDecision{}), revs))
 }
 

@@ -12,6 +12,7 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -39,6 +40,8 @@ func kindOf(obj client.Object) string {
 		return "NetworkPolicy"
 	case *v1alpha1.PoolScale:
 		return "PoolScale"
+	case *lwsv1.LeaderWorkerSet:
+		return "LeaderWorkerSet"
 	}
 	return obj.GetObjectKind().GroupVersionKind().Kind
 }
@@ -55,9 +58,9 @@ func keepSet(rendered []render.Object, revs engineRevisions, scale scaleDecision
 		if o.drained() {
 			continue
 		}
-		for _, d := range o.deps() {
-			keep[childKey{"Deployment", d.Name}] = true
-			keep[childKey{"Service", d.Name}] = true // each revision's Service has its Deployment's name
+		for _, d := range o.sets() {
+			keep[keyOf(d.Object)] = true
+			keep[childKey{"Service", d.service()}] = true
 		}
 	}
 	for _, ps := range scale.scales {
@@ -73,7 +76,7 @@ type removal struct {
 }
 
 // unused are the snapshot's children outside keep, grouped as they are reported: a drained
-// KV revision's Deployments and Services in one event, the domain Services in one, each other
+// KV revision's pod sets and Services in one event, the domain Services in one, each other
 // child in its own, saying why the spec no longer asks for it.
 func unused(pdc *v1alpha1.PDCluster, s *snapshot, keep map[childKey]bool, revs engineRevisions) []removal {
 	gone := func(o client.Object) bool { return !keep[keyOf(o)] }
@@ -85,11 +88,11 @@ func unused(pdc *v1alpha1.PDCluster, s *snapshot, keep map[childKey]bool, revs e
 		}
 		var objs []client.Object
 		var names []string
-		for _, d := range o.deps() {
-			objs = append(objs, d)
-			names = append(names, d.Name)
-			claimed[keyOf(d)] = true
-			if svc := s.service(d.Name); svc != nil && gone(svc) {
+		for _, d := range o.sets() {
+			objs = append(objs, d.Object)
+			names = append(names, d.GetName())
+			claimed[keyOf(d.Object)] = true
+			if svc := s.service(d.service()); svc != nil && gone(svc) {
 				objs = append(objs, svc)
 				claimed[keyOf(svc)] = true
 			}

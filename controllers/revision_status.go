@@ -6,11 +6,9 @@ import (
 	"slices"
 	"strings"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -52,10 +50,10 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs, poolsRead
 			pods.Ready++
 		}
 	}
-	// What each revision's Deployments ask (one that has no pod yet is listed too).
+	// The pods each revision's sets ask (one that has no pod yet is listed too).
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		for _, d := range in.obs.engineDeployments(role) {
-			poolOf(d.Spec.Template.Labels[v1alpha1.LabelKVRevision], role).Desired += ptr.Deref(d.Spec.Replicas, 1)
+		for _, d := range in.obs.engineSets(role) {
+			poolOf(d.revision(), role).Desired += d.wants() * d.podsPerReplica()
 		}
 	}
 	old := slices.DeleteFunc(slices.Sorted(maps.Keys(byRev)), func(r string) bool { return r == update })
@@ -122,8 +120,8 @@ func revisionStatus(status *v1alpha1.PDClusterStatus, in statusInputs, poolsRead
 // appliedRevision is the KV revision on the engine pod templates render produced.
 func appliedRevision(applied []render.Object) string {
 	for _, o := range applied {
-		if dep, ok := o.(*appsv1.Deployment); ok {
-			if rev := dep.Spec.Template.Labels[v1alpha1.LabelKVRevision]; rev != "" {
+		if set, ok := asPodSet(o); ok {
+			if rev := set.revision(); rev != "" {
 				return rev
 			}
 		}

@@ -210,9 +210,9 @@ func TestRevisionsInStatus(t *testing.T) {
 		d.Spec.Template.Labels = map[string]string{v1alpha1.LabelKVRevision: rev}
 		return d
 	}
-	in.obs.deployments = map[v1alpha1.Role]*appsv1.Deployment{v1alpha1.RolePrefill: engineDep("b-new", 1), v1alpha1.RoleDecode: engineDep("b-new", 2)}
-	in.obs.olderDeployments = map[v1alpha1.Role][]*appsv1.Deployment{
-		v1alpha1.RolePrefill: {engineDep("c-old", 2)}, v1alpha1.RoleDecode: {engineDep("c-old", 1)},
+	in.obs.sets = map[v1alpha1.Role]*podSet{v1alpha1.RolePrefill: {engineDep("b-new", 1)}, v1alpha1.RoleDecode: {engineDep("b-new", 2)}}
+	in.obs.olderSets = map[v1alpha1.Role][]*podSet{
+		v1alpha1.RolePrefill: {{engineDep("c-old", 2)}}, v1alpha1.RoleDecode: {{engineDep("c-old", 1)}},
 	}
 	revisionStatus(status, in, false)
 	want := []v1alpha1.RevisionStatus{

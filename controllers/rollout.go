@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -20,27 +21,28 @@ import (
 	"pdcluster.dev/pdcluster-operator/internal/scaling"
 )
 
-// engineRevision is one KV revision's engine Deployments, as observed.
+// engineRevision is one KV revision's engine pod sets (Deployments, or LeaderWorkerSets for a
+// pool whose replicas span pods), as observed.
 type engineRevision struct {
 	revision string
-	// pinned: the Deployments' selectors name the revision. Ones made before revisions had
-	// Deployments of their own select every revision's pods, so they can only be rolled away
-	// from, even to the revision their pods carry.
+	// pinned: the sets run this revision's pods only (podSet.pinned). Deployments made before
+	// revisions had Deployments of their own select every revision's pods, so they can only be
+	// rolled away from, even to the revision their pods carry.
 	pinned  bool
-	prefill *appsv1.Deployment
-	decode  *appsv1.Deployment
+	prefill *podSet
+	decode  *podSet
 }
 
-func (e *engineRevision) dep(role v1alpha1.Role) *appsv1.Deployment {
+func (e *engineRevision) set(role v1alpha1.Role) *podSet {
 	if role == v1alpha1.RolePrefill {
 		return e.prefill
 	}
 	return e.decode
 }
 
-func (e *engineRevision) deps() []*appsv1.Deployment {
-	var out []*appsv1.Deployment
-	for _, d := range []*appsv1.Deployment{e.prefill, e.decode} {
+func (e *engineRevision) sets() []*podSet {
+	var out []*podSet
+	for _, d := range []*podSet{e.prefill, e.decode} {
 		if d != nil {
 			out = append(out, d)
 		}
@@ -48,55 +50,55 @@ func (e *engineRevision) deps() []*appsv1.Deployment {
 	return out
 }
 
-// base: the revision's Deployments hold the pools' base names (<pdc>-<pool>).
+// base: the revision's Services hold the pools' base names (<pdc>-<pool>).
 func (e *engineRevision) base(pdc string) bool {
-	return slices.ContainsFunc(e.deps(), func(d *appsv1.Deployment) bool {
-		return d.Name == render.ObjectName(pdc, v1alpha1.Role(d.Labels[v1alpha1.LabelRole]))
+	return slices.ContainsFunc(e.sets(), func(d *podSet) bool {
+		return d.service() == render.ObjectName(pdc, d.role())
 	})
 }
 
-// counts are what the revision's Deployments ask and have ready. Ready is available: ready
-// for the Deployment's minReadySeconds (render.EngineMinReadySeconds), long enough for every
-// router to have found the pod, so an older revision's pod goes only once the routers can send
-// its clients elsewhere.
+// counts are what the revision's sets ask and have ready. Ready is available: ready for the
+// Deployment's minReadySeconds (render.EngineMinReadySeconds), long enough for every router to
+// have found the pod, so an older revision's pod goes only once the routers can send its
+// clients elsewhere.
 func (e *engineRevision) counts() rollout.Revision {
 	rev := rollout.Revision{Name: e.revision}
 	if d := e.prefill; d != nil {
-		rev.Replicas.Prefill, rev.Ready.Prefill = ptr.Deref(d.Spec.Replicas, 1), d.Status.AvailableReplicas
+		rev.Replicas.Prefill, rev.Ready.Prefill = d.wants(), d.counts().available
 	}
 	if d := e.decode; d != nil {
-		rev.Replicas.Decode, rev.Ready.Decode = ptr.Deref(d.Spec.Replicas, 1), d.Status.AvailableReplicas
+		rev.Replicas.Decode, rev.Ready.Decode = d.wants(), d.counts().available
 	}
 	return rev
 }
 
-// drained: the revision's Deployments ask for no pod and run none. Pods still terminating
-// finish their drain after the Deployment goes: deleting an owner does not shorten a
-// terminating pod's grace period.
+// drained: the revision's sets ask for no pod and run none. Pods still terminating finish
+// their drain after their set goes: deleting an owner does not shorten a terminating pod's
+// grace period.
 func (e *engineRevision) drained() bool {
-	for _, d := range e.deps() {
-		if ptr.Deref(d.Spec.Replicas, 1) != 0 || d.Status.Replicas != 0 || d.Status.ObservedGeneration < d.Generation {
+	for _, d := range e.sets() {
+		if c := d.counts(); c.wants != 0 || c.replicas != 0 || !c.current {
 			return false
 		}
 	}
 	return true
 }
 
-// hosts are the revision's Services (each named like its Deployment) for router.json.
+// hosts are the revision's Services for router.json.
 func (e *engineRevision) hosts(namespace string) routerconfig.RevisionHosts {
 	h := routerconfig.RevisionHosts{Revision: cmp.Or(e.revision, render.UnlabelledRevision)}
 	if e.prefill != nil {
-		h.PrefillHost = render.ServiceHost(namespace, e.prefill.Name)
-		h.PrefillDataParallel = render.DataParallelOf(e.prefill)
+		h.PrefillHost = render.ServiceHost(namespace, e.prefill.service())
+		h.PrefillDataParallel = e.prefill.dataParallel()
 	}
 	if e.decode != nil {
-		h.DecodeHost = render.ServiceHost(namespace, e.decode.Name)
+		h.DecodeHost = render.ServiceHost(namespace, e.decode.service())
 	}
 	return h
 }
 
-// engineRevisions are the PDCluster's engine Deployments by KV revision: the update
-// revision's (nil when it has none yet) and the older ones, oldest first.
+// engineRevisions are the PDCluster's engine pod sets by KV revision: the update revision's
+// (nil when it has none yet) and the older ones, oldest first.
 type engineRevisions struct {
 	update *engineRevision
 	old    []*engineRevision
@@ -104,37 +106,35 @@ type engineRevisions struct {
 	router *appsv1.Deployment
 }
 
-// running is what role's Deployment of the newest revision asks (the update revision's, else
-// the newest older one's); nil when role has none.
+// running is what role's set of the newest revision asks (the update revision's, else the
+// newest older one's); nil when role has none.
 func (e engineRevisions) running(role v1alpha1.Role) *int32 {
-	if e.update != nil && e.update.dep(role) != nil {
-		return e.update.dep(role).Spec.Replicas
+	if e.update != nil && e.update.set(role) != nil {
+		return ptr.To(e.update.set(role).wants())
 	}
 	for _, rev := range slices.Backward(e.old) {
-		if d := rev.dep(role); d != nil {
-			return d.Spec.Replicas
+		if d := rev.set(role); d != nil {
+			return ptr.To(d.wants())
 		}
 	}
 	return nil
 }
 
-// revisionsOf groups the snapshot's Deployments (the PDCluster's, oldest first) by KV
-// revision; update is the revision render gives the engines now. The groups point at the
-// snapshot's Deployments: what act writes to them, the snapshot sees.
-func revisionsOf(pdc *v1alpha1.PDCluster, deps []*appsv1.Deployment, update string) engineRevisions {
+// revisionsOf groups the snapshot's engine pod sets (the PDCluster's, oldest first) by KV
+// revision, and finds the router's Deployment among deps; update is the revision render gives
+// the engines now. The groups point at the snapshot's objects: what act writes to them, the
+// snapshot sees.
+func revisionsOf(pdc *v1alpha1.PDCluster, deps []*appsv1.Deployment, groups []*lwsv1.LeaderWorkerSet, update string) engineRevisions {
 	var all []*engineRevision
 	var router *appsv1.Deployment
 	for _, d := range deps {
-		role := v1alpha1.Role(d.Labels[v1alpha1.LabelRole])
-		if role == v1alpha1.RoleRouter && d.Name == render.ObjectName(pdc.Name, role) {
+		if role := v1alpha1.Role(d.Labels[v1alpha1.LabelRole]); role == v1alpha1.RoleRouter && d.Name == render.ObjectName(pdc.Name, role) {
 			router = d
 		}
-		if role != v1alpha1.RolePrefill && role != v1alpha1.RoleDecode {
-			continue
-		}
-		rev := d.Spec.Template.Labels[v1alpha1.LabelKVRevision]
-		pinned := d.Spec.Selector != nil && d.Spec.Selector.MatchLabels[v1alpha1.LabelKVRevision] == rev && rev != ""
-		i := slices.IndexFunc(all, func(e *engineRevision) bool { return e.revision == rev && e.pinned == pinned && e.dep(role) == nil })
+	}
+	for _, d := range enginePodSets(deps, groups) {
+		role, rev, pinned := d.role(), d.revision(), d.pinned()
+		i := slices.IndexFunc(all, func(e *engineRevision) bool { return e.revision == rev && e.pinned == pinned && e.set(role) == nil })
 		if i < 0 {
 			all = append(all, &engineRevision{revision: rev, pinned: pinned})
 			i = len(all) - 1
@@ -228,7 +228,7 @@ func (e engineRevisions) routerCurrent(rendered *appsv1.Deployment) bool {
 	return st.ObservedGeneration >= observed.Generation && st.UpdatedReplicas == want && st.Replicas == want && st.AvailableReplicas == want
 }
 
-// stepOldRevisions scales the older revisions' Deployments to the step and pins a Service that
+// stepOldRevisions scales the older revisions' pod sets to the step and pins a Service that
 // still selects every revision to its own; the drained revisions are prune's. It returns the
 // events of what it did.
 func (r *PDClusterReconciler) stepOldRevisions(ctx context.Context, s *snapshot, revs engineRevisions, step rolloutStep) ([]event, error) {
@@ -240,27 +240,27 @@ func (r *PDClusterReconciler) stepOldRevisions(ctx context.Context, s *snapshot,
 		name := cmp.Or(o.revision, render.UnlabelledRevision)
 		var moved []string
 		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-			d := o.dep(role)
+			d := o.set(role)
 			if d == nil {
 				continue
 			}
-			if err := r.pinService(ctx, s.service(d.Name), o.revision); err != nil {
+			if err := r.pinService(ctx, s.service(d.service()), o.revision); err != nil {
 				return events, err
 			}
 			want := step.old[i].Prefill
 			if role == v1alpha1.RoleDecode {
 				want = step.old[i].Decode
 			}
-			have := ptr.Deref(d.Spec.Replicas, 1)
+			have := d.wants()
 			if have == want {
 				continue
 			}
-			patch := client.MergeFrom(d.DeepCopy())
-			d.Spec.Replicas = ptr.To(want)
-			if err := r.Patch(ctx, d, patch); err != nil {
-				return events, &readyError{v1alpha1.ReasonApplyFailed, "Scale", fmt.Sprintf("scale Deployment %s to %d: %v", d.Name, want, err), fmt.Errorf("scale %s: %w", d.Name, err)}
+			patch := client.MergeFrom(d.DeepCopyObject().(client.Object))
+			d.setWants(want)
+			if err := r.Patch(ctx, d.Object, patch); err != nil {
+				return events, &readyError{v1alpha1.ReasonApplyFailed, "Scale", fmt.Sprintf("scale %s %s to %d: %v", kindOf(d.Object), d.GetName(), want, err), fmt.Errorf("scale %s: %w", d.GetName(), err)}
 			}
-			moved = append(moved, fmt.Sprintf("%s %s %d -> %d", role, d.Name, have, want))
+			moved = append(moved, fmt.Sprintf("%s %s %d -> %d", role, d.GetName(), have, want))
 		}
 		if len(moved) > 0 {
 			events = append(events, event{corev1.EventTypeNormal, v1alpha1.ReasonKVRevisionRollingOut, "Scale",

@@ -11,8 +11,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -32,11 +34,14 @@ type snapshot struct {
 	topo topology
 
 	deployments []*appsv1.Deployment
-	services    []*corev1.Service
-	configMaps  []*corev1.ConfigMap
-	budgets     []*policyv1.PodDisruptionBudget
-	policies    []*networkingv1.NetworkPolicy
-	poolScales  []*v1alpha1.PoolScale
+	// groupSets are the LeaderWorkerSets of the pools whose replicas span pods (listed when
+	// the cluster serves the kind).
+	groupSets  []*lwsv1.LeaderWorkerSet
+	services   []*corev1.Service
+	configMaps []*corev1.ConfigMap
+	budgets    []*policyv1.PodDisruptionBudget
+	policies   []*networkingv1.NetworkPolicy
+	poolScales []*v1alpha1.PoolScale
 
 	// pods are the PDCluster's pods, every role (they belong to ReplicaSets: by label);
 	// podsErr says why they are unknown, which leaves the children's reconcile going.
@@ -52,7 +57,7 @@ type snapshot struct {
 	// pairs are the routers' pair counts summed (pairing), or nil.
 	pairs *routerconfig.PairCounts
 	// lwsServed says whether the cluster serves LeaderWorkerSet; lwsErr why that is unknown.
-	// Looked up only for a PDCluster with a multi-node pool.
+	// Looked up for a PDCluster with a multi-node pool, unless the manager watches the kind.
 	lwsServed bool
 	lwsErr    error
 }
@@ -96,6 +101,23 @@ func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1
 	s.budgets = controlled(pdc, pdbs.Items)
 	s.policies = controlled(pdc, nps.Items)
 	s.poolScales = controlled(pdc, scales.Items)
+	if s.lwsServed {
+		var groups lwsv1.LeaderWorkerSetList
+		opts := mine
+		if !r.groupSetsWatched {
+			// Served since the manager started: no index for them (a lazily started informer).
+			opts = []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
+		}
+		switch err := r.List(ctx, &groups, opts...); {
+		case meta.IsNoMatchError(err):
+			// Uninstalled since: none to keep (and a multi-node pool is refused again).
+			r.groupSetsServed.Store(false)
+			s.lwsServed = false
+		case err != nil:
+			return s, fmt.Errorf("list leaderworkersets: %w", err)
+		}
+		s.groupSets = controlled(pdc, groups.Items)
+	}
 	if err := r.List(ctx, &podsList, mine...); err != nil {
 		s.podsErr = fmt.Errorf("list pods: %w", err)
 		return s, nil
@@ -139,6 +161,7 @@ func controlled[T any, PT interface {
 func (s *snapshot) children() []client.Object {
 	var out []client.Object
 	out = appendObjects(out, s.deployments)
+	out = appendObjects(out, s.groupSets)
 	out = appendObjects(out, s.services)
 	out = appendObjects(out, s.configMaps)
 	out = appendObjects(out, s.budgets)
@@ -173,24 +196,37 @@ func (s *snapshot) poolScale(name string) *v1alpha1.PoolScale {
 	return nil
 }
 
-// wrote keeps the snapshot's Deployments current with what act wrote: answer is a Deployment
-// as the API server answered an apply.
-func (s *snapshot) wrote(answer *appsv1.Deployment) {
-	for i, d := range s.deployments {
-		if d != nil && d.Name == answer.Name {
-			s.deployments[i] = answer
-			return
-		}
+// wrote keeps the snapshot's pod sets current with what act wrote: answer is an object as the
+// API server answered an apply (only Deployments and LeaderWorkerSets are kept).
+func (s *snapshot) wrote(answer client.Object) {
+	switch x := answer.(type) {
+	case *appsv1.Deployment:
+		s.deployments = replaced(s.deployments, x)
+	case *lwsv1.LeaderWorkerSet:
+		s.groupSets = replaced(s.groupSets, x)
 	}
-	s.deployments = append(s.deployments, answer)
 }
 
-// deleted drops what act deleted from the snapshot's Deployments.
-func (s *snapshot) deleted(obj client.Object) {
-	if _, ok := obj.(*appsv1.Deployment); !ok {
-		return
+// replaced is items with the one named like answer replaced by it, or answer added.
+func replaced[T client.Object](items []T, answer T) []T {
+	for i, d := range items {
+		if d.GetName() == answer.GetName() {
+			items[i] = answer
+			return items
+		}
 	}
-	s.deployments = slices.DeleteFunc(s.deployments, func(d *appsv1.Deployment) bool { return d.Name == obj.GetName() })
+	return append(items, answer)
+}
+
+// deleted drops what act deleted from the snapshot's pod sets.
+func (s *snapshot) deleted(obj client.Object) {
+	named := func(o client.Object) bool { return o.GetName() == obj.GetName() }
+	switch obj.(type) {
+	case *appsv1.Deployment:
+		s.deployments = slices.DeleteFunc(s.deployments, func(d *appsv1.Deployment) bool { return named(d) })
+	case *lwsv1.LeaderWorkerSet:
+		s.groupSets = slices.DeleteFunc(s.groupSets, func(d *lwsv1.LeaderWorkerSet) bool { return named(d) })
+	}
 }
 
 // childIndex is the cache's index of the PDClusters' children and pods by the PDCluster their
@@ -203,9 +239,14 @@ func indexedKinds() []client.Object {
 		&networkingv1.NetworkPolicy{}, &v1alpha1.PoolScale{}, &corev1.Pod{}}
 }
 
-// indexChildren adds childIndex to the cache for every kind the snapshot lists.
-func indexChildren(ctx context.Context, indexer client.FieldIndexer) error {
-	for _, obj := range indexedKinds() {
+// indexChildren adds childIndex to the cache for every kind the snapshot lists (groupSets:
+// LeaderWorkerSets too).
+func indexChildren(ctx context.Context, indexer client.FieldIndexer, groupSets bool) error {
+	kinds := indexedKinds()
+	if groupSets {
+		kinds = append(kinds, &lwsv1.LeaderWorkerSet{})
+	}
+	for _, obj := range kinds {
 		err := indexer.IndexField(ctx, obj, childIndex, func(o client.Object) []string {
 			if c := o.GetLabels()[v1alpha1.LabelCluster]; c != "" {
 				return []string{c}

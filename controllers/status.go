@@ -11,11 +11,9 @@ import (
 	"strings"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -153,7 +151,7 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 	// scaled from 2 to 3 would read "2/2", ready).
 	desired := map[string]client.Object{}
 	for _, o := range in.applied {
-		if _, ok := o.(*appsv1.Deployment); ok {
+		if _, ok := asPodSet(o); ok {
 			desired[o.GetName()] = o
 		}
 	}
@@ -167,7 +165,7 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 			*c.out = ps
 			continue
 		}
-		dep, older := in.obs.deployments[c.role], in.obs.olderDeployments[c.role]
+		dep, older := in.obs.sets[c.role], in.obs.olderSets[c.role]
 		if dep == nil && len(older) == 0 {
 			*c.out = v1alpha1.PoolStatus{ConnectorRestarts: ps.ConnectorRestarts, Gate: ps.Gate}
 			setCondition(status, pdc, c.condition, metav1.ConditionFalse, v1alpha1.ReasonDeploymentAbsent, fmt.Sprintf("Deployment %s not found", render.ObjectName(pdc.Name, c.role)))
@@ -176,7 +174,7 @@ func poolStatuses(status *v1alpha1.PDClusterStatus, in statusInputs, gates gateC
 		}
 		counts, condStatus, reason, msg := poolStatus(withOlder(dep, older))
 		if dep != nil {
-			if want, ok := desired[dep.Name]; ok && !upToDate(want, dep) {
+			if want, ok := desired[dep.GetName()]; ok && !upToDate(want, dep.Object) {
 				condStatus, reason, msg = metav1.ConditionFalse, v1alpha1.ReasonRollingOut, "applying the new spec"
 			}
 		}
@@ -301,27 +299,27 @@ func poolProblemEvents(before []metav1.Condition, after *v1alpha1.PDClusterStatu
 
 // poolStatus summarises a Deployment: ready only when every desired replica is ready and runs
 // the current template.
-func poolStatus(dep *appsv1.Deployment) (v1alpha1.PoolStatus, metav1.ConditionStatus, string, string) {
-	desired := ptr.Deref(dep.Spec.Replicas, 1)
+func poolStatus(c podCounts) (v1alpha1.PoolStatus, metav1.ConditionStatus, string, string) {
+	desired := c.wants
 	ps := v1alpha1.PoolStatus{
 		Replicas:        desired,
-		ReadyReplicas:   dep.Status.ReadyReplicas,
-		UpdatedReplicas: dep.Status.UpdatedReplicas,
-		Ready:           fmt.Sprintf("%d/%d", dep.Status.ReadyReplicas, desired),
+		ReadyReplicas:   c.ready,
+		UpdatedReplicas: c.updated,
+		Ready:           fmt.Sprintf("%d/%d", c.ready, desired),
 	}
 	switch {
 	case desired == 0:
 		return ps, metav1.ConditionTrue, v1alpha1.ReasonScaledToZero, "scaled to zero replicas"
-	case dep.Status.ObservedGeneration < dep.Generation || dep.Status.UpdatedReplicas < desired:
-		return ps, metav1.ConditionFalse, v1alpha1.ReasonRollingOut, fmt.Sprintf("%d/%d replicas updated", dep.Status.UpdatedReplicas, desired)
-	case dep.Status.Replicas > dep.Status.UpdatedReplicas:
+	case !c.current || c.updated < desired:
+		return ps, metav1.ConditionFalse, v1alpha1.ReasonRollingOut, fmt.Sprintf("%d/%d replicas updated", c.updated, desired)
+	case c.replicas > c.updated:
 		// readyReplicas counts the old pods too: until they are gone, a new pod that is not
 		// ready yet hides behind an old one that is.
-		return ps, metav1.ConditionFalse, v1alpha1.ReasonRollingOut, fmt.Sprintf("%d old replicas still running", dep.Status.Replicas-dep.Status.UpdatedReplicas)
-	case dep.Status.ReadyReplicas < desired:
-		return ps, metav1.ConditionFalse, v1alpha1.ReasonReplicasNotReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
+		return ps, metav1.ConditionFalse, v1alpha1.ReasonRollingOut, fmt.Sprintf("%d old replicas still running", c.replicas-c.updated)
+	case c.ready < desired:
+		return ps, metav1.ConditionFalse, v1alpha1.ReasonReplicasNotReady, fmt.Sprintf("%d/%d replicas ready", c.ready, desired)
 	}
-	return ps, metav1.ConditionTrue, v1alpha1.ReasonReplicasReady, fmt.Sprintf("%d/%d replicas ready", dep.Status.ReadyReplicas, desired)
+	return ps, metav1.ConditionTrue, v1alpha1.ReasonReplicasReady, fmt.Sprintf("%d/%d replicas ready", c.ready, desired)
 }
 
 func setCondition(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, typ string, s metav1.ConditionStatus, reason, msg string) {

@@ -299,7 +299,7 @@ func TestPoolStatusFromDeploymentCounts(t *testing.T) {
 				Spec:       appsv1.DeploymentSpec{Replicas: ptr.To(tc.want)},
 				Status:     appsv1.DeploymentStatus{ObservedGeneration: tc.observed, Replicas: tc.replicas, UpdatedReplicas: tc.updated, ReadyReplicas: tc.ready},
 			}
-			if _, _, reason, msg := poolStatus(dep); reason != tc.reason {
+			if _, _, reason, msg := poolStatus((&podSet{dep}).counts()); reason != tc.reason {
 				t.Errorf("reason = %s (%s), want %s", reason, msg, tc.reason)
 			}
 		})
@@ -316,8 +316,8 @@ func TestComputeStatus(t *testing.T) {
 			Status:     appsv1.DeploymentStatus{ObservedGeneration: 1, Replicas: replicas, UpdatedReplicas: replicas, ReadyReplicas: replicas},
 		}
 	}
-	allReady := map[v1alpha1.Role]*appsv1.Deployment{
-		v1alpha1.RolePrefill: readyDep(v1alpha1.RolePrefill, 1), v1alpha1.RoleDecode: readyDep(v1alpha1.RoleDecode, 2), v1alpha1.RoleRouter: readyDep(v1alpha1.RoleRouter, 1),
+	allReady := map[v1alpha1.Role]*podSet{
+		v1alpha1.RolePrefill: {readyDep(v1alpha1.RolePrefill, 1)}, v1alpha1.RoleDecode: {readyDep(v1alpha1.RoleDecode, 2)}, v1alpha1.RoleRouter: {readyDep(v1alpha1.RoleRouter, 1)},
 	}
 	// prev is a PDCluster that was ready, with one decode restart counted and gate counts.
 	prev := func() *v1alpha1.PDCluster {
@@ -363,7 +363,7 @@ func TestComputeStatus(t *testing.T) {
 		{
 			name: "gate counts of the pool's answering pods, a restarted pod's left out",
 			in: func(p *v1alpha1.PDCluster) statusInputs {
-				return statusInputs{pdc: p, now: start, health: restartedD0, obs: observed{deployments: allReady, gatesRead: true, gates: []gateRead{
+				return statusInputs{pdc: p, now: start, health: restartedD0, obs: observed{sets: allReady, gatesRead: true, gates: []gateRead{
 					{v1alpha1.RoleDecode, decodePod("d-0"), loaded(100, 100, 100), start},
 					{v1alpha1.RoleDecode, decodePod("d-1"), loaded(1, 2, 3), start},
 				}}}
@@ -376,7 +376,7 @@ func TestComputeStatus(t *testing.T) {
 		{
 			name: "KV not verified: a condition and a Warning, Ready untouched",
 			in: func(p *v1alpha1.PDCluster) statusInputs {
-				return statusInputs{pdc: p, now: start, obs: observed{deployments: allReady}, kv: recomputing}
+				return statusInputs{pdc: p, now: start, obs: observed{sets: allReady}, kv: recomputing}
 			},
 			wantDecode: v1alpha1.PoolStatus{Replicas: 2, ReadyReplicas: 2, UpdatedReplicas: 2, Ready: "2/2", ConnectorRestarts: 1},
 			wantReady:  v1alpha1.ReasonAllReady,
@@ -387,7 +387,7 @@ func TestComputeStatus(t *testing.T) {
 			in: func(p *v1alpha1.PDCluster) statusInputs {
 				q := p.DeepCopy() // the spec of this case; computeStatus must not change its input
 				q.Spec.KVTransfer.Verification.RequiredForReady = true
-				return statusInputs{pdc: q, now: start, obs: observed{deployments: allReady}, kv: recomputing}
+				return statusInputs{pdc: q, now: start, obs: observed{sets: allReady}, kv: recomputing}
 			},
 			wantDecode: v1alpha1.PoolStatus{Replicas: 2, ReadyReplicas: 2, UpdatedReplicas: 2, Ready: "2/2", ConnectorRestarts: 1},
 			wantReady:  v1alpha1.ReasonDecodeRecomputing,
@@ -398,7 +398,7 @@ func TestComputeStatus(t *testing.T) {
 			in: func(p *v1alpha1.PDCluster) statusInputs {
 				scale := &scaleDecision{requested: map[v1alpha1.Role]int32{v1alpha1.RolePrefill: 1, v1alpha1.RoleDecode: 5},
 					effective: scaling.Effective{Prefill: 1, Decode: 2, Why: scaling.AsRequested}}
-				return statusInputs{pdc: p, now: start, obs: observed{deployments: allReady}, scale: scale}
+				return statusInputs{pdc: p, now: start, obs: observed{sets: allReady}, scale: scale}
 			},
 			wantDecode: v1alpha1.PoolStatus{Replicas: 2, ReadyReplicas: 2, UpdatedReplicas: 2, Ready: "2/2", ConnectorRestarts: 1, RequestedReplicas: ptr.To[int32](5)},
 			wantReady:  v1alpha1.ReasonAllReady,
@@ -406,8 +406,8 @@ func TestComputeStatus(t *testing.T) {
 		{
 			name: "the decode Deployment gone: counts cleared, restarts kept, Degraded",
 			in: func(p *v1alpha1.PDCluster) statusInputs {
-				deps := map[v1alpha1.Role]*appsv1.Deployment{v1alpha1.RolePrefill: allReady[v1alpha1.RolePrefill], v1alpha1.RoleRouter: allReady[v1alpha1.RoleRouter]}
-				return statusInputs{pdc: p, now: start, obs: observed{deployments: deps}}
+				deps := map[v1alpha1.Role]*podSet{v1alpha1.RolePrefill: allReady[v1alpha1.RolePrefill], v1alpha1.RoleRouter: allReady[v1alpha1.RoleRouter]}
+				return statusInputs{pdc: p, now: start, obs: observed{sets: deps}}
 			},
 			wantDecode: v1alpha1.PoolStatus{ConnectorRestarts: 1},
 			wantReady:  v1alpha1.ReasonNotReady,

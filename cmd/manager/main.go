@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/controllers"
@@ -98,6 +99,10 @@ func main() {
 	}
 	if err := v1alpha1.AddToScheme(scheme); err != nil {
 		setupLog.Error(err, "register PDCluster types")
+		os.Exit(1)
+	}
+	if err := lwsv1.AddToScheme(scheme); err != nil {
+		setupLog.Error(err, "register LeaderWorkerSet types")
 		os.Exit(1)
 	}
 

@@ -101,11 +101,11 @@ func routerConfigMap(pdc *v1alpha1.PDCluster, serving Serving, rev string) (*cor
 	}, nil
 }
 
-// DataParallelOf is the data-parallel size a rendered engine Deployment runs (its engine's
+// DataParallelOf is the data-parallel size a rendered engine pod runs (its engine's
 // --data-parallel-size; 0 when it has none, as vLLM's default of one rank): router.json
-// names an older revision's from its Deployment.
-func DataParallelOf(d *appsv1.Deployment) int32 {
-	for _, c := range d.Spec.Template.Spec.Containers {
+// names an older revision's from its Deployment's or LeaderWorkerSet's pods.
+func DataParallelOf(pod *corev1.PodSpec) int32 {
+	for _, c := range pod.Containers {
 		if c.Name != v1alpha1.EngineContainerName {
 			continue
 		}

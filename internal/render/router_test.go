@@ -195,7 +195,7 @@ func TestRouterKnowsThePrefillDataParallelRanks(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := render.DataParallelOf(dep); got != want {
+		if got := render.DataParallelOf(&dep.Spec.Template.Spec); got != want {
 			t.Errorf("data %d: DataParallelOf(the prefill Deployment) = %d, want %d", data, got, want)
 		}
 	}

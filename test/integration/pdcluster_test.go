@@ -35,6 +35,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/controllers"
@@ -69,6 +70,7 @@ func TestMain(m *testing.M) {
 	}
 	_ = clientgoscheme.AddToScheme(scheme)
 	_ = v1alpha1.AddToScheme(scheme)
+	_ = lwsv1.AddToScheme(scheme)
 	testEnv = &envtest.Environment{
 		CRDDirectoryPaths: []string{
 			filepath.Join("..", "..", "config", "crd", "bases", "serving.pdcluster.dev_pdclusters.yaml"),
@@ -91,6 +93,7 @@ func TestMain(m *testing.M) {
 	if err := testEnv.Stop(); err != nil {
 		fmt.Fprintln(os.Stderr, "stop envtest:", err)
 	}
+	stopGroupSetEnv()
 	os.Exit(code)
 }
 
@@ -104,6 +107,12 @@ type fixture struct {
 }
 
 func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	return newFixtureOn(t, cfg)
+}
+
+// newFixtureOn is a fixture on the API server at cfg.
+func newFixtureOn(t *testing.T, cfg *rest.Config) *fixture {
 	t.Helper()
 	c, err := client.New(cfg, client.Options{Scheme: scheme})
 	if err != nil {
