@@ -57,6 +57,8 @@ BUILD_TAGS=no_btrfs,no_devmapper,no_zfs build_module node node \
 
 # The real node's NetworkPolicy implementation (hack/netpol/install.yaml).
 build_module netpol kube-network-policies sigs.k8s.io/kube-network-policies/cmd
+# LeaderWorkerSet's controller, for the real node (hack/local-node.sh lws).
+build_module lws lws sigs.k8s.io/lws/cmd
 
 install_tool() { # binary module@version
 	local name="$1" mod="$2"

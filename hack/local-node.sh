@@ -3,6 +3,7 @@
 #   hack/local-node.sh up KUBECONFIG   # registry, containerd, kubelet, kube-proxy, CoreDNS
 #   hack/local-node.sh images          # builds the binaries and pushes the images to the registry
 #   hack/local-node.sh netpol KUBECONFIG  # the NetworkPolicy implementation (after images)
+#   hack/local-node.sh lws KUBECONFIG     # LeaderWorkerSet, by its own chart (after images)
 #   hack/local-node.sh down
 #
 # kubelet and kube-proxy come from the same k8s.io/kubernetes module as the control plane,
@@ -226,7 +227,26 @@ images() {
 		vllm-sim=bin/vllm@root \
 		pause=bin/pause:/pause \
 		netprobe=bin/netprobe \
-		kube-network-policies="${bin}/kube-network-policies:/kube-network-policies@root") >&2
+		kube-network-policies="${bin}/kube-network-policies:/kube-network-policies@root" \
+		lws="${bin}/lws:/manager") >&2
+}
+
+# lws installs LeaderWorkerSet (its CRDs, its controller and its webhooks, which inject the
+# group's variables into its pods) by the Helm chart of the sigs.k8s.io/lws module the operator
+# builds with, its controller from the image built here (hack/lws), on this node. Its webhook
+# certificates are its own (internal cert management); the API server reaches its webhook
+# Service through kube-proxy on this machine.
+lws() {
+	local kc=(--kubeconfig "$1") chart
+	chart="$(cd "${root}" && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)/charts/lws"
+	HELM_CACHE_HOME="${cluster}/helm/cache" HELM_CONFIG_HOME="${cluster}/helm/config" HELM_DATA_HOME="${cluster}/helm/data" \
+		helm "${kc[@]}" upgrade --install lws "${chart}" --namespace lws-system --create-namespace \
+		--set "image.manager.repository=${registry}/pdcluster/lws" --set "image.manager.tag=$(app_version)" \
+		--set image.manager.pullPolicy=IfNotPresent \
+		--set resources.requests.cpu=20m --set resources.requests.memory=64Mi \
+		--set-string 'nodeSelector.pdcluster\.dev/real-node=true' \
+		--wait --timeout 3m >&2
+	log "lws: LeaderWorkerSet $(kubectl "${kc[@]}" get crd leaderworkersets.leaderworkerset.x-k8s.io -o jsonpath='{.spec.versions[0].name}') served, its controller running in lws-system"
 }
 
 # knp_chain holds the rules that hand new pod connections to kube-network-policies' NFQUEUE.
@@ -296,6 +316,7 @@ case "${1:-}" in
 up) up "${2:?usage: $0 up KUBECONFIG}" ;;
 images) images ;;
 netpol) netpol "${2:?usage: $0 netpol KUBECONFIG}" ;;
+lws) lws "${2:?usage: $0 lws KUBECONFIG}" ;;
 down) down ;;
-*) echo "usage: $0 up KUBECONFIG | images | netpol KUBECONFIG | down" >&2; exit 2 ;;
+*) echo "usage: $0 up KUBECONFIG | images | netpol KUBECONFIG | lws KUBECONFIG | down" >&2; exit 2 ;;
 esac

@@ -76,6 +76,8 @@ up() {
 		# The operator runs as the chart's pod on the real node, from the image built here.
 		"${root}/hack/local-node.sh" images
 		"${root}/hack/local-node.sh" netpol "${kubeconfig}"
+		# Before the operator: it watches LeaderWorkerSets when the cluster serves them at start.
+		"${root}/hack/local-node.sh" lws "${kubeconfig}"
 		helm_install --set "image.repository=${registry}/pdcluster/pdcluster-operator" \
 			--set "routerImage=${registry}/pdcluster/router:${version}" \
 			--set "connectorImage=${registry}/pdcluster/connector:${version}"

@@ -14,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
@@ -66,6 +67,10 @@ type Pod struct {
 	// Revision is the pod's KV revision: a prefill pod is connected only to the decode pods
 	// of its own (the router never pairs across revisions).
 	Revision string
+	// Group is the LeaderWorkerSet group the pod belongs to (its group-key label), for a
+	// replica across pods; empty for a pod that is a replica alone. Restarting one pod of a
+	// group restarts the group (RecreateGroupOnPodRestart).
+	Group string
 	// Ready is the connector container's readiness.
 	Ready bool
 	// StartedAt is when the connector container last started (zero when it is not running).
@@ -86,7 +91,8 @@ func Observe(pod *corev1.Pod) (Pod, bool) {
 		return Pod{}, false
 	}
 	cs := pod.Status.ContainerStatuses[i]
-	p := Pod{Name: pod.Name, UID: pod.UID, Role: role, Revision: pod.Labels[v1alpha1.LabelKVRevision], Ready: cs.Ready, ContainerRestarts: cs.RestartCount}
+	p := Pod{Name: pod.Name, UID: pod.UID, Role: role, Revision: pod.Labels[v1alpha1.LabelKVRevision], Group: pod.Labels[lwsv1.GroupUniqueHashLabelKey],
+		Ready: cs.Ready, ContainerRestarts: cs.RestartCount}
 	if r := cs.State.Running; r != nil {
 		p.StartedAt = r.StartedAt.Time
 	}
@@ -99,7 +105,8 @@ type Decision struct {
 	Unhealthy []Pod
 	// Due are the unhealthy pods past the threshold.
 	Due []Pod
-	// Restart are the pods to restart now: Due, then Cascade. Empty when Blocked.
+	// Restart are the pods to restart now: Due, then Cascade, one per LeaderWorkerSet group
+	// (its first: the group goes with it). Empty when Blocked.
 	Restart []Pod
 	// Cascade are the decode pods restarted because a due prefill pod of their KV revision is
 	// (restartDecodeWithPrefill), the end of Restart.
@@ -205,8 +212,23 @@ func Decide(now time.Time, p Policy, prev v1alpha1.ConnectorStatus, pods []Pod, 
 	default:
 		d.CascadeWithheld = cascade
 	}
+	d.Restart = onePerGroup(d.Restart)
 	wake(p.Threshold())
 	return d
+}
+
+// onePerGroup is pods without a second pod of a group already in it: deleting one pod of a
+// LeaderWorkerSet group recreates all of them, and a delete of each would only race it.
+func onePerGroup(pods []Pod) []Pod {
+	seen := map[string]bool{}
+	return slices.DeleteFunc(pods, func(p Pod) bool {
+		if p.Group == "" {
+			return false
+		}
+		dup := seen[p.Group]
+		seen[p.Group] = true
+		return dup
+	})
 }
 
 // inWindow keeps the rounds younger than window at now (nil for none).

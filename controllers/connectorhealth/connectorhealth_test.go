@@ -9,6 +9,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
@@ -109,6 +110,20 @@ func TestDecide(t *testing.T) {
 			wantRestart: []string{"p-1", "d-0", "d-1"},
 			wantRequeue: 30 * time.Second,
 			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-1", time.Minute))},
+		},
+		{
+			// Groups of two pods (LeaderWorkerSet): one delete restarts each group.
+			name: "a prefill group restart takes the connected decode groups, one pod each",
+			prev: v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-0-0", time.Minute), seen("p-0-1", time.Minute))},
+			pods: []Pod{
+				{Name: "p-0-0", Role: v1alpha1.RolePrefill, Group: "gp0"}, {Name: "p-0-1", Role: v1alpha1.RolePrefill, Group: "gp0"},
+				{Name: "p-1-0", Role: v1alpha1.RolePrefill, Group: "gp1", Ready: true}, {Name: "p-1-1", Role: v1alpha1.RolePrefill, Group: "gp1", Ready: true},
+				{Name: "d-0-0", Role: v1alpha1.RoleDecode, Group: "gd0", Ready: true}, {Name: "d-0-1", Role: v1alpha1.RoleDecode, Group: "gd0", Ready: true},
+				ready("d-x", v1alpha1.RoleDecode),
+			},
+			wantRestart: []string{"p-0-0", "d-0-0", "d-x"},
+			wantRequeue: 30 * time.Second,
+			wantStatus:  v1alpha1.ConnectorStatus{UnhealthyPods: records(seen("p-0-0", time.Minute), seen("p-0-1", time.Minute))},
 		},
 		{
 			name: "a spent cascade budget restarts the prefill pod alone",
@@ -304,6 +319,12 @@ func enginePod(role v1alpha1.Role) *wrappers.PodWrapper {
 	return w
 }
 
+// inGroup labels w as LeaderWorkerSet's pod webhook labels a group's pods.
+func inGroup(w *wrappers.PodWrapper, key string) *wrappers.PodWrapper {
+	w.Labels[lwsv1.GroupUniqueHashLabelKey] = key
+	return w
+}
+
 func TestObserve(t *testing.T) {
 	started := t0.Add(-time.Hour)
 	cases := []struct {
@@ -317,6 +338,8 @@ func TestObserve(t *testing.T) {
 			Pod{Name: "p", UID: "uid-1", Role: v1alpha1.RolePrefill, StartedAt: started, ContainerRestarts: 4}, true},
 		{"restarted connector", enginePod(v1alpha1.RolePrefill).ConnectorUnready(t0.Add(-40 * time.Second)).ConnectorStartedAt(t0.Add(-5 * time.Second)),
 			Pod{Name: "p", UID: "uid-1", Role: v1alpha1.RolePrefill, StartedAt: t0.Add(-5 * time.Second), ContainerRestarts: 4}, true},
+		{"a pod of a LeaderWorkerSet group", inGroup(enginePod(v1alpha1.RoleDecode), "g1"),
+			Pod{Name: "p", UID: "uid-1", Role: v1alpha1.RoleDecode, Group: "g1", Ready: true, StartedAt: started, ContainerRestarts: 4}, true},
 		{"pending pods are not judged", enginePod(v1alpha1.RoleDecode).ConnectorUnready(t0.Add(-time.Hour)).Phase(corev1.PodPending), Pod{}, false},
 		{"terminating pods are not judged", enginePod(v1alpha1.RoleDecode).ConnectorUnready(t0.Add(-time.Hour)).Deleting(t0), Pod{}, false},
 		{"pods without a connector status are not judged", enginePod(v1alpha1.RoleDecode).WithoutConnector(), Pod{}, false},

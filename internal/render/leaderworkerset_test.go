@@ -1,6 +1,8 @@
 package render
 
 import (
+	"os"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -188,5 +190,24 @@ func TestGroupSetName(t *testing.T) {
 	}
 	if GroupSetName(long+"-prefill") == GroupSetName(long+"-prefill-0123456789") {
 		t.Error("two long names give one LeaderWorkerSet name")
+	}
+}
+
+// The LeaderWorkerSet controller the local clusters build (hack/lws) is the release whose API
+// render writes (go.mod): its CRD, webhooks and controller read what render writes.
+func TestLocalClustersRunTheRenderedLeaderWorkerSetRelease(t *testing.T) {
+	version := func(path string) string {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := regexp.MustCompile(`(?m)^\s*(?:require\s+)?sigs\.k8s\.io/lws (v\S+)`).FindSubmatch(b)
+		if m == nil {
+			t.Fatalf("%s requires no sigs.k8s.io/lws", path)
+		}
+		return string(m[1])
+	}
+	if api, controller := version("../../go.mod"), version("../../hack/lws/go.mod"); api != controller {
+		t.Errorf("render writes LeaderWorkerSet %s, the local clusters run %s", api, controller)
 	}
 }

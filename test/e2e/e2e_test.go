@@ -32,6 +32,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -73,6 +74,9 @@ func setup(t *testing.T) *env {
 		t.Fatal(err)
 	}
 	if err := v1alpha1.AddToScheme(scheme); err != nil {
+		t.Fatal(err)
+	}
+	if err := lwsv1.AddToScheme(scheme); err != nil {
 		t.Fatal(err)
 	}
 	c, err := client.New(cfg, client.Options{Scheme: scheme})
