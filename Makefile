@@ -63,7 +63,7 @@ manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC into config/.
 	$(GO) run ./hack/crddesc config/crd/bases/*.yaml
 	@if [ -d controllers ]; then $(CONTROLLER_GEN) rbac:roleName=manager-role paths=./controllers/... output:rbac:artifacts:config=config/rbac; fi
 	cp config/crd/bases/*.yaml charts/pdcluster-operator/crds/
-	cp config/admission/scaling-warnings.yaml charts/pdcluster-operator/files/
+	cp config/admission/scaling-warnings.yaml config/admission/gang-podgroups.yaml charts/pdcluster-operator/files/
 	$(GO) run ./hack/crdschema config/crd/bases/*.yaml
 	{ echo '{{/* Generated from config/rbac/role.yaml by make manifests: do not edit. */}}'; \
 	  echo '{{/* The manager'"'"'s rules, granted cluster-wide or in each of .Values.watchNamespaces (manager-rbac.yaml). */}}'; \

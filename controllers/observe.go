@@ -8,6 +8,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -36,6 +37,11 @@ type observed struct {
 	canary *v1alpha1.CanaryResult
 	// pairs are the routers' pair counts summed (pairing), or nil.
 	pairs *routerconfig.PairCounts
+	// podGroups are the PDCluster's PodGroups (one per replica across pods);
+	// podGroupsServed says whether the cluster serves them, podGroupsErr why that is unknown.
+	podGroups       []*schedulingv1beta1.PodGroup
+	podGroupsServed bool
+	podGroupsErr    error
 }
 
 // gateRead is one engine pod's answer to GET /gate, read at at.
@@ -61,7 +67,8 @@ const gateReads = 16
 // API server answered, and without the ones it deleted), grouped for connector health, KV
 // verification and status; applied are the objects it applied, as rendered.
 func (s *snapshot) observed(applied []render.Object) observed {
-	o := observed{pods: s.pods, podsErr: s.podsErr, gates: s.gates, gatesRead: s.gatesRead, canary: s.canary, pairs: s.pairs}
+	o := observed{pods: s.pods, podsErr: s.podsErr, gates: s.gates, gatesRead: s.gatesRead, canary: s.canary, pairs: s.pairs,
+		podGroups: s.podGroups, podGroupsServed: s.podGroupsServed, podGroupsErr: s.podGroupsErr}
 	o.sets = map[v1alpha1.Role]*podSet{}
 	for _, d := range s.deployments {
 		if d.Name == render.ObjectName(s.pdc.Name, v1alpha1.RoleRouter) {

@@ -21,6 +21,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -88,12 +89,16 @@ type PDClusterReconciler struct {
 	// found it served.
 	groupSetsWatched bool
 	groupSetsServed  atomic.Bool
+	// podGroupsWatched and podGroupsServed are the same for PodGroups.
+	podGroupsWatched bool
+	podGroupsServed  atomic.Bool
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=leaderworkerset.x-k8s.io,resources=leaderworkersets,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=scheduling.k8s.io,resources=podgroups,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=services;configmaps,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;update;patch;delete
@@ -221,6 +226,7 @@ func decide(pdc *v1alpha1.PDCluster, snap *snapshot, opts render.Options) (*plan
 	}
 	serving := p.revs.serving(pdc)
 	serving.Domains = snap.topo.domains
+	serving.PodGroups = snap.podGroupsServed
 	scaled := prep.Scaled(p.scale.effective)
 	renderErr := func(err error) error {
 		return permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
@@ -438,13 +444,22 @@ func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	} else if !meta.IsNoMatchError(err) {
 		return fmt.Errorf("look up LeaderWorkerSet: %w", err)
 	}
-	if err := indexChildren(context.Background(), mgr.GetFieldIndexer(), r.groupSetsWatched); err != nil {
+	if _, err := mgr.GetRESTMapper().RESTMapping(podGroup, schedulingv1beta1.SchemeGroupVersion.Version); err == nil {
+		r.podGroupsWatched = true
+	} else if !meta.IsNoMatchError(err) {
+		return fmt.Errorf("look up PodGroup: %w", err)
+	}
+	if err := indexChildren(context.Background(), mgr.GetFieldIndexer(), r.groupSetsWatched, r.podGroupsWatched); err != nil {
 		return err
 	}
 	r.childrenIndexed = true
 	b := ctrl.NewControllerManagedBy(mgr)
 	if r.groupSetsWatched {
 		b = b.Owns(&lwsv1.LeaderWorkerSet{})
+	}
+	if r.podGroupsWatched {
+		// The scheduler's verdict on a gang (its status) is status to report.
+		b = b.Owns(&schedulingv1beta1.PodGroup{})
 	}
 	if r.Reports != nil {
 		if err := mgr.Add(r.Reports); err != nil {

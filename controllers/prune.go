@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
@@ -42,6 +43,8 @@ func kindOf(obj client.Object) string {
 		return "PoolScale"
 	case *lwsv1.LeaderWorkerSet:
 		return "LeaderWorkerSet"
+	case *schedulingv1beta1.PodGroup:
+		return "PodGroup"
 	}
 	return obj.GetObjectKind().GroupVersionKind().Kind
 }
@@ -61,6 +64,12 @@ func keepSet(rendered []render.Object, revs engineRevisions, scale scaleDecision
 		for _, d := range o.sets() {
 			keep[keyOf(d.Object)] = true
 			keep[childKey{"Service", d.service()}] = true
+			if _, ok := d.Object.(*lwsv1.LeaderWorkerSet); ok {
+				// Its groups' gangs: a pod of an older group recreated waits for its PodGroup.
+				for g := range d.wants() {
+					keep[childKey{"PodGroup", render.GangName(d.GetName(), g)}] = true
+				}
+			}
 		}
 	}
 	for _, ps := range scale.scales {
@@ -79,7 +88,9 @@ type removal struct {
 // KV revision's pod sets and Services in one event, the domain Services in one, each other
 // child in its own, saying why the spec no longer asks for it.
 func unused(pdc *v1alpha1.PDCluster, s *snapshot, keep map[childKey]bool, revs engineRevisions) []removal {
-	gone := func(o client.Object) bool { return !keep[keyOf(o)] }
+	// A child already being deleted (a finalizer holds it, as a PodGroup's does while pods name
+	// it) is not deleted again: that would write on every reconcile until it goes.
+	gone := func(o client.Object) bool { return !keep[keyOf(o)] && o.GetDeletionTimestamp() == nil }
 	var out []removal
 	claimed := map[childKey]bool{}
 	for _, o := range revs.old {

@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -60,6 +61,11 @@ type snapshot struct {
 	// Looked up for a PDCluster with a multi-node pool, unless the manager watches the kind.
 	lwsServed bool
 	lwsErr    error
+	// podGroups are the PodGroups of the replicas across pods (listed when the cluster serves
+	// the kind); podGroupsServed and podGroupsErr as for LeaderWorkerSets.
+	podGroups       []*schedulingv1beta1.PodGroup
+	podGroupsServed bool
+	podGroupsErr    error
 }
 
 // observeSnapshot reads the snapshot. An error in any read but the pods' stops the reconcile
@@ -71,6 +77,7 @@ func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1
 		return s, err
 	}
 	r.observeLeaderWorkerSet(pdc, s)
+	r.observePodGroups(pdc, s)
 	mine := []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
 	if r.childrenIndexed {
 		// The same objects from the cache's index: a reconcile reads its own children, not
@@ -118,6 +125,21 @@ func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1
 		}
 		s.groupSets = controlled(pdc, groups.Items)
 	}
+	if s.podGroupsServed {
+		var gangs schedulingv1beta1.PodGroupList
+		opts := mine
+		if !r.podGroupsWatched {
+			opts = []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
+		}
+		switch err := r.List(ctx, &gangs, opts...); {
+		case meta.IsNoMatchError(err):
+			r.podGroupsServed.Store(false)
+			s.podGroupsServed = false
+		case err != nil:
+			return s, fmt.Errorf("list podgroups: %w", err)
+		}
+		s.podGroups = controlled(pdc, gangs.Items)
+	}
 	if err := r.List(ctx, &podsList, mine...); err != nil {
 		s.podsErr = fmt.Errorf("list pods: %w", err)
 		return s, nil
@@ -162,6 +184,7 @@ func (s *snapshot) children() []client.Object {
 	var out []client.Object
 	out = appendObjects(out, s.deployments)
 	out = appendObjects(out, s.groupSets)
+	out = appendObjects(out, s.podGroups)
 	out = appendObjects(out, s.services)
 	out = appendObjects(out, s.configMaps)
 	out = appendObjects(out, s.budgets)
@@ -240,11 +263,14 @@ func indexedKinds() []client.Object {
 }
 
 // indexChildren adds childIndex to the cache for every kind the snapshot lists (groupSets:
-// LeaderWorkerSets too).
-func indexChildren(ctx context.Context, indexer client.FieldIndexer, groupSets bool) error {
+// LeaderWorkerSets too; podGroups: PodGroups too).
+func indexChildren(ctx context.Context, indexer client.FieldIndexer, groupSets, podGroups bool) error {
 	kinds := indexedKinds()
 	if groupSets {
 		kinds = append(kinds, &lwsv1.LeaderWorkerSet{})
+	}
+	if podGroups {
+		kinds = append(kinds, &schedulingv1beta1.PodGroup{})
 	}
 	for _, obj := range kinds {
 		err := indexer.IndexField(ctx, obj, childIndex, func(o client.Object) []string {

@@ -74,6 +74,8 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 		events = append(events, revisionStatus(&status, in, poolsReady)...)
 		pairingStatus(&status, in)
 		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
+		gangStatus(&status, in.pdc, in.obs)
+		events = append(events, gangEvents(in.pdc.Status.Conditions, &status)...)
 	}
 	events = append(events, poolProblemEvents(in.pdc.Status.Conditions, &status)...)
 	events = append(events, readinessEvents(in.pdc.Status.Conditions, &status)...)

@@ -20,6 +20,7 @@ var clientSteps = map[string]string{
 	"observeSnapshot":        "observe",
 	"observeTopology":        "observe",
 	"observeLeaderWorkerSet": "observe",
+	"observePodGroups":       "observe",
 	"createPoolScales":       "act",
 	"reconcileObject":        "act", // reads the object it applies, to compare
 	"apply":                  "act",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Starts a local cluster from the binaries built by hack/envtest-assets.sh: etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler and kwok with fake GPU/RDMA nodes.
+# kube-controller-manager, kube-scheduler (with Kubernetes' gang scheduling on) and kwok with fake
+# GPU/RDMA nodes.
 #   hack/local-cluster.sh up      # prints the kubeconfig path; processes keep running
 #   hack/local-cluster.sh down
 set -euo pipefail
@@ -14,6 +15,9 @@ real_node="${PDCLUSTER_REAL_NODE:-1}"
 kwok_cidr=10.244.128.0/20
 port="${PDCLUSTER_APISERVER_PORT:-16443}"
 etcd_port="${PDCLUSTER_ETCD_PORT:-12379}" # and the next port for etcd peers
+# Kubernetes' own gang scheduling (PodGroups, the pods' schedulingGroup; beta, off by default in
+# 1.37): a replica across pods is one gang (spec.scheduling.gang).
+gates=GenericWorkload=true
 log() { echo "local-cluster: $*" >&2; }
 
 down() {
@@ -85,13 +89,14 @@ KC
 		--service-account-key-file "${dir}/certs/sa.pub" --service-account-signing-key-file "${dir}/certs/sa.key" \
 		--service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16 \
 		--kubelet-client-certificate "${dir}/certs/kubelet-client.crt" --kubelet-client-key "${dir}/certs/kubelet-client.key" \
-		--kubelet-preferred-address-types InternalIP
+		--kubelet-preferred-address-types InternalIP \
+		--feature-gates "${gates}" --runtime-config scheduling.k8s.io/v1beta1=true
 	local kc=("--kubeconfig" "${dir}/kubeconfig")
 	for _ in $(seq 1 120); do "${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null 2>&1 && break; sleep 0.5; done
 	"${bin}/kubectl" "${kc[@]}" get --raw /readyz >/dev/null
 	start kube-controller-manager "${kc[@]}" --service-account-private-key-file "${dir}/certs/sa.key" "${root_ca[@]}" \
-		--use-service-account-credentials=false --controllers '*' --leader-elect=false --secure-port 0
-	start kube-scheduler "${kc[@]}" --leader-elect=false --secure-port 0
+		--use-service-account-credentials=false --controllers '*' --leader-elect=false --secure-port 0 --feature-gates "${gates}"
+	start kube-scheduler "${kc[@]}" --leader-elect=false --secure-port 0 --feature-gates "${gates}"
 	# kwok ships its node and pod lifecycle Stages in its module, which installing it downloaded.
 	local stages; stages="$(go env GOMODCACHE)/sigs.k8s.io/kwok@${KWOK_VERSION:-v0.8.0}/kustomize/stage"
 	: >"${dir}/kwok.yaml"

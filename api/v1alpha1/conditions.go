@@ -22,6 +22,24 @@ const (
 	// brought within spec.scaling's bounds or P:D ratio. Set only when spec.scaling bounds
 	// something (a pool in External mode, or a ratio).
 	ConditionRatioConstrained = "RatioConstrained"
+	// ConditionGangScheduling says whether each replica across pods is scheduled as one gang
+	// (spec.scheduling.gang Auto). Set only for a PDCluster with such a pool.
+	ConditionGangScheduling = "GangScheduling"
+)
+
+// Reasons of GangScheduling.
+const (
+	// ReasonGangsApplied (True): each replica across pods has its PodGroup, and the scheduler
+	// has reported none unschedulable.
+	ReasonGangsApplied = "GangsApplied"
+	// ReasonGangUnschedulable (False): the scheduler cannot place a replica's pods all at once;
+	// the message quotes it. None of that replica's pods is bound.
+	ReasonGangUnschedulable = "GangUnschedulable"
+	// ReasonPodGroupsUnavailable (False): the cluster serves no PodGroups
+	// (scheduling.k8s.io/v1beta1, feature GenericWorkload): the pods are scheduled one by one.
+	ReasonPodGroupsUnavailable = "PodGroupsUnavailable"
+	// ReasonGangDisabled (False): spec.scheduling.gang is None.
+	ReasonGangDisabled = "GangDisabled"
 )
 
 // Reasons of RatioConstrained.

@@ -82,6 +82,7 @@ func (in *PDCluster) SetDefaults() {
 		setPtr(&p.Drain.TimeoutSeconds, DefaultDrainTimeoutSeconds)
 	}
 
+	setString(&s.Scheduling.Gang, GangAuto)
 	if pr := s.Scheduling.Pairing; pr != nil {
 		setString(&pr.Mode, PairingPreferred)
 	}

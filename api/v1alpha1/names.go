@@ -21,6 +21,10 @@ const (
 	// which the operator copies there once the pod is bound; on a Service, the domain whose
 	// pods it selects.
 	LabelDomain = "serving.pdcluster.dev/domain"
+	// LabelGang "true" on a pod of a replica across pods asks the operator's admission policy
+	// (config/admission/gang-podgroups.yaml) to put it in its replica's PodGroup, named
+	// <LeaderWorkerSet>-<group index> (render.GangName).
+	LabelGang = "serving.pdcluster.dev/gang"
 
 	// AnnotationConfigHash on a pod template changes whenever the pod spec does, so a spec
 	// change rolls exactly the pool whose pods it affects.

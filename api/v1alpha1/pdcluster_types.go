@@ -839,7 +839,9 @@ type PDClusterSpec struct {
 	// +optional
 	Scaling ScalingSpec `json:"scaling,omitempty"`
 
-	// scheduling places the engine pods: which domain pairs a request's prefill and decode.
+	// scheduling places the engine pods: which domain pairs a request's prefill and decode,
+	// and whether a replica across pods is scheduled all at once.
+	// +kubebuilder:default={}
 	// +optional
 	Scheduling SchedulingSpec `json:"scheduling,omitempty"`
 

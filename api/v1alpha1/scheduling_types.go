@@ -6,7 +6,29 @@ type SchedulingSpec struct {
 	// domain, an RDMA fabric), where the KV crosses the fastest links.
 	// +optional
 	Pairing *PairingSpec `json:"pairing,omitempty"`
+
+	// gang schedules each replica that spans pods (spec.<pool>.parallelism.nodes > 1) all at
+	// once. Auto (the default): each such replica is one gang of its pods on Kubernetes' own
+	// gang scheduling (a PodGroup with minCount its pods, scheduling.k8s.io/v1beta1, feature
+	// GenericWorkload), so the scheduler binds all of them or none, never holding the GPUs of
+	// a half-placed replica; where the cluster does not serve PodGroups the GangScheduled
+	// condition says so and the pods are scheduled one by one. None: one by one. A replica of
+	// one pod, and the prefill and decode pools together, are never a gang.
+	// +kubebuilder:default=Auto
+	// +optional
+	Gang GangMode `json:"gang,omitempty"`
 }
+
+// GangMode is spec.scheduling.gang.
+// +kubebuilder:validation:Enum=Auto;None
+type GangMode string
+
+const (
+	// GangAuto makes each replica across pods one gang where the cluster serves PodGroups.
+	GangAuto GangMode = "Auto"
+	// GangNone schedules a replica's pods one by one.
+	GangNone GangMode = "None"
+)
 
 // PairingMode is how strictly the router keeps a request's pair in one domain.
 // +kubebuilder:validation:Enum=Preferred;Required

@@ -11,6 +11,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
+	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/ptr"
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
@@ -209,5 +210,54 @@ func TestLocalClustersRunTheRenderedLeaderWorkerSetRelease(t *testing.T) {
 	}
 	if api, controller := version("../../go.mod"), version("../../hack/lws/go.mod"); api != controller {
 		t.Errorf("render writes LeaderWorkerSet %s, the local clusters run %s", api, controller)
+	}
+}
+
+// Each replica across pods is one gang (a PodGroup of minCount its pods) where the cluster
+// serves PodGroups and spec.scheduling.gang is Auto; its pods carry the label the admission
+// policy reads. Never a replica of one pod, never with gang None or without PodGroups.
+func TestGangs(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		gang      v1alpha1.GangMode
+		podGroups bool
+		want      []string
+	}{
+		// 3 groups, and the one a rolling update adds (maxSurge 25% of 3, rounded up).
+		{"Auto, served", v1alpha1.GangAuto, true, []string{"pd-decode-lws-0", "pd-decode-lws-1", "pd-decode-lws-2", "pd-decode-lws-3"}},
+		{"unset is Auto", "", true, []string{"pd-decode-lws-0", "pd-decode-lws-1", "pd-decode-lws-2", "pd-decode-lws-3"}},
+		{"None", v1alpha1.GangNone, true, nil},
+		{"not served", v1alpha1.GangAuto, false, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pdc := revisionBase()
+			pdc.Spec.Decode.Parallelism = v1alpha1.Parallelism{Tensor: ptr.To[int32](8), Nodes: ptr.To[int32](2)}
+			pdc.Spec.Scheduling.Gang = tc.gang
+			objs, err := RenderServing(pdc, DefaultOptions(), Serving{PodGroups: tc.podGroups, Step: &rollout.Counts{Prefill: 2, Decode: 3}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			var lws *lwsv1.LeaderWorkerSet
+			for _, o := range objs {
+				switch x := o.(type) {
+				case *schedulingv1beta1.PodGroup:
+					got = append(got, x.Name)
+					if g := x.Spec.SchedulingPolicy.Gang; g == nil || g.MinCount != 2 || x.Labels[v1alpha1.LabelRole] != "decode" {
+						t.Errorf("PodGroup %s: %+v, labels %v: want a gang of the group's 2 pods", x.Name, x.Spec, x.Labels)
+					}
+				case *lwsv1.LeaderWorkerSet:
+					lws = x
+				}
+			}
+			if d := cmp.Diff(tc.want, got); d != "" {
+				t.Errorf("PodGroups (-want +got):\n%s", d)
+			}
+			for _, tmpl := range []*corev1.PodTemplateSpec{lws.Spec.LeaderWorkerTemplate.LeaderTemplate, &lws.Spec.LeaderWorkerTemplate.WorkerTemplate} {
+				if joined := tmpl.Labels[v1alpha1.LabelGang] == "true"; joined != (tc.want != nil) {
+					t.Errorf("pod template labels %v: in a gang %v, want %v", tmpl.Labels, joined, tc.want != nil)
+				}
+			}
+		})
 	}
 }

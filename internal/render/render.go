@@ -58,6 +58,9 @@ type Serving struct {
 	// Domains are the values of spec.scheduling.pairing.topologyKey on the cluster's nodes,
 	// sorted: each pool of each running revision gets a Service per domain.
 	Domains []string `json:"domains,omitempty"`
+	// PodGroups says the cluster serves PodGroups (scheduling.k8s.io/v1beta1): with
+	// spec.scheduling.gang Auto, each replica across pods is one (Gangs).
+	PodGroups bool `json:"podGroups,omitempty"`
 	// Step, when set, is the replicas of the update revision's engine Deployments in a rollout
 	// between KV revisions (the reconciler's rollout step, which steps the revisions in
 	// lockstep); unset, each pool runs its replicas from the spec and its scaling.
@@ -159,22 +162,27 @@ func (p *Prepared) Objects(opts Options, serving Serving, router RouterObjects) 
 				replicas = serving.Step.Prefill
 			}
 		}
-		var engines Object
-		var err error
+		var engines []Object
 		if MultiNode(pdc, role) {
-			engines, err = engineGroupSet(pdc, opts, role, rev, name, replicas)
-		} else {
-			var dep *appsv1.Deployment
-			dep, err = engineDeployment(pdc, opts, role, rev)
-			if dep != nil {
-				dep.Name, dep.Spec.Replicas = name, &replicas
+			lws, err := engineGroupSet(pdc, opts, role, rev, name, replicas)
+			if err != nil {
+				return nil, fmt.Errorf("render %s pool: %w", role, err)
 			}
-			engines = dep
+			engines = append(engines, lws)
+			if Gangs(pdc, role, serving.PodGroups) {
+				joinGang(lws)
+				engines = append(engines, gangs(pdc, lws)...)
+			}
+		} else {
+			dep, err := engineDeployment(pdc, opts, role, rev)
+			if err != nil {
+				return nil, fmt.Errorf("render %s pool: %w", role, err)
+			}
+			dep.Name, dep.Spec.Replicas = name, &replicas
+			engines = append(engines, dep)
 		}
-		if err != nil {
-			return nil, fmt.Errorf("render %s pool: %w", role, err)
-		}
-		objs = append(objs, engines, engineService(pdc, role, rev, name))
+		objs = append(objs, engines[0], engineService(pdc, role, rev, name))
+		objs = append(objs, engines[1:]...)
 		if pdb := disruptionBudget(pdc, role); pdb != nil {
 			objs = append(objs, pdb)
 		}

@@ -81,6 +81,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 			},
 		},
 		NetworkPolicy: v1alpha1.NetworkPolicySpec{Enabled: ptr.To(true), Egress: v1alpha1.EngineEgressSpec{Enabled: ptr.To(true), PublicHTTPS: ptr.To(true)}},
+		Scheduling:    v1alpha1.SchedulingSpec{Gang: v1alpha1.GangAuto},
 	}
 	if diff := cmp.Diff(want, doc.PDCluster.Spec); diff != "" {
 		t.Errorf("defaulted spec (-want +got):\n%s", diff)

@@ -215,3 +215,30 @@ func TestGitOpsSiteBuilds(t *testing.T) {
 		}
 	}
 }
+
+// Every admission policy binding config/default builds names a policy of the same build: the
+// names are prefixed, and kustomize must prefix each binding's policyName with them (it does
+// not for a MutatingAdmissionPolicyBinding without config/admission/kustomizeconfig.yaml), or
+// the binding binds nothing and the policy never runs.
+func TestDefaultBindingsNameTheirPolicies(t *testing.T) {
+	policies := map[string]bool{}
+	var bindings []map[string]any
+	for _, o := range kustomize(t, "../../config/default") {
+		switch kind, _ := o["kind"].(string); kind {
+		case "ValidatingAdmissionPolicy", "MutatingAdmissionPolicy":
+			policies[kind+"/"+o["metadata"].(map[string]any)["name"].(string)] = true
+		case "ValidatingAdmissionPolicyBinding", "MutatingAdmissionPolicyBinding":
+			bindings = append(bindings, o)
+		}
+	}
+	if len(bindings) < 2 {
+		t.Fatalf("%d admission policy bindings in config/default, want the scaling warnings' and the gangs'", len(bindings))
+	}
+	for _, b := range bindings {
+		kind := strings.TrimSuffix(b["kind"].(string), "Binding")
+		policy, _ := b["spec"].(map[string]any)["policyName"].(string)
+		if !policies[kind+"/"+policy] {
+			t.Errorf("%s %s binds %s %q, which config/default does not build (%v)", b["kind"], b["metadata"].(map[string]any)["name"], kind, policy, policies)
+		}
+	}
+}

@@ -1,18 +1,26 @@
 package integration
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
+	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	yamlutil "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -58,6 +66,10 @@ func groupSetConfig(t *testing.T) *rest.Config {
 			},
 			ErrorIfCRDPathMissing: true,
 		}
+		// Kubernetes' own gang scheduling: PodGroups and the pods' schedulingGroup.
+		env.ControlPlane.GetAPIServer().Configure().
+			Set("feature-gates", "GenericWorkload=true").
+			Set("runtime-config", "scheduling.k8s.io/v1beta1=true")
 		groupSetEnv.env = env
 		groupSetEnv.cfg, groupSetEnv.err = env.Start()
 	})
@@ -178,5 +190,125 @@ func TestLeaderWorkerSetPool(t *testing.T) {
 	f.get(&dep, "mn-prefill")
 	if err := f.c.Get(f.ctx, client.ObjectKey{Namespace: f.ns, Name: "mn-prefill-lws"}, &lws); !apierrors.IsNotFound(err) {
 		t.Errorf("LeaderWorkerSet after nodes 1: %v, want deleted", err)
+	}
+}
+
+// With spec.scheduling.gang Auto (the default) and PodGroups served, each replica across pods
+// is one gang: a PodGroup of minCount its pods per group, controlled by the PDCluster, and the
+// operator's admission policy (config/admission/gang-podgroups.yaml, run by the API server)
+// puts each pod LeaderWorkerSet creates in its group's; gang None deletes them.
+func TestGangPodGroups(t *testing.T) {
+	f := newFixtureOn(t, groupSetConfig(t))
+	applyYAML(t, f, filepath.Join("..", "..", "config", "admission", "gang-podgroups.yaml"))
+	p := wrappers.MakePDCluster(f.ns, "gang").Replicas(2, 1).Obj()
+	p.Spec.Prefill.Parallelism = v1alpha1.Parallelism{Tensor: ptr.To[int32](2), Nodes: ptr.To[int32](2)}
+	if err := f.c.Create(f.ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := f.c.Delete(f.ctx, p); err != nil {
+			t.Error(err)
+		}
+		f.reconcile("gang")
+	})
+	f.reconcile("gang")
+	var got v1alpha1.PDCluster
+	f.get(&got, "gang")
+	for _, name := range []string{"gang-prefill-lws-0", "gang-prefill-lws-1"} {
+		var pg schedulingv1beta1.PodGroup
+		f.get(&pg, name)
+		if !metav1.IsControlledBy(&pg, &got) || pg.Spec.SchedulingPolicy.Gang == nil || pg.Spec.SchedulingPolicy.Gang.MinCount != 2 {
+			t.Errorf("PodGroup %s: owners %v, policy %+v: want the PDCluster's gang of 2", name, pg.OwnerReferences, pg.Spec.SchedulingPolicy)
+		}
+	}
+	if c := condition(&got, v1alpha1.ConditionGangScheduling); c.Status != metav1.ConditionTrue {
+		t.Errorf("GangScheduling %+v", c)
+	}
+
+	// The pods as LeaderWorkerSet's StatefulSets create them: a leader (group 1: its ordinal)
+	// and a worker of group 0.
+	var lws lwsv1.LeaderWorkerSet
+	f.get(&lws, "gang-prefill-lws")
+	for _, tc := range []struct {
+		name   string
+		labels map[string]string
+		want   string
+	}{
+		{"leader", map[string]string{"apps.kubernetes.io/pod-index": "1"}, "gang-prefill-lws-1"},
+		{"worker", map[string]string{"apps.kubernetes.io/pod-index": "1", lwsv1.GroupIndexLabelKey: "0"}, "gang-prefill-lws-0"},
+	} {
+		labels := maps.Clone(lws.Spec.LeaderWorkerTemplate.WorkerTemplate.Labels)
+		maps.Copy(labels, tc.labels)
+		labels[lwsv1.SetNameLabelKey] = lws.Name
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: f.ns, GenerateName: tc.name + "-", Labels: labels},
+				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "c", Image: "x"}}}}
+			if err := f.c.Create(f.ctx, pod); err != nil {
+				t.Fatal(err)
+			}
+			name := ""
+			if sg := pod.Spec.SchedulingGroup; sg != nil {
+				name = ptr.Deref(sg.PodGroupName, "")
+			}
+			if name == tc.want {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s pod's schedulingGroup %q, want %s", tc.name, name, tc.want)
+			}
+			time.Sleep(500 * time.Millisecond) // the API server has not loaded the policy yet
+		}
+	}
+
+	f.get(&got, "gang")
+	got.Spec.Scheduling.Gang = v1alpha1.GangNone
+	if err := f.c.Update(f.ctx, &got); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("gang")
+	var pgs schedulingv1beta1.PodGroupList
+	if err := f.c.List(f.ctx, &pgs, client.InNamespace(f.ns)); err != nil {
+		t.Fatal(err)
+	}
+	for _, pg := range pgs.Items {
+		if pg.DeletionTimestamp == nil {
+			t.Errorf("PodGroup %s (finalizers %v) kept after gang None", pg.Name, pg.Finalizers)
+		}
+	}
+	// Deleted, though kept by their finalizer while pods name them: not deleted again.
+	writes.Store(0)
+	f.reconcile("gang")
+	if n := writes.Load(); n != 0 {
+		t.Errorf("a reconcile with the PodGroups on their way out made %d writes, want 0", n)
+	}
+	f.get(&got, "gang")
+	if c := condition(&got, v1alpha1.ConditionGangScheduling); c.Reason != v1alpha1.ReasonGangDisabled {
+		t.Errorf("GangScheduling %+v after gang None", c)
+	}
+}
+
+// applyYAML creates the objects of a YAML file (once per API server: an object already there
+// is left as it is).
+func applyYAML(t *testing.T, f *fixture, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := yamlutil.NewYAMLOrJSONDecoder(bytes.NewReader(b), 4096)
+	for {
+		var u unstructured.Unstructured
+		if err := dec.Decode(&u.Object); errors.Is(err, io.EOF) {
+			return
+		} else if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		if len(u.Object) == 0 {
+			continue
+		}
+		if err := f.c.Create(f.ctx, &u); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatalf("create %s %s: %v", u.GetKind(), u.GetName(), err)
+		}
 	}
 }
