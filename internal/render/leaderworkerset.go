@@ -13,6 +13,7 @@ import (
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/launch"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
@@ -35,21 +36,30 @@ func MultiNode(pdc *v1alpha1.PDCluster, role v1alpha1.Role) bool {
 	return ptr.Deref(pool(pdc, role).Parallelism.Nodes, 1) > 1
 }
 
-// Layout is how a replica spreads over its pods, in `connector launch --layout` words: with
-// data-parallel ranks, each pod runs and serves data/nodes of them (vLLM's hybrid load
+// PodDataParallel is how many data-parallel ranks each pod of a pool runs (vLLM runs an
+// EngineCore, with its scheduler and completion gate, per rank): the replica's data, split
+// over its pods when it spans nodes. There vLLM's hybrid load balancing counts a pod's ranks
+// from 0 (local_engines_only): its bootstrap registry, its gates' reports and the
+// X-data-parallel-rank it takes.
+func PodDataParallel(p v1alpha1.Parallelism) int32 {
+	return max(ptr.Deref(p.Data, 1)/ptr.Deref(p.Nodes, 1), 1)
+}
+
+// Layout is how a replica spreads over its pods, in `connector launch`'s words: with
+// data-parallel ranks, each pod runs and serves PodDataParallel of them (vLLM's hybrid load
 // balancing); without, the model is sharded across the pods and only the leader serves.
-func Layout(p v1alpha1.Parallelism) (layout string, localRanks int32, port int32) {
-	if d := ptr.Deref(p.Data, 1); d > 1 {
-		return "data-parallel", d / ptr.Deref(p.Nodes, 1), vllm.DataParallelRPCPort
+func Layout(p v1alpha1.Parallelism) (layout launch.Layout, localRanks int32, port int32) {
+	if ptr.Deref(p.Data, 1) > 1 {
+		return launch.LayoutDataParallel, PodDataParallel(p), vllm.DataParallelRPCPort
 	}
-	return "model", 0, vllm.MasterPort
+	return launch.LayoutModel, 0, vllm.MasterPort
 }
 
 // leaderServesAlone: only the leader of role's groups runs an API server (and so the
 // scheduler, its completion gate, and the router's traffic); the others are headless workers.
 func leaderServesAlone(pdc *v1alpha1.PDCluster, role v1alpha1.Role) bool {
 	layout, _, _ := Layout(pool(pdc, role).Parallelism)
-	return MultiNode(pdc, role) && layout == "model"
+	return MultiNode(pdc, role) && layout == launch.LayoutModel
 }
 
 // GroupSetName is the name of the LeaderWorkerSet whose serving pods the headless Service
@@ -70,7 +80,7 @@ func engineGroupSet(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role, r
 	p := pool(pdc, role)
 	nodes := *p.Parallelism.Nodes
 	layout, localRanks, port := Layout(p.Parallelism)
-	launch := []string{Launcher, "launch", "--layout=" + layout}
+	launch := []string{Launcher, "launch", "--layout=" + string(layout)}
 	if localRanks > 0 {
 		launch = append(launch, "--local-ranks="+strconv.Itoa(int(localRanks)))
 	}

@@ -42,7 +42,7 @@ func routerConfigMap(pdc *v1alpha1.PDCluster, serving Serving, rev string) (*cor
 		DecodeHost:  ServiceHost(pdc.Namespace, EngineObjectName(pdc.Name, v1alpha1.RoleDecode, rev, !serving.Suffixed)),
 	}
 	// Written only past one rank, the router's default: router.json stays as it was.
-	if d := *pool(pdc, v1alpha1.RolePrefill).Parallelism.Data; d > 1 {
+	if d := PodDataParallel(pool(pdc, v1alpha1.RolePrefill).Parallelism); d > 1 {
 		update.PrefillDataParallel = d
 	}
 	cfg := routerconfig.File{
@@ -101,20 +101,37 @@ func routerConfigMap(pdc *v1alpha1.PDCluster, serving Serving, rev string) (*cor
 	}, nil
 }
 
-// DataParallelOf is the data-parallel size a rendered engine pod runs (its engine's
-// --data-parallel-size; 0 when it has none, as vLLM's default of one rank): router.json
-// names an older revision's from its Deployment's or LeaderWorkerSet's pods.
+// DataParallelOf is how many data-parallel ranks a rendered engine pod runs (0 when one, as
+// vLLM's default): its engine's --data-parallel-size, or on a pod of a replica across pods
+// the launcher's --local-ranks (PodDataParallel). router.json names an older revision's from
+// its Deployment's or LeaderWorkerSet's pods.
 func DataParallelOf(pod *corev1.PodSpec) int32 {
 	for _, c := range pod.Containers {
 		if c.Name != v1alpha1.EngineContainerName {
 			continue
 		}
 		v := flagValues(c.Args, map[string]string{"--data-parallel-size": "dp"})["dp"]
+		if local, ok := flagValues(launcherFlags(c.Command), map[string]string{"--local-ranks": "dp"})["dp"]; ok {
+			v = local
+		}
 		if n, err := strconv.ParseInt(v, 10, 32); err == nil && n > 1 {
 			return int32(n)
 		}
 	}
 	return 0
+}
+
+// launcherFlags are the flags of a `connector launch` command before its "--" (none for
+// another command).
+func launcherFlags(command []string) []string {
+	if len(command) < 2 || command[0] != Launcher || command[1] != "launch" {
+		return nil
+	}
+	flags := command[2:]
+	if i := slices.Index(flags, "--"); i >= 0 {
+		flags = flags[:i]
+	}
+	return flags
 }
 
 // ServiceHost is the DNS name of Service name in namespace.

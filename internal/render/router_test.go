@@ -15,6 +15,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/utils/ptr"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -170,34 +171,63 @@ func TestRouterJSONCarriesTheCanary(t *testing.T) {
 	}
 }
 
-// The prefill pool's data-parallel size reaches the router, which trusts only those ranks of a
-// prefill pod's bootstrap registry: through router.json for the update revision (left out at
-// one rank, the router's default) and, for an older revision, from its engine Deployment's
-// own --data-parallel-size, which is what its pods run.
+// The data-parallel ranks each prefill pod runs reach the router, which trusts only those
+// ranks of a prefill pod's bootstrap registry: through router.json for the update revision
+// (left out at one rank, the router's default) and, for an older revision, from its pods'
+// own command line. A pod of a replica across pods (vLLM's hybrid load balancing) runs
+// data/nodes ranks, and its registry and X-data-parallel-rank count them from 0 (vLLM's
+// local_engines_only), so that is its number, not the replica's --data-parallel-size.
 func TestRouterKnowsThePrefillDataParallelRanks(t *testing.T) {
-	for _, data := range []int32{1, 4} {
-		pdc := load(t, "testdata/mooncake-rdma.yaml")
-		pdc.Spec.Prefill.Parallelism.Data = ptr.To(data)
-		cm, _ := renderRouter(t, pdc)
-		fc := loadRouterJSON(t, cm)
-		want := map[int32]int32{1: 0, 4: 4}[data]
-		if fc.PrefillDataParallel != want || (data == 1) == strings.Contains(cm.Data[routerconfig.FileName], "prefillDataParallel") {
-			t.Errorf("data %d: router.json's prefillDataParallel = %d, want %d (left out at one rank):\n%s", data, fc.PrefillDataParallel, want, cm.Data[routerconfig.FileName])
-		}
-		pools, err := router.ResolvePools(t.Context(), fc, func(context.Context, string) ([]string, error) { return []string{"10.0.0.5"}, nil })
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := pools.Prefill[0].DataParallel; got != int(want) {
-			t.Errorf("data %d: the router's prefill has %d data-parallel ranks, want %d", data, got, want)
-		}
-		dep, err := render.EngineDeployment(pdc, render.DefaultOptions(), v1alpha1.RolePrefill)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := render.DataParallelOf(&dep.Spec.Template.Spec); got != want {
-			t.Errorf("data %d: DataParallelOf(the prefill Deployment) = %d, want %d", data, got, want)
-		}
+	for _, tc := range []struct {
+		name string
+		par  v1alpha1.Parallelism
+		want int32
+	}{
+		{"one rank", v1alpha1.Parallelism{Data: ptr.To[int32](1)}, 0},
+		{"data 4 on one pod", v1alpha1.Parallelism{Data: ptr.To[int32](4)}, 4},
+		{"data 16 over 2 pods", v1alpha1.Parallelism{Data: ptr.To[int32](16), Expert: true, Nodes: ptr.To[int32](2)}, 8},
+		{"data 4 tp2 over 2 pods", v1alpha1.Parallelism{Data: ptr.To[int32](4), Tensor: ptr.To[int32](2), Nodes: ptr.To[int32](2)}, 2},
+		{"model tp8 pp2 over 2 pods", v1alpha1.Parallelism{Tensor: ptr.To[int32](8), Pipeline: ptr.To[int32](2), Nodes: ptr.To[int32](2)}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pdc := load(t, "testdata/mooncake-rdma.yaml")
+			pdc.Spec.Prefill.Parallelism = tc.par
+			pdc.SetDefaults()
+			cm, _ := renderRouter(t, pdc)
+			fc := loadRouterJSON(t, cm)
+			if fc.PrefillDataParallel != tc.want || (tc.want == 0) == strings.Contains(cm.Data[routerconfig.FileName], "prefillDataParallel") {
+				t.Errorf("router.json's prefillDataParallel = %d, want %d (left out at one rank):\n%s", fc.PrefillDataParallel, tc.want, cm.Data[routerconfig.FileName])
+			}
+			pools, err := router.ResolvePools(t.Context(), fc, func(context.Context, string) ([]string, error) { return []string{"10.0.0.5"}, nil })
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := pools.Prefill[0].DataParallel; got != int(tc.want) {
+				t.Errorf("the router's prefill has %d data-parallel ranks, want %d", got, tc.want)
+			}
+			objs, err := render.RenderServing(pdc, render.DefaultOptions(), render.Serving{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var spec *corev1.PodSpec
+			for _, o := range objs {
+				if o.GetLabels()[v1alpha1.LabelRole] != string(v1alpha1.RolePrefill) {
+					continue
+				}
+				switch x := o.(type) {
+				case *appsv1.Deployment:
+					spec = &x.Spec.Template.Spec
+				case *lwsv1.LeaderWorkerSet:
+					spec = &x.Spec.LeaderWorkerTemplate.WorkerTemplate.Spec
+				}
+			}
+			if spec == nil {
+				t.Fatal("no prefill Deployment or LeaderWorkerSet rendered")
+			}
+			if got := render.DataParallelOf(spec); got != tc.want {
+				t.Errorf("DataParallelOf(the prefill pods) = %d, want %d", got, tc.want)
+			}
+		})
 	}
 }
 
