@@ -7,12 +7,15 @@ package vllmcli
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
+
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
 // Serve is the parsed `vllm serve MODEL ...`.
@@ -41,6 +44,38 @@ type Serve struct {
 	// Dtype, KVCacheDtype, Quantization and Revision are vLLM's flags of those names ("" when
 	// not given): with the model, block size and sharding they decide the engine's KV format.
 	Dtype, KVCacheDtype, Quantization, Revision string
+	// Group is this process's part of a replica across pods, as `connector launch` writes it.
+	Group Group
+}
+
+// Group is a `vllm serve` of one pod of a replica across pods (vLLM's multi-node flags).
+type Group struct {
+	// DataParallelLocal is --data-parallel-size-local: the data-parallel ranks this pod runs
+	// (0: all of them). DataParallelStartRank is --data-parallel-start-rank, the first of them.
+	DataParallelLocal, DataParallelStartRank int
+	// DataParallelAddress and DataParallelRPCPort are where the pod of rank 0 coordinates
+	// the data-parallel group and the others reach it.
+	DataParallelAddress string
+	DataParallelRPCPort int
+	// HybridLB is vLLM's data_parallel_hybrid_lb once its arguments are resolved: each pod's
+	// API server serves its own ranks, which it counts from 0 (local_engines_only).
+	HybridLB bool
+	// NNodes and NodeRank are --nnodes and --node-rank: a model sharded over NNodes pods on
+	// the multiprocessing backend, whose node 0 hosts torch.distributed at MasterAddr:MasterPort.
+	NNodes, NodeRank int
+	MasterAddr       string
+	MasterPort       int
+	// Headless is --headless: this pod runs workers and no API server.
+	Headless bool
+}
+
+// LocalRanks is how many data-parallel ranks this process runs: --data-parallel-size-local of
+// a pod of a replica across pods, else all of them.
+func (s *Serve) LocalRanks() int {
+	if s.Group.DataParallelLocal > 0 {
+		return s.Group.DataParallelLocal
+	}
+	return max(s.DataParallel, 1)
 }
 
 // KVTransferConfig is the subset of vLLM's KVTransferConfig the simulator reads.
@@ -81,17 +116,23 @@ var flags = map[string]kind{
 	"--uvicorn-log-level": value, "--api-server-count": value, "--distributed-executor-backend": value,
 	"--generation-config": value, "--chat-template": value, "--max-logprobs": value,
 	"--num-gpu-blocks-override": value, "--shutdown-timeout": value,
+	// A replica across pods (what `connector launch` adds).
+	vllm.FlagDataParallelHybridLB: boolean, vllm.FlagDataParallelSizeLocal: value, vllm.FlagDataParallelStartRank: value,
+	vllm.FlagDataParallelAddress: value, vllm.FlagDataParallelRPCPort: value, vllm.FlagNNodes: value, vllm.FlagNodeRank: value,
+	vllm.FlagMasterAddr: value, vllm.FlagMasterPort: value, vllm.FlagHeadless: boolean,
 }
 
 // short are vLLM's short aliases.
-var short = map[string]string{"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size"}
+var short = map[string]string{"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-pp": "--pipeline-parallel-size",
+	"-n": vllm.FlagNNodes, "-r": vllm.FlagNodeRank}
 
 // Parse reads args, the arguments after the `vllm` command.
 func Parse(args []string) (*Serve, error) {
 	if len(args) == 0 || args[0] != "serve" {
 		return nil, &UsageError{"the simulator only runs `vllm serve`"}
 	}
-	s := &Serve{Host: "0.0.0.0", Port: 8000, BlockSize: 16, TensorParallel: 1, DataParallel: 1, PipelineParallel: 1, PrefixCaching: true}
+	s := &Serve{Host: "0.0.0.0", Port: 8000, BlockSize: 16, TensorParallel: 1, DataParallel: 1, PipelineParallel: 1, PrefixCaching: true,
+		Group: Group{DataParallelRPCPort: int(vllm.DataParallelRPCPort), NNodes: 1, MasterAddr: "127.0.0.1", MasterPort: int(vllm.MasterPort)}}
 	vals := map[string]string{}
 	var unknown []string
 	for i := 1; i < len(args); i++ {
@@ -156,7 +197,10 @@ func Parse(args []string) (*Serve, error) {
 		dst  *int
 	}{{"--port", &s.Port}, {"--block-size", &s.BlockSize}, {"--tensor-parallel-size", &s.TensorParallel},
 		{"--data-parallel-size", &s.DataParallel}, {"--pipeline-parallel-size", &s.PipelineParallel}, {"--max-model-len", &s.MaxModelLen},
-		{"--max-num-seqs", &s.MaxNumSeqs}, {"--num-gpu-blocks-override", &s.NumGPUBlocksOverride}, {"--shutdown-timeout", &s.ShutdownTimeout}}
+		{"--max-num-seqs", &s.MaxNumSeqs}, {"--num-gpu-blocks-override", &s.NumGPUBlocksOverride}, {"--shutdown-timeout", &s.ShutdownTimeout},
+		{vllm.FlagDataParallelSizeLocal, &s.Group.DataParallelLocal}, {vllm.FlagDataParallelStartRank, &s.Group.DataParallelStartRank},
+		{vllm.FlagDataParallelRPCPort, &s.Group.DataParallelRPCPort}, {vllm.FlagNNodes, &s.Group.NNodes}, {vllm.FlagNodeRank, &s.Group.NodeRank},
+		{vllm.FlagMasterPort, &s.Group.MasterPort}}
 	for _, f := range ints {
 		v, ok := vals[f.flag]
 		if !ok {
@@ -169,6 +213,16 @@ func Parse(args []string) (*Serve, error) {
 		*f.dst = n
 	}
 	s.ExpertParallel = vals["--enable-expert-parallel"] == "true"
+	g := &s.Group
+	g.DataParallelAddress = vals[vllm.FlagDataParallelAddress]
+	if v, ok := vals[vllm.FlagMasterAddr]; ok {
+		g.MasterAddr = v
+	}
+	g.Headless = vals[vllm.FlagHeadless] == "true"
+	g.HybridLB = vals[vllm.FlagDataParallelHybridLB] == "true"
+	if err := g.resolve(s, vals); err != nil {
+		return nil, err
+	}
 	s.Dtype, s.KVCacheDtype, s.Quantization, s.Revision = vals["--dtype"], vals["--kv-cache-dtype"], vals["--quantization"], vals["--revision"]
 	if v, ok := vals["--enable-prefix-caching"]; ok {
 		s.PrefixCaching = v == "true"
@@ -187,6 +241,40 @@ func Parse(args []string) (*Serve, error) {
 		s.KVTransfer = &kv
 	}
 	return s, nil
+}
+
+// resolve checks and completes g as vLLM's EngineArgs.create_engine_config does (its
+// ValueErrors, not argparse's: exit 1).
+func (g *Group) resolve(s *Serve, vals map[string]string) error {
+	_, local := vals[vllm.FlagDataParallelSizeLocal]
+	_, start := vals[vllm.FlagDataParallelStartRank]
+	if g.Headless && g.HybridLB {
+		return errors.New("AssertionError: data_parallel_hybrid_lb is not applicable in headless mode")
+	}
+	if g.NNodes > 1 {
+		world := s.DataParallel * s.TensorParallel * s.PipelineParallel
+		if world%g.NNodes != 0 {
+			return fmt.Errorf("ValueError: Invalid data-parallel launch options: `--nnodes %d` must evenly divide the total world size (%d)", g.NNodes, world)
+		}
+		if g.NodeRank < 0 || g.NodeRank >= g.NNodes {
+			return fmt.Errorf("ValueError: Invalid data-parallel launch options: `--node-rank` must be between 0 and %d; got `--node-rank %d`", g.NNodes-1, g.NodeRank)
+		}
+	}
+	switch {
+	case local:
+		if start && !g.Headless {
+			g.HybridLB = true // vLLM infers hybrid load balancing
+		}
+		if g.DataParallelLocal < 1 || g.DataParallelLocal > s.DataParallel {
+			return fmt.Errorf("ValueError: data_parallel_size_local (%d) must be between 1 and data_parallel_size (%d)", g.DataParallelLocal, s.DataParallel)
+		}
+		if g.DataParallelLocal == s.DataParallel {
+			g.HybridLB = false // one node holds every rank
+		}
+	case g.HybridLB:
+		return errors.New("ValueError: Invalid data-parallel launch options: `--data-parallel-hybrid-lb` requires `--data-parallel-size-local`. Set it to the number of data-parallel ranks on this node")
+	}
+	return nil
 }
 
 // Flow is how a connector class moves KV: mooncake or nixl.

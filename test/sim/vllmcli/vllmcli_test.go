@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -220,6 +221,7 @@ with open(sys.argv[1], "w") as f:
 }
 
 func TestParse(t *testing.T) {
+	single := vllmcli.Group{DataParallelRPCPort: 29550, NNodes: 1, MasterAddr: "127.0.0.1", MasterPort: 29501}
 	for _, tc := range []struct {
 		name string
 		args []string
@@ -227,11 +229,30 @@ func TestParse(t *testing.T) {
 		err  string
 	}{
 		{"defaults", []string{"serve", "m"}, &vllmcli.Serve{Model: "m", ServedModelName: "m", Host: "0.0.0.0", Port: 8000, BlockSize: 16,
-			TensorParallel: 1, DataParallel: 1, PipelineParallel: 1, PrefixCaching: true}, ""},
+			TensorParallel: 1, DataParallel: 1, PipelineParallel: 1, PrefixCaching: true, Group: single}, ""},
 		{"both spellings, short aliases and negation", []string{"serve", "m", "--block_size=64", "-tp", "4", "--data-parallel-size=2",
 			"--no-enable-prefix-caching", "--enable-expert-parallel", "--port", "9000", "--served-model-name", "x"},
 			&vllmcli.Serve{Model: "m", ServedModelName: "x", Host: "0.0.0.0", Port: 9000, BlockSize: 64, TensorParallel: 4, DataParallel: 2,
-				PipelineParallel: 1, ExpertParallel: true}, ""},
+				PipelineParallel: 1, ExpertParallel: true, Group: single}, ""},
+		{"a hybrid-LB pod: local ranks from its start rank", []string{"serve", "m", "-dp", "4", "--data-parallel-hybrid-lb", "--data-parallel-size-local", "2",
+			"--data-parallel-start-rank", "2", "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "1234"},
+			&vllmcli.Serve{Model: "m", ServedModelName: "m", Host: "0.0.0.0", Port: 8000, BlockSize: 16, TensorParallel: 1, DataParallel: 4,
+				PipelineParallel: 1, PrefixCaching: true, Group: vllmcli.Group{DataParallelLocal: 2, DataParallelStartRank: 2, DataParallelAddress: "10.0.0.1",
+					DataParallelRPCPort: 1234, HybridLB: true, NNodes: 1, MasterAddr: "127.0.0.1", MasterPort: 29501}}, ""},
+		{"a start rank infers hybrid LB", []string{"serve", "m", "-dp", "4", "--data-parallel-size-local=2", "--data-parallel-start-rank=0"},
+			&vllmcli.Serve{Model: "m", ServedModelName: "m", Host: "0.0.0.0", Port: 8000, BlockSize: 16, TensorParallel: 1, DataParallel: 4,
+				PipelineParallel: 1, PrefixCaching: true, Group: vllmcli.Group{DataParallelLocal: 2, DataParallelRPCPort: 29550, HybridLB: true,
+					NNodes: 1, MasterAddr: "127.0.0.1", MasterPort: 29501}}, ""},
+		{"a headless model worker", []string{"serve", "m", "-tp", "8", "-pp", "2", "--distributed-executor-backend", "mp", "-n", "2", "-r", "1",
+			"--master-addr", "10.0.0.1", "--master-port", "4321", "--headless"},
+			&vllmcli.Serve{Model: "m", ServedModelName: "m", Host: "0.0.0.0", Port: 8000, BlockSize: 16, TensorParallel: 8, DataParallel: 1,
+				PipelineParallel: 2, PrefixCaching: true, Group: vllmcli.Group{DataParallelRPCPort: 29550, NNodes: 2, NodeRank: 1,
+					MasterAddr: "10.0.0.1", MasterPort: 4321, Headless: true}}, ""},
+		{"hybrid LB without local ranks", []string{"serve", "m", "-dp", "4", "--data-parallel-hybrid-lb"}, nil, "requires `--data-parallel-size-local`"},
+		{"hybrid LB headless", []string{"serve", "m", "-dp", "4", "--data-parallel-hybrid-lb", "--data-parallel-size-local=2", "--headless"}, nil, "not applicable in headless mode"},
+		{"more local ranks than ranks", []string{"serve", "m", "-dp", "2", "--data-parallel-size-local=4"}, nil, "must be between 1 and data_parallel_size (2)"},
+		{"nodes that do not divide the world", []string{"serve", "m", "-tp", "3", "--nnodes=2"}, nil, "must evenly divide the total world size (3)"},
+		{"a node rank past the nodes", []string{"serve", "m", "-tp", "2", "--nnodes=2", "--node-rank=2"}, nil, "between 0 and 1; got `--node-rank 2`"},
 		{"unknown flag", []string{"serve", "m", "--kv-connector", "x"}, nil, "unrecognized arguments: --kv-connector x"},
 		{"a second positional", []string{"serve", "m", "n"}, nil, "unrecognized arguments: n"},
 		{"no model", []string{"serve", "--port=1"}, nil, "required: model_tag"},
@@ -305,6 +326,48 @@ func TestLoadConnector(t *testing.T) {
 			}
 			if c.Flow != tc.flow {
 				t.Errorf("flow = %q, want %q", c.Flow, tc.flow)
+			}
+		})
+	}
+}
+
+// The other side of `connector launch`: every command line the launcher completes for the
+// pods of the rendered multi-node groups (cmd/connector's golden, which vLLM's own parser of
+// each tested release reads too) is one the stand-in runs, and it runs there the ranks vLLM
+// would: a data-parallel pod its data/nodes with hybrid load balancing, a model worker
+// headless.
+func TestLaunchedGroupPodsParse(t *testing.T) {
+	b, err := os.ReadFile("../../../cmd/connector/testdata/launched.golden.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pods []struct {
+		Name string   `json:"name"`
+		Args []string `json:"args"`
+	}
+	if err := json.Unmarshal(b, &pods); err != nil {
+		t.Fatal(err)
+	}
+	if len(pods) == 0 {
+		t.Fatal("no launched pods in the golden")
+	}
+	for _, p := range pods {
+		t.Run(p.Name, func(t *testing.T) {
+			s, err := vllmcli.Parse(p.Args)
+			if err != nil {
+				t.Fatalf("the stand-in refuses what the launcher runs: %v", err)
+			}
+			index, _ := strconv.Atoi(p.Name[strings.LastIndex(p.Name, "/")+1:])
+			g := s.Group
+			if s.DataParallel > 1 {
+				local := s.DataParallel / 2
+				if !g.HybridLB || s.LocalRanks() != local || g.DataParallelStartRank != index*local || g.DataParallelAddress == "" {
+					t.Errorf("group %+v, %d local ranks: want hybrid LB, %d ranks from %d, the leader's address", g, s.LocalRanks(), local, index*local)
+				}
+				return
+			}
+			if g.NNodes != 2 || g.NodeRank != index || g.Headless != (index > 0) || g.HybridLB {
+				t.Errorf("group %+v: want node %d of 2, headless unless the leader", g, index)
 			}
 		})
 	}

@@ -13,6 +13,12 @@
 //     and an engine with no request does not step (EngineCore blocks on its input queue); the
 //     worker reports pulls with no local block too, as vLLM's stock Mooncake worker did before
 //     0.32, so the stock class dies of them as vLLM did;
+//   - a replica across pods (the flags `connector launch` adds): a pod of a data-parallel
+//     replica (hybrid load balancing) runs its --data-parallel-size-local ranks, counted from 0
+//     in its own bootstrap registry, gates and X-data-parallel-rank; a model sharded over
+//     --nnodes serves from node 0, the --headless others run no API server. No pod serves
+//     before every pod of its group joined at the leader's --data-parallel-address or
+//     --master-addr (which the leader binds), and a pod lost ends the others' engines;
 //   - the gate: with pdgate's class loaded the scheduler side runs pdgate's rule (TTL from
 //     PDGATE_TTL_SECONDS) and heartbeats its counts to the sidecar as the plugin does;
 //     VLLM_SIM_SILENT_GATE=1 keeps the heartbeat from ever reaching the sidecar (a test knob:
@@ -102,9 +108,11 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 	defer stopEngine()
 	cfg := enginesim.Config{Model: s.ServedModelName, BlockSize: s.BlockSize, MaxModelLen: s.MaxModelLen,
 		MaxNumSeqs: s.MaxNumSeqs, PrefixCaching: s.PrefixCaching, Policy: vllmsched.PolicyFail, StepTime: 2 * time.Millisecond, Log: log}
-	// One engine per data-parallel rank, as vLLM runs one EngineCore (with its own KV cache,
-	// scheduler and connector worker) per rank behind one API server.
-	ranks := max(s.DataParallel, 1)
+	// One engine per data-parallel rank of this pod, as vLLM runs one EngineCore (with its own
+	// KV cache, scheduler and connector worker) per rank behind one API server. A pod of a
+	// replica across pods runs its --data-parallel-size-local, counted from 0 as vLLM's hybrid
+	// load balancing counts them (its registry, gates and X-data-parallel-rank).
+	ranks := s.LocalRanks()
 	var conn vllmcli.Connector
 	var format string // the KV format, with a connector
 	var listeners []net.Listener
@@ -120,6 +128,22 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 		}
 		listeners = append(listeners, l)
 		return l, nil
+	}
+	// A pod of a replica across pods serves once its group formed, and dies with it.
+	lost := make(chan error, 1)
+	if plan, ok := planGroup(s); ok {
+		if err := joinGroup(shutdown, plan, listen, lost, log.WithName("group")); err != nil {
+			return err
+		}
+		if s.Group.Headless {
+			log.Info("vllm (simulated) headless: this pod runs its group's workers, no API server", "group", plan.addr, "node", s.Group.NodeRank)
+			select {
+			case <-shutdown.Done():
+				return nil
+			case err := <-lost:
+				return err
+			}
+		}
 	}
 	metrics := prometheus.NewRegistry()
 	// rankMetrics is where a rank's transfer engine registers: with several ranks, each under
@@ -256,7 +280,18 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
 	log.Info("vllm (simulated) serving", "model", s.Model, "api", api.Addr().String(), "connector", conn.Class, "flow", conn.Flow, "kvRole", cfg.Role, "kvFormat", format, "dataParallelRanks", ranks)
 	drain := time.Duration(s.ShutdownTimeout) * time.Second
-	serveHTTPFor(shutdown, api, mux, drain)
+	serving, groupLost := context.WithCancelCause(shutdown)
+	go func() {
+		select {
+		case err := <-lost:
+			groupLost(err)
+		case <-serving.Done():
+		}
+	}()
+	serveHTTPFor(serving, api, mux, drain)
+	if err := context.Cause(serving); errors.Is(err, errGroupLost) {
+		return err
+	}
 	held := func() (n int) {
 		for _, e := range engines {
 			n += e.HeldSends()

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -558,5 +559,104 @@ func TestEachRanksGateReachesTheSidecar(t *testing.T) {
 	}
 	if !st.Loaded || st.Ranks != 2 || st.Report == nil || st.Report.Connector != "GatedMooncakeConnector" {
 		t.Errorf("sidecar's gate state %+v, want loaded from both ranks' gates", st)
+	}
+}
+
+// Two pods of one data-parallel replica (4 ranks, 2 per pod), with the flags `connector
+// launch` gives them: as vLLM's hybrid load balancing, neither serves until both joined the
+// group at the leader's coordinator; each runs its own bootstrap registry listing its own
+// ranks from 0, takes X-data-parallel-rank in [0, 2) and refuses 2 as vLLM does; and when one
+// pod goes, the other's engine dies (its collectives would fail), so LeaderWorkerSet's
+// RecreateGroupOnPodRestart brings the replica back whole.
+func TestHybridLoadBalancedPodsServeAsOneGroup(t *testing.T) {
+	rpc := freePort(t)
+	type pod struct {
+		api, boot int
+		stop      context.CancelFunc
+		errc      chan error
+	}
+	start := func(startRank int) pod {
+		env := podEnv(t)
+		p := pod{api: freePort(t), boot: freePort(t)}
+		env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = fmt.Sprint(p.boot)
+		p.stop, p.errc = serve(t, []string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", p.api), "--block-size=16",
+			"--data-parallel-size", "4", "--enable-expert-parallel", mooncakeProducer,
+			"--data-parallel-hybrid-lb", "--data-parallel-size-local", "2", "--data-parallel-start-rank", fmt.Sprint(startRank),
+			"--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", fmt.Sprint(rpc)}, env)
+		return p
+	}
+	leader := start(0)
+	// The leader binds its coordinator and waits: no API server yet.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", rpc)); err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the leader never listened on its data-parallel RPC port")
+		}
+	}
+	time.Sleep(300 * time.Millisecond)
+	if resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/health", leader.api)); err == nil {
+		resp.Body.Close()
+		t.Fatalf("the leader serves (%s) before the other pod of its group joined", resp.Status)
+	}
+	worker := start(2)
+	for _, p := range []pod{leader, worker} {
+		waitHealthy(t, fmt.Sprintf("http://127.0.0.1:%d", p.api), p.errc)
+	}
+	ids := map[string]bool{}
+	for _, p := range []pod{leader, worker} {
+		topo := query(t, fmt.Sprintf("http://127.0.0.1:%d/query", p.boot))
+		if len(topo) != 2 || topo["0"].EngineID == "" || topo["1"].EngineID == "" {
+			t.Fatalf("bootstrap /query of the pod on %d = %+v, want its own ranks 0 and 1", p.api, topo)
+		}
+		ids[topo["0"].EngineID], ids[topo["1"].EngineID] = true, true
+		for rank, want := range map[string]int{"1": http.StatusOK, "2": http.StatusBadRequest} {
+			req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://127.0.0.1:%d/v1/completions", p.api),
+				strings.NewReader(`{"model":"m","max_tokens":1,"prompt":"hello there"}`))
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set(vllm.DataParallelRankHeader, rank)
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != want || (want == http.StatusBadRequest && !strings.Contains(string(b), "data_parallel_rank 2 is out of range [0, 2).")) {
+				t.Errorf("pod on %d, rank %s: %d %s, want %d", p.api, rank, resp.StatusCode, b, want)
+			}
+		}
+	}
+	if len(ids) != 4 {
+		t.Errorf("engine ids %v: want 4, one per rank of the replica", ids)
+	}
+	worker.stop()
+	err := <-worker.errc
+	worker.errc <- err // for serve's cleanup
+	select {
+	case err := <-leader.errc:
+		leader.errc <- err
+		if !errors.Is(err, errGroupLost) {
+			t.Errorf("the leader ended with %v, want %v", err, errGroupLost)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the leader still runs 10 s after the other pod of its group went")
+	}
+}
+
+// A pod whose leader address is not its own cannot host the coordinator: the start fails,
+// as vLLM's bind of an address the host does not have fails.
+func TestGroupLeaderBindsTheAddressItWasGiven(t *testing.T) {
+	s, err := vllmcli.Parse([]string{"serve", "m", "--host=127.0.0.1", fmt.Sprintf("--port=%d", freePort(t)), "-dp", "4",
+		"--data-parallel-size-local", "2", "--data-parallel-start-rank", "0", "--data-parallel-address", "192.0.2.1",
+		"--data-parallel-rpc-port", fmt.Sprint(freePort(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := podEnv(t)
+	err = run(t.Context(), s, func(k string) string { return env[k] }, logr.Discard())
+	if err == nil || !strings.Contains(err.Error(), "data-parallel coordinator on 192.0.2.1") {
+		t.Errorf("run = %v, want the coordinator's bind to fail", err)
 	}
 }
