@@ -92,7 +92,10 @@ up() {
 	ns="$("${kubectl}" get -f "${sample}" -o jsonpath='{.metadata.namespace}')"
 	name="$("${kubectl}" get -f "${sample}" -o jsonpath='{.metadata.name}')"
 	"${kubectl}" wait --namespace "${ns}" --for=condition=Ready "pdcluster/${name}" --timeout "${PDCLUSTER_WAIT:-300s}" >&2
-	"${kubectl}" get --namespace "${ns}" pdcluster,deployments,pods -o wide >&2
+	local kinds=pdcluster,deployments,pods
+	# The real node's cluster runs LeaderWorkerSet: a pool with parallelism.nodes > 1 is one.
+	[[ "${real_node}" == 1 ]] && kinds=pdcluster,deployments,leaderworkersets,pods
+	"${kubectl}" get --namespace "${ns}" "${kinds}" -o wide >&2
 	if [[ "${real_node}" == 1 ]]; then
 		local ip model
 		ip="$("${kubectl}" get --namespace "${ns}" service "${name}-router" -o jsonpath='{.spec.clusterIP}')"

@@ -24,7 +24,7 @@ func TestPrunedSchemaAdmitsAsTheWholeSchema(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	files = append(files, "../../config/samples/serving_v1alpha1_pdcluster.yaml", "../../config/samples/local-node.yaml")
+	files = append(files, "../../config/samples/serving_v1alpha1_pdcluster.yaml", "../../config/samples/local-node.yaml", "../../config/samples/local-node-multinode.yaml")
 	for _, f := range files {
 		if strings.HasSuffix(f, ".golden.yaml") {
 			continue

@@ -134,8 +134,14 @@ func restarts(pod corev1.Pod, container string) int32 {
 // the stand-in, like a model, may otherwise stop early on an end-of-sequence token, which a
 // load loop would count as a failure).
 func (r realNode) complete(prompt string, maxTokens int) (int, int, error) {
+	return completeThrough(r.env, realName, prompt, maxTokens)
+}
+
+// completeThrough is complete through the router Service of the real-node sample cluster
+// (whose model is realModel).
+func completeThrough(e *env, cluster, prompt string, maxTokens int) (int, int, error) {
 	var svc corev1.Service
-	if err := r.c.Get(r.ctx, client.ObjectKey{Namespace: sampleNS, Name: realName + "-router"}, &svc); err != nil {
+	if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: cluster + "-router"}, &svc); err != nil {
 		return 0, 0, err
 	}
 	body, _ := json.Marshal(map[string]any{"model": realModel, "prompt": prompt, "max_tokens": maxTokens, "ignore_eos": true})
