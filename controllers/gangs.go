@@ -9,40 +9,14 @@ import (
 	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
-// podGroup is the kind a replica across pods is scheduled as one gang with.
-var podGroup = schema.GroupKind{Group: schedulingv1beta1.GroupName, Kind: "PodGroup"}
-
 // wantsGangs reports whether pdc has a pool whose replicas span pods and asks for gangs.
 func wantsGangs(pdc *v1alpha1.PDCluster) bool {
 	return len(render.MultiNodePools(pdc)) > 0 && pdc.Spec.Scheduling.Gang != v1alpha1.GangNone
-}
-
-// observePodGroups records in the snapshot whether the cluster serves PodGroups, as
-// observeLeaderWorkerSet does for LeaderWorkerSets: watched, or remembered once found, else
-// looked up for a PDCluster that wants gangs. A failed lookup leaves them unserved (and says
-// why in GangScheduling): gang scheduling never blocks a reconcile.
-func (r *PDClusterReconciler) observePodGroups(pdc *v1alpha1.PDCluster, s *snapshot) {
-	if r.podGroupsWatched || r.podGroupsServed.Load() {
-		s.podGroupsServed = true
-		return
-	}
-	if !wantsGangs(pdc) {
-		return
-	}
-	_, err := r.RESTMapper().RESTMapping(podGroup, schedulingv1beta1.SchemeGroupVersion.Version)
-	switch {
-	case err == nil:
-		s.podGroupsServed = true
-		r.podGroupsServed.Store(true)
-	case !meta.IsNoMatchError(err):
-		s.podGroupsErr = fmt.Errorf("look up PodGroup: %w", err)
-	}
 }
 
 // gangStatus writes GangScheduling for a PDCluster with a pool whose replicas span pods, and
@@ -61,10 +35,10 @@ func gangStatus(status *v1alpha1.PDClusterStatus, pdc *v1alpha1.PDCluster, o obs
 	case pdc.Spec.Scheduling.Gang == v1alpha1.GangNone:
 		set(metav1.ConditionFalse, v1alpha1.ReasonGangDisabled, "spec.scheduling.gang is None: a replica's pods are scheduled one by one")
 		return
-	case o.podGroupsErr != nil:
-		set(metav1.ConditionUnknown, v1alpha1.ReasonPodGroupsUnavailable, fmt.Sprintf("%v: a replica's pods are scheduled one by one", o.podGroupsErr))
+	case o.servesPodGroups.err != nil:
+		set(metav1.ConditionUnknown, v1alpha1.ReasonPodGroupsUnavailable, fmt.Sprintf("%v: a replica's pods are scheduled one by one", o.servesPodGroups.err))
 		return
-	case !o.podGroupsServed:
+	case !o.servesPodGroups.served:
 		set(metav1.ConditionFalse, v1alpha1.ReasonPodGroupsUnavailable, "the cluster serves no PodGroups (scheduling.k8s.io/v1beta1: the GenericWorkload feature of the API server and the scheduler): a replica's pods are scheduled one by one, and one that cannot all be placed holds the GPUs of those that were")
 		return
 	}

@@ -27,15 +27,15 @@ func TestGangStatus(t *testing.T) {
 		wantIn     string
 		wantEvent  bool
 	}{
-		{name: "no pool across pods: no condition", nodes: 1, obs: observed{podGroupsServed: true}},
-		{name: "gangs applied", nodes: 2, obs: observed{podGroupsServed: true, podGroups: []*schedulingv1beta1.PodGroup{scheduled}},
+		{name: "no pool across pods: no condition", nodes: 1, obs: observed{servesPodGroups: availability{served: true}}},
+		{name: "gangs applied", nodes: 2, obs: observed{servesPodGroups: availability{served: true}, podGroups: []*schedulingv1beta1.PodGroup{scheduled}},
 			wantReason: v1alpha1.ReasonGangsApplied, wantIn: "spec.prefill.parallelism.nodes is 2"},
 		{name: "the scheduler's words for a gang it cannot place", nodes: 2,
-			obs:        observed{podGroupsServed: true, podGroups: []*schedulingv1beta1.PodGroup{scheduled, unschedulable}},
+			obs:        observed{servesPodGroups: availability{served: true}, podGroups: []*schedulingv1beta1.PodGroup{scheduled, unschedulable}},
 			wantReason: v1alpha1.ReasonGangUnschedulable, wantIn: "c-prefill-lws-1: 0/5 nodes are available: 5 Insufficient nvidia.com/gpu.", wantEvent: true},
 		{name: "not served: a warning, pods one by one", nodes: 2, obs: observed{},
 			wantReason: v1alpha1.ReasonPodGroupsUnavailable, wantIn: "scheduled one by one"},
-		{name: "gang None", nodes: 2, gang: v1alpha1.GangNone, obs: observed{podGroupsServed: true},
+		{name: "gang None", nodes: 2, gang: v1alpha1.GangNone, obs: observed{servesPodGroups: availability{served: true}},
 			wantReason: v1alpha1.ReasonGangDisabled},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

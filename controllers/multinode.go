@@ -5,15 +5,9 @@ import (
 	"fmt"
 	"strings"
 
-	"k8s.io/apimachinery/pkg/api/meta"
-	"k8s.io/apimachinery/pkg/runtime/schema"
-
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
-
-// leaderWorkerSet is the kind a replica across pods runs as.
-var leaderWorkerSet = schema.GroupKind{Group: "leaderworkerset.x-k8s.io", Kind: "LeaderWorkerSet"}
 
 // prepare makes the PDCluster ready to render (render.Prepare: defaults, the checks the CRD
 // cannot make, the KV revision), once per reconcile, and says in Ready's words why it cannot
@@ -29,7 +23,7 @@ func prepare(pdc *v1alpha1.PDCluster, s *snapshot) (*render.Prepared, error) {
 	case err != nil:
 		return nil, fmt.Errorf("KV revision: %w", err)
 	}
-	if pools := render.MultiNodePools(pdc); len(pools) > 0 && !s.lwsServed {
+	if pools := render.MultiNodePools(pdc); len(pools) > 0 && !s.servesGroupSets.served {
 		return nil, multiNodeUnavailable(pools, s)
 	}
 	return p, nil
@@ -38,32 +32,9 @@ func prepare(pdc *v1alpha1.PDCluster, s *snapshot) (*render.Prepared, error) {
 // multiNodeUnavailable says why pools (render.MultiNodePools) cannot run: the cluster does
 // not serve LeaderWorkerSet, or whether it does is unknown.
 func multiNodeUnavailable(pools []string, s *snapshot) error {
-	if s.lwsErr != nil {
-		return s.lwsErr
+	if err := s.servesGroupSets.err; err != nil {
+		return err
 	}
 	msg := fmt.Sprintf("%s: a replica across pods runs as a LeaderWorkerSet group, and the cluster does not serve LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): install it; nothing is applied until then (set nodes to 1 to run one pod per replica)", strings.Join(pools, ", "))
 	return &readyError{v1alpha1.ReasonMultiNodeUnavailable, "Render", msg, errors.New(msg)}
-}
-
-// observeLeaderWorkerSet records in the snapshot whether the cluster serves LeaderWorkerSet:
-// it does when the manager watches them, or once a lookup found it (remembered: a PDCluster
-// back to one pod per replica still has its LeaderWorkerSets to delete). Else it is looked up
-// for a PDCluster with a pool whose replicas span pods only: a lookup of a kind the cluster
-// does not serve costs a discovery request.
-func (r *PDClusterReconciler) observeLeaderWorkerSet(pdc *v1alpha1.PDCluster, s *snapshot) {
-	if r.groupSetsWatched || r.groupSetsServed.Load() {
-		s.lwsServed = true
-		return
-	}
-	if len(render.MultiNodePools(pdc)) == 0 {
-		return
-	}
-	_, err := r.RESTMapper().RESTMapping(leaderWorkerSet, "v1")
-	switch {
-	case err == nil:
-		s.lwsServed = true
-		r.groupSetsServed.Store(true)
-	case !meta.IsNoMatchError(err):
-		s.lwsErr = fmt.Errorf("look up LeaderWorkerSet: %w", err)
-	}
 }

@@ -37,11 +37,10 @@ type observed struct {
 	canary *v1alpha1.CanaryResult
 	// pairs are the routers' pair counts summed (pairing), or nil.
 	pairs *routerconfig.PairCounts
-	// podGroups are the PDCluster's PodGroups (one per replica across pods);
-	// podGroupsServed says whether the cluster serves them, podGroupsErr why that is unknown.
+	// podGroups are the PDCluster's PodGroups (one per replica across pods), where the
+	// cluster serves them (servesPodGroups).
 	podGroups       []*schedulingv1beta1.PodGroup
-	podGroupsServed bool
-	podGroupsErr    error
+	servesPodGroups availability
 }
 
 // gateRead is one engine pod's answer to GET /gate, read at at.
@@ -68,7 +67,7 @@ const gateReads = 16
 // verification and status; applied are the objects it applied, as rendered.
 func (s *snapshot) observed(applied []render.Object) observed {
 	o := observed{pods: s.pods, podsErr: s.podsErr, gates: s.gates, gatesRead: s.gatesRead, canary: s.canary, pairs: s.pairs,
-		podGroups: s.podGroups, podGroupsServed: s.podGroupsServed, podGroupsErr: s.podGroupsErr}
+		podGroups: s.podGroups, servesPodGroups: s.servesPodGroups}
 	o.sets = map[v1alpha1.Role]*podSet{}
 	for _, d := range s.deployments {
 		if d.Name == render.ObjectName(s.pdc.Name, v1alpha1.RoleRouter) {

@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
-	"sync/atomic"
 	"time"
 	"unique"
 
@@ -24,7 +23,6 @@ import (
 	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -84,14 +82,9 @@ type PDClusterReconciler struct {
 	// childrenIndexed: the client's cache has childIndex (SetupWithManager adds it); without
 	// it (a client that reads the API server) the snapshot lists by label.
 	childrenIndexed bool
-	// groupSetsWatched: the cluster served LeaderWorkerSet when the manager started, and the
-	// controller watches and indexes them (SetupWithManager); groupSetsServed: a lookup since
-	// found it served.
-	groupSetsWatched bool
-	groupSetsServed  atomic.Bool
-	// podGroupsWatched and podGroupsServed are the same for PodGroups.
-	podGroupsWatched bool
-	podGroupsServed  atomic.Bool
+	// groupSets and podGroups are what the reconciler knows of the kinds the cluster may not
+	// serve: LeaderWorkerSet (replicas across pods) and PodGroup (their gangs).
+	groupSets, podGroups optionalKind
 }
 
 // +kubebuilder:rbac:groups=serving.pdcluster.dev,resources=pdclusters,verbs=get;list;watch
@@ -226,7 +219,7 @@ func decide(pdc *v1alpha1.PDCluster, snap *snapshot, opts render.Options) (*plan
 	}
 	serving := p.revs.serving(pdc)
 	serving.Domains = snap.topo.domains
-	serving.PodGroups = snap.podGroupsServed
+	serving.PodGroups = snap.servesPodGroups.served
 	scaled := prep.Scaled(p.scale.effective)
 	renderErr := func(err error) error {
 		return permanentError{&readyError{v1alpha1.ReasonInvalidSpec, "Render", err.Error(), fmt.Errorf("render: %w", err)}}
@@ -439,25 +432,21 @@ func (r *PDClusterReconciler) apply(ctx context.Context, obj client.Object) (cli
 func (r *PDClusterReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	// LeaderWorkerSets are watched when the cluster serves them now: a watch on a kind it does
 	// not serve would keep the manager from starting.
-	if _, err := mgr.GetRESTMapper().RESTMapping(leaderWorkerSet, lwsv1.GroupVersion.Version); err == nil {
-		r.groupSetsWatched = true
-	} else if !meta.IsNoMatchError(err) {
-		return fmt.Errorf("look up LeaderWorkerSet: %w", err)
+	if err := r.groupSets.watch(mgr.GetRESTMapper(), leaderWorkerSetKind); err != nil {
+		return err
 	}
-	if _, err := mgr.GetRESTMapper().RESTMapping(podGroup, schedulingv1beta1.SchemeGroupVersion.Version); err == nil {
-		r.podGroupsWatched = true
-	} else if !meta.IsNoMatchError(err) {
-		return fmt.Errorf("look up PodGroup: %w", err)
+	if err := r.podGroups.watch(mgr.GetRESTMapper(), podGroupKind); err != nil {
+		return err
 	}
-	if err := indexChildren(context.Background(), mgr.GetFieldIndexer(), r.groupSetsWatched, r.podGroupsWatched); err != nil {
+	if err := indexChildren(context.Background(), mgr.GetFieldIndexer(), r.groupSets.watched, r.podGroups.watched); err != nil {
 		return err
 	}
 	r.childrenIndexed = true
 	b := ctrl.NewControllerManagedBy(mgr)
-	if r.groupSetsWatched {
+	if r.groupSets.watched {
 		b = b.Owns(&lwsv1.LeaderWorkerSet{})
 	}
-	if r.podGroupsWatched {
+	if r.podGroups.watched {
 		// The scheduler's verdict on a gang (its status) is status to report.
 		b = b.Owns(&schedulingv1beta1.PodGroup{})
 	}

@@ -12,7 +12,6 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
-	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
@@ -57,15 +56,13 @@ type snapshot struct {
 	canary *v1alpha1.CanaryResult
 	// pairs are the routers' pair counts summed (pairing), or nil.
 	pairs *routerconfig.PairCounts
-	// lwsServed says whether the cluster serves LeaderWorkerSet; lwsErr why that is unknown.
-	// Looked up for a PDCluster with a multi-node pool, unless the manager watches the kind.
-	lwsServed bool
-	lwsErr    error
+	// servesGroupSets says whether the cluster serves LeaderWorkerSet (looked up for a
+	// PDCluster with a pool whose replicas span pods, unless the manager watches the kind).
+	servesGroupSets availability
 	// podGroups are the PodGroups of the replicas across pods (listed when the cluster serves
-	// the kind); podGroupsServed and podGroupsErr as for LeaderWorkerSets.
+	// the kind, servesPodGroups: looked up for a PDCluster that wants gangs).
 	podGroups       []*schedulingv1beta1.PodGroup
-	podGroupsServed bool
-	podGroupsErr    error
+	servesPodGroups availability
 }
 
 // observeSnapshot reads the snapshot. An error in any read but the pods' stops the reconcile
@@ -76,8 +73,8 @@ func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1
 	if s.topo, err = r.observeTopology(ctx, pdc); err != nil {
 		return s, err
 	}
-	r.observeLeaderWorkerSet(pdc, s)
-	r.observePodGroups(pdc, s)
+	s.servesGroupSets = r.groupSets.observe(r.RESTMapper, leaderWorkerSetKind, len(render.MultiNodePools(pdc)) > 0)
+	s.servesPodGroups = r.podGroups.observe(r.RESTMapper, podGroupKind, wantsGangs(pdc))
 	mine := []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
 	if r.childrenIndexed {
 		// The same objects from the cache's index: a reconcile reads its own children, not
@@ -108,38 +105,17 @@ func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1
 	s.budgets = controlled(pdc, pdbs.Items)
 	s.policies = controlled(pdc, nps.Items)
 	s.poolScales = controlled(pdc, scales.Items)
-	if s.lwsServed {
-		var groups lwsv1.LeaderWorkerSetList
-		opts := mine
-		if !r.groupSetsWatched {
-			// Served since the manager started: no index for them (a lazily started informer).
-			opts = []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
-		}
-		switch err := r.List(ctx, &groups, opts...); {
-		case meta.IsNoMatchError(err):
-			// Uninstalled since: none to keep (and a multi-node pool is refused again).
-			r.groupSetsServed.Store(false)
-			s.lwsServed = false
-		case err != nil:
-			return s, fmt.Errorf("list leaderworkersets: %w", err)
-		}
-		s.groupSets = controlled(pdc, groups.Items)
+	// Uninstalled since it was found: none to keep (and a multi-node pool is refused again).
+	var groups lwsv1.LeaderWorkerSetList
+	if err := r.listOptional(ctx, pdc, &r.groupSets, leaderWorkerSetKind, &s.servesGroupSets, &groups, mine); err != nil {
+		return s, err
 	}
-	if s.podGroupsServed {
-		var gangs schedulingv1beta1.PodGroupList
-		opts := mine
-		if !r.podGroupsWatched {
-			opts = []client.ListOption{client.InNamespace(pdc.Namespace), client.MatchingLabels{v1alpha1.LabelCluster: pdc.Name}}
-		}
-		switch err := r.List(ctx, &gangs, opts...); {
-		case meta.IsNoMatchError(err):
-			r.podGroupsServed.Store(false)
-			s.podGroupsServed = false
-		case err != nil:
-			return s, fmt.Errorf("list podgroups: %w", err)
-		}
-		s.podGroups = controlled(pdc, gangs.Items)
+	s.groupSets = controlled(pdc, groups.Items)
+	var gangs schedulingv1beta1.PodGroupList
+	if err := r.listOptional(ctx, pdc, &r.podGroups, podGroupKind, &s.servesPodGroups, &gangs, mine); err != nil {
+		return s, err
 	}
+	s.podGroups = controlled(pdc, gangs.Items)
 	if err := r.List(ctx, &podsList, mine...); err != nil {
 		s.podsErr = fmt.Errorf("list pods: %w", err)
 		return s, nil

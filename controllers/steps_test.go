@@ -16,22 +16,21 @@ import (
 // that reads or writes the cluster and is not listed here is a read hidden in a decision, or
 // a write outside act.
 var clientSteps = map[string]string{
-	"Reconcile":              "observe (the PDCluster itself) and act (its status, once)",
-	"observeSnapshot":        "observe",
-	"observeTopology":        "observe",
-	"observeLeaderWorkerSet": "observe",
-	"observePodGroups":       "observe",
-	"createPoolScales":       "act",
-	"reconcileObject":        "act", // reads the object it applies, to compare
-	"apply":                  "act",
-	"stepOldRevisions":       "act",
-	"pinService":             "act",
-	"deleteObserved":         "act",
-	"writeScaleStatus":       "act",
-	"decideConnectorHealth":  "act", // restarts, after checking the PDCluster read is current
-	"restartPods":            "act",
-	"setDeletionCosts":       "act",
-	"labelDomains":           "act",
+	"Reconcile":             "observe (the PDCluster itself) and act (its status, once)",
+	"observeSnapshot":       "observe",
+	"observeTopology":       "observe",
+	"listOptional":          "observe",
+	"createPoolScales":      "act",
+	"reconcileObject":       "act", // reads the object it applies, to compare
+	"apply":                 "act",
+	"stepOldRevisions":      "act",
+	"pinService":            "act",
+	"deleteObserved":        "act",
+	"writeScaleStatus":      "act",
+	"decideConnectorHealth": "act", // restarts, after checking the PDCluster read is current
+	"restartPods":           "act",
+	"setDeletionCosts":      "act",
+	"labelDomains":          "act",
 }
 
 // decisions are the reconcile's pure steps: they see the snapshot and the spec, never the
