@@ -101,15 +101,18 @@ func unused(pdc *v1alpha1.PDCluster, s *snapshot, keep map[childKey]bool, revs e
 		var names []string
 		for _, d := range o.sets() {
 			objs = append(objs, d.Object)
-			names = append(names, d.GetName())
 			claimed[keyOf(d.Object)] = true
 			if svc := s.service(d.service()); svc != nil && gone(svc) {
 				objs = append(objs, svc)
 				claimed[keyOf(svc)] = true
 			}
 		}
+		// Each with its kind: a revision's pod sets are Deployments or LeaderWorkerSets.
+		for _, obj := range objs {
+			names = append(names, kindOf(obj)+" "+obj.GetName())
+		}
 		out = append(out, removal{objs, event{corev1.EventTypeNormal, v1alpha1.ReasonKVRevisionRollingOut, "Delete",
-			fmt.Sprintf("KV revision %s has drained: deleted its Deployments and Services %s", cmp.Or(o.revision, render.UnlabelledRevision), strings.Join(names, ", "))}})
+			fmt.Sprintf("KV revision %s has drained: deleted %s", cmp.Or(o.revision, render.UnlabelledRevision), strings.Join(names, ", "))}})
 	}
 	var domain removal
 	var domainNames []string

@@ -234,7 +234,11 @@ func TestKVRevisionRollsOutInLockstep(t *testing.T) {
 		}
 	}
 	if !slices.ContainsFunc(events, func(e string) bool { return strings.Contains(e, "scaled prefill c-prefill 1 -> 0") }) ||
-		!slices.ContainsFunc(events, func(e string) bool { return strings.Contains(e, "has drained: deleted") }) {
+		!slices.ContainsFunc(events, func(e string) bool {
+			// Each object named with its kind: a revision of LeaderWorkerSets has no Deployment.
+			return strings.HasSuffix(e, "has drained: deleted Deployment c-prefill, Service c-prefill, Deployment c-decode, Service c-decode") ||
+				strings.HasSuffix(e, "has drained: deleted Deployment c-decode, Service c-decode, Deployment c-prefill, Service c-prefill")
+		}) {
 		t.Errorf("rollout events %q, want the scale steps and the deletion", events)
 	}
 

@@ -9,6 +9,8 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -63,9 +65,24 @@ func launchMain(args []string, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "connector launch:", err)
 		return 1
 	}
-	err = syscall.Exec(path, argv, append(os.Environ(), env...))
+	err = syscall.Exec(path, argv, launchEnv(os.Environ(), env))
 	fmt.Fprintln(stderr, "connector launch: exec", path+":", err)
 	return 1
+}
+
+// launchEnv is environ with extra's variables in place of any of the same name: the engine's
+// Python would read the first of two.
+func launchEnv(environ, extra []string) []string {
+	replaced := map[string]bool{}
+	for _, kv := range extra {
+		name, _, _ := strings.Cut(kv, "=")
+		replaced[name] = true
+	}
+	out := slices.DeleteFunc(slices.Clone(environ), func(kv string) bool {
+		name, _, _ := strings.Cut(kv, "=")
+		return replaced[name]
+	})
+	return append(out, extra...)
 }
 
 // launchCommand is the command line and the extra environment launchMain execs.

@@ -48,3 +48,14 @@ func TestLaunchCommand(t *testing.T) {
 		t.Errorf("an unknown flag exits %d, want 2", code)
 	}
 }
+
+// The launcher's variables replace the pod's of the same name instead of following them: the
+// engine's Python reads the first of duplicate names (CPython's os.environ keeps the first),
+// so an appended VLLM_HOST_IP that differed from the pod's would be ignored.
+func TestLaunchEnvReplacesThePodsVariables(t *testing.T) {
+	got := launchEnv([]string{"PATH=/bin", "VLLM_HOST_IP=10.0.0.9", "HOME=/"}, []string{"VLLM_HOST_IP=10.0.0.10", "VLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.10"})
+	want := []string{"PATH=/bin", "HOME=/", "VLLM_HOST_IP=10.0.0.10", "VLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.10"}
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("environment (-want +got):\n%s", d)
+	}
+}

@@ -196,7 +196,7 @@ func TestKVRevisionRollout(t *testing.T) {
 	if revs := f.routerRevisions("rev"); len(revs) != 0 {
 		t.Errorf("router.json after the rollout lists %v, want the new revision's Services alone", revs)
 	}
-	if ev := f.events(); !slices.ContainsFunc(ev, func(e string) bool { return strings.Contains(e, "has drained: deleted its Deployments") }) {
+	if ev := f.events(); !slices.ContainsFunc(ev, func(e string) bool { return strings.Contains(e, "has drained: deleted Deployment ") }) {
 		t.Errorf("events %q: want the drained revision's deletion", ev)
 	}
 
