@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -14,16 +13,15 @@ import (
 	"strconv"
 	"testing"
 
-	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/yaml"
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
-)
 
-var update = flag.Bool("update", false, "rewrite the golden files")
+	"pdcluster.dev/pdcluster-operator/test/golden"
+)
 
 // launchedPod is one pod's `vllm serve` command line of a rendered LeaderWorkerSet, as
 // `connector launch` completes it.
@@ -123,22 +121,7 @@ func TestLaunchesTheRenderedGroups(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	path := filepath.Join("testdata", "launched.golden.json")
-	if *update {
-		if err := os.MkdirAll("testdata", 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(path, append(got, '\n'), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (go test ./cmd/connector -run TestLaunchesTheRenderedGroups -update writes it)", err)
-	}
-	if d := cmp.Diff(string(want), string(got)+"\n"); d != "" {
-		t.Errorf("%s is stale (go test ./cmd/connector -run TestLaunchesTheRenderedGroups -update) (-want +got):\n%s", path, d)
-	}
+	golden.Equal(t, filepath.Join("testdata", "launched.golden.json"), append(got, '\n'), "go test ./cmd/connector -run TestLaunchesTheRenderedGroups -update")
 }
 
 func container(t *testing.T, cs []corev1.Container, name string) corev1.Container {

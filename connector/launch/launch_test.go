@@ -4,9 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -14,6 +12,8 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+
+	"pdcluster.dev/pdcluster-operator/test/golden"
 )
 
 func env(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
@@ -98,8 +98,6 @@ func TestResolveLeader(t *testing.T) {
 	}
 }
 
-var update = flag.Bool("update", false, "rewrite the golden files")
-
 // launchedCommand is one pod's `vllm serve` command line as the launcher completes it.
 type launchedCommand struct {
 	Name string   `json:"name"`
@@ -134,20 +132,5 @@ func TestCommandsGolden(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	path := filepath.Join("testdata", "commands.golden.json")
-	if *update {
-		if err := os.MkdirAll("testdata", 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(path, append(got, '\n'), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (go test ./connector/launch -update writes it)", err)
-	}
-	if d := cmp.Diff(string(want), string(got)+"\n"); d != "" {
-		t.Errorf("%s is stale (go test ./connector/launch -update) (-want +got):\n%s", path, d)
-	}
+	golden.Equal(t, filepath.Join("testdata", "commands.golden.json"), append(got, '\n'), "go test ./connector/launch -update")
 }

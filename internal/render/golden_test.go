@@ -2,20 +2,17 @@ package render_test
 
 import (
 	"context"
-	"flag"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
-	"github.com/google/go-cmp/cmp"
-
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/validation"
-)
 
-var update = flag.Bool("update", false, "rewrite the golden files")
+	"pdcluster.dev/pdcluster-operator/test/golden"
+)
 
 func load(t *testing.T, path string) *v1alpha1.PDCluster {
 	t.Helper()
@@ -63,19 +60,7 @@ func TestRenderGolden(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			golden := strings.TrimSuffix(in, ".yaml") + ".golden.yaml"
-			if *update {
-				if err := os.WriteFile(golden, got, 0o644); err != nil {
-					t.Fatal(err)
-				}
-			}
-			want, err := os.ReadFile(golden)
-			if err != nil {
-				t.Fatalf("%v (run `make golden` to create it)", err)
-			}
-			if diff := cmp.Diff(string(want), string(got)); diff != "" {
-				t.Errorf("render differs from %s (-want +got):\n%s", golden, diff)
-			}
+			golden.Equal(t, strings.TrimSuffix(in, ".yaml")+".golden.yaml", got, "make golden")
 		})
 	}
 }

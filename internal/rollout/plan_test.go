@@ -1,17 +1,13 @@
 package rollout
 
 import (
-	"flag"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
-	"github.com/google/go-cmp/cmp"
+	"pdcluster.dev/pdcluster-operator/test/golden"
 )
-
-var update = flag.Bool("update", false, "rewrite the golden files")
 
 // simulate runs a rollout from an old revision at the target to the update revision, the
 // update revision's pods becoming ready lag steps after they are asked for (0: by the next
@@ -104,19 +100,7 @@ func TestPlanGolden(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			got := simulate(t, tc.in, tc.lag)
-			path := filepath.Join("testdata", tc.name+".golden.txt")
-			if *update {
-				if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
-					t.Fatal(err)
-				}
-			}
-			want, err := os.ReadFile(path)
-			if err != nil {
-				t.Fatalf("%v (run with -update)", err)
-			}
-			if d := cmp.Diff(string(want), got); d != "" {
-				t.Errorf("%s (-want +got):\n%s", path, d)
-			}
+			golden.Equal(t, filepath.Join("testdata", tc.name+".golden.txt"), []byte(got), "go test ./internal/rollout -update")
 		})
 	}
 }
