@@ -160,11 +160,24 @@ func (e *env) patch(spec string) {
 // pods are the sample's running (not terminating) pods of role.
 func (e *env) pods(role v1alpha1.Role) []corev1.Pod {
 	e.t.Helper()
+	return e.podsOf(sampleNS, sampleName, role)
+}
+
+// podsOf are the running (not terminating) pods of role of the PDCluster ns/cluster.
+func (e *env) podsOf(ns, cluster string, role v1alpha1.Role) []corev1.Pod {
+	e.t.Helper()
 	var list corev1.PodList
-	if err := e.c.List(e.ctx, &list, client.InNamespace(sampleNS), client.MatchingLabels(render.Labels(sampleName, role))); err != nil {
+	if err := e.c.List(e.ctx, &list, client.InNamespace(ns), client.MatchingLabels(render.Labels(cluster, role))); err != nil {
 		e.t.Fatal(err)
 	}
 	return slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return p.DeletionTimestamp != nil })
+}
+
+// namespace creates ns, deleted when the test ends.
+func (e *env) namespace(ns string) {
+	e.t.Helper()
+	e.run("create", "namespace", ns)
+	e.t.Cleanup(func() { e.run("delete", "namespace", ns, "--wait=false") })
 }
 
 func uids(pods []corev1.Pod) []types.UID {

@@ -3,7 +3,6 @@ package e2e
 import (
 	"fmt"
 	"os"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -17,7 +16,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
 // gangNode is a kwok node of 8 GPUs that only this test's pods tolerate.
@@ -43,8 +41,7 @@ func TestGangScheduling(t *testing.T) {
 	}
 	e := setup(t)
 	const ns, name = "gangs", "big"
-	e.run("create", "namespace", ns)
-	t.Cleanup(func() { e.run("delete", "namespace", ns, "--wait=false") })
+	e.namespace(ns)
 	for _, n := range []string{"gang-node-0", "gang-node-1"} {
 		t.Cleanup(func() { e.run("delete", "node", n, "--ignore-not-found", "--wait=false") })
 	}
@@ -73,11 +70,7 @@ func TestGangScheduling(t *testing.T) {
 		t.Fatal(err)
 	}
 	prefill := func() (pods []corev1.Pod, bound int) {
-		var list corev1.PodList
-		if err := e.c.List(e.ctx, &list, client.InNamespace(ns), client.MatchingLabels(render.Labels(name, v1alpha1.RolePrefill))); err != nil {
-			t.Fatal(err)
-		}
-		pods = slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return p.DeletionTimestamp != nil })
+		pods = e.podsOf(ns, name, v1alpha1.RolePrefill)
 		for _, pod := range pods {
 			if pod.Spec.NodeName != "" {
 				bound++

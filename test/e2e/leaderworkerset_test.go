@@ -32,8 +32,7 @@ func TestLeaderWorkerSetGroups(t *testing.T) {
 	}
 	e := setup(t)
 	const ns, name = "groups", "sharded"
-	e.run("create", "namespace", ns)
-	t.Cleanup(func() { e.run("delete", "namespace", ns, "--wait=false") })
+	e.namespace(ns)
 	gpu := v1alpha1.PoolSpec{
 		NodeSelector: v1alpha1.NodeSelector{"pdcluster.dev/gpu-pool": "true"},
 		Tolerations:  []corev1.Toleration{{Key: "nvidia.com/gpu", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}},
@@ -50,13 +49,7 @@ func TestLeaderWorkerSetGroups(t *testing.T) {
 	}
 
 	groupSet := render.GroupSetName(render.ObjectName(name, v1alpha1.RolePrefill))
-	prefillPods := func() []corev1.Pod {
-		var list corev1.PodList
-		if err := e.c.List(e.ctx, &list, client.InNamespace(ns), client.MatchingLabels(render.Labels(name, v1alpha1.RolePrefill))); err != nil {
-			t.Fatal(err)
-		}
-		return slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return p.DeletionTimestamp != nil })
-	}
+	prefillPods := func() []corev1.Pod { return e.podsOf(ns, name, v1alpha1.RolePrefill) }
 	e.eventually("the PDCluster Ready on one group of 2 prefill pods", func() error {
 		var got v1alpha1.PDCluster
 		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: ns, Name: name}, &got); err != nil {

@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -25,7 +24,6 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
-	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
 // The sample of a replica across pods on the real node (what `make run` shows with
@@ -49,14 +47,7 @@ func TestRealNodeReplicaAcrossPods(t *testing.T) {
 	e.run("apply", "-f", groupsSample)
 	// Its GPUs go back to the node for the tiny sample's tests.
 	t.Cleanup(func() { e.run("delete", "-f", groupsSample, "--wait=false") })
-	pods := func(role v1alpha1.Role) []corev1.Pod {
-		t.Helper()
-		var list corev1.PodList
-		if err := e.c.List(e.ctx, &list, client.InNamespace(sampleNS), client.MatchingLabels(render.Labels(groupsName, role))); err != nil {
-			t.Fatal(err)
-		}
-		return slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return p.DeletionTimestamp != nil })
-	}
+	pods := func(role v1alpha1.Role) []corev1.Pod { return e.podsOf(sampleNS, groupsName, role) }
 	settled := func() error {
 		var p v1alpha1.PDCluster
 		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: sampleNS, Name: groupsName}, &p); err != nil {
