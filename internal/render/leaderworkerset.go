@@ -13,7 +13,6 @@ import (
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/launch"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
@@ -45,21 +44,29 @@ func PodDataParallel(p v1alpha1.Parallelism) int32 {
 	return max(ptr.Deref(p.Data, 1)/ptr.Deref(p.Nodes, 1), 1)
 }
 
+// The layouts in `connector launch --layout`'s words (connector/launch's Layout, which the
+// manager and pdctl may not link: TestLaunchesTheRenderedGroups runs every rendered group's
+// pods through the launcher's own parser).
+const (
+	layoutDataParallel = "data-parallel"
+	layoutModel        = "model"
+)
+
 // Layout is how a replica spreads over its pods, in `connector launch`'s words: with
 // data-parallel ranks, each pod runs and serves PodDataParallel of them (vLLM's hybrid load
 // balancing); without, the model is sharded across the pods and only the leader serves.
-func Layout(p v1alpha1.Parallelism) (layout launch.Layout, localRanks int32, port int32) {
+func Layout(p v1alpha1.Parallelism) (layout string, localRanks int32, port int32) {
 	if ptr.Deref(p.Data, 1) > 1 {
-		return launch.LayoutDataParallel, PodDataParallel(p), vllm.DataParallelRPCPort
+		return layoutDataParallel, PodDataParallel(p), vllm.DataParallelRPCPort
 	}
-	return launch.LayoutModel, 0, vllm.MasterPort
+	return layoutModel, 0, vllm.MasterPort
 }
 
 // leaderServesAlone: only the leader of role's groups runs an API server (and so the
 // scheduler, its completion gate, and the router's traffic); the others are headless workers.
 func leaderServesAlone(pdc *v1alpha1.PDCluster, role v1alpha1.Role) bool {
 	layout, _, _ := Layout(pool(pdc, role).Parallelism)
-	return MultiNode(pdc, role) && layout == launch.LayoutModel
+	return MultiNode(pdc, role) && layout == layoutModel
 }
 
 // GroupSetName is the name of the LeaderWorkerSet whose serving pods the headless Service
@@ -80,7 +87,7 @@ func engineGroupSet(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.Role, r
 	p := pool(pdc, role)
 	nodes := *p.Parallelism.Nodes
 	layout, localRanks, port := Layout(p.Parallelism)
-	launch := []string{Launcher, "launch", "--layout=" + string(layout)}
+	launch := []string{Launcher, "launch", "--layout=" + layout}
 	if localRanks > 0 {
 		launch = append(launch, "--local-ranks="+strconv.Itoa(int(localRanks)))
 	}
