@@ -31,6 +31,8 @@ const (
 	DefaultRouterRetryBudgetPercent  int32 = 20
 	DefaultRouterEjectSeconds        int32 = 10
 	DefaultRouterConsecutiveFailures int32 = 3
+	// DefaultRouterLoadSlack is spec.router.routing.prefixAware.loadSlack's default.
+	DefaultRouterLoadSlack int32 = 2
 
 	DefaultVerificationWindowSeconds int32 = 300
 	DefaultMinExternalSharePercent   int32 = 90
@@ -91,6 +93,7 @@ func (in *PDCluster) SetDefaults() {
 
 	setPtr(&s.Router.Replicas, DefaultReplicas)
 	setString(&s.Router.Balance, RouterBalanceLeastInFlight)
+	setString(&s.Router.Routing.Strategy, RoutingLeastInFlight)
 	fp := &s.Router.FailurePolicy
 	setPtr(&fp.Retries, DefaultRouterRetries)
 	setPtr(&fp.RetryBudgetPercent, DefaultRouterRetryBudgetPercent)

@@ -585,6 +585,7 @@ type NodeSelector map[string]LabelValue
 type LabelValue string
 
 // RouterSpec configures the P/D router in front of the pools.
+// +kubebuilder:validation:XValidation:rule="!has(self.routing) || !has(self.routing.strategy) || self.routing.strategy == 'LeastInFlight' || !has(self.balance) || self.balance == 'least-in-flight'",message="routing.strategy PrefixAware bounds each engine's load by the router's requests in flight on it: it needs balance least-in-flight, not round-robin",fieldPath=".routing.strategy"
 type RouterSpec struct {
 	// replicas is the number of router replicas.
 	// +kubebuilder:default=1
@@ -628,6 +629,80 @@ type RouterSpec struct {
 	// +kubebuilder:default={}
 	// +optional
 	FailurePolicy RouterFailurePolicy `json:"failurePolicy,omitempty"`
+
+	// routing is whether the router weighs what the engines hold of each request's prompt:
+	// LeastInFlight (the default) picks by balance alone; PrefixAware sends a request, in each
+	// pool, to the engine the router sent the longest start of its prompt before (its prefix
+	// cache likely holds it: prefill skips computing it, decode pulls fewer blocks), within a
+	// load bound. docs/routing.md says when to pick which.
+	// +kubebuilder:default={}
+	// +optional
+	Routing RouterRouting `json:"routing,omitempty"`
+}
+
+// RoutingStrategy is whether the router weighs what the engines hold of a prompt.
+// +kubebuilder:validation:Enum=LeastInFlight;PrefixAware
+type RoutingStrategy string
+
+const (
+	// RoutingLeastInFlight picks by spec.router.balance alone, whatever the engines hold.
+	RoutingLeastInFlight RoutingStrategy = "LeastInFlight"
+	// RoutingPrefixAware picks the engine that was sent the longest start of the prompt,
+	// unless it is loadSlack requests past the least loaded engine.
+	RoutingPrefixAware RoutingStrategy = "PrefixAware"
+)
+
+// RouterRouting is how the router weighs what the engines hold of a prompt.
+// +kubebuilder:validation:XValidation:rule="!has(self.prefixAware) || (has(self.strategy) && self.strategy == 'PrefixAware')",message="prefixAware tunes strategy PrefixAware: set strategy: PrefixAware, or remove prefixAware",fieldPath=".prefixAware"
+type RouterRouting struct {
+	// strategy: LeastInFlight picks by spec.router.balance alone. PrefixAware remembers, for
+	// each engine, the starts of the prompts the router sent it, in chunks of the prompt's
+	// bytes (no tokenizer; a chat's messages as the client wrote them), and sends a request to
+	// the engine that holds the most leading chunks of its prompt, the less loaded of equals;
+	// an engine with more than prefixAware.loadSlack of the router's requests in flight above
+	// the least loaded one is passed over (pdcluster_router_prefix_load_bound_total counts
+	// it). The share of prompt the picked engines held is
+	// pdcluster_router_prefix_matched_chunks_total over pdcluster_router_prefix_prompt_chunks_total.
+	// +kubebuilder:default=LeastInFlight
+	// +optional
+	Strategy RoutingStrategy `json:"strategy,omitempty"`
+
+	// prefixAware tunes PrefixAware; each unset field takes its default.
+	// +optional
+	PrefixAware *PrefixAwareRouting `json:"prefixAware,omitempty"`
+}
+
+// PrefixAwareRouting sizes PrefixAware's memory of what each engine was sent, and its load
+// bound.
+type PrefixAwareRouting struct {
+	// chunkBytes is the bytes of prompt per chunk, the unit of a match (a last partial chunk
+	// does not count): 64 by default, about 16 tokens of English text, one vLLM block.
+	// +kubebuilder:validation:Minimum=16
+	// +kubebuilder:validation:Maximum=4096
+	// +optional
+	ChunkBytes *int32 `json:"chunkBytes,omitempty"`
+
+	// maxChunks is how many of a prompt's chunks count (its first maxChunks x chunkBytes
+	// bytes), which bounds the router's work per request: 256 by default.
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=4096
+	// +optional
+	MaxChunks *int32 `json:"maxChunks,omitempty"`
+
+	// chunksPerEngine is how many chunks the router remembers per engine, the least recently
+	// sent forgotten first (about 40 bytes of router memory each): 31250 by default.
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=4000000
+	// +optional
+	ChunksPerEngine *int32 `json:"chunksPerEngine,omitempty"`
+
+	// loadSlack is how many more of the router's requests in flight than the least loaded
+	// engine an engine may have and still be picked for what it holds: 0 keeps the load even
+	// and the cache hits fewer; 2 by default.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=10000
+	// +optional
+	LoadSlack *int32 `json:"loadSlack,omitempty"`
 }
 
 // OnPrefillFailure is what the router does once a request's prefill cannot be served.

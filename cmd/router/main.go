@@ -109,6 +109,7 @@ func configure(o *options) (router.Config, routerconfig.File, router.Pools, erro
 		if cfg.Balance == "" {
 			cfg.Balance = fc.Balance
 		}
+		cfg.Routing = fc.Routing
 		policy := router.PolicyFromFile(fc.Failure())
 		cfg.Failure = &policy
 		if fc.HasPools() {
@@ -163,7 +164,7 @@ func main() {
 	}
 	srv := router.NewServer(o.listen, r.Handler(reg), router.ServerLimits{})
 	done := shutdownOnDone(ctx, srv, o.shutdownTimeout)
-	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "balance", cfg.Balance, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String(), "canary", fc.Canary != nil)
+	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "balance", cfg.Balance, "routing", cfg.Routing, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String(), "canary", fc.Canary != nil)
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		log.Error(err, "serve")
 		os.Exit(1)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/google/go-cmp/cmp"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/utils/ptr"
 
@@ -73,6 +74,8 @@ func TestConfigure(t *testing.T) {
 		return p
 	}
 	withPools := file("pools.json", `{"flow":"mooncake","prefillHost":"p","decodeHost":"d","enginePort":8000,"bootstrapPort":8998}`)
+	prefixAware := file("prefix.json", `{"flow":"mooncake","prefillHost":"p","decodeHost":"d","enginePort":8000,"bootstrapPort":8998,"routing":{"strategy":"PrefixAware","chunkBytes":32,"loadSlack":3}}`)
+	prefixRoundRobin := file("prefix-rr.json", `{"flow":"mooncake","balance":"round-robin","prefillHost":"p","decodeHost":"d","enginePort":8000,"bootstrapPort":8998,"routing":{"strategy":"PrefixAware","loadSlack":3}}`)
 	noPools := file("nopools.json", `{"flow":"nixl","balance":"round-robin","failurePolicy":{"retries":1,"retryBudgetPercent":50,"ejectSeconds":3,"firstTokenTimeoutSeconds":7,"onPrefillFailure":"Fail"}}`)
 	cases := []struct {
 		name       string
@@ -82,7 +85,12 @@ func TestConfigure(t *testing.T) {
 		wantPolicy router.FailurePolicy
 		wantStatic int // prefill engines given by flag
 		wantRanks  int // the first one's data-parallel ranks
+		// wantRouting is router.json's routing as the router gets it.
+		wantRouting *routerconfig.Routing
 	}{
+		{name: "file with PrefixAware routing", args: []string{"--config", prefixAware}, wantFlow: routerconfig.FlowMooncake, wantPolicy: router.DefaultFailurePolicy(),
+			wantRouting: &routerconfig.Routing{Strategy: routerconfig.RoutingPrefixAware, ChunkBytes: 32, LoadSlack: 3}},
+		{name: "PrefixAware with round robin", args: []string{"--config", prefixRoundRobin}, wantErr: "needs balance least-in-flight"},
 		{name: "file with pools", args: []string{"--config", withPools}, wantFlow: routerconfig.FlowMooncake, wantPolicy: router.DefaultFailurePolicy()},
 		{name: "file without pools, pools by flag", args: []string{"--config", noPools, "--prefill", "http://a", "--prefill", "http://b", "--decode", "http://c"},
 			wantFlow: routerconfig.FlowNIXL, wantStatic: 2,
@@ -114,6 +122,9 @@ func TestConfigure(t *testing.T) {
 			}
 			if len(static.Prefill) > 0 && static.Prefill[0].DataParallel != tc.wantRanks {
 				t.Errorf("data-parallel ranks %d, want %d", static.Prefill[0].DataParallel, tc.wantRanks)
+			}
+			if d := cmp.Diff(tc.wantRouting, cfg.Routing); d != "" {
+				t.Errorf("routing (-want +got):\n%s", d)
 			}
 			if tc.wantPolicy != (router.FailurePolicy{}) && (cfg.Failure == nil || *cfg.Failure != tc.wantPolicy) {
 				t.Errorf("failure policy %+v, want %+v", cfg.Failure, tc.wantPolicy)

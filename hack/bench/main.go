@@ -34,7 +34,7 @@ var suites = []suite{
 	{name: "core", pkg: "./test/sim/kvtransfer", pattern: "^BenchmarkPulls$", benchtime: "1s", count: 5},
 	{name: "dataplane", pkg: "./test/sim/kvtransfer/agent", pattern: "^BenchmarkDataPlane$", benchtime: "2s", count: 3},
 	{name: "pdctl", pkg: "./internal/pdctl", pattern: "^BenchmarkStart$", benchtime: "1x", count: 1},
-	{name: "router", pkg: "./test/sandbox", pattern: "^Benchmark(Router|Balance)$", benchtime: "1x", count: 1},
+	{name: "router", pkg: "./test/sandbox", pattern: "^Benchmark(Router|Balance|PrefixRouting)$", benchtime: "1x", count: 1},
 	{name: "operator", pkg: "./test/integration", pattern: "^BenchmarkOperator$", benchtime: "1x", count: 1},
 	// Real vLLM engines (PDCLUSTER_VLLM_ENGINES, which make bench sets): minutes to start.
 	{name: "realengine", pkg: "./test/realengine", pattern: "^BenchmarkRouterRealEngines$", benchtime: "1x", count: 1, tags: "realengine"},
@@ -100,6 +100,9 @@ var rows = func() []row {
 			metric: "req/s", target: "> 1x", met: ratioAtLeast(1.0001)},
 		row{suite: "router", figure: "least-in-flight vs round robin, p50 ms", project: "BenchmarkBalance/project", reference: "BenchmarkBalance/reference", metric: "p50-ms"},
 		row{suite: "router", figure: "least-in-flight vs round robin, p99 ms", project: "BenchmarkBalance/project", reference: "BenchmarkBalance/reference", metric: "p99-ms"},
+		row{suite: "router", figure: "PrefixAware vs LeastInFlight routing, router CPU, ms/request, 8 clients", project: "BenchmarkPrefixRouting/project", reference: "BenchmarkPrefixRouting/reference",
+			metric: "cpu-ms/req", target: "<= 1.1x", met: ratioAtMost(1.1)},
+		row{suite: "router", figure: "PrefixAware vs LeastInFlight routing, p50 ms", project: "BenchmarkPrefixRouting/project", reference: "BenchmarkPrefixRouting/reference", metric: "p50-ms"},
 		row{suite: "operator", figure: "operator, 1,000 PDClusters, s until all reconciled", project: "BenchmarkOperator/project", reference: "BenchmarkOperator/reference",
 			metric: "s", target: "< 15 s", met: atMost(15)},
 		row{suite: "operator", figure: "operator, writes per PDCluster at creation", project: "BenchmarkOperator/project", reference: "BenchmarkOperator/reference", metric: "writes/PDCluster"},

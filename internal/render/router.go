@@ -74,6 +74,7 @@ func routerConfigMap(pdc *v1alpha1.PDCluster, serving Serving, rev string) (*cor
 	if pdc.Spec.Router.Balance == v1alpha1.RouterBalanceRoundRobin {
 		cfg.Balance = routerconfig.BalanceRoundRobin
 	}
+	cfg.Routing = routerRouting(pdc.Spec.Router.Routing)
 	// Written only when it is not the router's default (which equals the API's): router.json,
 	// and so the router's pods, stay as they were before the field existed.
 	if fp := routerFailurePolicy(pdc); fp != routerconfig.DefaultFailurePolicy() {
@@ -136,6 +137,22 @@ func launcherFlags(command []string) []string {
 
 // ServiceHost is the DNS name of Service name in namespace.
 func ServiceHost(namespace, name string) string { return fmt.Sprintf("%s.%s.svc", name, namespace) }
+
+// routerRouting is spec.router.routing in router.json's words: nil for LeastInFlight, the
+// router's default (router.json, and so the router's pods, stay as they were before the field
+// existed). The sizes the spec leaves unset stay 0, the router's defaults; loadSlack, which 0
+// would set, is written.
+func routerRouting(r v1alpha1.RouterRouting) *routerconfig.Routing {
+	if r.Strategy != v1alpha1.RoutingPrefixAware {
+		return nil
+	}
+	pa := ptr.Deref(r.PrefixAware, v1alpha1.PrefixAwareRouting{})
+	return &routerconfig.Routing{
+		Strategy:   routerconfig.RoutingPrefixAware,
+		ChunkBytes: ptr.Deref(pa.ChunkBytes, 0), MaxChunks: ptr.Deref(pa.MaxChunks, 0), ChunksPerEngine: ptr.Deref(pa.ChunksPerEngine, 0),
+		LoadSlack: ptr.Deref(pa.LoadSlack, v1alpha1.DefaultRouterLoadSlack),
+	}
+}
 
 // RouterFailurePolicy is spec.router.failurePolicy in router.json's words.
 func RouterFailurePolicy(pdc *v1alpha1.PDCluster) routerconfig.FailurePolicy {

@@ -265,3 +265,39 @@ func TestStreamFirstTokenTimeoutFollowsTheModelLength(t *testing.T) {
 		})
 	}
 }
+
+// spec.router.routing reaches router.json: nothing for LeastInFlight (router.json, and so the
+// router's pods, as before the field), PrefixAware with the sizes set and loadSlack always
+// (0 is a value); and the router takes what render writes.
+func TestRouterRouting(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		routing v1alpha1.RouterRouting
+		want    *routerconfig.Routing
+	}{
+		{"default", v1alpha1.RouterRouting{}, nil},
+		{"least in flight", v1alpha1.RouterRouting{Strategy: v1alpha1.RoutingLeastInFlight}, nil},
+		{"prefix aware, defaults", v1alpha1.RouterRouting{Strategy: v1alpha1.RoutingPrefixAware},
+			&routerconfig.Routing{Strategy: routerconfig.RoutingPrefixAware, LoadSlack: v1alpha1.DefaultRouterLoadSlack}},
+		{"prefix aware, every field", v1alpha1.RouterRouting{Strategy: v1alpha1.RoutingPrefixAware, PrefixAware: &v1alpha1.PrefixAwareRouting{
+			ChunkBytes: ptr.To[int32](128), MaxChunks: ptr.To[int32](64), ChunksPerEngine: ptr.To[int32](1000), LoadSlack: ptr.To[int32](0)}},
+			&routerconfig.Routing{Strategy: routerconfig.RoutingPrefixAware, ChunkBytes: 128, MaxChunks: 64, ChunksPerEngine: 1000, LoadSlack: 0}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pdc := load(t, "testdata/mooncake-rdma.yaml")
+			pdc.Spec.Router.Routing = tc.routing
+			pdc.SetDefaults()
+			cm, _ := renderRouter(t, pdc)
+			fc := loadRouterJSON(t, cm)
+			if d := cmp.Diff(tc.want, fc.Routing); d != "" {
+				t.Errorf("router.json's routing (-want +got):\n%s", d)
+			}
+			if tc.want == nil && strings.Contains(cm.Data[routerconfig.FileName], "routing") {
+				t.Errorf("router.json names routing for the default:\n%s", cm.Data[routerconfig.FileName])
+			}
+			if _, err := router.New(router.Config{Flow: fc.Flow, Balance: fc.Balance, Routing: fc.Routing}, logr.Discard(), nil); err != nil {
+				t.Errorf("the router refuses router.json's routing: %v", err)
+			}
+		})
+	}
+}

@@ -26,12 +26,27 @@ func newBalancer(b routerconfig.Balance) *balancer {
 type picked struct {
 	index int
 	url   string
+	// matched is the leading prompt chunks the engine holds (with a preference); passedOver
+	// says an engine holding more was left for its load.
+	matched    int
+	passedOver bool
+}
+
+// preference ranks a pool's engines for one request by what they hold of its prompt:
+// matched[i] is engine i's leading chunks (prefix.Index.Match). The engine holding most is
+// picked unless it has more than slack requests in flight above the least loaded engine
+// (consistent hashing with bounded loads: a popular prefix does not pile its requests on one
+// engine); with none held, least-in-flight picks.
+type preference struct {
+	matched []int
+	slack   int
 }
 
 // pick chooses one of n engines; url(i) is engine i's URL, by which requests in flight are
 // counted (so they survive a reordering of the pool). avoid, when not nil, leaves out the
-// engines it names (ejected, or failed in this request); ok is false when it leaves none.
-func (b *balancer) pick(n int, url func(int) string, avoid func(string) bool) (_ picked, ok bool) {
+// engines it names (ejected, or failed in this request); ok is false when it leaves none. pref,
+// when not nil, is the request's preference (least-in-flight only).
+func (b *balancer) pick(n int, url func(int) string, avoid func(string) bool, pref *preference) (_ picked, ok bool) {
 	start := int(b.turn.Add(1)-1) % n
 	if !b.leastInFlight {
 		for i := range n {
@@ -56,8 +71,32 @@ func (b *balancer) pick(n int, url func(int) string, avoid func(string) bool) (_
 	if best < 0 {
 		return picked{}, false
 	}
-	b.inFlight[url(best)]++
-	return picked{index: best, url: url(best)}, true
+	p := picked{index: best, url: url(best)}
+	if pref != nil {
+		least := b.inFlight[p.url]
+		held := -1 // the engine within the bound holding most, the less loaded of equals
+		most := 0  // the most any engine holds
+		for i := range n {
+			j := (start + i) % n
+			if avoid != nil && avoid(url(j)) {
+				continue
+			}
+			m := pref.matched[j]
+			most = max(most, m)
+			if b.inFlight[url(j)] > least+pref.slack {
+				continue
+			}
+			if held < 0 || m > pref.matched[held] || (m == pref.matched[held] && b.inFlight[url(j)] < b.inFlight[url(held)]) {
+				held = j
+			}
+		}
+		if pref.matched[held] > 0 {
+			p = picked{index: held, url: url(held)}
+		}
+		p.matched, p.passedOver = pref.matched[p.index], most > pref.matched[p.index]
+	}
+	b.inFlight[p.url]++
+	return p, true
 }
 
 func (b *balancer) done(p picked) {

@@ -42,6 +42,8 @@ type exchange struct {
 	timedOut atomic.Bool
 	// first is the first attempt's memory (most requests make only one).
 	first attempt
+	// hashes are the prompt's chunk hashes, with PrefixAware routing (prefixaware.go).
+	hashes []uint64
 }
 
 // attempt is one try of the request on one prefill (none when decodeOnly) and one decode
@@ -266,18 +268,20 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 	pairing := r.cfg.Pairing != "" && !decodeOnly
 	if !decodeOnly {
 		prefillURL := func(i int) string { return pools.Prefill[i].URL }
-		pp, ok := r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(avoid))
+		pref := x.preference(legPrefill, len(pools.Prefill), prefillURL)
+		pp, ok := r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(avoid), pref)
 		if !ok && x.recheck(legPrefill) {
-			pp, ok = r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(x.avoid()))
+			pp, ok = r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(x.avoid()), pref)
 		}
 		if !ok {
 			return nil, x.noEndpoint(legPrefill)
 		}
 		a.pp, a.p = pp, pools.Prefill[pp.index]
 	}
-	dp, ok := x.pickDecode(avoid, a.p.URL, pairing)
+	pref := x.preference(legDecode, len(pools.Decode), func(i int) string { return pools.Decode[i] })
+	dp, ok := x.pickDecode(avoid, a.p.URL, pairing, pref)
 	if !ok && x.recheck(legDecode) {
-		dp, ok = x.pickDecode(x.avoid(), a.p.URL, pairing)
+		dp, ok = x.pickDecode(x.avoid(), a.p.URL, pairing, pref)
 	}
 	if !ok {
 		if !decodeOnly {
@@ -286,6 +290,10 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 		return nil, x.noEndpoint(legDecode)
 	}
 	a.dp, a.d = dp, pools.Decode[dp.index]
+	if !decodeOnly {
+		x.pickedFor(legPrefill, a.pp, a.p.URL)
+	}
+	x.pickedFor(legDecode, a.dp, a.d)
 	// Only an attempt that can be abandoned gets a context of its own (Mooncake's decode leg
 	// waits while its prefill may fail; the hang budget abandons any): NIXL's legs run one
 	// after the other on the client's.
@@ -435,7 +443,7 @@ func (r *Router) decodeLeg(a *attempt, body map[string]json.RawMessage) (*http.R
 			return nil, lerr
 		}
 		pools := x.pools
-		dp, ok := r.decode.pick(len(pools.Decode), func(i int) string { return pools.Decode[i] }, x.avoid())
+		dp, ok := r.decode.pick(len(pools.Decode), func(i int) string { return pools.Decode[i] }, x.avoid(), nil)
 		if !ok {
 			return nil, x.noEndpoint(legDecode)
 		}

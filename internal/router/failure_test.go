@@ -206,6 +206,12 @@ type pdFixture struct {
 // given engines, each prefill engine with its own bootstrap server.
 func newPD(t *testing.T, flow routerconfig.Flow, policy FailurePolicy, prefill, decode []*testEngine) *pdFixture {
 	t.Helper()
+	return newPDWith(t, Config{Flow: flow, Balance: routerconfig.BalanceRoundRobin, Failure: &policy}, prefill, decode)
+}
+
+// newPDWith is newPD with cfg.
+func newPDWith(t *testing.T, cfg Config, prefill, decode []*testEngine) *pdFixture {
+	t.Helper()
 	serve := func(h http.Handler) string {
 		s := httptest.NewServer(h)
 		t.Cleanup(s.Close)
@@ -233,7 +239,7 @@ func newPD(t *testing.T, flow routerconfig.Flow, policy FailurePolicy, prefill, 
 		pools.Decode = append(pools.Decode, e.url)
 	}
 	reg := prometheus.NewRegistry()
-	r, err := New(Config{Flow: flow, Balance: routerconfig.BalanceRoundRobin, Failure: &policy}, logr.Discard(), reg)
+	r, err := New(cfg, logr.Discard(), reg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -64,16 +64,17 @@ func (x *exchange) pairablePrefill(avoid func(string) bool) func(string) bool {
 }
 
 // pickDecode picks the decode engine of an attempt whose prefill engine is prefillURL: with
-// pairing, one in that engine's domain, else (Preferred) any, counting which.
-func (x *exchange) pickDecode(avoid func(string) bool, prefillURL string, pairing bool) (picked, bool) {
+// pairing, one in that engine's domain, else (Preferred) any, counting which; pref, when not
+// nil, is the request's preference among them.
+func (x *exchange) pickDecode(avoid func(string) bool, prefillURL string, pairing bool, pref *preference) (picked, bool) {
 	p, b := x.pools, x.r.decode
 	url := func(i int) string { return p.Decode[i] }
 	if !pairing {
-		return b.pick(len(p.Decode), url, avoid)
+		return b.pick(len(p.Decode), url, avoid, pref)
 	}
 	if domain := p.Domains[prefillURL]; domain != "" {
 		same := func(u string) bool { return (avoid != nil && avoid(u)) || p.Domains[u] != domain }
-		if dp, ok := b.pick(len(p.Decode), url, same); ok {
+		if dp, ok := b.pick(len(p.Decode), url, same, pref); ok {
 			x.r.metrics.samePairs.Add(1)
 			return dp, true
 		}
@@ -81,7 +82,7 @@ func (x *exchange) pickDecode(avoid func(string) bool, prefillURL string, pairin
 	if x.r.cfg.Pairing == routerconfig.PairingRequired {
 		return picked{}, false
 	}
-	dp, ok := b.pick(len(p.Decode), url, avoid)
+	dp, ok := b.pick(len(p.Decode), url, avoid, pref)
 	if ok {
 		x.r.metrics.crossPairs.Add(1)
 	}

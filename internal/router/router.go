@@ -59,6 +59,8 @@ type Config struct {
 	// Pairing keeps a request's prefill and decode in one domain of Pools.Domains; empty: any
 	// pair.
 	Pairing routerconfig.PairingMode
+	// Routing weighs what the engines hold of a request's prompt; nil: Balance alone picks.
+	Routing *routerconfig.Routing
 }
 
 // DefaultFailurePolicy is the policy of a router.json without one.
@@ -85,6 +87,11 @@ func (c Config) Validate() error {
 	}
 	if err := c.Balance.Validate(); err != nil {
 		return err
+	}
+	if r := c.Routing; r != nil {
+		if err := r.Validate(c.Balance); err != nil {
+			return err
+		}
 	}
 	if p := c.Failure; p != nil {
 		switch {
@@ -123,6 +130,9 @@ type Router struct {
 	// advanced twice per request, would pin every request to the same pair when both pools
 	// have an even size.
 	prefill, decode *balancer
+	// prefix ranks engines by the prompt prefixes they were sent (PrefixAware routing); nil
+	// otherwise.
+	prefix *prefixRouting
 	// flow runs one request's legs: mooncake or nixl, chosen once by Config.Flow.
 	flow     flowFunc
 	inFlight atomic.Int64
@@ -203,6 +213,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		policy: policy, budget: &retryBudget{percent: int64(policy.RetryBudgetPercent), clock: clk}, eject: newEjector(clk),
 		probeEvery: probeEvery,
 		canary:     newCanaryState(),
+		prefix:     newPrefixRouting(cfg.Routing),
 		metrics: metrics{
 			requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
@@ -249,6 +260,11 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	}
 	r.metrics.prefillLeg, r.metrics.firstToken, r.metrics.request = histograms[0].With(flow), histograms[1].With(flow), histograms[2].With(flow)
 	pairs := pairCounters(&r.metrics.samePairs, &r.metrics.crossPairs)
+	if reg != nil && r.prefix != nil {
+		if err := reg.Register(r.prefix); err != nil {
+			return nil, err
+		}
+	}
 	if reg != nil {
 		m := &r.metrics
 		bodyBytes := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -333,6 +349,9 @@ func (r *Router) SetPools(p Pools) error {
 	for i := range p.Revisions {
 		rev := &p.Revisions[i]
 		rev.takes = rev.serves() && (r.cfg.Pairing != routerconfig.PairingRequired || len(rev.pools.pairable) > 0)
+	}
+	if r.prefix != nil {
+		r.prefix.retain(&p)
 	}
 	r.pools.Store(&p)
 	return nil
@@ -470,5 +489,8 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		return
 	}
 	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start, firstToken: firstTokenBudget(r.policy, body)}
+	if r.prefix != nil {
+		x.hashes = r.prefix.promptHashes(body)
+	}
 	x.run()
 }

@@ -82,6 +82,51 @@ type File struct {
 	Pairing *Pairing `json:"pairing,omitempty"`
 	// Domains are PrefillHost's and DecodeHost's engines by domain (with Pairing).
 	Domains []DomainHosts `json:"domains,omitempty"`
+	// Routing weighs what the engines hold of a request's prompt (spec.router.routing); nil:
+	// Balance alone picks.
+	Routing *Routing `json:"routing,omitempty"`
+}
+
+// RoutingStrategy is how the router weighs what engines hold.
+type RoutingStrategy string
+
+const (
+	// RoutingLeastInFlight: Balance alone picks, whatever the engines hold.
+	RoutingLeastInFlight RoutingStrategy = "LeastInFlight"
+	// RoutingPrefixAware: the engine that was sent the longest prefix of the prompt, within
+	// a load bound.
+	RoutingPrefixAware RoutingStrategy = "PrefixAware"
+)
+
+// Routing is router.json's routing.
+type Routing struct {
+	Strategy RoutingStrategy `json:"strategy"`
+	// ChunkBytes, MaxChunks and ChunksPerEngine size PrefixAware's index (0: the router's
+	// defaults): bytes of prompt per chunk, chunks per prompt, chunks remembered per engine.
+	ChunkBytes      int32 `json:"chunkBytes,omitempty"`
+	MaxChunks       int32 `json:"maxChunks,omitempty"`
+	ChunksPerEngine int32 `json:"chunksPerEngine,omitempty"`
+	// LoadSlack is how many more requests in flight than the least loaded engine an engine
+	// may have and still be picked for what it holds.
+	LoadSlack int32 `json:"loadSlack"`
+}
+
+// Validate reports a routing the router cannot run.
+func (r Routing) Validate(b Balance) error {
+	switch r.Strategy {
+	case RoutingLeastInFlight:
+		return nil
+	case RoutingPrefixAware:
+	default:
+		return fmt.Errorf("routing.strategy must be %s or %s, got %q", RoutingLeastInFlight, RoutingPrefixAware, r.Strategy)
+	}
+	if b == BalanceRoundRobin {
+		return fmt.Errorf("routing.strategy %s bounds each engine's load by its requests in flight: it needs balance %s, not %s", r.Strategy, BalanceLeastInFlight, b)
+	}
+	if r.ChunkBytes < 0 || r.MaxChunks < 0 || r.ChunksPerEngine < 0 || r.LoadSlack < 0 {
+		return fmt.Errorf("routing: chunkBytes, maxChunks, chunksPerEngine and loadSlack must not be negative, got %+v", r)
+	}
+	return nil
 }
 
 // RevisionHosts are one KV revision's headless Services.
@@ -262,6 +307,11 @@ func (f File) Validate() error {
 	}
 	if err := f.Balance.Validate(); err != nil {
 		return err
+	}
+	if r := f.Routing; r != nil {
+		if err := r.Validate(f.Balance); err != nil {
+			return err
+		}
 	}
 	if err := f.Failure().Validate(); err != nil {
 		return err

@@ -68,6 +68,7 @@ func TestAdmitAppliesCRDDefaults(t *testing.T) {
 		},
 		Rollout: v1alpha1.RolloutSpec{MaxSurge: ptr.To(intstr.FromString("25%")), MaxUnavailable: ptr.To(intstr.FromString("25%"))},
 		Router: v1alpha1.RouterSpec{Replicas: ptr.To(v1alpha1.DefaultReplicas), Balance: v1alpha1.RouterBalanceLeastInFlight,
+			Routing: v1alpha1.RouterRouting{Strategy: v1alpha1.RoutingLeastInFlight},
 			FailurePolicy: v1alpha1.RouterFailurePolicy{
 				Retries: ptr.To(v1alpha1.DefaultRouterRetries), RetryBudgetPercent: ptr.To(v1alpha1.DefaultRouterRetryBudgetPercent),
 				EjectSeconds: ptr.To(v1alpha1.DefaultRouterEjectSeconds), ConsecutiveFailures: ptr.To(v1alpha1.DefaultRouterConsecutiveFailures), OnPrefillFailure: v1alpha1.OnPrefillFailureRetry,
@@ -116,6 +117,21 @@ var invalidSpecs = []struct {
 		name: "decode-only fallback with a load failure policy that forbids recompute",
 		doc:  minimal + "  router: {failurePolicy: {onPrefillFailure: DecodeOnly}}\n",
 		want: []string{"spec.router.failurePolicy.onPrefillFailure", "DecodeOnly lets decode recompute prompts"},
+	},
+	{
+		name: "prefix-aware routing with round robin",
+		doc:  minimal + "  router: {balance: round-robin, routing: {strategy: PrefixAware}}\n",
+		want: []string{"spec.router.routing.strategy", "PrefixAware bounds each engine's load by the router's requests in flight on it: it needs balance least-in-flight"},
+	},
+	{
+		name: "prefix-aware settings without the strategy",
+		doc:  minimal + "  router: {routing: {prefixAware: {loadSlack: 4}}}\n",
+		want: []string{"spec.router.routing.prefixAware", "prefixAware tunes strategy PrefixAware"},
+	},
+	{
+		name: "a prefix chunk too small",
+		doc:  minimal + "  router: {routing: {strategy: PrefixAware, prefixAware: {chunkBytes: 8}}}\n",
+		want: []string{"spec.router.routing.prefixAware.chunkBytes", "should be greater than or equal to 16"},
 	},
 	{
 		name: "minReplicas above maxReplicas",

@@ -85,6 +85,19 @@ func BenchmarkBalance(b *testing.B) {
 	}
 }
 
+// BenchmarkPrefixRouting is the router's cost of PrefixAware routing: the same requests as
+// BenchmarkRouter's at 8 clients (their 64-token prompt, 4 chunks to hash and match per pool)
+// through a router that weighs what the engines hold (project) and one that does not
+// (reference).
+func BenchmarkPrefixRouting(b *testing.B) {
+	for _, tc := range []struct{ name, routing string }{{"project", "PrefixAware"}, {"reference", "LeastInFlight"}} {
+		b.Run(tc.name, func(b *testing.B) {
+			box := start(b, "--prefill", "2", "--decode", "2", "--block-size", "16", "--step-time", "0", "--routing", tc.routing)
+			load(b, box.state.Router, 8, map[string][]int{"cpu-ms/req": {box.state.RouterPID}})
+		})
+	}
+}
+
 func startPlainProxy(b *testing.B, backends []string) (string, int) {
 	b.Helper()
 	addr := freeAddr(b)

@@ -43,6 +43,8 @@ type Config struct {
 	SlowStepTime time.Duration
 	// Balance is the router's balance (empty: its default).
 	Balance string
+	// Routing is the router's routing strategy (empty: its default), with the default sizes.
+	Routing routerconfig.RoutingStrategy
 	// RouterFailure is the router's failure policy.
 	RouterFailure routerconfig.FailurePolicy
 	SendDelay     time.Duration
@@ -179,6 +181,9 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 	// router.json names headless Services, and no DNS name lists loopback engines on their own
 	// ports.
 	routerFile := routerconfig.File{Flow: cfg.Flow, Balance: routerconfig.Balance(cfg.Balance), FailurePolicy: &cfg.RouterFailure}
+	if cfg.Routing != "" {
+		routerFile.Routing = &routerconfig.Routing{Strategy: cfg.Routing, LoadSlack: 2}
+	}
 	if err := routerFile.Validate(); err != nil {
 		return fmt.Errorf("router config: %w", err)
 	}

@@ -1,0 +1,89 @@
+package router
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// Two conversations, each turn's prompt the conversation so far: with PrefixAware routing every
+// turn of one goes to the engines that served its first, in both pools (their prefix caches
+// hold it), while the other conversation starts on the next engines; with the default,
+// least-in-flight takes turns and scatters them. The metrics count the chunks held.
+func TestPrefixAwareKeepsAConversationOnItsEngines(t *testing.T) {
+	history := map[string]string{
+		"a": strings.Repeat("You are a terse assistant for conversation a. ", 8),
+		"b": strings.Repeat("You answer in French, conversation b, always. ", 8),
+	}
+	for _, tc := range []struct {
+		name    string
+		routing *routerconfig.Routing
+		// together: each conversation stays on one prefill and one decode engine.
+		together bool
+	}{
+		{"PrefixAware", &routerconfig.Routing{Strategy: routerconfig.RoutingPrefixAware, LoadSlack: 2}, true},
+		{"LeastInFlight", &routerconfig.Routing{Strategy: routerconfig.RoutingLeastInFlight}, false},
+		{"no routing", nil, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			kv := newLedger()
+			prefill, decode := engines("p0", "p1", "p2"), engines("d0", "d1", "d2")
+			for _, e := range prefill {
+				e.do = prefillOK(kv)
+			}
+			for _, e := range decode {
+				e.do = decodeOK(kv)
+			}
+			f := newPDWith(t, Config{Flow: routerconfig.FlowMooncake, Routing: tc.routing}, prefill, decode)
+			served := map[string]map[string]bool{} // conversation -> engines
+			for turn := range 4 {
+				for _, conv := range []string{"a", "b"} {
+					history[conv] += fmt.Sprintf("Turn %d of %s: tell me more about it, please. ", turn, conv)
+					body, _ := json.Marshal(map[string]any{"model": "m", "prompt": history[conv], "max_tokens": 1})
+					before := calls(append(prefill, decode...))
+					if code, out := f.send(t, string(body)); code != http.StatusOK {
+						t.Fatalf("turn %d of %s: %d %s", turn, conv, code, out)
+					}
+					if served[conv] == nil {
+						served[conv] = map[string]bool{}
+					}
+					for name, n := range calls(append(prefill, decode...)) {
+						if n > before[name] {
+							served[conv][name] = true
+						}
+					}
+				}
+			}
+			for conv, engines := range served {
+				if together := len(engines) == 2; together != tc.together {
+					t.Errorf("conversation %s went to %v: together %v, want %v", conv, engines, together, tc.together)
+				}
+			}
+			matched, prompt := f.counter(t, "pdcluster_router_prefix_matched_chunks_total"), f.counter(t, "pdcluster_router_prefix_prompt_chunks_total")
+			if tc.together {
+				// Every turn after the first holds its whole history but the newest chunks.
+				if prompt == 0 || matched < prompt/2 {
+					t.Errorf("matched %v of %v prompt chunks, want most", matched, prompt)
+				}
+				if n := f.counter(t, "pdcluster_router_prefix_index_chunks", "pool", "decode"); n == 0 {
+					t.Error("the decode pool's index is empty")
+				}
+			} else if prompt != 0 || matched != 0 {
+				t.Errorf("prefix metrics %v/%v without PrefixAware routing", matched, prompt)
+			}
+		})
+	}
+}
+
+// calls are the requests each engine got, by name.
+func calls(es []*testEngine) map[string]int {
+	out := map[string]int{}
+	for _, e := range es {
+		out[e.name] = len(e.got())
+	}
+	return out
+}
