@@ -38,6 +38,8 @@ var suites = []suite{
 	{name: "operator", pkg: "./test/integration", pattern: "^BenchmarkOperator$", benchtime: "1x", count: 1},
 	// Real vLLM engines (PDCLUSTER_VLLM_ENGINES, which make bench sets): minutes to start.
 	{name: "realengine", pkg: "./test/realengine", pattern: "^BenchmarkRouterRealEngines$", benchtime: "1x", count: 1, tags: "realengine"},
+	// Two prefill and two decode real vLLM engines behind three routers (docs/routing.md).
+	{name: "routing", pkg: "./test/realengine", pattern: "^BenchmarkRoutingRealEngines$", benchtime: "1x", count: 1, tags: "realengine"},
 }
 
 // row is one line of the table. project and reference name a benchmark and a metric;
@@ -103,6 +105,31 @@ var rows = func() []row {
 		row{suite: "router", figure: "PrefixAware vs LeastInFlight routing, router CPU, ms/request, 8 clients", project: "BenchmarkPrefixRouting/project", reference: "BenchmarkPrefixRouting/reference",
 			metric: "cpu-ms/req", target: "<= 1.1x", met: ratioAtMost(1.1)},
 		row{suite: "router", figure: "PrefixAware vs LeastInFlight routing, p50 ms", project: "BenchmarkPrefixRouting/project", reference: "BenchmarkPrefixRouting/reference", metric: "p50-ms"},
+	)
+	for _, cache := range []struct{ name, words string }{{"all", "caches hold all"}, {"48-blocks", "48-block caches"}} {
+		routing := "BenchmarkRoutingRealEngines/cache=" + cache.name + "/"
+		for _, w := range []struct{ name, words string }{{"shared-prefix", "chats"}, {"documents", "documents"}} {
+			for _, ref := range []string{"LeastInFlight", "RoundRobin"} {
+				p, r := routing+w.name+"/PrefixAware", routing+w.name+"/"+ref
+				what := "real vLLM, " + cache.words + ", " + w.words + ": "
+				rs = append(rs,
+					row{suite: "routing", figure: what + "prefill prefix-cache hits, % of prompt, PrefixAware vs " + ref, project: p, reference: r, metric: "prefill-hit-%", difference: true},
+					row{suite: "routing", figure: what + "decode prefix-cache hits, % of prompt, PrefixAware vs " + ref, project: p, reference: r, metric: "decode-hit-%", difference: true},
+					row{suite: "routing", figure: what + "tokens decode pulled per request, PrefixAware vs " + ref, project: p, reference: r, metric: "pulled-tok/req"},
+					row{suite: "routing", figure: what + "p50 ms, PrefixAware vs " + ref, project: p, reference: r, metric: "p50-ms"},
+				)
+			}
+		}
+		rs = append(rs,
+			row{suite: "routing", figure: "real vLLM, " + cache.words + ", chats: router CPU, ms/request, PrefixAware vs LeastInFlight", project: routing + "shared-prefix/PrefixAware",
+				reference: routing + "shared-prefix/LeastInFlight", metric: "cpu-ms/req"},
+			row{suite: "routing", figure: "real vLLM, " + cache.words + ", nothing shared: req/s, PrefixAware vs LeastInFlight", project: routing + "distinct/PrefixAware",
+				reference: routing + "distinct/LeastInFlight", metric: "req/s"},
+			row{suite: "routing", figure: "real vLLM, " + cache.words + ", nothing shared: p50 ms, PrefixAware vs LeastInFlight", project: routing + "distinct/PrefixAware",
+				reference: routing + "distinct/LeastInFlight", metric: "p50-ms"},
+		)
+	}
+	rs = append(rs,
 		row{suite: "operator", figure: "operator, 1,000 PDClusters, s until all reconciled", project: "BenchmarkOperator/project", reference: "BenchmarkOperator/reference",
 			metric: "s", target: "< 15 s", met: atMost(15)},
 		row{suite: "operator", figure: "operator, writes per PDCluster at creation", project: "BenchmarkOperator/project", reference: "BenchmarkOperator/reference", metric: "writes/PDCluster"},
@@ -177,7 +204,7 @@ func format(v float64) string {
 }
 
 func main() {
-	only := flag.String("only", "", "comma-separated suites to run (core, dataplane, pdctl, router, operator, realengine); default all")
+	only := flag.String("only", "", "comma-separated suites to run (core, dataplane, pdctl, router, operator, realengine, routing); default all")
 	logPath := flag.String("log", "", "file for the benchmarks' own output (default: discarded)")
 	flag.Parse()
 	want := map[string]bool{}
