@@ -16,7 +16,7 @@ import (
 
 // wantsGangs reports whether pdc has a pool whose replicas span pods and asks for gangs.
 func wantsGangs(pdc *v1alpha1.PDCluster) bool {
-	return len(render.MultiNodePools(pdc)) > 0 && pdc.Spec.Scheduling.Gang != v1alpha1.GangNone
+	return render.Gangs(pdc, v1alpha1.RolePrefill, true) || render.Gangs(pdc, v1alpha1.RoleDecode, true)
 }
 
 // gangStatus writes GangScheduling for a PDCluster with a pool whose replicas span pods, and

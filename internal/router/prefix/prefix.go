@@ -31,11 +31,14 @@ const (
 	DefaultCapacity   = 31250
 )
 
+// seed is one per process: the router hashes a prompt once and matches the hashes in every
+// pool's Index. Random per process, so a client cannot aim collisions at the router.
+var seed = maphash.MakeSeed()
+
 // Index is the prefixes of one pool's engines, by engine URL. It is safe for concurrent use.
 type Index struct {
-	cfg  Config
-	seed maphash.Seed
-	mu   sync.Mutex
+	cfg Config
+	mu  sync.Mutex
 	// engines holds each engine's hashes; size is their sum.
 	engines map[string]*lru
 	size    int
@@ -52,7 +55,7 @@ func New(cfg Config) *Index {
 	if cfg.Capacity <= 0 {
 		cfg.Capacity = DefaultCapacity
 	}
-	return &Index{cfg: cfg, seed: maphash.MakeSeed(), engines: map[string]*lru{}}
+	return &Index{cfg: cfg, engines: map[string]*lru{}}
 }
 
 // Hashes are the chunk hashes of prompt for model: the model's name starts the chain, since
@@ -63,7 +66,7 @@ func (ix *Index) Hashes(model, prompt []byte) []uint64 {
 		return nil
 	}
 	var h maphash.Hash
-	h.SetSeed(ix.seed)
+	h.SetSeed(seed)
 	_, _ = h.Write(model)
 	_ = h.WriteByte(0)
 	out := make([]uint64, n)

@@ -112,3 +112,13 @@ func TestEvictsTheLeastRecentlySent(t *testing.T) {
 		}
 	}
 }
+
+// The router hashes a request once and matches those hashes in each pool's Index: every Index
+// of one process must hash alike.
+func TestIndexesHashAlike(t *testing.T) {
+	p := prompt("system: ", "be brief", "question", "one.....")
+	a, b := New(small).Hashes([]byte("m"), p), New(small).Hashes([]byte("m"), p)
+	if diff := cmp.Diff(a, b); diff != "" {
+		t.Errorf("two indexes hash one prompt differently (-first +second):\n%s", diff)
+	}
+}
