@@ -1,0 +1,269 @@
+package kvevents
+
+import (
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// tokens are n token ids from start.
+func tokens(start, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(start + i)
+	}
+	return out
+}
+
+func anyTokens(ts []uint32) []any {
+	out := make([]any, len(ts))
+	for i, t := range ts {
+		out[i] = t
+	}
+	return out
+}
+
+// batch encodes events as vLLM 0.30 and later do: [ts, [events as maps], rank].
+func batch(t testing.TB, rank any, events ...map[string]any) []byte {
+	t.Helper()
+	list := make([]any, len(events))
+	for i, e := range events {
+		list[i] = e
+	}
+	b, err := msgpack.Marshal([]any{1.5, list, rank})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func stored(hashes []any, parent any, ts []uint32, size int) map[string]any {
+	return map[string]any{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": anyTokens(ts), "block_size": size, "lora_id": nil, "medium": "GPU", "lora_name": nil, "group_idx": 0}
+}
+
+func TestDecode(t *testing.T) {
+	big := uint64(1<<64 - 5) // vLLM's int hashes use all 64 bits
+	for _, tc := range []struct {
+		name    string
+		payload []byte
+		want    Batch
+	}{{
+		name: "stored, removed and cleared as maps, with a rank",
+		payload: batch(t, 1,
+			stored([]any{uint64(11), big}, nil, tokens(0, 8), 4),
+			map[string]any{"type": "BlockRemoved", "block_hashes": []any{int64(7)}, "medium": "GPU", "group_idx": 1},
+			map[string]any{"type": "AllBlocksCleared"}),
+		want: Batch{DataParallelRank: 1, Events: []Event{
+			Stored{BlockHashes: []uint64{11, big}, TokenIDs: tokens(0, 8), BlockSize: 4, Medium: "GPU"},
+			Removed{BlockHashes: []uint64{7}, Group: 1, Medium: "GPU"},
+			Cleared{},
+		}},
+	}, {
+		name: "array events (older releases), bytes hashes, a parent, no rank",
+		payload: func() []byte {
+			b, _ := msgpack.Marshal([]any{1.0, []any{
+				[]any{"BlockStored", []any{[]byte{0xff, 0, 0, 0, 0, 0, 0, 0, 0, 9}}, []byte{1, 2}, anyTokens(tokens(5, 2)), 2, nil, "GPU"},
+				[]any{"BlockRemoved", []any{uint8(3)}, nil},
+				[]any{"AllBlocksCleared"},
+			}})
+			return b
+		}(),
+		want: Batch{DataParallelRank: -1, Events: []Event{
+			Stored{BlockHashes: []uint64{9}, Parent: 0x0102, HasParent: true, TokenIDs: tokens(5, 2), BlockSize: 2, Medium: "GPU"},
+			Removed{BlockHashes: []uint64{3}},
+			Cleared{},
+		}},
+	}, {
+		name: "a LoRA adapter's blocks, blocks with extra keys or lookahead tokens are keyed; an unknown kind is skipped",
+		payload: batch(t, nil,
+			func() map[string]any { s := stored([]any{1}, nil, tokens(0, 2), 2); s["lora_name"] = "a"; return s }(),
+			func() map[string]any {
+				s := stored([]any{2}, nil, tokens(0, 2), 2)
+				s["extra_keys"] = []any{[]any{"salt"}}
+				return s
+			}(),
+			func() map[string]any {
+				s := stored([]any{3}, nil, tokens(0, 2), 2)
+				s["extra_keys"] = []any{nil}
+				return s
+			}(),
+			func() map[string]any {
+				s := stored([]any{4}, nil, tokens(0, 2), 2)
+				s["lookahead_token_ids"] = []any{[]any{7}}
+				return s
+			}(),
+			func() map[string]any {
+				s := stored([]any{5}, nil, tokens(0, 2), 2)
+				s["lookahead_token_ids"] = []any{[]any{}}
+				return s
+			}(),
+			map[string]any{"type": "BlockMoved"}),
+		want: Batch{DataParallelRank: -1, Events: []Event{
+			Stored{BlockHashes: []uint64{1}, TokenIDs: tokens(0, 2), BlockSize: 2, Keyed: true, Medium: "GPU"},
+			Stored{BlockHashes: []uint64{2}, TokenIDs: tokens(0, 2), BlockSize: 2, Keyed: true, Medium: "GPU"},
+			Stored{BlockHashes: []uint64{3}, TokenIDs: tokens(0, 2), BlockSize: 2, Medium: "GPU"},
+			Stored{BlockHashes: []uint64{4}, TokenIDs: tokens(0, 2), BlockSize: 2, Keyed: true, Medium: "GPU"},
+			Stored{BlockHashes: []uint64{5}, TokenIDs: tokens(0, 2), BlockSize: 2, Medium: "GPU"},
+		}},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := Decode(tc.payload)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if diff := cmp.Diff(tc.want, got); diff != "" {
+				t.Errorf("(-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestDecodeRefusesMalformed(t *testing.T) {
+	for name, payload := range map[string][]byte{
+		"not msgpack":                {0xc1},
+		"not an array":               func() []byte { b, _ := msgpack.Marshal("x"); return b }(),
+		"no events":                  func() []byte { b, _ := msgpack.Marshal([]any{1.0}); return b }(),
+		"events not an array":        func() []byte { b, _ := msgpack.Marshal([]any{1.0, 3}); return b }(),
+		"tokens short of the blocks": batch(t, nil, stored([]any{1, 2}, nil, tokens(0, 3), 2)),
+		"a negative token":           batch(t, nil, stored([]any{1}, nil, []uint32{}, 1), map[string]any{"type": "BlockStored", "block_hashes": []any{1}, "token_ids": []any{-1}, "block_size": 1}),
+		"a zero block size":          batch(t, nil, stored([]any{}, nil, nil, 0)),
+		"a hash of the wrong type":   batch(t, nil, stored([]any{"h"}, nil, tokens(0, 2), 2)),
+	} {
+		if b, err := Decode(payload); err == nil {
+			t.Errorf("%s: decoded %+v, want an error", name, b)
+		}
+	}
+}
+
+// Whatever an engine's publisher sends, Decode returns: the router reads these from pods.
+func TestDecodeNeverPanics(t *testing.T) {
+	valid := batch(t, 0, stored([]any{1, 2}, 9, tokens(0, 4), 2), map[string]any{"type": "BlockRemoved", "block_hashes": []any{1}})
+	rng := rand.New(rand.NewPCG(1, 2))
+	for range 20000 {
+		p := append([]byte(nil), valid[:rng.IntN(len(valid)+1)]...)
+		for range rng.IntN(4) + 1 {
+			if len(p) > 0 {
+				p[rng.IntN(len(p))] = byte(rng.Uint32())
+			}
+		}
+		_, _ = Decode(p)
+	}
+}
+
+func FuzzDecode(f *testing.F) {
+	f.Add(batch(f, 0, stored([]any{1, 2}, 9, tokens(0, 4), 2)))
+	f.Fuzz(func(t *testing.T, p []byte) { _, _ = Decode(p) })
+}
+
+func TestIndex(t *testing.T) {
+	prompt := tokens(100, 12) // three blocks of 4
+	want := Hashes(prompt, 4)
+	for _, tc := range []struct {
+		name   string
+		events []Event
+		// matched is the leading blocks of prompt the engine holds after events; orphans the
+		// blocks Apply skipped for an unknown parent.
+		matched, orphans int
+	}{{
+		name:    "the blocks of one event",
+		events:  []Event{Stored{BlockHashes: []uint64{1, 2, 3}, TokenIDs: prompt, BlockSize: 4}},
+		matched: 3,
+	}, {
+		name: "blocks chained over events by their parents",
+		events: []Event{
+			Stored{BlockHashes: []uint64{1}, TokenIDs: prompt[:4], BlockSize: 4},
+			Stored{BlockHashes: []uint64{2, 3}, Parent: 1, HasParent: true, TokenIDs: prompt[4:], BlockSize: 4},
+		},
+		matched: 3,
+	}, {
+		name:    "a block whose parent is unknown is skipped",
+		events:  []Event{Stored{BlockHashes: []uint64{2, 3}, Parent: 1, HasParent: true, TokenIDs: prompt[4:], BlockSize: 4}},
+		orphans: 2,
+	}, {
+		name: "the same tokens after other tokens are another block",
+		events: []Event{
+			Stored{BlockHashes: []uint64{9}, TokenIDs: tokens(0, 4), BlockSize: 4},
+			Stored{BlockHashes: []uint64{1, 2, 3}, Parent: 9, HasParent: true, TokenIDs: prompt, BlockSize: 4},
+		},
+	}, {
+		name: "a removed block ends the match there",
+		events: []Event{
+			Stored{BlockHashes: []uint64{1, 2, 3}, TokenIDs: prompt, BlockSize: 4},
+			Removed{BlockHashes: []uint64{2}},
+		},
+		matched: 1,
+	}, {
+		name: "a block held by two KV cache groups is held until both removed it",
+		events: []Event{
+			Stored{BlockHashes: []uint64{1}, TokenIDs: prompt[:4], BlockSize: 4},
+			Stored{BlockHashes: []uint64{1}, TokenIDs: prompt[:4], BlockSize: 4, Group: 1},
+			Removed{BlockHashes: []uint64{1}},
+		},
+		matched: 1,
+	}, {
+		name: "cleared",
+		events: []Event{
+			Stored{BlockHashes: []uint64{1, 2, 3}, TokenIDs: prompt, BlockSize: 4},
+			Cleared{},
+		},
+	}, {
+		name: "keyed blocks and an offloading tier's are not the engine's to match",
+		events: []Event{
+			Stored{BlockHashes: []uint64{1, 2, 3}, TokenIDs: prompt, BlockSize: 4, Keyed: true},
+			Stored{BlockHashes: []uint64{4, 5, 6}, TokenIDs: prompt, BlockSize: 4, Medium: "CPU"},
+		},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			ix := NewIndex(0)
+			orphans := ix.Apply("e", tc.events)
+			matched := make([]int, 2)
+			ix.Match(want, func(i int) string { return []string{"e", "other"}[i] }, matched)
+			if diff := cmp.Diff([]int{tc.matched, 0}, matched); diff != "" || orphans != tc.orphans {
+				t.Errorf("matched (-want +got):\n%s\norphans %d, want %d", diff, orphans, tc.orphans)
+			}
+		})
+	}
+}
+
+func TestIndexIsBounded(t *testing.T) {
+	ix := NewIndex(100)
+	for i := range 1000 {
+		ix.Apply("e", []Event{Stored{BlockHashes: []uint64{uint64(i)}, TokenIDs: tokens(i, 2), BlockSize: 2}})
+	}
+	if got := ix.Blocks("e"); got != 100 {
+		t.Errorf("%d blocks after 1000 stored, want the bound, 100", got)
+	}
+	ix.Retain(func(string) bool { return false })
+	if got := ix.Size(); got != 0 {
+		t.Errorf("%d blocks after the engine left, want 0", got)
+	}
+}
+
+// The msgpack library sizes a map by its header and recurses as deep as the input nests: a
+// few hostile bytes would take the router's memory or stack.
+func TestDecodeRefusesHostileSizes(t *testing.T) {
+	nested := make([]byte, 100000)
+	for i := range nested {
+		nested[i] = 0x91 // an array of one, nested
+	}
+	for name, payload := range map[string][]byte{
+		"a map claiming 2^32 entries":    {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0xdf, 0xff, 0xff, 0xff, 0xff},
+		"an array claiming 2^32 items":   {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff},
+		"a string longer than the batch": {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdb, 0xff, 0xff, 0xff, 0xff},
+		"nested 100000 deep":             nested,
+	} {
+		done := make(chan error, 1)
+		go func() { _, err := Decode(payload); done <- err }()
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Errorf("%s: decoded, want an error", name)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: Decode did not return in 10 s", name)
+		}
+	}
+}

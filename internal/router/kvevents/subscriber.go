@@ -1,0 +1,274 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/go-zeromq/zmq4"
+)
+
+// Source is one engine's publisher, as --kv-events-config binds it: the PUB endpoint and the
+// ROUTER endpoint that replays its recent batches.
+type Source struct {
+	// Engine is the engine's URL: the index's key for what it holds.
+	Engine string
+	// Endpoint is the publisher, tcp://host:port.
+	Endpoint string
+	// Replay is the publisher's replay endpoint, tcp://host:port; "" when it has none.
+	Replay string
+}
+
+// Stream is what a Follow call reports of its source, for metrics and for the router to know
+// whether the engine's index can be trusted.
+type Stream struct {
+	// Batches and Events applied, and BlocksOrphaned: stored blocks skipped for a parent the
+	// index never saw.
+	Batches, Events, BlocksOrphaned int
+	// Gaps are sequence gaps seen; Lost the gaps replay could not fill; Restarts the times the
+	// publisher's sequence went back (a new engine process); Reconnects the connections lost.
+	Gaps, Lost, Restarts, Reconnects int
+	// LastEvent is when the last batch arrived; LastLoss when events were last lost.
+	LastEvent, LastLoss time.Time
+}
+
+// Follower keeps an Index up to date from engines' publishers.
+type Follower struct {
+	Index *Index
+	// Topic is the publishers' topic ("" for all).
+	Topic string
+	Log   logr.Logger
+	// ReplayTimeout bounds one replay request.
+	ReplayTimeout time.Duration
+
+	mu      sync.Mutex
+	streams map[string]*Stream
+}
+
+// Streams is a copy of what each followed engine's stream reported.
+func (f *Follower) Streams() map[string]Stream {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := make(map[string]Stream, len(f.streams))
+	for k, v := range f.streams {
+		out[k] = *v
+	}
+	return out
+}
+
+func (f *Follower) update(engine string, do func(*Stream)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.streams == nil {
+		f.streams = map[string]*Stream{}
+	}
+	s := f.streams[engine]
+	if s == nil {
+		s = &Stream{}
+		f.streams[engine] = s
+	}
+	do(s)
+}
+
+// endSeq is the sequence number that ends a replay (-1, two's complement).
+const endSeq = 1<<64 - 1
+
+// Follow subscribes to src until ctx ends, then forgets the engine. It first replays what the
+// publisher still buffers (what the engine cached before the router listened), applies batches
+// in sequence order, replays a gap, drops the engine's index when its sequence goes back (the
+// engine restarted: its cache is new), and drops it when a gap cannot be replayed (the index
+// would keep blocks the engine evicted). Malformed batches are logged and skipped.
+func (f *Follower) Follow(ctx context.Context, src Source) {
+	log := f.Log.WithValues("engine", src.Engine, "endpoint", src.Endpoint)
+	defer func() {
+		f.Index.Drop(src.Engine)
+		f.mu.Lock()
+		delete(f.streams, src.Engine)
+		f.mu.Unlock()
+	}()
+	var next uint64
+	// replayed is the span the last replay applied: live batches in it are duplicates.
+	var replayedFrom, replayedTo uint64
+	replayed := false
+	catchUp := func(from uint64) {
+		// From 0: whatever the buffer still holds (the engine may have run long before the
+		// router listened); from a gap: that gap exactly.
+		first, last, applied := f.replay(ctx, src, from, from == 0, log)
+		if applied > 0 {
+			replayedFrom, replayedTo, replayed = first, last, true
+			next = last + 1
+		}
+	}
+	for connected := false; ctx.Err() == nil; connected = true {
+		if connected {
+			// The connection dropped: the engine likely restarted, and what was published
+			// meanwhile is unknown. Start over from what its publisher buffers.
+			log.Info("KV events connection lost: the engine's index is dropped and rebuilt from the publisher's replay")
+			f.Index.Drop(src.Engine)
+			f.update(src.Engine, func(s *Stream) { s.Reconnects++ })
+			next, replayed = 0, false
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(time.Second):
+			}
+		}
+		f.receive(ctx, src, log, func(sub zmq4.Socket) {
+			catchUp(0)
+			for {
+				msg, err := sub.Recv()
+				if err != nil {
+					if ctx.Err() == nil {
+						log.V(1).Info("KV events receive ended", "error", err.Error())
+					}
+					return
+				}
+				seq, payload, err := frames(msg, f.Topic)
+				if err != nil {
+					log.Error(err, "skip a malformed message")
+					continue
+				}
+				switch {
+				case seq < next && replayed && seq >= replayedFrom && seq <= replayedTo:
+					continue // applied by the replay
+				case seq < next:
+					log.Info("KV events sequence went back: the engine restarted, its index is dropped", "sequence", seq, "expected", next)
+					f.Index.Drop(src.Engine)
+					f.update(src.Engine, func(s *Stream) { s.Restarts++ })
+					next, replayed = 0, false
+					if seq > 0 {
+						catchUp(0)
+					}
+				case seq > next:
+					f.update(src.Engine, func(s *Stream) { s.Gaps++ })
+					catchUp(next)
+					if seq > next {
+						log.Info("KV events lost past the publisher's replay buffer: the engine's index is dropped", "from", next, "to", seq-1)
+						f.Index.Drop(src.Engine)
+						f.update(src.Engine, func(s *Stream) { s.Lost++; s.LastLoss = time.Now() })
+						next = seq
+					}
+				}
+				if seq < next {
+					continue
+				}
+				f.apply(src.Engine, payload, log)
+				next = seq + 1
+			}
+		})
+	}
+}
+
+// receive connects a subscriber to src's publisher (retrying until ctx ends) and runs loop on
+// it until loop returns.
+func (f *Follower) receive(ctx context.Context, src Source, log logr.Logger, loop func(zmq4.Socket)) {
+	sub := zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(-1), zmq4.WithDialerRetry(time.Second))
+	defer sub.Close()
+	if err := sub.SetOption(zmq4.OptionSubscribe, f.Topic); err != nil {
+		log.Error(err, "subscribe")
+		return
+	}
+	if err := sub.Dial(src.Endpoint); err != nil {
+		if ctx.Err() == nil {
+			log.Error(err, "dial the KV events publisher")
+		}
+		return
+	}
+	loop(sub)
+}
+
+// replay asks src's replay endpoint for the batches from from on (or, orLater, from the oldest
+// it still holds) and applies them in sequence, reporting the first and last sequence applied
+// and how many.
+func (f *Follower) replay(ctx context.Context, src Source, from uint64, orLater bool, log logr.Logger) (first, last uint64, applied int) {
+	if src.Replay == "" {
+		return 0, 0, 0
+	}
+	timeout := f.ReplayTimeout
+	if timeout <= 0 {
+		timeout = 5 * time.Second
+	}
+	rctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	dealer := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0))
+	defer dealer.Close()
+	if err := dealer.Dial(src.Replay); err != nil {
+		log.V(1).Info("KV events replay unavailable", "error", err.Error())
+		return 0, 0, 0
+	}
+	var req [8]byte
+	binary.BigEndian.PutUint64(req[:], from)
+	if err := dealer.SendMulti(zmq4.NewMsgFrom([]byte{}, req[:])); err != nil {
+		log.V(1).Info("KV events replay request failed", "error", err.Error())
+		return 0, 0, 0
+	}
+	want := from
+	for {
+		msg, err := dealer.Recv()
+		if err != nil {
+			log.V(1).Info("KV events replay ended early", "error", err.Error())
+			return first, last, applied
+		}
+		// [empty, topic, seq, payload]
+		if len(msg.Frames) != 4 || len(msg.Frames[0]) != 0 {
+			log.Error(fmt.Errorf("%d frames", len(msg.Frames)), "skip a malformed replay message")
+			continue
+		}
+		seq, payload, err := frames(zmq4.NewMsgFrom(msg.Frames[1:]...), f.Topic)
+		if err == nil && seq == endSeq {
+			return first, last, applied
+		}
+		if err != nil {
+			log.Error(err, "skip a malformed replay message")
+			continue
+		}
+		if applied == 0 && seq > want && orLater {
+			want = seq // the oldest the buffer holds
+		}
+		if seq != want {
+			// Before from, or past a batch the buffer no longer holds: applying it would
+			// leave a hole, which the caller sees as the gap still open.
+			continue
+		}
+		f.apply(src.Engine, payload, log)
+		if applied == 0 {
+			first = seq
+		}
+		last, want = seq, seq+1
+		applied++
+	}
+}
+
+// frames reads a publisher message: [topic, 8-byte big-endian sequence, payload].
+func frames(msg zmq4.Msg, topic string) (seq uint64, payload []byte, err error) {
+	if len(msg.Frames) != 3 {
+		return 0, nil, fmt.Errorf("%d frames, want topic, sequence and payload", len(msg.Frames))
+	}
+	if len(msg.Frames[1]) != 8 {
+		return 0, nil, errors.New("sequence is not 8 bytes")
+	}
+	seq = binary.BigEndian.Uint64(msg.Frames[1])
+	if seq != endSeq && string(msg.Frames[0]) != topic {
+		return 0, nil, fmt.Errorf("topic %q, want %q", msg.Frames[0], topic)
+	}
+	return seq, msg.Frames[2], nil
+}
+
+func (f *Follower) apply(engine string, payload []byte, log logr.Logger) {
+	b, err := Decode(payload)
+	if err != nil {
+		log.Error(err, "skip a malformed KV event batch")
+		return
+	}
+	orphans := f.Index.Apply(engine, b.Events)
+	f.update(engine, func(s *Stream) {
+		s.Batches++
+		s.Events += len(b.Events)
+		s.BlocksOrphaned += orphans
+		s.LastEvent = time.Now()
+	})
+}
