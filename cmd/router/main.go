@@ -162,6 +162,9 @@ func main() {
 	if fc.Canary != nil {
 		go r.RunCanary(ctx, *fc.Canary)
 	}
+	// Follows the engines' KV cache events with routing.strategy KVEvents; returns at once
+	// otherwise.
+	go r.RunKVEvents(ctx)
 	srv := router.NewServer(o.listen, r.Handler(reg), router.ServerLimits{})
 	done := shutdownOnDone(ctx, srv, o.shutdownTimeout)
 	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "balance", cfg.Balance, "routing", cfg.Routing, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String(), "canary", fc.Canary != nil)

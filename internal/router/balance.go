@@ -40,6 +40,10 @@ type picked struct {
 type preference struct {
 	matched []int
 	slack   int
+	// fromEvents is set when matched counts KV blocks the engines' events reported (KVEvents),
+	// blocks being the prompt's full blocks; else matched counts PrefixAware's chunks.
+	fromEvents bool
+	blocks     int
 }
 
 // pick chooses one of n engines; url(i) is engine i's URL, by which requests in flight are

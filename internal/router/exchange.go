@@ -44,6 +44,9 @@ type exchange struct {
 	first attempt
 	// hashes are the prompt's chunk hashes, with PrefixAware routing (prefixaware.go).
 	hashes []uint64
+	// tokens are the prompt's token ids, with KVEvents routing when the prompt is token ids
+	// (kvaware.go).
+	tokens []uint32
 }
 
 // attempt is one try of the request on one prefill (none when decodeOnly) and one decode
@@ -266,6 +269,7 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 	}
 	a.x, a.decodeOnly = x, decodeOnly
 	pairing := r.cfg.Pairing != "" && !decodeOnly
+	var prefillPref *preference
 	if !decodeOnly {
 		prefillURL := func(i int) string { return pools.Prefill[i].URL }
 		pref := x.preference(legPrefill, len(pools.Prefill), prefillURL)
@@ -273,6 +277,7 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 		if !ok && x.recheck(legPrefill) {
 			pp, ok = r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(x.avoid()), pref)
 		}
+		prefillPref = pref
 		if !ok {
 			return nil, x.noEndpoint(legPrefill)
 		}
@@ -291,9 +296,9 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 	}
 	a.dp, a.d = dp, pools.Decode[dp.index]
 	if !decodeOnly {
-		x.pickedFor(legPrefill, a.pp, a.p.URL)
+		x.pickedFor(legPrefill, a.pp, a.p.URL, prefillPref)
 	}
-	x.pickedFor(legDecode, a.dp, a.d)
+	x.pickedFor(legDecode, a.dp, a.d, pref)
 	// Only an attempt that can be abandoned gets a context of its own (Mooncake's decode leg
 	// waits while its prefill may fail; the hang budget abandons any): NIXL's legs run one
 	// after the other on the client's.

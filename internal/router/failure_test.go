@@ -79,6 +79,9 @@ type testEngine struct {
 	url   string
 	// bootstrapDown: its Mooncake bootstrap server refuses connections.
 	bootstrapDown bool
+	// host is the loopback address it listens on ("": 127.0.0.1): an engine's other ports
+	// (its KV events) are on its host.
+	host string
 }
 
 func (e *testEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -217,11 +220,25 @@ func newPDWith(t *testing.T, cfg Config, prefill, decode []*testEngine) *pdFixtu
 		t.Cleanup(s.Close)
 		return s.URL
 	}
+	serveEngine := func(e *testEngine) string {
+		if e.host == "" {
+			return serve(e)
+		}
+		l, err := net.Listen("tcp", net.JoinHostPort(e.host, "0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := httptest.NewUnstartedServer(e)
+		s.Listener = l
+		s.Start()
+		t.Cleanup(s.Close)
+		return s.URL
+	}
 	var pools Pools
 	for _, e := range prefill {
 		e.url = deadAddr(t)
 		if e.do != nil {
-			e.url = serve(e)
+			e.url = serveEngine(e)
 		}
 		boot := deadAddr(t)
 		if !e.bootstrapDown {
@@ -234,7 +251,7 @@ func newPDWith(t *testing.T, cfg Config, prefill, decode []*testEngine) *pdFixtu
 	for _, e := range decode {
 		e.url = deadAddr(t)
 		if e.do != nil {
-			e.url = serve(e)
+			e.url = serveEngine(e)
 		}
 		pools.Decode = append(pools.Decode, e.url)
 	}

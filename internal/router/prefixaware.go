@@ -29,9 +29,10 @@ type prefixRouting struct {
 // prefixCounts are one pool's series of prefixRouting's counters.
 type prefixCounts struct{ prompt, matched, passedOver prometheus.Counter }
 
-// newPrefixRouting is the state of routing, or nil when it does not weigh prefixes.
+// newPrefixRouting is the state of routing, or nil when it does not weigh prefixes (KVEvents
+// keeps it as its estimate for text prompts and untrusted events).
 func newPrefixRouting(routing *routerconfig.Routing) *prefixRouting {
-	if routing == nil || routing.Strategy != routerconfig.RoutingPrefixAware {
+	if routing == nil || (routing.Strategy != routerconfig.RoutingPrefixAware && routing.Strategy != routerconfig.RoutingKVEvents) {
 		return nil
 	}
 	cfg := prefix.Config{ChunkBytes: int(routing.ChunkBytes), MaxChunks: int(routing.MaxChunks), Capacity: int(routing.ChunksPerEngine)}
@@ -106,6 +107,11 @@ func (p *prefixRouting) promptHashes(body map[string]json.RawMessage) []uint64 {
 // preference ranks l's n engines (url(i) the i-th) for this request, or is nil without
 // PrefixAware routing or a prompt long enough to hash.
 func (x *exchange) preference(l leg, n int, url func(int) string) *preference {
+	if x.r.kv != nil {
+		if pref := x.kvPreference(l, n, url); pref != nil {
+			return pref
+		}
+	}
 	p := x.r.prefix
 	if p == nil || len(x.hashes) == 0 {
 		return nil
@@ -116,13 +122,19 @@ func (x *exchange) preference(l leg, n int, url func(int) string) *preference {
 }
 
 // pickedFor records that the engine at url was picked for this request's prompt: it holds it
-// now (vLLM caches what it computes or pulls), and the pick is counted.
-func (x *exchange) pickedFor(l leg, pk picked, url string) {
+// now (vLLM caches what it computes or pulls), and the pick is counted by what pref weighed.
+func (x *exchange) pickedFor(l leg, pk picked, url string, pref *preference) {
 	p := x.r.prefix
+	if pref != nil && pref.fromEvents {
+		x.r.kv.picked(l, pref, pk)
+	}
 	if p == nil || len(x.hashes) == 0 {
 		return
 	}
 	p.pools[l].Record(url, x.hashes)
+	if pref != nil && pref.fromEvents {
+		return
+	}
 	c := p.counts[l]
 	c.prompt.Add(float64(len(x.hashes)))
 	c.matched.Add(float64(pk.matched))

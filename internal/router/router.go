@@ -133,6 +133,9 @@ type Router struct {
 	// prefix ranks engines by the prompt prefixes they were sent (PrefixAware routing); nil
 	// otherwise.
 	prefix *prefixRouting
+	// kv ranks engines by what their KV events say they hold (KVEvents routing); nil
+	// otherwise.
+	kv *kvRouting
 	// flow runs one request's legs: mooncake or nixl, chosen once by Config.Flow.
 	flow     flowFunc
 	inFlight atomic.Int64
@@ -214,6 +217,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		probeEvery: probeEvery,
 		canary:     newCanaryState(),
 		prefix:     newPrefixRouting(cfg.Routing),
+		kv:         newKVRouting(cfg.Routing),
 		metrics: metrics{
 			requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
@@ -262,6 +266,11 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	pairs := pairCounters(&r.metrics.samePairs, &r.metrics.crossPairs)
 	if reg != nil && r.prefix != nil {
 		if err := reg.Register(r.prefix); err != nil {
+			return nil, err
+		}
+	}
+	if reg != nil && r.kv != nil {
+		if err := reg.Register(r.kv); err != nil {
 			return nil, err
 		}
 	}
@@ -491,6 +500,9 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start, firstToken: firstTokenBudget(r.policy, body)}
 	if r.prefix != nil {
 		x.hashes = r.prefix.promptHashes(body)
+	}
+	if r.kv != nil {
+		x.tokens = promptTokens(body)
 	}
 	x.run()
 }

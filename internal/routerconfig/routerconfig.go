@@ -96,6 +96,10 @@ const (
 	// RoutingPrefixAware: the engine that was sent the longest prefix of the prompt, within
 	// a load bound.
 	RoutingPrefixAware RoutingStrategy = "PrefixAware"
+	// RoutingKVEvents: the engine whose own KV cache events say it holds the longest start of
+	// the prompt's token ids, within the same load bound; PrefixAware's estimate where the
+	// prompt is text or an engine's events cannot be trusted.
+	RoutingKVEvents RoutingStrategy = "KVEvents"
 )
 
 // Routing is router.json's routing.
@@ -109,6 +113,18 @@ type Routing struct {
 	// LoadSlack is how many more requests in flight than the least loaded engine an engine
 	// may have and still be picked for what it holds.
 	LoadSlack int32 `json:"loadSlack"`
+	// KVEvents is where the engines publish their KV cache events (KVEvents only).
+	KVEvents *KVEventsEndpoints `json:"kvEvents,omitempty"`
+}
+
+// KVEventsEndpoints are the ports of each engine's --kv-events-config: data-parallel rank r
+// publishes on Port+r and replays on ReplayPort+r (vLLM offsets both by the rank).
+type KVEventsEndpoints struct {
+	Port       int32  `json:"port"`
+	ReplayPort int32  `json:"replayPort"`
+	Topic      string `json:"topic"`
+	// BlocksPerEngine bounds each engine's index (0: the router's default).
+	BlocksPerEngine int32 `json:"blocksPerEngine,omitempty"`
 }
 
 // Validate reports a routing the router cannot run.
@@ -117,8 +133,16 @@ func (r Routing) Validate(b Balance) error {
 	case RoutingLeastInFlight:
 		return nil
 	case RoutingPrefixAware:
+		if r.KVEvents != nil {
+			return fmt.Errorf("routing.kvEvents is for strategy %s only, not %s", RoutingKVEvents, r.Strategy)
+		}
+	case RoutingKVEvents:
+		e := r.KVEvents
+		if e == nil || e.Port <= 0 || e.ReplayPort <= 0 || e.Port == e.ReplayPort || e.BlocksPerEngine < 0 {
+			return fmt.Errorf("routing.strategy %s needs routing.kvEvents with two different ports and blocksPerEngine not negative, got %+v", r.Strategy, e)
+		}
 	default:
-		return fmt.Errorf("routing.strategy must be %s or %s, got %q", RoutingLeastInFlight, RoutingPrefixAware, r.Strategy)
+		return fmt.Errorf("routing.strategy must be %s, %s or %s, got %q", RoutingLeastInFlight, RoutingPrefixAware, RoutingKVEvents, r.Strategy)
 	}
 	if b == BalanceRoundRobin {
 		return fmt.Errorf("routing.strategy %s bounds each engine's load by its requests in flight: it needs balance %s, not %s", r.Strategy, BalanceLeastInFlight, b)

@@ -62,3 +62,31 @@ func TestRevisionsValidate(t *testing.T) {
 		t.Errorf("a revision without decodeHost: %v", err)
 	}
 }
+
+func TestRoutingValidate(t *testing.T) {
+	events := &KVEventsEndpoints{Port: 5557, ReplayPort: 5757, Topic: "kv"}
+	for _, tc := range []struct {
+		name    string
+		routing Routing
+		balance Balance
+		wantErr string
+	}{
+		{"least in flight", Routing{Strategy: RoutingLeastInFlight}, BalanceRoundRobin, ""},
+		{"prefix aware", Routing{Strategy: RoutingPrefixAware, LoadSlack: 2}, BalanceLeastInFlight, ""},
+		{"prefix aware with round robin", Routing{Strategy: RoutingPrefixAware}, BalanceRoundRobin, "needs balance least-in-flight"},
+		{"prefix aware with kv events ports", Routing{Strategy: RoutingPrefixAware, KVEvents: events}, BalanceLeastInFlight, "routing.kvEvents is for strategy KVEvents only"},
+		{"kv events", Routing{Strategy: RoutingKVEvents, KVEvents: events}, BalanceLeastInFlight, ""},
+		{"kv events without ports", Routing{Strategy: RoutingKVEvents}, BalanceLeastInFlight, "needs routing.kvEvents"},
+		{"kv events on one port", Routing{Strategy: RoutingKVEvents, KVEvents: &KVEventsEndpoints{Port: 5557, ReplayPort: 5557}}, BalanceLeastInFlight, "two different ports"},
+		{"kv events with round robin", Routing{Strategy: RoutingKVEvents, KVEvents: events}, BalanceRoundRobin, "needs balance least-in-flight"},
+		{"unknown", Routing{Strategy: "Sticky"}, BalanceLeastInFlight, `must be LeastInFlight, PrefixAware or KVEvents, got "Sticky"`},
+		{"negative slack", Routing{Strategy: RoutingPrefixAware, LoadSlack: -1}, BalanceLeastInFlight, "must not be negative"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.routing.Validate(tc.balance)
+			if (err == nil) != (tc.wantErr == "") || (err != nil && !strings.Contains(err.Error(), tc.wantErr)) {
+				t.Errorf("Validate() = %v, want an error with %q", err, tc.wantErr)
+			}
+		})
+	}
+}

@@ -21,6 +21,8 @@ import (
 
 // Batch is one message of an engine's publisher: vLLM's KVEventBatch.
 type Batch struct {
+	// TS is when the engine made the batch, seconds since the epoch.
+	TS float64
 	// Events in the order the engine made them.
 	Events []Event
 	// DataParallelRank is the publishing engine's rank, -1 when the batch does not say.
@@ -63,8 +65,8 @@ func (Stored) kind() string  { return "BlockStored" }
 func (Removed) kind() string { return "BlockRemoved" }
 func (Cleared) kind() string { return "AllBlocksCleared" }
 
-// Field order of the events in array form (vLLM before 0.30 encoded events as arrays, the tag
-// first; 0.30 and later as maps with a "type" key): the msgspec structs' declaration order.
+// Field order of the events in array form (older vLLM releases encoded events as arrays, the
+// tag first; 0.30 and later as maps with a "type" key): the msgspec structs' declaration order.
 var (
 	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx"}
 	removedFields = []string{"block_hashes", "medium", "group_idx"}
@@ -90,6 +92,12 @@ func Decode(payload []byte) (Batch, error) {
 		return Batch{}, fmt.Errorf("kv event batch: events is %T, want an array", raw[1])
 	}
 	b := Batch{DataParallelRank: -1}
+	switch ts := raw[0].(type) {
+	case float64:
+		b.TS = ts
+	case float32:
+		b.TS = float64(ts)
+	}
 	if len(raw) > 2 && raw[2] != nil {
 		rank, err := integer(raw[2])
 		if err != nil {

@@ -56,7 +56,7 @@ func TestDecode(t *testing.T) {
 			stored([]any{uint64(11), big}, nil, tokens(0, 8), 4),
 			map[string]any{"type": "BlockRemoved", "block_hashes": []any{int64(7)}, "medium": "GPU", "group_idx": 1},
 			map[string]any{"type": "AllBlocksCleared"}),
-		want: Batch{DataParallelRank: 1, Events: []Event{
+		want: Batch{TS: 1.5, DataParallelRank: 1, Events: []Event{
 			Stored{BlockHashes: []uint64{11, big}, TokenIDs: tokens(0, 8), BlockSize: 4, Medium: "GPU"},
 			Removed{BlockHashes: []uint64{7}, Group: 1, Medium: "GPU"},
 			Cleared{},
@@ -71,7 +71,7 @@ func TestDecode(t *testing.T) {
 			}})
 			return b
 		}(),
-		want: Batch{DataParallelRank: -1, Events: []Event{
+		want: Batch{TS: 1, DataParallelRank: -1, Events: []Event{
 			Stored{BlockHashes: []uint64{9}, Parent: 0x0102, HasParent: true, TokenIDs: tokens(5, 2), BlockSize: 2, Medium: "GPU"},
 			Removed{BlockHashes: []uint64{3}},
 			Cleared{},
@@ -101,7 +101,7 @@ func TestDecode(t *testing.T) {
 				return s
 			}(),
 			map[string]any{"type": "BlockMoved"}),
-		want: Batch{DataParallelRank: -1, Events: []Event{
+		want: Batch{TS: 1.5, DataParallelRank: -1, Events: []Event{
 			Stored{BlockHashes: []uint64{1}, TokenIDs: tokens(0, 2), BlockSize: 2, Keyed: true, Medium: "GPU"},
 			Stored{BlockHashes: []uint64{2}, TokenIDs: tokens(0, 2), BlockSize: 2, Keyed: true, Medium: "GPU"},
 			Stored{BlockHashes: []uint64{3}, TokenIDs: tokens(0, 2), BlockSize: 2, Medium: "GPU"},

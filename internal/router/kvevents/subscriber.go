@@ -34,6 +34,10 @@ type Stream struct {
 	Gaps, Lost, Restarts, Reconnects int
 	// LastEvent is when the last batch arrived; LastLoss when events were last lost.
 	LastEvent, LastLoss time.Time
+	// Lag is how long the last batch took from the engine to the index.
+	Lag time.Duration
+	// Connected is set while the subscriber is connected to the publisher.
+	Connected bool
 }
 
 // Follower keeps an Index up to date from engines' publishers.
@@ -91,14 +95,19 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 		f.mu.Unlock()
 	}()
 	var next uint64
+	// fresh is set until a batch was applied since the subscriber connected: the first batch
+	// then starts the sequence, whatever its number (the publisher may have sent many
+	// before, and no longer buffer them).
+	fresh := true
 	// replayed is the span the last replay applied: live batches in it are duplicates.
 	var replayedFrom, replayedTo uint64
 	replayed := false
 	catchUp := func(from uint64) {
-		// From 0: whatever the buffer still holds (the engine may have run long before the
+		// Fresh: whatever the buffer still holds (the engine may have run long before the
 		// router listened); from a gap: that gap exactly.
-		first, last, applied := f.replay(ctx, src, from, from == 0, log)
+		first, last, applied := f.replay(ctx, src, from, fresh, log)
 		if applied > 0 {
+			fresh = false
 			replayedFrom, replayedTo, replayed = first, last, true
 			next = last + 1
 		}
@@ -110,7 +119,7 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 			log.Info("KV events connection lost: the engine's index is dropped and rebuilt from the publisher's replay")
 			f.Index.Drop(src.Engine)
 			f.update(src.Engine, func(s *Stream) { s.Reconnects++ })
-			next, replayed = 0, false
+			next, replayed, fresh = 0, false, true
 			select {
 			case <-ctx.Done():
 				return
@@ -132,6 +141,9 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 					log.Error(err, "skip a malformed message")
 					continue
 				}
+				if fresh {
+					next, fresh = seq, false
+				}
 				switch {
 				case seq < next && replayed && seq >= replayedFrom && seq <= replayedTo:
 					continue // applied by the replay
@@ -139,9 +151,12 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 					log.Info("KV events sequence went back: the engine restarted, its index is dropped", "sequence", seq, "expected", next)
 					f.Index.Drop(src.Engine)
 					f.update(src.Engine, func(s *Stream) { s.Restarts++ })
-					next, replayed = 0, false
+					next, replayed, fresh = 0, false, true
 					if seq > 0 {
 						catchUp(0)
+					}
+					if fresh {
+						next, fresh = seq, false
 					}
 				case seq > next:
 					f.update(src.Engine, func(s *Stream) { s.Gaps++ })
@@ -178,6 +193,8 @@ func (f *Follower) receive(ctx context.Context, src Source, log logr.Logger, loo
 		}
 		return
 	}
+	f.update(src.Engine, func(s *Stream) { s.Connected = true })
+	defer f.update(src.Engine, func(s *Stream) { s.Connected = false })
 	loop(sub)
 }
 
@@ -270,5 +287,8 @@ func (f *Follower) apply(engine string, payload []byte, log logr.Logger) {
 		s.Events += len(b.Events)
 		s.BlocksOrphaned += orphans
 		s.LastEvent = time.Now()
+		if b.TS > 0 {
+			s.Lag = max(0, s.LastEvent.Sub(time.Unix(0, int64(b.TS*1e9))))
+		}
 	})
 }

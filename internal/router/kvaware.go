@@ -1,0 +1,265 @@
+// KVEvents routing: each pool's engines ranked by the blocks their own KV cache events say they
+// hold, for prompts given as token ids; PrefixAware's estimate otherwise.
+
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"net"
+	"net/url"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"pdcluster.dev/pdcluster-operator/internal/router/kvevents"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// trustAfterLoss is how long a pool routes by estimate after one of its engines lost events:
+// the index rebuilds from the engine's later events (vLLM reports the cached blocks a request
+// reuses as stored again), which takes some traffic.
+const trustAfterLoss = time.Minute
+
+// kvRouting is the router's KVEvents state: an index and a follower per pool, fed by each
+// engine's publisher (one per data-parallel rank).
+type kvRouting struct {
+	endpoints routerconfig.KVEventsEndpoints
+	follow    map[leg]*kvevents.Follower
+
+	mu sync.Mutex
+	// running are the followed sources by key (pool, engine URL, rank); ranks each pool's
+	// engines' index keys.
+	running map[string]context.CancelFunc
+	ranks   map[leg]map[string][]string
+
+	promptBlocks, matchedBlocks, fallbacks *prometheus.CounterVec
+	counts                                 map[leg]kvCounts
+	indexBlocks, lag                       *prometheus.Desc
+	lost, restarts, orphaned               *prometheus.Desc
+}
+
+type kvCounts struct {
+	prompt, matched, noTokens, untrusted prometheus.Counter
+}
+
+func newKVRouting(routing *routerconfig.Routing) *kvRouting {
+	if routing == nil || routing.Strategy != routerconfig.RoutingKVEvents || routing.KVEvents == nil {
+		return nil
+	}
+	e := *routing.KVEvents
+	k := &kvRouting{
+		endpoints: e,
+		follow:    map[leg]*kvevents.Follower{},
+		running:   map[string]context.CancelFunc{},
+		ranks:     map[leg]map[string][]string{},
+		promptBlocks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdcluster_router_kv_events_prompt_blocks_total",
+			Help: "Full KV blocks of the token-id prompts routed by the engines' KV events (routing.strategy KVEvents), by pool: with pdcluster_router_kv_events_matched_blocks_total, the share of prompt the picked engines held.",
+		}, []string{"pool"}),
+		matchedBlocks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdcluster_router_kv_events_matched_blocks_total",
+			Help: "Leading KV blocks of the prompt the picked engine's events said it held (routing.strategy KVEvents), by pool.",
+		}, []string{"pool"}),
+		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdcluster_router_kv_events_estimated_total",
+			Help: "Requests routed by PrefixAware's estimate instead of the engines' KV events, by pool and reason: text (the prompt is not token ids), untrusted (an engine of the pool is not connected, has stated no block size, or lost events in the last minute).",
+		}, []string{"pool", "reason"}),
+		indexBlocks: prometheus.NewDesc("pdcluster_router_kv_events_index_blocks", "KV blocks the engines' events say they hold, by pool (bounded by blocksPerEngine per engine and rank).", []string{"pool"}, nil),
+		lag:         prometheus.NewDesc("pdcluster_router_kv_events_lag_seconds", "The longest time an engine's last KV event batch took from the engine to the router's index, by pool.", []string{"pool"}, nil),
+		lost:        prometheus.NewDesc("pdcluster_router_kv_events_lost_total", "Times KV events were lost past an engine's replay buffer (its index dropped, the pool estimated for a minute), by pool.", []string{"pool"}, nil),
+		restarts:    prometheus.NewDesc("pdcluster_router_kv_events_restarts_total", "Times an engine's KV events sequence went back or its connection dropped (its index dropped and rebuilt from its replay), by pool.", []string{"pool"}, nil),
+		orphaned:    prometheus.NewDesc("pdcluster_router_kv_events_orphaned_blocks_total", "Stored KV blocks skipped because the router never saw the block before them, by pool.", []string{"pool"}, nil),
+		counts:      map[leg]kvCounts{},
+	}
+	for _, l := range []leg{legPrefill, legDecode} {
+		k.follow[l] = &kvevents.Follower{Index: kvevents.NewIndex(int(e.BlocksPerEngine)), Topic: e.Topic}
+		k.ranks[l] = map[string][]string{}
+		k.counts[l] = kvCounts{
+			k.promptBlocks.WithLabelValues(string(l)), k.matchedBlocks.WithLabelValues(string(l)),
+			k.fallbacks.WithLabelValues(string(l), "text"), k.fallbacks.WithLabelValues(string(l), "untrusted"),
+		}
+	}
+	return k
+}
+
+// RunKVEvents follows the KV events of every engine in the pools until ctx ends, starting and
+// stopping subscriptions as the pools change. Without routing.strategy KVEvents it returns.
+func (r *Router) RunKVEvents(ctx context.Context) {
+	k := r.kv
+	if k == nil {
+		return
+	}
+	for _, f := range k.follow {
+		f.Log = r.log.WithName("kv-events")
+	}
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		if p := r.pools.Load(); p != nil {
+			k.sync(ctx, p)
+		}
+		select {
+		case <-ctx.Done():
+			k.mu.Lock()
+			for _, stop := range k.running {
+				stop()
+			}
+			k.mu.Unlock()
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// sync follows every rank of every engine in pools and stops following the others.
+func (k *kvRouting) sync(ctx context.Context, pools *Pools) {
+	type source struct {
+		l   leg
+		src kvevents.Source
+	}
+	want := map[string]source{}
+	ranks := map[leg]map[string][]string{legPrefill: {}, legDecode: {}}
+	add := func(l leg, engine string, n int) {
+		u, err := url.Parse(engine)
+		if err != nil {
+			return
+		}
+		for rank := range max(n, 1) {
+			key := engine
+			if rank > 0 {
+				key += "#" + strconv.Itoa(rank)
+			}
+			ranks[l][engine] = append(ranks[l][engine], key)
+			at := func(port int32) string {
+				return "tcp://" + net.JoinHostPort(u.Hostname(), strconv.Itoa(int(port)+rank))
+			}
+			want[string(l)+" "+key] = source{l, kvevents.Source{Engine: key, Endpoint: at(k.endpoints.Port), Replay: at(k.endpoints.ReplayPort)}}
+		}
+	}
+	for _, pf := range pools.Prefill {
+		add(legPrefill, pf.URL, pf.DataParallel)
+	}
+	for _, d := range pools.Decode {
+		add(legDecode, d, 1)
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.ranks = ranks
+	for key, stop := range k.running {
+		if _, ok := want[key]; !ok {
+			stop()
+			delete(k.running, key)
+		}
+	}
+	for key, s := range want {
+		if _, ok := k.running[key]; ok {
+			continue
+		}
+		c, stop := context.WithCancel(ctx)
+		k.running[key] = stop
+		go k.follow[s.l].Follow(c, s.src)
+	}
+}
+
+// promptTokens are a completion's prompt token ids (a list of ints, or a batch of one such
+// list), or nil: a text prompt or a chat has no token ids the router can read without a
+// tokenizer.
+func promptTokens(body map[string]json.RawMessage) []uint32 {
+	raw := body["prompt"]
+	if len(raw) < 2 || raw[0] != '[' {
+		return nil
+	}
+	var ids []uint32
+	if err := json.Unmarshal(raw, &ids); err == nil {
+		return ids
+	}
+	var batch [][]uint32
+	if err := json.Unmarshal(raw, &batch); err == nil && len(batch) == 1 {
+		return batch[0]
+	}
+	return nil
+}
+
+// kvPreference is l's preference from the engines' events, or nil when the pool routes by
+// estimate (counted by why).
+func (x *exchange) kvPreference(l leg, n int, urlOf func(int) string) *preference {
+	k := x.r.kv
+	c := k.counts[l]
+	if x.tokens == nil {
+		c.noTokens.Inc()
+		return nil
+	}
+	f := k.follow[l]
+	streams := f.Streams()
+	k.mu.Lock()
+	ranks := k.ranks[l]
+	k.mu.Unlock()
+	size := 0
+	now := time.Now()
+	for i := range n {
+		for _, key := range ranks[urlOf(i)] {
+			s, ok := streams[key]
+			bs := f.Index.BlockSize(key)
+			if !ok || !s.Connected || now.Sub(s.LastLoss) < trustAfterLoss || bs == 0 || (size != 0 && bs != size) {
+				c.untrusted.Inc()
+				return nil
+			}
+			size = bs
+		}
+	}
+	if size == 0 {
+		c.untrusted.Inc()
+		return nil
+	}
+	hashes := kvevents.Hashes(x.tokens, size)
+	matched := make([]int, n)
+	rank := make([]int, n)
+	for i := range n {
+		for _, key := range ranks[urlOf(i)] {
+			f.Index.Match(hashes, func(int) string { return key }, rank[:1])
+			matched[i] = max(matched[i], rank[0])
+		}
+	}
+	return &preference{matched: matched, slack: x.r.prefix.slack, blocks: len(hashes), fromEvents: true}
+}
+
+// picked counts a pick made by the engines' events.
+func (k *kvRouting) picked(l leg, pref *preference, pk picked) {
+	c := k.counts[l]
+	c.prompt.Add(float64(pref.blocks))
+	c.matched.Add(float64(pk.matched))
+}
+
+func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {
+	k.promptBlocks.Describe(ch)
+	k.matchedBlocks.Describe(ch)
+	k.fallbacks.Describe(ch)
+	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned} {
+		ch <- d
+	}
+}
+
+func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
+	k.promptBlocks.Collect(ch)
+	k.matchedBlocks.Collect(ch)
+	k.fallbacks.Collect(ch)
+	for l, f := range k.follow {
+		var lag time.Duration
+		var lost, restarts, orphaned int
+		for _, s := range f.Streams() {
+			lag = max(lag, s.Lag)
+			lost += s.Lost
+			restarts += s.Restarts + s.Reconnects
+			orphaned += s.BlocksOrphaned
+		}
+		pool := string(l)
+		ch <- prometheus.MustNewConstMetric(k.indexBlocks, prometheus.GaugeValue, float64(f.Index.Size()), pool)
+		ch <- prometheus.MustNewConstMetric(k.lag, prometheus.GaugeValue, lag.Seconds(), pool)
+		ch <- prometheus.MustNewConstMetric(k.lost, prometheus.CounterValue, float64(lost), pool)
+		ch <- prometheus.MustNewConstMetric(k.restarts, prometheus.CounterValue, float64(restarts), pool)
+		ch <- prometheus.MustNewConstMetric(k.orphaned, prometheus.CounterValue, float64(orphaned), pool)
+	}
+}

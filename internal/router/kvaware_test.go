@@ -1,0 +1,194 @@
+package router
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"net"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/vmihailenco/msgpack/v5"
+
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// eventsPublisher stands in for one engine's vLLM KV events publisher (the router's follower is
+// tested against vLLM's own in internal/router/kvevents): batches on a PUB socket as
+// [topic, sequence, msgpack], and a replay socket that has nothing buffered.
+type eventsPublisher struct {
+	pub, replay zmq4.Socket
+	seq         uint64
+}
+
+func startPublisher(t *testing.T, ctx context.Context, host string, port, replayPort int) *eventsPublisher {
+	t.Helper()
+	p := &eventsPublisher{pub: zmq4.NewPub(ctx), replay: zmq4.NewRouter(ctx)}
+	if err := p.pub.Listen("tcp://" + net.JoinHostPort(host, strconv.Itoa(port))); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.replay.Listen("tcp://" + net.JoinHostPort(host, strconv.Itoa(replayPort))); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for {
+			msg, err := p.replay.Recv()
+			if err != nil {
+				return
+			}
+			end := make([]byte, 8)
+			binary.BigEndian.PutUint64(end, 1<<64-1)
+			_ = p.replay.SendMulti(zmq4.NewMsgFrom(msg.Frames[0], []byte{}, []byte{}, end, []byte{}))
+		}
+	}()
+	t.Cleanup(func() { p.close() })
+	return p
+}
+
+func (p *eventsPublisher) close() { _ = p.pub.Close(); _ = p.replay.Close() }
+
+// store publishes that the engine cached tokens in blocks of size.
+func (p *eventsPublisher) store(t *testing.T, tokens []uint32, size int) {
+	t.Helper()
+	var hashes []any
+	for i := range len(tokens) / size {
+		hashes = append(hashes, uint64(1000+i))
+	}
+	ids := make([]any, len(hashes)*size)
+	for i := range ids {
+		ids[i] = tokens[i]
+	}
+	event := map[string]any{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": nil, "token_ids": ids, "block_size": size, "medium": "GPU"}
+	payload, err := msgpack.Marshal([]any{float64(time.Now().UnixNano()) / 1e9, []any{event}, 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seq := make([]byte, 8)
+	binary.BigEndian.PutUint64(seq, p.seq)
+	p.seq++
+	if err := p.pub.SendMulti(zmq4.NewMsgFrom([]byte("kv"), seq, payload)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// sharedFreePort is a port free on every host.
+func sharedFreePort(t *testing.T, hosts ...string) int {
+	t.Helper()
+	for range 20 {
+		l, err := net.Listen("tcp", net.JoinHostPort(hosts[0], "0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		free := true
+		for _, h := range hosts[1:] {
+			if o, err := net.Listen("tcp", net.JoinHostPort(h, strconv.Itoa(port))); err != nil {
+				free = false
+			} else {
+				o.Close()
+			}
+		}
+		l.Close()
+		if free {
+			return port
+		}
+	}
+	t.Fatal("no port free on every host")
+	return 0
+}
+
+// With KVEvents routing, token-id prompts go to the engines whose events say they hold the
+// prompt's start, in both pools, every time (least-in-flight alone would take turns); a text
+// prompt, and any prompt once an engine of the pool stops publishing, is routed by PrefixAware's
+// estimate, and the metrics say why.
+func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
+	hosts := map[string]string{"p0": "127.0.0.11", "p1": "127.0.0.12", "d0": "127.0.0.21", "d1": "127.0.0.22"}
+	all := []string{hosts["p0"], hosts["p1"], hosts["d0"], hosts["d1"]}
+	port := sharedFreePort(t, all...)
+	replayPort := sharedFreePort(t, all...)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	pubs := map[string]*eventsPublisher{}
+	for name, host := range hosts {
+		pubs[name] = startPublisher(t, ctx, host, port, replayPort)
+	}
+
+	kv := newLedger()
+	prefill, decode := engines("p0", "p1"), engines("d0", "d1")
+	for _, e := range prefill {
+		e.do, e.host = prefillOK(kv), hosts[e.name]
+	}
+	for _, e := range decode {
+		e.do, e.host = decodeOK(kv), hosts[e.name]
+	}
+	routing := &routerconfig.Routing{Strategy: routerconfig.RoutingKVEvents, LoadSlack: 2,
+		KVEvents: &routerconfig.KVEventsEndpoints{Port: int32(port), ReplayPort: int32(replayPort), Topic: "kv"}}
+	f := newPDWith(t, Config{Flow: routerconfig.FlowMooncake, Routing: routing}, prefill, decode)
+	done := make(chan struct{})
+	go func() { defer close(done); f.r.RunKVEvents(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	prompt := make([]uint32, 40)
+	for i := range prompt {
+		prompt[i] = uint32(7000 + i)
+	}
+	// p1 and d1 hold the prompt's first 32 tokens; p0 and d0 something else.
+	other := make([]uint32, 16)
+	for range 2 {
+		// Publish until every follower is connected and has them (a PUB drops what it sends
+		// before the subscriber joined).
+		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			pubs["p1"].store(t, prompt[:32], 8)
+			pubs["d1"].store(t, prompt[:32], 8)
+			pubs["p0"].store(t, other, 8)
+			pubs["d0"].store(t, other, 8)
+			if f.counter(t, "pdcluster_router_kv_events_index_blocks") == 4+4+2+2 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the router's index holds %v blocks, want 12", f.counter(t, "pdcluster_router_kv_events_index_blocks"))
+			}
+		}
+	}
+	send := func(prompt any) {
+		t.Helper()
+		body, _ := json.Marshal(map[string]any{"model": "m", "prompt": prompt, "max_tokens": 1})
+		if code, out := f.send(t, string(body)); code != http.StatusOK {
+			t.Fatalf("%d %s", code, out)
+		}
+	}
+	for range 4 {
+		send(prompt)
+	}
+	if got := calls(append(prefill, decode...)); got["p1"] != 4 || got["d1"] != 4 {
+		t.Errorf("calls %v: want all 4 on p1 and d1, which hold the prompt", got)
+	}
+	for _, pool := range []string{"prefill", "decode"} {
+		// 40 tokens are 5 blocks of 8, of which p1 and d1 hold 4.
+		prompt, matched := f.counter(t, "pdcluster_router_kv_events_prompt_blocks_total", "pool", pool), f.counter(t, "pdcluster_router_kv_events_matched_blocks_total", "pool", pool)
+		if prompt != 20 || matched != 16 {
+			t.Errorf("%s: matched %v of %v blocks, want 16 of 20", pool, matched, prompt)
+		}
+	}
+
+	send("a text prompt has no token ids the router can read")
+	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "reason", "text"); n != 2 {
+		t.Errorf("estimated for text: %v, want 2 (one per pool)", n)
+	}
+	pubs["p0"].close()
+	for deadline := time.Now().Add(20 * time.Second); f.r.kv.follow[legPrefill].Streams()[prefill[0].url].Connected; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the follower still says p0's publisher is connected")
+		}
+	}
+	send(prompt)
+	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "prefill", "reason", "untrusted"); n != 1 {
+		t.Errorf("prefill estimated for an engine not publishing: %v, want 1", n)
+	}
+	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "decode", "reason", "untrusted"); n != 0 {
+		t.Errorf("decode estimated: %v, want 0 (its engines publish)", n)
+	}
+}
