@@ -585,7 +585,7 @@ type NodeSelector map[string]LabelValue
 type LabelValue string
 
 // RouterSpec configures the P/D router in front of the pools.
-// +kubebuilder:validation:XValidation:rule="!has(self.routing) || !has(self.routing.strategy) || self.routing.strategy == 'LeastInFlight' || !has(self.balance) || self.balance == 'least-in-flight'",message="routing.strategy PrefixAware bounds each engine's load by the router's requests in flight on it: it needs balance least-in-flight, not round-robin",fieldPath=".routing.strategy"
+// +kubebuilder:validation:XValidation:rule="!has(self.routing) || !has(self.routing.strategy) || self.routing.strategy == 'LeastInFlight' || !has(self.balance) || self.balance == 'least-in-flight'",message="routing.strategy PrefixAware or KVEvents bounds each engine's load by the router's requests in flight on it: it needs balance least-in-flight, not round-robin",fieldPath=".routing.strategy"
 type RouterSpec struct {
 	// replicas is the number of router replicas.
 	// +kubebuilder:default=1
@@ -634,14 +634,15 @@ type RouterSpec struct {
 	// LeastInFlight (the default) picks by balance alone; PrefixAware sends a request, in each
 	// pool, to the engine the router sent the longest start of its prompt before (its prefix
 	// cache likely holds it: prefill skips computing it, decode pulls fewer blocks), within a
-	// load bound. docs/routing.md says when to pick which.
+	// load bound; KVEvents does so from the engines' own KV cache events for prompts given as
+	// token ids. docs/routing.md says when to pick which.
 	// +kubebuilder:default={}
 	// +optional
 	Routing RouterRouting `json:"routing,omitempty"`
 }
 
 // RoutingStrategy is whether the router weighs what the engines hold of a prompt.
-// +kubebuilder:validation:Enum=LeastInFlight;PrefixAware
+// +kubebuilder:validation:Enum=LeastInFlight;PrefixAware;KVEvents
 type RoutingStrategy string
 
 const (
@@ -650,10 +651,15 @@ const (
 	// RoutingPrefixAware picks the engine that was sent the longest start of the prompt,
 	// unless it is loadSlack requests past the least loaded engine.
 	RoutingPrefixAware RoutingStrategy = "PrefixAware"
+	// RoutingKVEvents picks the engine whose own KV cache events say it holds the longest
+	// start of the prompt's token ids, within the same load bound; PrefixAware's estimate for
+	// text prompts and while an engine's events cannot be trusted.
+	RoutingKVEvents RoutingStrategy = "KVEvents"
 )
 
 // RouterRouting is how the router weighs what the engines hold of a prompt.
-// +kubebuilder:validation:XValidation:rule="!has(self.prefixAware) || (has(self.strategy) && self.strategy == 'PrefixAware')",message="prefixAware tunes strategy PrefixAware: set strategy: PrefixAware, or remove prefixAware",fieldPath=".prefixAware"
+// +kubebuilder:validation:XValidation:rule="!has(self.prefixAware) || (has(self.strategy) && (self.strategy == 'PrefixAware' || self.strategy == 'KVEvents'))",message="prefixAware tunes strategies PrefixAware and KVEvents: set one of them, or remove prefixAware",fieldPath=".prefixAware"
+// +kubebuilder:validation:XValidation:rule="!has(self.kvEvents) || (has(self.strategy) && self.strategy == 'KVEvents')",message="kvEvents tunes strategy KVEvents: set strategy: KVEvents, or remove kvEvents",fieldPath=".kvEvents"
 type RouterRouting struct {
 	// strategy: LeastInFlight picks by spec.router.balance alone. PrefixAware remembers, for
 	// each engine, the starts of the prompts the router sent it, in chunks of the prompt's
@@ -663,13 +669,37 @@ type RouterRouting struct {
 	// the least loaded one is passed over (pdcluster_router_prefix_load_bound_total counts
 	// it). The share of prompt the picked engines held is
 	// pdcluster_router_prefix_matched_chunks_total over pdcluster_router_prefix_prompt_chunks_total.
+	// KVEvents has every engine publish its KV cache events (vLLM's --kv-events-config, a
+	// ZeroMQ publisher that only the router's pods may reach) and keeps, per engine, the
+	// blocks the engine says it holds, by their token ids: a completion whose prompt is token
+	// ids goes to the engine holding the most leading blocks of it, within the same load
+	// bound; a text prompt or a chat (the router has no tokenizer), and a pool with an engine
+	// whose events are not connected or were lost in the last minute, are routed as
+	// PrefixAware routes them (pdcluster_router_kv_events_estimated_total counts why). Not
+	// for pools whose replicas span pods.
 	// +kubebuilder:default=LeastInFlight
 	// +optional
 	Strategy RoutingStrategy `json:"strategy,omitempty"`
 
-	// prefixAware tunes PrefixAware; each unset field takes its default.
+	// prefixAware tunes PrefixAware, and KVEvents' estimate and load bound; each unset field
+	// takes its default.
 	// +optional
 	PrefixAware *PrefixAwareRouting `json:"prefixAware,omitempty"`
+
+	// kvEvents tunes KVEvents; each unset field takes its default.
+	// +optional
+	KVEvents *KVEventsRouting `json:"kvEvents,omitempty"`
+}
+
+// KVEventsRouting sizes KVEvents' index of what each engine holds.
+type KVEventsRouting struct {
+	// blocksPerEngine is how many KV blocks the router keeps per engine and data-parallel
+	// rank (about 50 bytes of router memory each); past it, entries are dropped at random:
+	// 262144 by default, more than one GPU's KV cache holds in 16-token blocks.
+	// +kubebuilder:validation:Minimum=1024
+	// +kubebuilder:validation:Maximum=16777216
+	// +optional
+	BlocksPerEngine *int32 `json:"blocksPerEngine,omitempty"`
 }
 
 // PrefixAwareRouting sizes PrefixAware's memory of what each engine was sent, and its load
@@ -885,6 +915,8 @@ type ConnectorHealthPolicy struct {
 }
 
 // PDClusterSpec is the desired state of a disaggregated prefill/decode deployment.
+// +kubebuilder:validation:XValidation:rule="!has(self.router) || !has(self.router.routing) || !has(self.router.routing.strategy) || self.router.routing.strategy != 'KVEvents' || !has(self.engine.enablePrefixCaching) || self.engine.enablePrefixCaching",message="router.routing.strategy KVEvents routes by the blocks the engines' prefix caches hold: it needs engine.enablePrefixCaching true",fieldPath=".router.routing.strategy"
+// +kubebuilder:validation:XValidation:rule="!has(self.router) || !has(self.router.routing) || !has(self.router.routing.strategy) || self.router.routing.strategy != 'KVEvents' || ((!has(self.prefill) || !has(self.prefill.parallelism) || !has(self.prefill.parallelism.nodes) || self.prefill.parallelism.nodes == 1) && (!has(self.decode) || !has(self.decode.parallelism) || !has(self.decode.parallelism.nodes) || self.decode.parallelism.nodes == 1))",message="router.routing.strategy KVEvents follows each pod's engines on ports numbered by data-parallel rank, which a replica across pods (parallelism.nodes above 1) numbers from its first pod: use PrefixAware for such pools",fieldPath=".router.routing.strategy"
 // +kubebuilder:validation:XValidation:rule="!has(self.router) || !has(self.router.failurePolicy) || !has(self.router.failurePolicy.onPrefillFailure) || self.router.failurePolicy.onPrefillFailure != 'DecodeOnly' || (has(self.kvTransfer) && has(self.kvTransfer.loadFailurePolicy) && self.kvTransfer.loadFailurePolicy == 'recompute')",message="router.failurePolicy.onPrefillFailure DecodeOnly lets decode recompute prompts, which kvTransfer.loadFailurePolicy fail forbids: set loadFailurePolicy: recompute, or onPrefillFailure: Retry",fieldPath=".router.failurePolicy.onPrefillFailure"
 type PDClusterSpec struct {
 	// model is the model both pools serve.

@@ -34,7 +34,7 @@ func (l *list) Set(v string) error { *l = append(*l, v); return nil }
 // the operator renders are ones this command accepts.
 type options struct {
 	listen, flow, configPath, balance string
-	prefill, decode                   list
+	prefill, decode, kvEventsPorts    list
 	refresh, shutdownTimeout          time.Duration
 	maxBodyBytes, maxInFlight         int64
 	maxBodyBytesInFlight, memoryLimit int64
@@ -55,6 +55,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.balance, "balance", "", "how an engine of each pool is picked: least-in-flight (the default) or round-robin (default with --config: its balance)")
 	fs.Var(&o.prefill, "prefill", "prefill engine as URL, URL,BOOTSTRAP_URL or URL,BOOTSTRAP_URL,DATA_PARALLEL_RANKS (repeatable; the router uses only ranks below the last, default 1, of the bootstrap registry)")
 	fs.Var(&o.decode, "decode", "decode engine URL (repeatable)")
+	fs.Var(&o.kvEventsPorts, "kv-events-ports", "ENGINE_URL=PORT,REPLAY_PORT (repeatable): where that engine publishes and replays its KV cache events (routing.strategy KVEvents), instead of router.json's kvEvents ports: for engines that share one host, which a pod never does")
 	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", router.DefaultMaxBodyBytes, "largest request body accepted (413 past it)")
 	fs.Int64Var(&o.maxInFlight, "max-in-flight", router.DefaultMaxInFlight, "most requests proxied at once (503 past it)")
 	fs.Int64Var(&o.maxBodyBytesInFlight, "max-body-bytes-in-flight", 0, "bytes of request bodies held at once over all requests, each counted 4 times (the router's copies; 503 past it); 0: a quarter of --memory-limit, or 8 of the largest bodies without one")
@@ -94,6 +95,19 @@ func configure(o *options) (router.Config, routerconfig.File, router.Pools, erro
 			pf.DataParallel = n
 		}
 		static.Prefill = append(static.Prefill, pf)
+	}
+	for _, e := range o.kvEventsPorts {
+		engine, ports, _ := strings.Cut(e, "=")
+		pub, replay, _ := strings.Cut(ports, ",")
+		a, errA := strconv.ParseInt(pub, 10, 32)
+		b, errB := strconv.ParseInt(replay, 10, 32)
+		if engine == "" || errA != nil || errB != nil || a <= 0 || b <= 0 {
+			return cfg, routerconfig.File{}, static, fmt.Errorf("--kv-events-ports %s: want ENGINE_URL=PORT,REPLAY_PORT", e)
+		}
+		if cfg.KVEventsPorts == nil {
+			cfg.KVEventsPorts = map[string]router.KVEventsPorts{}
+		}
+		cfg.KVEventsPorts[engine] = router.KVEventsPorts{Port: int32(a), ReplayPort: int32(b)}
 	}
 	flagPools := len(static.Prefill) > 0 || len(static.Decode) > 0
 	var fc routerconfig.File

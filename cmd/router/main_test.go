@@ -87,6 +87,8 @@ func TestConfigure(t *testing.T) {
 		wantRanks  int // the first one's data-parallel ranks
 		// wantRouting is router.json's routing as the router gets it.
 		wantRouting *routerconfig.Routing
+		// wantKVPorts are --kv-events-ports as the router gets them.
+		wantKVPorts map[string]router.KVEventsPorts
 	}{
 		{name: "file with PrefixAware routing", args: []string{"--config", prefixAware}, wantFlow: routerconfig.FlowMooncake, wantPolicy: router.DefaultFailurePolicy(),
 			wantRouting: &routerconfig.Routing{Strategy: routerconfig.RoutingPrefixAware, ChunkBytes: 32, LoadSlack: 3}},
@@ -100,6 +102,9 @@ func TestConfigure(t *testing.T) {
 		{name: "flags alone", args: []string{"--flow", "nixl", "--prefill", "http://a", "--decode", "http://c"}, wantFlow: routerconfig.FlowNIXL, wantStatic: 1},
 		{name: "prefill with its data-parallel ranks", args: []string{"--prefill", "http://a,http://a:8998,2", "--decode", "http://c"}, wantFlow: routerconfig.FlowMooncake, wantStatic: 1, wantRanks: 2},
 		{name: "prefill with no data-parallel ranks", args: []string{"--prefill", "http://a,http://a:8998,0", "--decode", "http://c"}, wantErr: "data-parallel ranks"},
+		{name: "engines' own KV events ports", args: []string{"--prefill", "http://a", "--decode", "http://c", "--kv-events-ports", "http://a=7001,7002", "--kv-events-ports", "http://c=7003,7004"},
+			wantFlow: routerconfig.FlowMooncake, wantStatic: 1, wantKVPorts: map[string]router.KVEventsPorts{"http://a": {Port: 7001, ReplayPort: 7002}, "http://c": {Port: 7003, ReplayPort: 7004}}},
+		{name: "KV events ports without a replay port", args: []string{"--prefill", "http://a", "--decode", "http://c", "--kv-events-ports", "http://a=7001"}, wantErr: "want ENGINE_URL=PORT,REPLAY_PORT"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -125,6 +130,9 @@ func TestConfigure(t *testing.T) {
 			}
 			if d := cmp.Diff(tc.wantRouting, cfg.Routing); d != "" {
 				t.Errorf("routing (-want +got):\n%s", d)
+			}
+			if d := cmp.Diff(tc.wantKVPorts, cfg.KVEventsPorts); d != "" {
+				t.Errorf("KV events ports (-want +got):\n%s", d)
 			}
 			if tc.wantPolicy != (router.FailurePolicy{}) && (cfg.Failure == nil || *cfg.Failure != tc.wantPolicy) {
 				t.Errorf("failure policy %+v, want %+v", cfg.Failure, tc.wantPolicy)

@@ -25,7 +25,28 @@ const (
 	// NixlSideChannelPort is VLLM_NIXL_SIDE_CHANNEL_PORT's default: each engine listens for NIXL
 	// handshakes on it plus its data-parallel rank.
 	NixlSideChannelPort int32 = 5600
+	// KVEventsPort and KVEventsReplayPort are where the operator has an engine publish its
+	// KV cache events and replay them (--kv-events-config's endpoint and replay_endpoint;
+	// vLLM adds the data-parallel rank to both). 5557 is vLLM's example endpoint; vLLM has
+	// no default replay port.
+	KVEventsPort       int32 = 5557
+	KVEventsReplayPort int32 = 5757
 )
+
+// FlagKVEventsConfig is `vllm serve`'s flag for KV cache events (KVEventsConfig as JSON).
+const FlagKVEventsConfig = "--kv-events-config"
+
+// KVEventsTopic is the topic the operator has engines publish KV cache events on.
+const KVEventsTopic = "kv"
+
+// KVEventsConfig is vLLM's KVEventsConfig (config/kv_events.py) as --kv-events-config takes it.
+type KVEventsConfig struct {
+	EnableKVCacheEvents bool   `json:"enable_kv_cache_events"`
+	Publisher           string `json:"publisher"`
+	Endpoint            string `json:"endpoint"`
+	ReplayEndpoint      string `json:"replay_endpoint"`
+	Topic               string `json:"topic"`
+}
 
 // `vllm serve`'s flags for an engine replica across several pods (engine/arg_utils.py).
 const (

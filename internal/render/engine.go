@@ -4,6 +4,8 @@ package render
 
 import (
 	"cmp"
+	"encoding/json"
+	"fmt"
 	"strconv"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -79,6 +81,17 @@ func engineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 		args = append(args, "--no-enable-prefix-caching")
 	}
 	args = append(args, "--kv-transfer-config", kvcfg)
+	if KVEvents(pdc) {
+		events, err := json.Marshal(vllm.KVEventsConfig{
+			EnableKVCacheEvents: true, Publisher: "zmq", Topic: vllm.KVEventsTopic,
+			Endpoint:       "tcp://*:" + strconv.Itoa(int(vllm.KVEventsPort)),
+			ReplayEndpoint: "tcp://*:" + strconv.Itoa(int(vllm.KVEventsReplayPort)),
+		})
+		if err != nil {
+			return nil, fmt.Errorf("kv events config: %w", err)
+		}
+		args = append(args, vllm.FlagKVEventsConfig, string(events))
+	}
 	// SIGTERM drains (finish running requests, keep KV blocks until decode pulled them) for
 	// this long; 0 aborts at once, vLLM's default.
 	args = append(args, "--shutdown-timeout", strconv.Itoa(int(drainTimeout(pdc, role))))
@@ -217,6 +230,15 @@ func rolloutStrategy(pdc *v1alpha1.PDCluster) appsv1.DeploymentStrategy {
 // every engine, one port per data-parallel rank).
 func enginePorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []corev1.ContainerPort {
 	ports := []corev1.ContainerPort{{Name: portHTTP, ContainerPort: vllm.APIPort, Protocol: corev1.ProtocolTCP}}
+	if KVEvents(pdc) {
+		// vLLM's KV events publisher and its replay socket, one of each per data-parallel
+		// rank: the router subscribes to them.
+		for rank := range *pool(pdc, role).Parallelism.Data {
+			ports = append(ports,
+				corev1.ContainerPort{Name: portKVEventsPrefix + strconv.Itoa(int(rank)), ContainerPort: vllm.KVEventsPort + rank, Protocol: corev1.ProtocolTCP},
+				corev1.ContainerPort{Name: portKVReplayPrefix + strconv.Itoa(int(rank)), ContainerPort: vllm.KVEventsReplayPort + rank, Protocol: corev1.ProtocolTCP})
+		}
+	}
 	switch pdc.Spec.KVTransfer.Connector {
 	case v1alpha1.ConnectorNixl:
 		for rank := range *pool(pdc, role).Parallelism.Data {
@@ -228,6 +250,12 @@ func enginePorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []corev1.Container
 		}
 	}
 	return ports
+}
+
+// KVEvents reports whether pdc's engines publish KV cache events for the router
+// (spec.router.routing.strategy KVEvents).
+func KVEvents(pdc *v1alpha1.PDCluster) bool {
+	return pdc.Spec.Router.Routing.Strategy == v1alpha1.RoutingKVEvents
 }
 
 func nixlPortName(rank int32) string { return portNixlPrefix + strconv.Itoa(int(rank)) }

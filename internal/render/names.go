@@ -48,6 +48,10 @@ const (
 	portConnector = "connector"
 	// portNixlPrefix + data-parallel rank names a NIXL side-channel port.
 	portNixlPrefix = "nixl-"
+	// portKVEventsPrefix and portKVReplayPrefix + data-parallel rank name an engine's KV
+	// events publisher and replay ports (routing.strategy KVEvents).
+	portKVEventsPrefix = "kv-events-"
+	portKVReplayPrefix = "kv-replay-"
 
 	// drainSeconds keeps a deleted engine pod's containers serving before they get SIGTERM:
 	// routers resolve the pools every 5 s through DNS (cached up to 5 s more), so a pod gone at

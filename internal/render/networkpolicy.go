@@ -23,6 +23,8 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 // Ingress:
 //   - engines' OpenAI port: this PDCluster's router, and engineClients.
 //   - prefill's bootstrap port: the router (Mooncake asks it for the engine id) and decode.
+//   - engines' KV events ports (routing.strategy KVEvents): the router (the other pool reaches
+//     every port anyway, below).
 //   - every port of a pool from the other pool of this PDCluster: vLLM's transfer engines
 //     (Mooncake, NIXL over UCX) listen on ports they pick at run time, besides the declared
 //     bootstrap and side-channel ports; and from its own pool when its replicas span pods.
@@ -76,6 +78,13 @@ func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 		}
 		if role == v1alpha1.RolePrefill && pdc.Spec.KVTransfer.Connector == v1alpha1.ConnectorMooncake {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(vllm.MooncakeBootstrapPort)})
+		}
+		if KVEvents(pdc) {
+			var ports []int32
+			for rank := range *pool(pdc, role).Parallelism.Data {
+				ports = append(ports, vllm.KVEventsPort+rank, vllm.KVEventsReplayPort+rank)
+			}
+			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(ports...)})
 		}
 		if len(operator) > 0 {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(ConnectorPort)})

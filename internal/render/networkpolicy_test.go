@@ -129,6 +129,10 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 					return []peer{operator}, true
 				case len(port) > 5 && port[:5] == "nixl-":
 					return []peer{of(other[role])}, true
+				case strings.HasPrefix(port, "kv-events-") || strings.HasPrefix(port, "kv-replay-"):
+					// The other pool reaches every port (its transfer engine's are picked at
+					// run time).
+					return []peer{of(v1alpha1.RoleRouter), of(other[role])}, true
 				}
 				return nil, false
 			}

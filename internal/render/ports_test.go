@@ -163,6 +163,26 @@ func boundPorts(t *testing.T, c corev1.Container) []int32 {
 		default:
 			t.Fatalf("%s: unknown kv_connector %q", c.Name, kv.Connector)
 		}
+		if raw, ok := flagValue(c.Args, "--kv-events-config"); ok {
+			var events struct {
+				Endpoint string `json:"endpoint"`
+				Replay   string `json:"replay_endpoint"`
+			}
+			if err := json.Unmarshal([]byte(raw), &events); err != nil {
+				t.Fatalf("%s: --kv-events-config: %v", c.Name, err)
+			}
+			// vLLM's ZmqEventPublisher binds an endpoint with a wildcard and connects to any
+			// other; the replay socket always binds. Each data-parallel rank adds its rank to
+			// both ports (offset_endpoint_port).
+			if !strings.Contains(events.Endpoint, "*") {
+				t.Errorf("%s: KV events endpoint %q has no wildcard: vLLM would connect to it, not bind it", c.Name, events.Endpoint)
+			}
+			for rank := range atoi32(t, argValue("--data-parallel-size")) {
+				for _, ep := range []string{events.Endpoint, events.Replay} {
+					ports = append(ports, listenPort(t, strings.TrimPrefix(ep, "tcp://"))+rank)
+				}
+			}
+		}
 	case v1alpha1.ConnectorContainerName:
 		// The sidecar binds nothing else: vLLM's transfer engine moves the KV.
 		ports = append(ports, listenPort(t, argValue("--public-listen")))

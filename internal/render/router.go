@@ -143,15 +143,23 @@ func ServiceHost(namespace, name string) string { return fmt.Sprintf("%s.%s.svc"
 // existed). The sizes the spec leaves unset stay 0, the router's defaults; loadSlack, which 0
 // would set, is written.
 func routerRouting(r v1alpha1.RouterRouting) *routerconfig.Routing {
-	if r.Strategy != v1alpha1.RoutingPrefixAware {
+	if r.Strategy != v1alpha1.RoutingPrefixAware && r.Strategy != v1alpha1.RoutingKVEvents {
 		return nil
 	}
 	pa := ptr.Deref(r.PrefixAware, v1alpha1.PrefixAwareRouting{})
-	return &routerconfig.Routing{
+	out := &routerconfig.Routing{
 		Strategy:   routerconfig.RoutingPrefixAware,
 		ChunkBytes: ptr.Deref(pa.ChunkBytes, 0), MaxChunks: ptr.Deref(pa.MaxChunks, 0), ChunksPerEngine: ptr.Deref(pa.ChunksPerEngine, 0),
 		LoadSlack: ptr.Deref(pa.LoadSlack, v1alpha1.DefaultRouterLoadSlack),
 	}
+	if r.Strategy == v1alpha1.RoutingKVEvents {
+		out.Strategy = routerconfig.RoutingKVEvents
+		out.KVEvents = &routerconfig.KVEventsEndpoints{
+			Port: vllm.KVEventsPort, ReplayPort: vllm.KVEventsReplayPort, Topic: vllm.KVEventsTopic,
+			BlocksPerEngine: ptr.Deref(ptr.Deref(r.KVEvents, v1alpha1.KVEventsRouting{}).BlocksPerEngine, 0),
+		}
+	}
+	return out
 }
 
 // RouterFailurePolicy is spec.router.failurePolicy in router.json's words.

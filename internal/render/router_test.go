@@ -282,6 +282,13 @@ func TestRouterRouting(t *testing.T) {
 		{"prefix aware, every field", v1alpha1.RouterRouting{Strategy: v1alpha1.RoutingPrefixAware, PrefixAware: &v1alpha1.PrefixAwareRouting{
 			ChunkBytes: ptr.To[int32](128), MaxChunks: ptr.To[int32](64), ChunksPerEngine: ptr.To[int32](1000), LoadSlack: ptr.To[int32](0)}},
 			&routerconfig.Routing{Strategy: routerconfig.RoutingPrefixAware, ChunkBytes: 128, MaxChunks: 64, ChunksPerEngine: 1000, LoadSlack: 0}},
+		{"kv events, defaults: the engines' ports", v1alpha1.RouterRouting{Strategy: v1alpha1.RoutingKVEvents},
+			&routerconfig.Routing{Strategy: routerconfig.RoutingKVEvents, LoadSlack: v1alpha1.DefaultRouterLoadSlack,
+				KVEvents: &routerconfig.KVEventsEndpoints{Port: 5557, ReplayPort: 5757, Topic: "kv"}}},
+		{"kv events, every field", v1alpha1.RouterRouting{Strategy: v1alpha1.RoutingKVEvents,
+			PrefixAware: &v1alpha1.PrefixAwareRouting{LoadSlack: ptr.To[int32](1)}, KVEvents: &v1alpha1.KVEventsRouting{BlocksPerEngine: ptr.To[int32](4096)}},
+			&routerconfig.Routing{Strategy: routerconfig.RoutingKVEvents, LoadSlack: 1,
+				KVEvents: &routerconfig.KVEventsEndpoints{Port: 5557, ReplayPort: 5757, Topic: "kv", BlocksPerEngine: 4096}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pdc := load(t, "testdata/mooncake-rdma.yaml")

@@ -27,7 +27,9 @@ const trustAfterLoss = time.Minute
 // engine's publisher (one per data-parallel rank).
 type kvRouting struct {
 	endpoints routerconfig.KVEventsEndpoints
-	follow    map[leg]*kvevents.Follower
+	// ports are engines' own ports where Config gave them (by engine URL).
+	ports  map[string]KVEventsPorts
+	follow map[leg]*kvevents.Follower
 
 	mu sync.Mutex
 	// running are the followed sources by key (pool, engine URL, rank); ranks each pool's
@@ -45,13 +47,17 @@ type kvCounts struct {
 	prompt, matched, noTokens, untrusted prometheus.Counter
 }
 
-func newKVRouting(routing *routerconfig.Routing) *kvRouting {
+// KVEventsPorts are one engine's KV events publisher and replay ports (rank 0's).
+type KVEventsPorts struct{ Port, ReplayPort int32 }
+
+func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts) *kvRouting {
 	if routing == nil || routing.Strategy != routerconfig.RoutingKVEvents || routing.KVEvents == nil {
 		return nil
 	}
 	e := *routing.KVEvents
 	k := &kvRouting{
 		endpoints: e,
+		ports:     ports,
 		follow:    map[leg]*kvevents.Follower{},
 		running:   map[string]context.CancelFunc{},
 		ranks:     map[leg]map[string][]string{},
@@ -127,6 +133,10 @@ func (k *kvRouting) sync(ctx context.Context, pools *Pools) {
 		if err != nil {
 			return
 		}
+		base, ok := k.ports[engine]
+		if !ok {
+			base = KVEventsPorts{k.endpoints.Port, k.endpoints.ReplayPort}
+		}
 		for rank := range max(n, 1) {
 			key := engine
 			if rank > 0 {
@@ -136,7 +146,7 @@ func (k *kvRouting) sync(ctx context.Context, pools *Pools) {
 			at := func(port int32) string {
 				return "tcp://" + net.JoinHostPort(u.Hostname(), strconv.Itoa(int(port)+rank))
 			}
-			want[string(l)+" "+key] = source{l, kvevents.Source{Engine: key, Endpoint: at(k.endpoints.Port), Replay: at(k.endpoints.ReplayPort)}}
+			want[string(l)+" "+key] = source{l, kvevents.Source{Engine: key, Endpoint: at(base.Port), Replay: at(base.ReplayPort)}}
 		}
 	}
 	for _, pf := range pools.Prefill {
@@ -197,17 +207,23 @@ func (x *exchange) kvPreference(l leg, n int, urlOf func(int) string) *preferenc
 	k.mu.Lock()
 	ranks := k.ranks[l]
 	k.mu.Unlock()
+	// The pool's block size is what its engines' events state (one --block-size for the
+	// PDCluster); an engine connected that cached nothing yet holds nothing.
 	size := 0
 	now := time.Now()
 	for i := range n {
+		if len(ranks[urlOf(i)]) == 0 { // pooled since the last sync: not followed yet
+			c.untrusted.Inc()
+			return nil
+		}
 		for _, key := range ranks[urlOf(i)] {
 			s, ok := streams[key]
 			bs := f.Index.BlockSize(key)
-			if !ok || !s.Connected || now.Sub(s.LastLoss) < trustAfterLoss || bs == 0 || (size != 0 && bs != size) {
+			if !ok || !s.Connected || now.Sub(s.LastLoss) < trustAfterLoss || (bs != 0 && size != 0 && bs != size) {
 				c.untrusted.Inc()
 				return nil
 			}
-			size = bs
+			size = max(size, bs)
 		}
 	}
 	if size == 0 {
@@ -215,11 +231,12 @@ func (x *exchange) kvPreference(l leg, n int, urlOf func(int) string) *preferenc
 		return nil
 	}
 	hashes := kvevents.Hashes(x.tokens, size)
+	// A pod's match is its best rank's: the router does not pick the rank.
 	matched := make([]int, n)
-	rank := make([]int, n)
+	var rank [1]int
 	for i := range n {
 		for _, key := range ranks[urlOf(i)] {
-			f.Index.Match(hashes, func(int) string { return key }, rank[:1])
+			f.Index.Match(hashes, func(int) string { return key }, rank[:])
 			matched[i] = max(matched[i], rank[0])
 		}
 	}

@@ -39,6 +39,9 @@ type Prefill struct {
 // none and is not ready until it has both pools.
 type Config struct {
 	Flow routerconfig.Flow
+	// KVEventsPorts are engines' KV events ports by engine URL where they are not Routing's
+	// (engines sharing one host); the rest use Routing.KVEvents' ports.
+	KVEventsPorts map[string]KVEventsPorts
 	// Balance picks an engine in each pool; empty: least-in-flight.
 	Balance routerconfig.Balance
 	// PrefillTimeout bounds the prefill leg.
@@ -217,7 +220,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		probeEvery: probeEvery,
 		canary:     newCanaryState(),
 		prefix:     newPrefixRouting(cfg.Routing),
-		kv:         newKVRouting(cfg.Routing),
+		kv:         newKVRouting(cfg.Routing, cfg.KVEventsPorts),
 		metrics: metrics{
 			requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",

@@ -121,12 +121,32 @@ var invalidSpecs = []struct {
 	{
 		name: "prefix-aware routing with round robin",
 		doc:  minimal + "  router: {balance: round-robin, routing: {strategy: PrefixAware}}\n",
-		want: []string{"spec.router.routing.strategy", "PrefixAware bounds each engine's load by the router's requests in flight on it: it needs balance least-in-flight"},
+		want: []string{"spec.router.routing.strategy", "PrefixAware or KVEvents bounds each engine's load by the router's requests in flight on it: it needs balance least-in-flight"},
+	},
+	{
+		name: "kv-events routing with round robin",
+		doc:  minimal + "  router: {balance: round-robin, routing: {strategy: KVEvents}}\n",
+		want: []string{"spec.router.routing.strategy", "it needs balance least-in-flight"},
+	},
+	{
+		name: "kv-events routing without prefix caching",
+		doc:  strings.Replace(minimal, "engine: {image: vllm/vllm-openai:v0.11.0}", "engine: {image: vllm/vllm-openai:v0.11.0, enablePrefixCaching: false}", 1) + "  router: {routing: {strategy: KVEvents}}\n",
+		want: []string{"spec.router.routing.strategy", "KVEvents routes by the blocks the engines' prefix caches hold: it needs engine.enablePrefixCaching true"},
+	},
+	{
+		name: "kv-events routing for replicas across pods",
+		doc:  minimal + "  decode: {parallelism: {tensor: 2, nodes: 2}}\n  router: {routing: {strategy: KVEvents}}\n",
+		want: []string{"spec.router.routing.strategy", "a replica across pods (parallelism.nodes above 1)"},
+	},
+	{
+		name: "kv-events settings without the strategy",
+		doc:  minimal + "  router: {routing: {strategy: PrefixAware, kvEvents: {blocksPerEngine: 4096}}}\n",
+		want: []string{"spec.router.routing.kvEvents", "kvEvents tunes strategy KVEvents"},
 	},
 	{
 		name: "prefix-aware settings without the strategy",
 		doc:  minimal + "  router: {routing: {prefixAware: {loadSlack: 4}}}\n",
-		want: []string{"spec.router.routing.prefixAware", "prefixAware tunes strategy PrefixAware"},
+		want: []string{"spec.router.routing.prefixAware", "prefixAware tunes strategies PrefixAware and KVEvents"},
 	},
 	{
 		name: "a prefix chunk too small",

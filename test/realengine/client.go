@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
@@ -125,6 +127,13 @@ func Healthy(ctx context.Context, engine string) bool {
 
 // Gauge is an engine's gauge from its /metrics, summed over its series (data-parallel ranks).
 func Gauge(ctx context.Context, engine, name string) (float64, error) {
+	return Metric(ctx, engine, name)
+}
+
+// Metric is a counter's or gauge's value from base's /metrics, summed over the series that
+// carry every label of labels (name, value pairs).
+func Metric(ctx context.Context, base, name string, labels ...string) (float64, error) {
+	engine := base
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, engine+"/metrics", nil)
@@ -146,8 +155,14 @@ func Gauge(ctx context.Context, engine, name string) (float64, error) {
 		return 0, fmt.Errorf("%s/metrics has no %s", engine, name)
 	}
 	var sum float64
+series:
 	for _, m := range f.GetMetric() {
-		sum += m.GetGauge().GetValue()
+		for i := 0; i+1 < len(labels); i += 2 {
+			if !slices.ContainsFunc(m.GetLabel(), func(l *dto.LabelPair) bool { return l.GetName() == labels[i] && l.GetValue() == labels[i+1] }) {
+				continue series
+			}
+		}
+		sum += m.GetGauge().GetValue() + m.GetCounter().GetValue()
 	}
 	return sum, nil
 }

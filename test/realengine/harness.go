@@ -144,8 +144,11 @@ type Pod struct {
 	// Engine is vLLM's OpenAI server and /metrics; Bootstrap its Mooncake bootstrap server
 	// (prefill only); Sidecar the connector's public port (/readyz, /metrics, /gate).
 	Engine, Bootstrap, Sidecar string
-	EngineProc, SidecarProc    *Process
-	dir                        string
+	// KVEvents are its KV events publisher and replay ports (routing.strategy KVEvents),
+	// renumbered as the pod's other ports are; 0 without.
+	KVEvents, KVReplay      int
+	EngineProc, SidecarProc *Process
+	dir                     string
 }
 
 // RestartEngine starts the engine container again with the same command and environment, as
@@ -212,6 +215,7 @@ func StartPod(o Options, name string, dep *appsv1.Deployment, configMaps map[str
 			if p, ok := ports[vllm.MooncakeBootstrapPort]; ok {
 				pod.Bootstrap = fmt.Sprintf("http://%s:%d", podIP, p)
 			}
+			pod.KVEvents, pod.KVReplay = ports[vllm.KVEventsPort], ports[vllm.KVEventsReplayPort]
 			if pod.EngineProc, err = start(name+"-engine", dir, args, env); err != nil {
 				return nil, err
 			}
@@ -295,6 +299,12 @@ func StartRouter(o Options, name string, dep *appsv1.Deployment, cm *corev1.Conf
 	}
 	for _, d := range decode {
 		args = append(args, "--decode="+d.Engine)
+	}
+	// On loopback every pod's KV events ports are renumbered: the router is told each one.
+	for _, p := range append(append([]*Pod(nil), prefill...), decode...) {
+		if p.KVEvents != 0 {
+			args = append(args, fmt.Sprintf("--kv-events-ports=%s=%d,%d", p.Engine, p.KVEvents, p.KVReplay))
+		}
 	}
 	proc, err := start(name, dir, args, env)
 	if err != nil {

@@ -115,8 +115,9 @@ func newPodLayout(dir string, spec corev1.PodSpec, configMaps map[string]*corev1
 	l.rewrites = append(l.rewrites, rewrite{regexp.MustCompile(regexp.QuoteMeta("0.0.0.0")), func(string) string { return podIP }})
 	for from, to := range l.ports {
 		p := strconv.Itoa(int(from))
-		// A port alone (a flag's or a variable's value) or after a host (":8190", "h:8000/x").
-		l.rewrites = append(l.rewrites, rewrite{regexp.MustCompile(`(^|:)` + p + `(/|$)`), func(match string) string {
+		// A port alone (a flag's or a variable's value) or after a host (":8190", "h:8000/x",
+		// and in JSON, "tcp://*:5557").
+		l.rewrites = append(l.rewrites, rewrite{regexp.MustCompile(`(^|:)` + p + `(/|"|$)`), func(match string) string {
 			return strings.Replace(match, p, strconv.Itoa(to), 1)
 		}})
 	}

@@ -53,6 +53,7 @@ func TestRealEngines(t *testing.T) {
 			t.Run("a request through the router decodes from prefill's KV", d.testNormal)
 			t.Run("the engine's log says the gate loaded", d.testLoadLine)
 			t.Run("the same prompt twice: decode's own prefix cache", d.testPrefixHit)
+			t.Run("KVEvents: the router's index holds what the engines cached", d.testKVEvents)
 			t.Run("KVTransferVerified from the engines' own counts", d.testKVVerification)
 			t.Run("a producer's held KV reaches the sidecar", d.testHeldSends)
 			t.Run("a decode leg the API server refuses", d.testRejectedDecodeLeg)
@@ -91,6 +92,9 @@ func deploy(t testing.TB, rel Release, stock bool) *deployment {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The routers follow the engines' KV cache events (testKVEvents): the rendered
+	// --kv-events-config on vLLM itself, and the router on the other side.
+	pdc.Spec.Router.Routing.Strategy = v1alpha1.RoutingKVEvents
 	gated, err := Render(pdc)
 	if err != nil {
 		t.Fatal(err)
@@ -250,6 +254,60 @@ func (d *deployment) testPrefixHit(t *testing.T) {
 				t.Errorf("decode engine unhealthy after a prefix hit")
 			}
 		})
+	}
+}
+
+// KVEvents on real vLLM: both engines publish on the rendered --kv-events-config (its ports
+// renumbered on loopback as the pod's others are) and the router follows them. A prompt of
+// three whole blocks, once served, is in the router's index for both pools, from the engines'
+// own events: prefill computed the blocks, decode pulled them; the same prompt again is routed
+// on the three blocks each engine holds, by the router's hash of the prompt's token ids
+// matching what it learned from the events' (vLLM's block boundaries, its parent chain).
+func (d *deployment) testKVEvents(t *testing.T) {
+	ctx := context.Background()
+	via := d.gatedVia.URL
+	metric := func(name, pool string) float64 {
+		t.Helper()
+		v, err := Metric(ctx, via, name, "pool", pool)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	// Until an engine's events state its block size the router cannot cut a prompt into
+	// blocks: one request of another prompt first, as the earlier subtests send.
+	if a, err := Complete(ctx, via, Completion{Prompt: Prompt(18, 100), MaxTokens: 1}); err != nil || a.Status != 200 {
+		t.Fatalf("warm-up: %d %s %v", a.Status, a.Body, err)
+	}
+	time.Sleep(2 * time.Second)
+	counters := []string{"pdcluster_router_kv_events_matched_blocks_total", "pdcluster_router_kv_events_prompt_blocks_total", "pdcluster_router_kv_events_estimated_total"}
+	before := map[string][]float64{}
+	for _, pool := range []string{"prefill", "decode"} {
+		for _, name := range counters {
+			before[pool] = append(before[pool], metric(name, pool))
+		}
+	}
+	c := Completion{Prompt: Prompt(17, 192), MaxTokens: 2} // three whole 64-token blocks
+	if a, err := Complete(ctx, via, c); err != nil || a.Status != 200 {
+		t.Fatalf("first: %d %s %v", a.Status, a.Body, err)
+	}
+	// The engines publish after their scheduler step; give the events a moment.
+	time.Sleep(2 * time.Second)
+	if a, err := Complete(ctx, via, c); err != nil || a.Status != 200 {
+		t.Fatalf("second: %d %s %v", a.Status, a.Body, err)
+	}
+	for _, pool := range []string{"prefill", "decode"} {
+		matched := metric(counters[0], pool) - before[pool][0]
+		prompt := metric(counters[1], pool) - before[pool][1]
+		estimated := metric(counters[2], pool) - before[pool][2]
+		index := metric("pdcluster_router_kv_events_index_blocks", pool)
+		t.Logf("%s: %v of %v prompt blocks matched over both requests, %v estimated, %v blocks in the index", pool, matched, prompt, estimated, index)
+		if prompt != 6 || matched != 3 || estimated != 0 {
+			t.Errorf("%s: %v of %v blocks matched, %v requests estimated; want 3 of 6 (the second request's three), none estimated", pool, matched, prompt, estimated)
+		}
+	}
+	if lost := metric("pdcluster_router_kv_events_lost_total", "prefill") + metric("pdcluster_router_kv_events_lost_total", "decode"); lost != 0 {
+		t.Errorf("%v losses of KV events on loopback", lost)
 	}
 }
 

@@ -41,6 +41,9 @@ type Serve struct {
 	// for their pulls) for up to that long.
 	ShutdownTimeout int
 	KVTransfer      *KVTransferConfig
+	// KVEvents is --kv-events-config: the stand-in accepts what vLLM accepts and publishes
+	// no events (a router in front of it routes KVEvents by its estimate).
+	KVEvents *vllm.KVEventsConfig
 	// Dtype, KVCacheDtype, Quantization and Revision are vLLM's flags of those names ("" when
 	// not given): with the model, block size and sharding they decide the engine's KV format.
 	Dtype, KVCacheDtype, Quantization, Revision string
@@ -115,7 +118,7 @@ var flags = map[string]kind{
 	"--enable-chunked-prefill": optional, "--disable-log-requests": boolean, "--disable-log-stats": boolean,
 	"--uvicorn-log-level": value, "--api-server-count": value, "--distributed-executor-backend": value,
 	"--generation-config": value, "--chat-template": value, "--max-logprobs": value,
-	"--num-gpu-blocks-override": value, "--shutdown-timeout": value,
+	"--num-gpu-blocks-override": value, "--shutdown-timeout": value, vllm.FlagKVEventsConfig: value,
 	// A replica across pods (what `connector launch` adds).
 	vllm.FlagDataParallelHybridLB: boolean, vllm.FlagDataParallelSizeLocal: value, vllm.FlagDataParallelStartRank: value,
 	vllm.FlagDataParallelAddress: value, vllm.FlagDataParallelRPCPort: value, vllm.FlagNNodes: value, vllm.FlagNodeRank: value,
@@ -239,6 +242,26 @@ func Parse(args []string) (*Serve, error) {
 			return nil, fmt.Errorf("kv_role %q is not one of kv_producer, kv_consumer, kv_both", kv.Role)
 		}
 		s.KVTransfer = &kv
+	}
+	if v, ok := vals[vllm.FlagKVEventsConfig]; ok {
+		// vLLM's KVEventsConfig refuses fields it does not define.
+		var ev struct {
+			vllm.KVEventsConfig
+			BufferSteps  *int `json:"buffer_steps"`
+			HWM          *int `json:"hwm"`
+			MaxQueueSize *int `json:"max_queue_size"`
+		}
+		dec := json.NewDecoder(strings.NewReader(v))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&ev); err != nil {
+			return nil, &UsageError{fmt.Sprintf("argument %s: invalid loads value: '%s'", vllm.FlagKVEventsConfig, v)}
+		}
+		switch ev.Publisher {
+		case "", "null", "zmq":
+		default:
+			return nil, fmt.Errorf("unknown event publisher '%s'", ev.Publisher)
+		}
+		s.KVEvents = &ev.KVEventsConfig
 	}
 	return s, nil
 }

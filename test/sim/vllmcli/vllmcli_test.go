@@ -262,6 +262,8 @@ func TestParse(t *testing.T) {
 		{"bool with a value", []string{"serve", "m", "--enforce-eager=yes"}, nil, "ignored explicit argument"},
 		{"bad kv json", []string{"serve", "m", "--kv-transfer-config", "{"}, nil, "invalid loads value"},
 		{"bad kv role", []string{"serve", "m", `--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"prefill"}`}, nil, "kv_role \"prefill\""},
+		{"a KV events field vLLM does not define", []string{"serve", "m", `--kv-events-config={"enable_kv_cache_events":true,"port":5557}`}, nil, "invalid loads value"},
+		{"an unknown KV events publisher", []string{"serve", "m", `--kv-events-config={"enable_kv_cache_events":true,"publisher":"nats"}`}, nil, "unknown event publisher 'nats'"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := vllmcli.Parse(tc.args)
