@@ -78,6 +78,9 @@ func (f *Follower) update(engine string, do func(*Stream)) {
 	do(s)
 }
 
+// dupWindow is how long after a replay a live batch it applied may still arrive.
+var dupWindow = 5 * time.Second
+
 // endSeq is the sequence number that ends a replay (-1, two's complement).
 const endSeq = 1<<64 - 1
 
@@ -99,8 +102,12 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 	// then starts the sequence, whatever its number (the publisher may have sent many
 	// before, and no longer buffer them).
 	fresh := true
-	// replayed is the span the last replay applied: live batches in it are duplicates.
+	// replayed is the span the last replay applied: live batches in it are duplicates (the
+	// subscriber got them too while the replay ran) until a live batch past it was applied or
+	// dupWindow passed; after that a batch numbered inside it is a new publisher's (an engine
+	// restarts in tens of seconds at the least).
 	var replayedFrom, replayedTo uint64
+	var replayedAt time.Time
 	replayed := false
 	catchUp := func(from uint64) {
 		// Fresh: whatever the buffer still holds (the engine may have run long before the
@@ -108,7 +115,7 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 		first, last, applied := f.replay(ctx, src, from, fresh, log)
 		if applied > 0 {
 			fresh = false
-			replayedFrom, replayedTo, replayed = first, last, true
+			replayedFrom, replayedTo, replayed, replayedAt = first, last, true, time.Now()
 			next = last + 1
 		}
 	}
@@ -145,7 +152,7 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 					next, fresh = seq, false
 				}
 				switch {
-				case seq < next && replayed && seq >= replayedFrom && seq <= replayedTo:
+				case seq < next && replayed && seq >= replayedFrom && seq <= replayedTo && time.Since(replayedAt) < dupWindow:
 					continue // applied by the replay
 				case seq < next:
 					log.Info("KV events sequence went back: the engine restarted, its index is dropped", "sequence", seq, "expected", next)
@@ -172,7 +179,9 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 					continue
 				}
 				f.apply(src.Engine, payload, log)
-				next = seq + 1
+				// Past the replay's span: a batch numbered inside it again is a new
+				// publisher's, not a duplicate.
+				next, replayed = seq+1, false
 			}
 		})
 	}
