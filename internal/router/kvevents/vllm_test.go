@@ -13,11 +13,9 @@ import (
 	"time"
 
 	"github.com/go-logr/logr/testr"
-)
 
-// pythonsEnv names each tested vLLM release's interpreter, as make test sets it:
-// "0.30.0=/path/bin/python 0.32.0=/path/bin/python ..." (hack/vllm-venv.sh --tested VERSION).
-const pythonsEnv = "PDCLUSTER_VLLM_PYTHONS"
+	"pdcluster.dev/pdcluster-operator/test/vllmenv"
+)
 
 // TestFollowsVLLMsPublisher runs vLLM's own ZmqEventPublisher (each tested release) and follows
 // it: the batches it published before anyone listened come by replay, later ones live, an
@@ -25,16 +23,8 @@ const pythonsEnv = "PDCLUSTER_VLLM_PYTHONS"
 // replay buffer drops the engine's index (it would keep what the engine evicted meanwhile),
 // and a new publisher on the same ports (an engine restarted) drops what the old one held.
 func TestFollowsVLLMsPublisher(t *testing.T) {
-	env := os.Getenv(pythonsEnv)
-	if env == "" {
-		t.Fatalf("%s is not set: run make test, or set it to \"0.33.0=$(hack/vllm-venv.sh --tested 0.33.0)\" (one VERSION=python per release)", pythonsEnv)
-	}
-	for _, pair := range strings.Fields(env) {
-		version, python, ok := strings.Cut(pair, "=")
-		if !ok || python == "" {
-			t.Fatalf("%s: %q is not VERSION=python", pythonsEnv, pair)
-		}
-		t.Run("vLLM "+version, func(t *testing.T) { followVLLM(t, python) })
+	for _, py := range vllmenv.Pythons(t) {
+		t.Run("vLLM "+py.Version, func(t *testing.T) { followVLLM(t, py.Path) })
 	}
 }
 

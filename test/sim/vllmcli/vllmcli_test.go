@@ -19,6 +19,7 @@ import (
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/validation"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
+	"pdcluster.dev/pdcluster-operator/test/vllmenv"
 )
 
 // mount lays out what the kubelet would put in the engine container from c's volume mounts
@@ -132,27 +133,15 @@ type vllmLoad struct {
 	WantGated  bool   `json:"wantGated"`
 }
 
-// pythonsEnv names each tested vLLM release's interpreter, as make test sets it:
-// "0.30.0=/path/bin/python 0.32.0=/path/bin/python ..." (hack/vllm-venv.sh --tested VERSION).
-const pythonsEnv = "PDCLUSTER_VLLM_PYTHONS"
-
-// loadInVLLM has each installed vLLM release (pythonsEnv) parse each rendered
+// loadInVLLM has each installed vLLM release (vllmenv.Pythons) parse each rendered
 // --kv-transfer-config and load its class through its own KVConnectorFactory, with the plugin
 // files where the pod mounts them on the rendered PYTHONPATH: a plugin that raises on import,
 // or the stock class under the gated name, fails here. One interpreter per release for all
 // (importing vLLM takes tens of seconds).
 func loadInVLLM(t *testing.T, loads []vllmLoad) {
 	t.Helper()
-	env := os.Getenv(pythonsEnv)
-	if env == "" {
-		t.Fatalf("%s is not set: run make test, or set it to \"0.33.0=$(hack/vllm-venv.sh --tested 0.33.0)\" (one VERSION=python per release)", pythonsEnv)
-	}
-	for _, pair := range strings.Fields(env) {
-		version, python, ok := strings.Cut(pair, "=")
-		if !ok || python == "" {
-			t.Fatalf("%s: %q is not VERSION=python", pythonsEnv, pair)
-		}
-		t.Run("vLLM "+version, func(t *testing.T) { loadIn(t, python, loads) })
+	for _, py := range vllmenv.Pythons(t) {
+		t.Run("vLLM "+py.Version, func(t *testing.T) { loadIn(t, py.Path, loads) })
 	}
 }
 
