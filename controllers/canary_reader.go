@@ -30,7 +30,13 @@ type PairsReader interface {
 	ReadPairs(ctx context.Context, pod *corev1.Pod) (routerconfig.PairCounts, error)
 }
 
-// HTTPRouterReader reads GET /canary and GET /pairs on the router's port (render.RouterPort)
+// RoutingReader reads what a router pod's routing strategy found the picked engines holding
+// (spec.router.routing PrefixAware, KVEvents).
+type RoutingReader interface {
+	ReadRouting(ctx context.Context, pod *corev1.Pod) (routerconfig.RoutingCounts, error)
+}
+
+// HTTPRouterReader reads GET /canary, GET /pairs and GET /routing on the router's port (render.RouterPort)
 // at the pod's IP.
 type HTTPRouterReader struct{ podHTTP }
 
@@ -42,6 +48,48 @@ func (h *HTTPRouterReader) ReadPairs(ctx context.Context, pod *corev1.Pod) (rout
 	var pc routerconfig.PairCounts
 	_, err := h.getJSON(ctx, pod, routerconfig.PairsPath, &pc)
 	return pc, err
+}
+
+// ReadRouting implements RoutingReader.
+func (h *HTTPRouterReader) ReadRouting(ctx context.Context, pod *corev1.Pod) (routerconfig.RoutingCounts, error) {
+	var rc routerconfig.RoutingCounts
+	_, err := h.getJSON(ctx, pod, routerconfig.RoutingPath, &rc)
+	return rc, err
+}
+
+// readRouting sums the routing counts of the PDCluster's running router pods; nil when none
+// answered.
+func (r *PDClusterReconciler) readRouting(ctx context.Context, pods []corev1.Pod) *routerconfig.RoutingCounts {
+	var sum *routerconfig.RoutingCounts
+	for pod := range runningRouters(pods) {
+		rc, err := r.RoutingReader.ReadRouting(ctx, pod)
+		if err != nil {
+			log.FromContext(ctx).V(1).Info("routing counts not read", "pod", pod.Name, "error", err.Error())
+			continue
+		}
+		if !routingCountsValid(rc.Prefill) || !routingCountsValid(rc.Decode) {
+			log.FromContext(ctx).Info("routing counts refused: a count below 0 or more held than routed", "pod", pod.Name, "counts", rc)
+			continue
+		}
+		if sum == nil {
+			sum = &routerconfig.RoutingCounts{}
+		}
+		for _, p := range []struct {
+			into, from *routerconfig.PoolRoutingCounts
+		}{{&sum.Prefill, &rc.Prefill}, {&sum.Decode, &rc.Decode}} {
+			p.into.PromptBlocks = saturatingAdd(p.into.PromptBlocks, p.from.PromptBlocks)
+			p.into.HeldBlocks = saturatingAdd(p.into.HeldBlocks, p.from.HeldBlocks)
+			p.into.PromptChunks = saturatingAdd(p.into.PromptChunks, p.from.PromptChunks)
+			p.into.HeldChunks = saturatingAdd(p.into.HeldChunks, p.from.HeldChunks)
+		}
+	}
+	return sum
+}
+
+// routingCountsValid: a router pod is trusted no further than its counts' sense.
+func routingCountsValid(c routerconfig.PoolRoutingCounts) bool {
+	return c.PromptBlocks >= 0 && c.PromptChunks >= 0 && c.HeldBlocks >= 0 && c.HeldChunks >= 0 &&
+		c.HeldBlocks <= c.PromptBlocks && c.HeldChunks <= c.PromptChunks
 }
 
 // readPairs sums the pair counts of the PDCluster's running router pods; nil when none

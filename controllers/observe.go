@@ -37,6 +37,8 @@ type observed struct {
 	canary *v1alpha1.CanaryResult
 	// pairs are the routers' pair counts summed (pairing), or nil.
 	pairs *routerconfig.PairCounts
+	// routing are the routers' routing counts summed (PrefixAware, KVEvents), or nil.
+	routing *routerconfig.RoutingCounts
 	// podGroups are the PDCluster's PodGroups (one per replica across pods), where the
 	// cluster serves them (servesPodGroups).
 	podGroups       []*schedulingv1beta1.PodGroup
@@ -66,7 +68,7 @@ const gateReads = 16
 // API server answered, and without the ones it deleted), grouped for connector health, KV
 // verification and status; applied are the objects it applied, as rendered.
 func (s *snapshot) observed(applied []render.Object) observed {
-	o := observed{pods: s.pods, podsErr: s.podsErr, gates: s.gates, gatesRead: s.gatesRead, canary: s.canary, pairs: s.pairs,
+	o := observed{pods: s.pods, podsErr: s.podsErr, gates: s.gates, gatesRead: s.gatesRead, canary: s.canary, pairs: s.pairs, routing: s.routing,
 		podGroups: s.podGroups, servesPodGroups: s.servesPodGroups}
 	o.sets = map[v1alpha1.Role]*podSet{}
 	for _, d := range s.deployments {

@@ -66,7 +66,10 @@ type PDClusterReconciler struct {
 	// PairsReader reads each router's pair counts (spec.scheduling.pairing); nil leaves them
 	// out.
 	PairsReader PairsReader
-	// Reports, when set, is the runnable behind the three readers above (each of them set to
+	// RoutingReader reads each router's routing counts (spec.router.routing PrefixAware or
+	// KVEvents); nil leaves them out.
+	RoutingReader RoutingReader
+	// Reports, when set, is the runnable behind the four readers above (each of them set to
 	// it): SetupWithManager starts it with the manager and enqueues the PDClusters its
 	// events name, so Reconcile reads only its last answers and never waits on a pod.
 	Reports *PodReports

@@ -33,11 +33,12 @@ import (
 //
 // It is a manager runnable (Start) and, as the controller it feeds, runs on the leader only.
 type PodReports struct {
-	// Gates, Canaries and Pairs read the pods; a nil one is never asked (Reconcile does not
+	// Gates, Canaries, Pairs and Routing read the pods; a nil one is never asked (Reconcile does not
 	// ask for what it has no reader of).
 	Gates    GateReader
 	Canaries CanaryReader
 	Pairs    PairsReader
+	Routing  RoutingReader
 	// Interval is how often every known pod is read again.
 	Interval time.Duration
 	// Timeout bounds each read, whatever the reader's own timeout.
@@ -54,17 +55,18 @@ type PodReports struct {
 
 // NewPodReports reads the pods with the given readers every 10 s (the most often the
 // reconciler refreshes counts, countsRefresh), 5 s at most per read.
-func NewPodReports(gates GateReader, canaries CanaryReader, pairs PairsReader) *PodReports {
-	return &PodReports{Gates: gates, Canaries: canaries, Pairs: pairs, Interval: 10 * time.Second, Timeout: 5 * time.Second}
+func NewPodReports(gates GateReader, canaries CanaryReader, pairs PairsReader, routing RoutingReader) *PodReports {
+	return &PodReports{Gates: gates, Canaries: canaries, Pairs: pairs, Routing: routing, Interval: 10 * time.Second, Timeout: 5 * time.Second}
 }
 
 // reportKind is what is read of a pod.
 type reportKind string
 
 const (
-	gateReport   reportKind = "gate"
-	canaryReport reportKind = "canary"
-	pairsReport  reportKind = "pairs"
+	gateReport    reportKind = "gate"
+	canaryReport  reportKind = "canary"
+	pairsReport   reportKind = "pairs"
+	routingReport reportKind = "routing"
 )
 
 type reportKey struct {
@@ -82,6 +84,7 @@ type podReport struct {
 	gate  vllm.State
 	canry routerconfig.CanaryResult
 	pairs routerconfig.PairCounts
+	routg routerconfig.RoutingCounts
 }
 
 // forgetAfter is how long a pod Reconcile stopped asking about (deleted, stopped, its
@@ -98,7 +101,7 @@ var errNotReadYet = errors.New("not read yet")
 
 var podReads = prometheus.NewCounterVec(prometheus.CounterOpts{
 	Name: "pdcluster_pod_report_reads_total",
-	Help: "Reads of what the PDClusters' pods report (report: gate, canary, pairs), by result (ok, error), made outside Reconcile.",
+	Help: "Reads of what the PDClusters' pods report (report: gate, canary, pairs, routing), by result (ok, error), made outside Reconcile.",
 }, []string{"report", "result"})
 
 func (p *PodReports) init() {
@@ -145,6 +148,12 @@ func (p *PodReports) ReadCanary(_ context.Context, pod *corev1.Pod) (routerconfi
 func (p *PodReports) ReadPairs(_ context.Context, pod *corev1.Pod) (routerconfig.PairCounts, error) {
 	r, err := p.last(pod, pairsReport)
 	return r.pairs, err
+}
+
+// ReadRouting implements RoutingReader with the router's last answer.
+func (p *PodReports) ReadRouting(_ context.Context, pod *corev1.Pod) (routerconfig.RoutingCounts, error) {
+	r, err := p.last(pod, routingReport)
+	return r.routg, err
 }
 
 // last records that Reconcile asked about the pod and returns its last answer (a copy).
@@ -252,6 +261,8 @@ func (p *PodReports) read(ctx context.Context, pod *corev1.Pod, kind reportKind)
 		r.canry, r.err = p.Canaries.ReadCanary(ctx, pod)
 	case pairsReport:
 		r.pairs, r.err = p.Pairs.ReadPairs(ctx, pod)
+	case routingReport:
+		r.routg, r.err = p.Routing.ReadRouting(ctx, pod)
 	default:
 		r.err = fmt.Errorf("unknown report %q", kind)
 	}

@@ -163,17 +163,19 @@ func TestPodReportsKeepTheLastAnswerAndEnqueueOnChange(t *testing.T) {
 	}
 }
 
-// A router's newer canary enqueues its PDCluster; pair counts, which move with every request,
-// do not.
+// A router's newer canary enqueues its PDCluster; pair and routing counts, which move with
+// every request, do not.
 func TestPodReportsEnqueueNewCanariesNotPairCounts(t *testing.T) {
 	clock := clocktesting.NewFakeClock(start)
 	canaries := fakeCanaries{"r-0": {Time: start, Result: routerconfig.CanaryExternal}}
 	pairs := fakePairs{"r-0": {SameDomain: 1}}
-	p := &PodReports{Canaries: canaries, Pairs: pairs, Interval: time.Minute, Timeout: time.Second, Clock: clock}
+	routing := fakeRouting{"r-0": {Prefill: routerconfig.PoolRoutingCounts{PromptChunks: 2, HeldChunks: 1}}}
+	p := &PodReports{Canaries: canaries, Pairs: pairs, Routing: routing, Interval: time.Minute, Timeout: time.Second, Clock: clock}
 	ctx := context.Background()
 	router := wrappers.MakeEnginePod("ns", "r-0", "c", v1alpha1.RoleRouter, start).Obj()
 	_, _ = p.ReadCanary(ctx, router)
 	_, _ = p.ReadPairs(ctx, router)
+	_, _ = p.ReadRouting(ctx, router)
 	p.poll(ctx, true)
 	if d := cmp.Diff([]string{"ns/c"}, enqueued(p)); d != "" {
 		t.Errorf("first answers: enqueued (-want +got):\n%s", d)
@@ -185,6 +187,14 @@ func TestPodReportsEnqueueNewCanariesNotPairCounts(t *testing.T) {
 	}
 	if pc, err := p.ReadPairs(ctx, router); err != nil || pc.SameDomain != 9 {
 		t.Errorf("pairs after a poll: %+v, %v", pc, err)
+	}
+	routing["r-0"] = routerconfig.RoutingCounts{Prefill: routerconfig.PoolRoutingCounts{PromptChunks: 20, HeldChunks: 15}}
+	p.poll(ctx, false)
+	if got := enqueued(p); len(got) != 0 {
+		t.Errorf("new routing counts enqueued %v", got)
+	}
+	if rc, err := p.ReadRouting(ctx, router); err != nil || rc.Prefill.HeldChunks != 15 {
+		t.Errorf("routing counts after a poll: %+v, %v", rc, err)
 	}
 	canaries["r-0"] = routerconfig.CanaryResult{Time: start.Add(time.Minute), Result: routerconfig.CanaryExternal}
 	p.poll(ctx, false)

@@ -56,6 +56,8 @@ type snapshot struct {
 	canary *v1alpha1.CanaryResult
 	// pairs are the routers' pair counts summed (pairing), or nil.
 	pairs *routerconfig.PairCounts
+	// routing are the routers' routing counts summed (PrefixAware, KVEvents), or nil.
+	routing *routerconfig.RoutingCounts
 	// servesGroupSets says whether the cluster serves LeaderWorkerSet (looked up for a
 	// PDCluster with a pool whose replicas span pods, unless the manager watches the kind).
 	servesGroupSets availability
@@ -131,6 +133,9 @@ func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1
 	}
 	if r.PairsReader != nil && pdc.Spec.Scheduling.Pairing != nil {
 		s.pairs = r.readPairs(ctx, s.pods)
+	}
+	if r.RoutingReader != nil && routesByHold(pdc) {
+		s.routing = r.readRouting(ctx, s.pods)
 	}
 	return s, nil
 }

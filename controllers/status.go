@@ -73,6 +73,7 @@ func computeStatus(in statusInputs) (v1alpha1.PDClusterStatus, []event) {
 		events = append(events, ratioStatus(&status, in.pdc, in.scale)...)
 		events = append(events, revisionStatus(&status, in, poolsReady)...)
 		pairingStatus(&status, in)
+		routingStatus(&status, in)
 		events = append(events, gateCondition(in.pdc, &status, gates.silent)...)
 		gangStatus(&status, in.pdc, in.obs)
 		events = append(events, gangEvents(in.pdc.Status.Conditions, &status)...)

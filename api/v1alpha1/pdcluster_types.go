@@ -1202,6 +1202,41 @@ type PDClusterStatus struct {
 	// (spec.scheduling.pairing).
 	// +optional
 	Pairing *PairingStatus `json:"pairing,omitempty"`
+
+	// routing is how much of the prompts the engines the routers picked already held
+	// (spec.router.routing.strategy PrefixAware or KVEvents), by pool, since the routers
+	// started.
+	// +optional
+	Routing *RoutingStatus `json:"routing,omitempty"`
+}
+
+// RoutingStatus is what the routers' routing strategy found the picked engines holding.
+type RoutingStatus struct {
+	// prefill is the prefill pool's, decode the decode pool's.
+	Prefill PoolRoutingStatus `json:"prefill"`
+	Decode  PoolRoutingStatus `json:"decode"`
+}
+
+// PoolRoutingStatus is one pool's share of the prompts held by the engines picked.
+type PoolRoutingStatus struct {
+	// heldPercent is the share of the prompts routed that the picked engines held: of the
+	// full KV blocks of token-id prompts, by the engines' own events, with KVEvents; else of
+	// the prompt chunks the router had sent them (PrefixAware's estimate). Absent before the
+	// first prompt long enough to count.
+	// +optional
+	HeldPercent *int32 `json:"heldPercent,omitempty"`
+	// promptBlocks and heldBlocks are the full KV blocks of the token-id prompts routed by
+	// the engines' events and those the picked engines held (KVEvents).
+	// +optional
+	PromptBlocks int64 `json:"promptBlocks,omitempty"`
+	// +optional
+	HeldBlocks int64 `json:"heldBlocks,omitempty"`
+	// promptChunks and heldChunks are the prompt chunks routed by the estimate and those the
+	// router had sent the picked engines before.
+	// +optional
+	PromptChunks int64 `json:"promptChunks,omitempty"`
+	// +optional
+	HeldChunks int64 `json:"heldChunks,omitempty"`
 }
 
 // PairingStatus counts the routers' pairs by locality since they started.
@@ -1330,6 +1365,7 @@ const (
 // +kubebuilder:printcolumn:name="KV",type=string,JSONPath=`.status.conditions[?(@.type=="KVTransferVerified")].status`,description="whether decode receives its prompts' KV from prefill (KVTransferVerified)"
 // +kubebuilder:printcolumn:name="External",type=integer,JSONPath=`.status.kvTransfer.externalSharePercent`,priority=1,description="percent of decode's prompt tokens received from prefill over the verification window"
 // +kubebuilder:printcolumn:name="Gated",type=integer,JSONPath=`.status.decode.gate.gatedCompletions`,priority=1,description="empty pulls the decode engines' completion gate kept from the scheduler"
+// +kubebuilder:printcolumn:name="Held",type=integer,JSONPath=`.status.routing.prefill.heldPercent`,priority=1,description="percent of the prompts the prefill engines the routers picked already held (routing PrefixAware or KVEvents)"
 // +kubebuilder:printcolumn:name="Revision",type=string,JSONPath=`.status.currentRevision`,priority=1,description="the KV revision every engine pod served when the last rollout completed"
 // +kubebuilder:printcolumn:name="Rollout",type=string,JSONPath=`.status.conditions[?(@.type=="Progressing")].reason`,priority=1,description="RollingOut while engine pods of two KV revisions run (Progressing)"
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1

@@ -66,7 +66,7 @@ func parseFlags(args []string, getenv func(string) string) (settings, error) {
 		return nil
 	})
 	fs.IntVar(&s.concurrency, "max-concurrent-reconciles", 16, "PDClusters reconciled at once")
-	fs.BoolVar(&s.readPods, "read-pod-reports", true, "read what the pods report into status: each engine pod's connector sidecar (GET http://<pod IP>:8190/gate: the gate's counts, KV-verification evidence, held sends for drain deletion costs) and each router (GET /canary, GET /pairs); false leaves them all out (a cluster whose pods run no sidecar, as kwok's)")
+	fs.BoolVar(&s.readPods, "read-pod-reports", true, "read what the pods report into status: each engine pod's connector sidecar (GET http://<pod IP>:8190/gate: the gate's counts, KV-verification evidence, held sends for drain deletion costs) and each router (GET /canary, GET /pairs, GET /routing); false leaves them all out (a cluster whose pods run no sidecar, as kwok's)")
 	fs.BoolFunc("read-gate-status", "deprecated: use --read-pod-reports, which it sets (it always covered the routers' canaries and pair counts too)", func(v string) error {
 		b, err := strconv.ParseBool(v)
 		if err != nil {
@@ -130,9 +130,9 @@ func main() {
 	if readPods {
 		// Read outside Reconcile: a slow pod never holds a reconcile worker.
 		routers := controllers.NewHTTPRouterReader()
-		reports := controllers.NewPodReports(controllers.NewHTTPGateReader(), routers, routers)
+		reports := controllers.NewPodReports(controllers.NewHTTPGateReader(), routers, routers, routers)
 		reconciler.Reports = reports
-		reconciler.GateReader, reconciler.CanaryReader, reconciler.PairsReader = reports, reports, reports
+		reconciler.GateReader, reconciler.CanaryReader, reconciler.PairsReader, reconciler.RoutingReader = reports, reports, reports, reports
 	}
 	if err := reconciler.SetupWithManager(mgr); err != nil {
 		setupLog.Error(err, "set up controller")

@@ -38,7 +38,7 @@ var suites = []suite{
 	{name: "operator", pkg: "./test/integration", pattern: "^BenchmarkOperator$", benchtime: "1x", count: 1},
 	// Real vLLM engines (PDCLUSTER_VLLM_ENGINES, which make bench sets): minutes to start.
 	{name: "realengine", pkg: "./test/realengine", pattern: "^BenchmarkRouterRealEngines$", benchtime: "1x", count: 1, tags: "realengine"},
-	// Two prefill and two decode real vLLM engines behind three routers (docs/routing.md).
+	// Two prefill and two decode real vLLM engines behind four routers (docs/routing.md).
 	{name: "routing", pkg: "./test/realengine", pattern: "^BenchmarkRoutingRealEngines$", benchtime: "1x", count: 1, tags: "realengine"},
 }
 
@@ -109,25 +109,30 @@ var rows = func() []row {
 	for _, cache := range []struct{ name, words string }{{"all", "caches hold all"}, {"48-blocks", "48-block caches"}} {
 		routing := "BenchmarkRoutingRealEngines/cache=" + cache.name + "/"
 		for _, w := range []struct{ name, words string }{{"shared-prefix", "chats"}, {"documents", "documents"}} {
-			for _, ref := range []string{"LeastInFlight", "RoundRobin"} {
-				p, r := routing+w.name+"/PrefixAware", routing+w.name+"/"+ref
+			for _, pr := range []struct{ project, ref string }{
+				{"PrefixAware", "LeastInFlight"}, {"PrefixAware", "RoundRobin"}, {"KVEvents", "LeastInFlight"}, {"KVEvents", "PrefixAware"},
+			} {
+				p, r := routing+w.name+"/"+pr.project, routing+w.name+"/"+pr.ref
 				what := "real vLLM, " + cache.words + ", " + w.words + ": "
+				vs := ", " + pr.project + " vs " + pr.ref
 				rs = append(rs,
-					row{suite: "routing", figure: what + "prefill prefix-cache hits, % of prompt, PrefixAware vs " + ref, project: p, reference: r, metric: "prefill-hit-%", difference: true},
-					row{suite: "routing", figure: what + "decode prefix-cache hits, % of prompt, PrefixAware vs " + ref, project: p, reference: r, metric: "decode-hit-%", difference: true},
-					row{suite: "routing", figure: what + "tokens decode pulled per request, PrefixAware vs " + ref, project: p, reference: r, metric: "pulled-tok/req"},
-					row{suite: "routing", figure: what + "p50 ms, PrefixAware vs " + ref, project: p, reference: r, metric: "p50-ms"},
+					row{suite: "routing", figure: what + "prefill prefix-cache hits, % of prompt" + vs, project: p, reference: r, metric: "prefill-hit-%", difference: true},
+					row{suite: "routing", figure: what + "decode prefix-cache hits, % of prompt" + vs, project: p, reference: r, metric: "decode-hit-%", difference: true},
+					row{suite: "routing", figure: what + "tokens decode pulled per request" + vs, project: p, reference: r, metric: "pulled-tok/req"},
+					row{suite: "routing", figure: what + "p50 ms" + vs, project: p, reference: r, metric: "p50-ms"},
 				)
 			}
 		}
-		rs = append(rs,
-			row{suite: "routing", figure: "real vLLM, " + cache.words + ", chats: router CPU, ms/request, PrefixAware vs LeastInFlight", project: routing + "shared-prefix/PrefixAware",
-				reference: routing + "shared-prefix/LeastInFlight", metric: "cpu-ms/req"},
-			row{suite: "routing", figure: "real vLLM, " + cache.words + ", nothing shared: req/s, PrefixAware vs LeastInFlight", project: routing + "distinct/PrefixAware",
-				reference: routing + "distinct/LeastInFlight", metric: "req/s"},
-			row{suite: "routing", figure: "real vLLM, " + cache.words + ", nothing shared: p50 ms, PrefixAware vs LeastInFlight", project: routing + "distinct/PrefixAware",
-				reference: routing + "distinct/LeastInFlight", metric: "p50-ms"},
-		)
+		for _, strategy := range []string{"PrefixAware", "KVEvents"} {
+			rs = append(rs,
+				row{suite: "routing", figure: "real vLLM, " + cache.words + ", chats: router CPU, ms/request, " + strategy + " vs LeastInFlight", project: routing + "shared-prefix/" + strategy,
+					reference: routing + "shared-prefix/LeastInFlight", metric: "cpu-ms/req"},
+				row{suite: "routing", figure: "real vLLM, " + cache.words + ", nothing shared: req/s, " + strategy + " vs LeastInFlight", project: routing + "distinct/" + strategy,
+					reference: routing + "distinct/LeastInFlight", metric: "req/s"},
+				row{suite: "routing", figure: "real vLLM, " + cache.words + ", nothing shared: p50 ms, " + strategy + " vs LeastInFlight", project: routing + "distinct/" + strategy,
+					reference: routing + "distinct/LeastInFlight", metric: "p50-ms"},
+			)
+		}
 	}
 	rs = append(rs,
 		row{suite: "operator", figure: "operator, 1,000 PDClusters, s until all reconciled", project: "BenchmarkOperator/project", reference: "BenchmarkOperator/reference",

@@ -31,8 +31,8 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //   - the connector sidecars' port: the operator's manager pods (they read /gate) and
 //     monitoring.
 //   - the router's port: routerClients, or everyone when none is set (then also monitoring, and
-//     the operator's manager pods with verification mode Canary or pairing: they read
-//     GET /canary and GET /pairs).
+//     the operator's manager pods with verification mode Canary, pairing or a routing strategy
+//     that weighs what engines hold: they read GET /canary, GET /pairs and GET /routing).
 //
 // Egress of the engine pods (spec.networkPolicy.egress): the other pool (every port; its own
 // too when its replicas span pods), DNS,
@@ -98,9 +98,11 @@ func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
 		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(RouterPort)})
 	}
-	if len(np.RouterClients) > 0 && len(operator) > 0 && (pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary || pdc.Spec.Scheduling.Pairing != nil) {
-		// The operator reads each router's newest canary (GET /canary) and pair counts
-		// (GET /pairs).
+	routing := pdc.Spec.Router.Routing.Strategy
+	if len(np.RouterClients) > 0 && len(operator) > 0 && (pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary || pdc.Spec.Scheduling.Pairing != nil ||
+		routing == v1alpha1.RoutingPrefixAware || routing == v1alpha1.RoutingKVEvents) {
+		// The operator reads each router's newest canary (GET /canary), pair counts
+		// (GET /pairs) and routing counts (GET /routing).
 		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(RouterPort)})
 	}
 	return append(out, networkPolicy(pdc, v1alpha1.RoleRouter, routerRules, nil))

@@ -172,7 +172,8 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 
 // spec.networkPolicy: disabled renders none; the client lists widen the rules they name.
 // With routerClients narrowing the router's port, the operator still reads each router's
-// canary (GET /canary) in verification mode Canary, and only then.
+// canary (GET /canary) in verification mode Canary, and its routing counts with PrefixAware or
+// KVEvents routing, and only then.
 func TestNetworkPolicyAdmitsTheOperatorToTheCanary(t *testing.T) {
 	pdc := load(t, filepath.Join("testdata", "minimal.yaml"))
 	opts := render.DefaultOptions()
@@ -184,6 +185,14 @@ func TestNetworkPolicyAdmitsTheOperatorToTheCanary(t *testing.T) {
 		p.Spec.KVTransfer.Verification.Mode = mode
 		if got := admits(t, render.NetworkPolicies(p, opts), render.Labels(p.Name, v1alpha1.RoleRouter), render.RouterPort, operator); got != want {
 			t.Errorf("mode %s: the operator reaches the router's port: %v, want %v", mode, got, want)
+		}
+	}
+	// ... and its routing counts (GET /routing) with a strategy that weighs what engines hold.
+	for strategy, want := range map[v1alpha1.RoutingStrategy]bool{v1alpha1.RoutingLeastInFlight: false, v1alpha1.RoutingPrefixAware: true, v1alpha1.RoutingKVEvents: true} {
+		p := pdc.DeepCopy()
+		p.Spec.Router.Routing.Strategy = strategy
+		if got := admits(t, render.NetworkPolicies(p, opts), render.Labels(p.Name, v1alpha1.RoleRouter), render.RouterPort, operator); got != want {
+			t.Errorf("routing %s: the operator reaches the router's port: %v, want %v", strategy, got, want)
 		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -45,6 +46,8 @@ type kvRouting struct {
 
 type kvCounts struct {
 	prompt, matched, noTokens, untrusted prometheus.Counter
+	// promptN and matchedN are prompt and matched again, for GET /routing.
+	promptN, matchedN *atomic.Int64
 }
 
 // KVEventsPorts are one engine's KV events publisher and replay ports (rank 0's).
@@ -86,6 +89,7 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts)
 		k.counts[l] = kvCounts{
 			k.promptBlocks.WithLabelValues(string(l)), k.matchedBlocks.WithLabelValues(string(l)),
 			k.fallbacks.WithLabelValues(string(l), "text"), k.fallbacks.WithLabelValues(string(l), "untrusted"),
+			new(atomic.Int64), new(atomic.Int64),
 		}
 	}
 	return k
@@ -248,6 +252,8 @@ func (k *kvRouting) picked(l leg, pref *preference, pk picked) {
 	c := k.counts[l]
 	c.prompt.Add(float64(pref.blocks))
 	c.matched.Add(float64(pk.matched))
+	c.promptN.Add(int64(pref.blocks))
+	c.matchedN.Add(int64(pk.matched))
 }
 
 func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {

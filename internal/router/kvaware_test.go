@@ -173,6 +173,9 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 			t.Errorf("%s: matched %v of %v blocks, want 16 of 20", pool, matched, prompt)
 		}
 	}
+	if rc, ok := f.routing(t); !ok || rc.Prefill.PromptBlocks != 20 || rc.Prefill.HeldBlocks != 16 || rc.Decode.PromptBlocks != 20 || rc.Decode.HeldBlocks != 16 {
+		t.Errorf("GET /routing %+v (answered %v), want 16 of 20 blocks held in each pool", rc, ok)
+	}
 
 	send("a text prompt has no token ids the router can read")
 	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "reason", "text"); n != 2 {

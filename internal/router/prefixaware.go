@@ -4,6 +4,8 @@ package router
 
 import (
 	"encoding/json"
+	"net/http"
+	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -26,8 +28,12 @@ type prefixRouting struct {
 	counts map[leg]prefixCounts
 }
 
-// prefixCounts are one pool's series of prefixRouting's counters.
-type prefixCounts struct{ prompt, matched, passedOver prometheus.Counter }
+// prefixCounts are one pool's series of prefixRouting's counters, and the chunks again for
+// GET /routing.
+type prefixCounts struct {
+	prompt, matched, passedOver prometheus.Counter
+	promptN, matchedN           *atomic.Int64
+}
 
 // newPrefixRouting is the state of routing, or nil when it does not weigh prefixes (KVEvents
 // keeps it as its estimate for text prompts and untrusted events).
@@ -58,7 +64,8 @@ func newPrefixRouting(routing *routerconfig.Routing) *prefixRouting {
 		counts: map[leg]prefixCounts{},
 	}
 	for _, l := range []leg{legPrefill, legDecode} {
-		p.counts[l] = prefixCounts{p.promptChunks.WithLabelValues(string(l)), p.matchedChunks.WithLabelValues(string(l)), p.passedOver.WithLabelValues(string(l))}
+		p.counts[l] = prefixCounts{p.promptChunks.WithLabelValues(string(l)), p.matchedChunks.WithLabelValues(string(l)), p.passedOver.WithLabelValues(string(l)),
+			new(atomic.Int64), new(atomic.Int64)}
 	}
 	return p
 }
@@ -138,7 +145,25 @@ func (x *exchange) pickedFor(l leg, pk picked, url string, pref *preference) {
 	c := p.counts[l]
 	c.prompt.Add(float64(len(x.hashes)))
 	c.matched.Add(float64(pk.matched))
+	c.promptN.Add(int64(len(x.hashes)))
+	c.matchedN.Add(int64(pk.matched))
 	if pk.passedOver {
 		c.passedOver.Inc()
 	}
+}
+
+// serveRouting answers GET /routing: what the picked engines held of the prompts routed since
+// the router started, by pool.
+func (r *Router) serveRouting(w http.ResponseWriter, _ *http.Request) {
+	var out routerconfig.RoutingCounts
+	for l, pool := range map[leg]*routerconfig.PoolRoutingCounts{legPrefill: &out.Prefill, legDecode: &out.Decode} {
+		c := r.prefix.counts[l]
+		pool.PromptChunks, pool.HeldChunks = c.promptN.Load(), c.matchedN.Load()
+		if r.kv != nil {
+			k := r.kv.counts[l]
+			pool.PromptBlocks, pool.HeldBlocks = k.promptN.Load(), k.matchedN.Load()
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(out)
 }

@@ -64,6 +64,12 @@ func TestPrefixAwareKeepsAConversationOnItsEngines(t *testing.T) {
 				}
 			}
 			matched, prompt := f.counter(t, "pdcluster_router_prefix_matched_chunks_total"), f.counter(t, "pdcluster_router_prefix_prompt_chunks_total")
+			// GET /routing says the same, for the operator's status.
+			if rc, ok := f.routing(t); ok != (tc.routing != nil && tc.routing.Strategy == routerconfig.RoutingPrefixAware) {
+				t.Errorf("GET /routing answered %v", ok)
+			} else if ok && (float64(rc.Prefill.PromptChunks+rc.Decode.PromptChunks) != prompt || float64(rc.Prefill.HeldChunks+rc.Decode.HeldChunks) != matched) {
+				t.Errorf("GET /routing %+v, want the metrics' %v held of %v prompt chunks", rc, matched, prompt)
+			}
 			if tc.together {
 				// Every turn after the first holds its whole history but the newest chunks.
 				if prompt == 0 || matched < prompt/2 {
@@ -86,4 +92,22 @@ func calls(es []*testEngine) map[string]int {
 		out[e.name] = len(e.got())
 	}
 	return out
+}
+
+// routing is the router's answer to GET /routing, and whether it answers it.
+func (f *pdFixture) routing(t *testing.T) (routerconfig.RoutingCounts, bool) {
+	t.Helper()
+	var rc routerconfig.RoutingCounts
+	resp, err := http.Get(f.url + routerconfig.RoutingPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return rc, false
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&rc); err != nil {
+		t.Fatal(err)
+	}
+	return rc, true
 }

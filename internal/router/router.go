@@ -414,6 +414,9 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	})
 	mux.HandleFunc("GET "+routerconfig.CanaryPath, r.serveCanary)
 	mux.HandleFunc("GET "+routerconfig.PairsPath, r.servePairs)
+	if r.prefix != nil {
+		mux.HandleFunc("GET "+routerconfig.RoutingPath, r.serveRouting)
+	}
 	if gatherer != nil {
 		mux.Handle("GET /metrics", promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{}))
 	}

@@ -218,6 +218,26 @@ type PairCounts struct {
 	CrossDomain int64 `json:"crossDomain"`
 }
 
+// RoutingPath is GET /routing on the router's port: what its routing strategy found the picked
+// engines holding of the prompts since it started (PrefixAware, KVEvents), for the operator.
+const RoutingPath = "/routing"
+
+// RoutingCounts is the answer to GET /routing, by pool.
+type RoutingCounts struct {
+	Prefill PoolRoutingCounts `json:"prefill"`
+	Decode  PoolRoutingCounts `json:"decode"`
+}
+
+// PoolRoutingCounts are one pool's prompt units routed and those the picked engine held: full
+// KV blocks by the engines' own events (KVEvents, token-id prompts), and prompt chunks the
+// router had sent the engine (PrefixAware, and KVEvents' estimate).
+type PoolRoutingCounts struct {
+	PromptBlocks int64 `json:"promptBlocks"`
+	HeldBlocks   int64 `json:"heldBlocks"`
+	PromptChunks int64 `json:"promptChunks"`
+	HeldChunks   int64 `json:"heldChunks"`
+}
+
 // CanaryOutcome is a canary's result: CanaryExternal, CanaryRecomputed or CanaryFailed (the
 // words of the PDCluster's status.kvTransfer.lastCanary.result).
 type CanaryOutcome string

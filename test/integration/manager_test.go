@@ -326,7 +326,7 @@ func TestPodReportsEnqueueThroughTheManager(t *testing.T) {
 		LeaderElectionID:        "pdcluster-it-" + f.ns,
 		LeaderElectionNamespace: f.ns,
 	}, func(r *controllers.PDClusterReconciler) {
-		reports := controllers.NewPodReports(gate, nil, nil)
+		reports := controllers.NewPodReports(gate, nil, nil, nil)
 		reports.Interval, reports.Timeout = time.Hour, time.Hour // only the first read, on the first ask
 		r.Reports, r.GateReader = reports, reports
 	})

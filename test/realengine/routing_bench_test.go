@@ -25,6 +25,7 @@ var routingStrategies = []struct {
 	balance v1alpha1.RouterBalance
 	routing v1alpha1.RoutingStrategy
 }{
+	{"KVEvents", v1alpha1.RouterBalanceLeastInFlight, v1alpha1.RoutingKVEvents},
 	{"PrefixAware", v1alpha1.RouterBalanceLeastInFlight, v1alpha1.RoutingPrefixAware},
 	{"LeastInFlight", v1alpha1.RouterBalanceLeastInFlight, v1alpha1.RoutingLeastInFlight},
 	{"RoundRobin", v1alpha1.RouterBalanceRoundRobin, v1alpha1.RoutingLeastInFlight},
@@ -32,8 +33,8 @@ var routingStrategies = []struct {
 
 // BenchmarkRoutingRealEngines (make bench, suite routing) runs two prefill and two decode
 // engines of real vLLM (the newest CPU release, testdata/pdcluster.yaml with 2 replicas per pool)
-// behind three routers rendered with spec.router.routing PrefixAware, LeastInFlight and
-// round-robin balance, and sends each the same kind of traffic, prompts of its own so that no
+// behind four routers rendered with spec.router.routing KVEvents, PrefixAware, LeastInFlight
+// and round-robin balance (the engines publish their KV events for the first), and sends each the same kind of traffic, prompts of its own so that no
 // router profits from another's cache:
 //   - shared-prefix: 8 chats of 5 turns, 4 at a time, each turn's prompt the chat so far (a
 //     192-token system prompt, one of two, then 64 tokens a turn);
@@ -84,7 +85,10 @@ func BenchmarkRoutingRealEngines(b *testing.B) {
 // startRouting starts two prefill and two decode pods of pdc and a router of each strategy in
 // front of all four; name keeps their directories apart.
 func startRouting(b *testing.B, o Options, pdc *v1alpha1.PDCluster, name string) (prefill, decode []*Pod, routers map[string]*Router) {
-	r, err := Render(pdc)
+	// The engines publish their KV cache events, which only the KVEvents router reads.
+	engines := pdc.DeepCopy()
+	engines.Spec.Router.Routing.Strategy = v1alpha1.RoutingKVEvents
+	r, err := Render(engines)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -1,0 +1,49 @@
+package controllers
+
+import (
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
+
+// routesByHold reports whether pdc's routers weigh what the engines hold (spec.router.routing
+// PrefixAware or KVEvents): they count it, and status shows it.
+func routesByHold(pdc *v1alpha1.PDCluster) bool {
+	switch pdc.Spec.Router.Routing.Strategy {
+	case v1alpha1.RoutingPrefixAware, v1alpha1.RoutingKVEvents:
+		return true
+	}
+	return false
+}
+
+// routingStatus writes status.routing: the share of the prompts the picked engines held, by
+// pool, from the routers' counts. Counts the routers did not answer keep what status said.
+func routingStatus(status *v1alpha1.PDClusterStatus, in statusInputs) {
+	if !routesByHold(in.pdc) {
+		status.Routing = nil
+		return
+	}
+	rc := in.obs.routing
+	if rc == nil {
+		if status.Routing == nil {
+			status.Routing = &v1alpha1.RoutingStatus{}
+		}
+		return
+	}
+	status.Routing = &v1alpha1.RoutingStatus{
+		Prefill: poolRoutingStatus(rc.Prefill, in.pdc),
+		Decode:  poolRoutingStatus(rc.Decode, in.pdc),
+	}
+}
+
+// poolRoutingStatus is one pool's counts and share held: of the blocks the engines' events
+// reported with KVEvents (once it has routed any), else of the estimate's chunks.
+func poolRoutingStatus(c routerconfig.PoolRoutingCounts, pdc *v1alpha1.PDCluster) v1alpha1.PoolRoutingStatus {
+	s := v1alpha1.PoolRoutingStatus{PromptBlocks: c.PromptBlocks, HeldBlocks: c.HeldBlocks, PromptChunks: c.PromptChunks, HeldChunks: c.HeldChunks}
+	switch {
+	case pdc.Spec.Router.Routing.Strategy == v1alpha1.RoutingKVEvents && c.PromptBlocks > 0:
+		s.HeldPercent = ptrTo(int32(float64(c.HeldBlocks) * 100 / float64(c.PromptBlocks)))
+	case c.PromptChunks > 0:
+		s.HeldPercent = ptrTo(int32(float64(c.HeldChunks) * 100 / float64(c.PromptChunks)))
+	}
+	return s
+}
