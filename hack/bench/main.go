@@ -105,6 +105,9 @@ var rows = func() []row {
 		row{suite: "router", figure: "PrefixAware vs LeastInFlight routing, router CPU, ms/request, 8 clients", project: "BenchmarkPrefixRouting/project", reference: "BenchmarkPrefixRouting/reference",
 			metric: "cpu-ms/req", target: "<= 1.1x", met: ratioAtMost(1.1)},
 		row{suite: "router", figure: "PrefixAware vs LeastInFlight routing, p50 ms", project: "BenchmarkPrefixRouting/project", reference: "BenchmarkPrefixRouting/reference", metric: "p50-ms"},
+		row{suite: "router", figure: "KVEvents vs LeastInFlight routing, router CPU, ms/request, 8 clients", project: "BenchmarkPrefixRouting/kv-events", reference: "BenchmarkPrefixRouting/reference",
+			metric: "cpu-ms/req", target: "<= 1.1x", met: ratioAtMost(1.1)},
+		row{suite: "router", figure: "KVEvents vs LeastInFlight routing, p50 ms", project: "BenchmarkPrefixRouting/kv-events", reference: "BenchmarkPrefixRouting/reference", metric: "p50-ms"},
 	)
 	for _, cache := range []struct{ name, words string }{{"all", "caches hold all"}, {"48-blocks", "48-block caches"}} {
 		routing := "BenchmarkRoutingRealEngines/cache=" + cache.name + "/"

@@ -2,7 +2,6 @@ package router
 
 import (
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"net"
 	"net/http"
@@ -10,66 +9,32 @@ import (
 	"testing"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
-	"github.com/vmihailenco/msgpack/v5"
-
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 )
 
-// eventsPublisher stands in for one engine's vLLM KV events publisher (the router's follower is
-// tested against vLLM's own in internal/router/kvevents): batches on a PUB socket as
-// [topic, sequence, msgpack], and a replay socket that has nothing buffered.
-type eventsPublisher struct {
-	pub, replay zmq4.Socket
-	seq         uint64
-}
-
-func startPublisher(t *testing.T, ctx context.Context, host string, port, replayPort int) *eventsPublisher {
+// startPublisher stands in for one engine's vLLM KV events publisher on host (the router's
+// follower is tested against vLLM's own in internal/router/kvevents).
+func startPublisher(t *testing.T, host string, port, replayPort int) *kvpublish.Publisher {
 	t.Helper()
-	p := &eventsPublisher{pub: zmq4.NewPub(ctx), replay: zmq4.NewRouter(ctx)}
-	if err := p.pub.Listen("tcp://" + net.JoinHostPort(host, strconv.Itoa(port))); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.replay.Listen("tcp://" + net.JoinHostPort(host, strconv.Itoa(replayPort))); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		for {
-			msg, err := p.replay.Recv()
-			if err != nil {
-				return
-			}
-			end := make([]byte, 8)
-			binary.BigEndian.PutUint64(end, 1<<64-1)
-			_ = p.replay.SendMulti(zmq4.NewMsgFrom(msg.Frames[0], []byte{}, []byte{}, end, []byte{}))
-		}
-	}()
-	t.Cleanup(func() { p.close() })
-	return p
-}
-
-func (p *eventsPublisher) close() { _ = p.pub.Close(); _ = p.replay.Close() }
-
-// store publishes that the engine cached tokens in blocks of size.
-func (p *eventsPublisher) store(t *testing.T, tokens []uint32, size int) {
-	t.Helper()
-	var hashes []any
-	for i := range len(tokens) / size {
-		hashes = append(hashes, uint64(1000+i))
-	}
-	ids := make([]any, len(hashes)*size)
-	for i := range ids {
-		ids[i] = tokens[i]
-	}
-	event := map[string]any{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": nil, "token_ids": ids, "block_size": size, "medium": "GPU"}
-	payload, err := msgpack.Marshal([]any{float64(time.Now().UnixNano()) / 1e9, []any{event}, 0})
+	at := func(port int) string { return "tcp://" + net.JoinHostPort(host, strconv.Itoa(port)) }
+	p, err := kvpublish.Listen(at(port), at(replayPort), "kv", 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	seq := make([]byte, 8)
-	binary.BigEndian.PutUint64(seq, p.seq)
-	p.seq++
-	if err := p.pub.SendMulti(zmq4.NewMsgFrom([]byte("kv"), seq, payload)); err != nil {
+	t.Cleanup(p.Close)
+	return p
+}
+
+// store publishes that the engine behind p cached tokens in blocks of size.
+func store(t *testing.T, p *kvpublish.Publisher, tokens []uint32, size int) {
+	t.Helper()
+	n := len(tokens) / size
+	hashes := make([]uint64, n)
+	for i := range hashes {
+		hashes[i] = uint64(1000 + i)
+	}
+	if err := p.Publish(kvpublish.Stored(hashes, nil, tokens[:n*size], size)); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -111,9 +76,9 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 	replayPort := sharedFreePort(t, all...)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	pubs := map[string]*eventsPublisher{}
+	pubs := map[string]*kvpublish.Publisher{}
 	for name, host := range hosts {
-		pubs[name] = startPublisher(t, ctx, host, port, replayPort)
+		pubs[name] = startPublisher(t, host, port, replayPort)
 	}
 
 	kv := newLedger()
@@ -141,10 +106,10 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 		// Publish until every follower is connected and has them (a PUB drops what it sends
 		// before the subscriber joined).
 		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-			pubs["p1"].store(t, prompt[:32], 8)
-			pubs["d1"].store(t, prompt[:32], 8)
-			pubs["p0"].store(t, other, 8)
-			pubs["d0"].store(t, other, 8)
+			store(t, pubs["p1"], prompt[:32], 8)
+			store(t, pubs["d1"], prompt[:32], 8)
+			store(t, pubs["p0"], other, 8)
+			store(t, pubs["d0"], other, 8)
 			if f.counter(t, "pdcluster_router_kv_events_index_blocks") == 4+4+2+2 {
 				break
 			}
@@ -181,7 +146,7 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "reason", "text"); n != 2 {
 		t.Errorf("estimated for text: %v, want 2 (one per pool)", n)
 	}
-	pubs["p0"].close()
+	pubs["p0"].Close()
 	for deadline := time.Now().Add(20 * time.Second); f.r.kv.follow[legPrefill].Streams()[prefill[0].url].Connected; time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("the follower still says p0's publisher is connected")

@@ -85,12 +85,13 @@ func BenchmarkBalance(b *testing.B) {
 	}
 }
 
-// BenchmarkPrefixRouting is the router's cost of PrefixAware routing: the same requests as
-// BenchmarkRouter's at 8 clients (their 64-token prompt, 4 chunks to hash and match per pool)
-// through a router that weighs what the engines hold (project) and one that does not
-// (reference).
+// BenchmarkPrefixRouting is the router's cost of routing by what the engines hold: the same
+// requests as BenchmarkRouter's at 8 clients (their 64-token prompt, 4 chunks or blocks to hash
+// and match per pool) through a router with PrefixAware (project), one with KVEvents (kv-events:
+// the engines publish their caches' events, which the router follows and indexes) and one with
+// LeastInFlight (reference).
 func BenchmarkPrefixRouting(b *testing.B) {
-	for _, tc := range []struct{ name, routing string }{{"project", "PrefixAware"}, {"reference", "LeastInFlight"}} {
+	for _, tc := range []struct{ name, routing string }{{"project", "PrefixAware"}, {"kv-events", "KVEvents"}, {"reference", "LeastInFlight"}} {
 		b.Run(tc.name, func(b *testing.B) {
 			box := start(b, "--prefill", "2", "--decode", "2", "--block-size", "16", "--step-time", "0", "--routing", tc.routing)
 			load(b, box.state.Router, 8, map[string][]int{"cpu-ms/req": {box.state.RouterPID}})

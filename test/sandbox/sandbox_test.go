@@ -431,3 +431,63 @@ func TestBadRequestsGetClear4xx(t *testing.T) {
 		})
 	}
 }
+
+// With routing KVEvents, the simulated engines publish their prefix caches as vLLM's KV events
+// and the router follows them: once a prompt is served, every later send of it goes to the
+// prefill and decode engine holding it, by its events (matched, nothing estimated), and the
+// holders answer from their caches.
+func TestKVEventsRoutingFollowsTheSimulatedEngines(t *testing.T) {
+	b := start(t, "--prefill", "2", "--decode", "2", "--block-size", "16", "--routing", "KVEvents")
+	router := b.state.Router
+	send := func() {
+		t.Helper()
+		r := post(context.Background(), router+"/v1/completions", map[string]any{"prompt": tokens(72, 500), "max_tokens": 2, "ignore_eos": true})
+		if r.err != nil || r.status != http.StatusOK {
+			t.Fatalf("got %d, err %v: %s", r.status, r.err, r.body)
+		}
+	}
+	send()
+	// 72 tokens are 4 full blocks of 16, stored by one prefill and one decode engine.
+	for deadline := time.Now().Add(20 * time.Second); metric(t, router, "pdcluster_router_kv_events_index_blocks") < 8; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the router's index holds %v blocks, want the 8 the engines stored", metric(t, router, "pdcluster_router_kv_events_index_blocks"))
+		}
+	}
+	hits := func(nodes []sandbox.Node) []float64 {
+		var out []float64
+		for _, n := range nodes {
+			out = append(out, metric(t, n.Engine, "vllm:prompt_tokens_by_source_total", "source", "local_cache_hit"))
+		}
+		return out
+	}
+	before := map[string]float64{}
+	for _, pool := range []string{"prefill", "decode"} {
+		for _, m := range []string{"prompt_blocks", "matched_blocks", "estimated"} {
+			before[pool+m] = metric(t, router, "pdcluster_router_kv_events_"+m+"_total", "pool", pool)
+		}
+	}
+	p0, d0 := hits(b.state.Prefill), hits(b.state.Decode)
+	for range 4 {
+		send()
+	}
+	for _, pool := range []string{"prefill", "decode"} {
+		delta := func(m string) float64 {
+			return metric(t, router, "pdcluster_router_kv_events_"+m+"_total", "pool", pool) - before[pool+m]
+		}
+		if p, m, e := delta("prompt_blocks"), delta("matched_blocks"), delta("estimated"); p != 16 || m != 16 || e != 0 {
+			t.Errorf("%s: %v of %v prompt blocks matched, %v requests estimated; want 16 of 16, none estimated", pool, m, p, e)
+		}
+	}
+	// Each pool's 4 requests went to the one engine that held the prompt: its cache answered.
+	for pool, nodes := range map[string][2][]float64{"prefill": {p0, hits(b.state.Prefill)}, "decode": {d0, hits(b.state.Decode)}} {
+		gained := 0
+		for i := range nodes[0] {
+			if nodes[1][i] > nodes[0][i] {
+				gained++
+			}
+		}
+		if gained != 1 {
+			t.Errorf("%s engines' cache hits went from %v to %v: want one engine answering every repeat", pool, nodes[0], nodes[1])
+		}
+	}
+}

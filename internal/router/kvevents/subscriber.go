@@ -196,7 +196,7 @@ func (f *Follower) receive(ctx context.Context, src Source, log logr.Logger, loo
 		log.Error(err, "subscribe")
 		return
 	}
-	if err := sub.Dial(src.Endpoint); err != nil {
+	if err := sub.Dial(buffered(src.Endpoint)); err != nil {
 		if ctx.Err() == nil {
 			log.Error(err, "dial the KV events publisher")
 		}

@@ -20,6 +20,7 @@ import (
 
 	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
@@ -66,6 +67,9 @@ type Config struct {
 	// DPRank is the engine's data-parallel rank as its worker registers it (and vLLM's
 	// metrics' engine label): a `vllm serve` with --data-parallel-size N runs N engines.
 	DPRank int
+	// Events, if set, publishes the prefix cache's changes as vLLM's KV cache events do
+	// (--kv-events-config): the whole blocks of each request, hit or newly cached, and a reset.
+	Events *kvpublish.Publisher
 	Log    logr.Logger
 }
 
@@ -96,6 +100,9 @@ type Engine struct {
 	remotes map[kvtransfer.RequestID]remote
 	prefix  map[uint64]struct{} // block hashes in the prefix cache
 	stats   Stats
+	// events hands what cfg.Events publishes to its goroutine in the cache's order (vLLM
+	// publishes from a queue on its own thread, off the scheduler's).
+	events chan []map[string]any
 }
 
 // Stats counts what the engine did.
@@ -140,6 +147,10 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e := &Engine{cfg: cfg, wake: make(chan struct{}, 1), reqs: map[kvtransfer.RequestID]*request{}, remotes: map[kvtransfer.RequestID]remote{}, prefix: map[uint64]struct{}{}, boot: bootstrap.NewClient()}
 	e.boot.MaxAge = time.Second
+	if cfg.Events != nil {
+		e.events = make(chan []map[string]any, 4096)
+		go e.publish()
+	}
 	if cfg.Gate {
 		e.gate = newGate(cfg.GateTTL, DefaultGateGrace, nil)
 	}
@@ -343,7 +354,10 @@ func (e *Engine) prefill(r *request) error {
 	return nil
 }
 
-// remember adds the prompt's whole blocks to the prefix cache (bounded: cleared when full).
+// remember adds the prompt's whole blocks to the prefix cache (bounded: cleared when full) and
+// publishes them as vLLM's KV events do, in one batch: the leading blocks the cache held
+// already as stored again (vLLM reports a request's prefix-cache hits, from the prompt's first
+// block), then the blocks it did not hold, after the block before them.
 func (e *Engine) remember(r *request) {
 	if !e.cfg.PrefixCaching {
 		return
@@ -352,9 +366,68 @@ func (e *Engine) remember(r *request) {
 	defer e.mu.Unlock()
 	if len(e.prefix) > 100_000 {
 		clear(e.prefix)
+		e.emit(kvpublish.Cleared())
 	}
-	for _, h := range r.hashes[:len(r.tokens)/e.cfg.BlockSize] {
+	whole := len(r.tokens) / e.cfg.BlockSize
+	held := 0
+	for held < whole {
+		if _, ok := e.prefix[r.hashes[held]]; !ok {
+			break
+		}
+		held++
+	}
+	for _, h := range r.hashes[held:whole] {
 		e.prefix[h] = struct{}{}
+	}
+	var events []map[string]any
+	blocks := func(from, to int, parent *uint64) map[string]any {
+		tokens := make([]uint32, 0, (to-from)*e.cfg.BlockSize)
+		for _, t := range r.tokens[from*e.cfg.BlockSize : to*e.cfg.BlockSize] {
+			tokens = append(tokens, uint32(t))
+		}
+		return kvpublish.Stored(r.hashes[from:to], parent, tokens, e.cfg.BlockSize)
+	}
+	if held > 0 {
+		events = append(events, blocks(0, held, nil))
+	}
+	if held < whole {
+		var parent *uint64
+		if held > 0 {
+			parent = &r.hashes[held-1]
+		}
+		events = append(events, blocks(held, whole, parent))
+	}
+	e.emit(events...)
+}
+
+// emit queues a batch of events for publishing (e.mu held: in the cache's order); a full queue
+// drops it, as a publisher past its high-water mark does.
+func (e *Engine) emit(events ...map[string]any) {
+	if e.events == nil || len(events) == 0 {
+		return
+	}
+	select {
+	case e.events <- events:
+	default:
+	}
+}
+
+// publish sends the queued events for the engine's lifetime, what queued since the last send
+// as one batch: vLLM publishes one batch per engine step, every request's events of the step
+// in it, so under load a batch carries several requests'.
+func (e *Engine) publish() {
+	for events := range e.events {
+		for more := true; more; {
+			select {
+			case next := <-e.events:
+				events = append(events, next...)
+			default:
+				more = false
+			}
+		}
+		if err := e.cfg.Events.Publish(events...); err != nil {
+			e.cfg.Log.Error(err, "publish KV cache events")
+		}
 	}
 }
 

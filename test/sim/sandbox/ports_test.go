@@ -22,8 +22,8 @@ func TestNodePortsAreDistinct(t *testing.T) {
 	}
 	var all []int
 	for _, p := range ports {
-		if len(p) != 3 {
-			t.Fatalf("node ports %v, want 3", p)
+		if len(p) != portsPerNode {
+			t.Fatalf("node ports %v, want %d", p, portsPerNode)
 		}
 		all = append(all, p...)
 	}

@@ -24,6 +24,7 @@ import (
 
 	"github.com/go-logr/logr"
 
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
@@ -74,6 +75,8 @@ type Node struct {
 	EnginePID      int    `json:"enginePID"`
 	SidecarPID     int    `json:"sidecarPID"`
 	EngineRestarts int    `json:"engineRestarts"`
+	// KVEvents are the engine's KV events publisher and replay ports (routing KVEvents).
+	KVEvents [2]int `json:"kvEvents,omitempty"`
 }
 
 // State is written to WorkDir/sandbox.json whenever a process starts.
@@ -151,6 +154,13 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 		engineArgs := []string{"--kv-role", kvRole, "--listen", fmt.Sprintf("127.0.0.1:%d", p[1]),
 			"--block-size", strconv.Itoa(cfg.BlockSize), "--step-time", step.String(), "--kv-load-failure-policy", cfg.Policy,
 			"--kv-blocks", strconv.Itoa(cfg.KVBlocks), "--block-bytes", strconv.Itoa(cfg.BlockBytes)}
+		if cfg.Routing == routerconfig.RoutingKVEvents {
+			// Every engine publishes on ports of its own: the router is told them by flag.
+			n.KVEvents = [2]int{p[3], p[4]}
+			ev, _ := json.Marshal(vllm.KVEventsConfig{EnableKVCacheEvents: true, Publisher: "zmq", Topic: vllm.KVEventsTopic,
+				Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", p[3]), ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", p[4])})
+			engineArgs = append(engineArgs, "--kv-events-config", string(ev))
+		}
 		if role == "prefill" {
 			n.Bootstrap = fmt.Sprintf("http://127.0.0.1:%d", p[2])
 			engineArgs = append(engineArgs, "--bootstrap-listen", fmt.Sprintf("127.0.0.1:%d", p[2]), "--send-delay", cfg.SendDelay.String(),
@@ -183,6 +193,9 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 	routerFile := routerconfig.File{Flow: cfg.Flow, Balance: routerconfig.Balance(cfg.Balance), FailurePolicy: &cfg.RouterFailure}
 	if cfg.Routing != "" {
 		routerFile.Routing = &routerconfig.Routing{Strategy: cfg.Routing, LoadSlack: 2}
+		if cfg.Routing == routerconfig.RoutingKVEvents {
+			routerFile.Routing.KVEvents = &routerconfig.KVEventsEndpoints{Port: vllm.KVEventsPort, ReplayPort: vllm.KVEventsReplayPort, Topic: vllm.KVEventsTopic}
+		}
 	}
 	if err := routerFile.Validate(); err != nil {
 		return fmt.Errorf("router config: %w", err)
@@ -201,6 +214,11 @@ func Run(ctx context.Context, cfg Config, ready func(State)) error {
 	}
 	for _, n := range st.Decode {
 		routerArgs = append(routerArgs, "--decode", n.Engine)
+	}
+	for _, n := range append(slices.Clone(st.Prefill), st.Decode...) {
+		if n.KVEvents != [2]int{} {
+			routerArgs = append(routerArgs, "--kv-events-ports", fmt.Sprintf("%s=%d,%d", n.Engine, n.KVEvents[0], n.KVEvents[1]))
+		}
 	}
 	procs = append(procs, proc{name: "router", bin: "router", args: routerArgs, pid: &st.RouterPID})
 
@@ -329,17 +347,20 @@ func waitHealthy(ctx context.Context, st State) error {
 // freePorts reserves n loopback ports by binding them, then releases them for the children.
 func freePorts(n int) ([]int, error) { return FreePorts(n) }
 
-// nodePorts are three ports for each of n nodes (sidecar, engine, bootstrap), picked in one
-// call: each call's ports are free only while it holds them, so ports picked node by node
-// could repeat (a decode sidecar was once given a prefill's bootstrap port).
+// portsPerNode are a node's ports: sidecar, engine, bootstrap, KV events, KV events replay.
+const portsPerNode = 5
+
+// nodePorts are portsPerNode ports for each of n nodes, picked in one call: each call's ports
+// are free only while it holds them, so ports picked node by node could repeat (a decode
+// sidecar was once given a prefill's bootstrap port).
 func nodePorts(n int, pick func(int) ([]int, error)) ([][]int, error) {
-	all, err := pick(3 * n)
+	all, err := pick(portsPerNode * n)
 	if err != nil {
 		return nil, err
 	}
 	out := make([][]int, n)
 	for i := range out {
-		out[i] = all[3*i : 3*i+3]
+		out[i] = all[portsPerNode*i : portsPerNode*(i+1)]
 	}
 	return out, nil
 }

@@ -41,8 +41,8 @@ type Serve struct {
 	// for their pulls) for up to that long.
 	ShutdownTimeout int
 	KVTransfer      *KVTransferConfig
-	// KVEvents is --kv-events-config: the stand-in accepts what vLLM accepts and publishes
-	// no events (a router in front of it routes KVEvents by its estimate).
+	// KVEvents is --kv-events-config: the stand-in accepts what vLLM accepts and, with
+	// enable_kv_cache_events, publishes its prefix cache's changes as vLLM does (kvpublish).
 	KVEvents *vllm.KVEventsConfig
 	// Dtype, KVCacheDtype, Quantization and Revision are vLLM's flags of those names ("" when
 	// not given): with the model, block size and sharding they decide the engine's KV format.

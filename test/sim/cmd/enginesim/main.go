@@ -7,6 +7,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -23,12 +24,14 @@ import (
 
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agent"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
 )
 
 type options struct {
 	listen, role, policy, bootstrapListen, dataListen string
+	kvEvents                                          string
 	blockBytes                                        int
 	transfer                                          agent.InProcessConfig
 }
@@ -55,6 +58,7 @@ func main() {
 	flag.BoolVar(&cfg.PrefixCaching, "enable-prefix-caching", true, "reuse KV of prompt prefixes seen before")
 	flag.StringVar(&o.policy, "kv-load-failure-policy", "fail", "fail or recompute, on a failed KV load")
 	flag.DurationVar(&cfg.StepTime, "step-time", 2*time.Millisecond, "simulated time of one decode step")
+	flag.StringVar(&o.kvEvents, "kv-events-config", "", "vLLM's KVEventsConfig as JSON: with enable_kv_cache_events, publish the prefix cache's changes as vLLM does")
 	zo := zap.Options{}
 	zo.BindFlags(flag.CommandLine)
 	flag.Parse()
@@ -77,6 +81,20 @@ func run(ctx context.Context, cfg enginesim.Config, o options) error {
 	}
 	if cfg.Policy != vllmsched.PolicyFail && cfg.Policy != vllmsched.PolicyRecompute {
 		return errors.New("--kv-load-failure-policy must be fail or recompute")
+	}
+	if o.kvEvents != "" {
+		var ev vllm.KVEventsConfig
+		if err := json.Unmarshal([]byte(o.kvEvents), &ev); err != nil {
+			return fmt.Errorf("--kv-events-config: %w", err)
+		}
+		p, err := kvpublish.ForRank(ev, 0)
+		if err != nil {
+			return err
+		}
+		if p != nil {
+			defer p.Close()
+			cfg.Events = p
+		}
 	}
 	metrics := prometheus.NewRegistry()
 	if cfg.Role != "" {

@@ -48,7 +48,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&cfg.StepTime, "step-time", time.Millisecond, "simulated time of one decode step")
 	fs.DurationVar(&cfg.SlowStepTime, "slow-step-time", 0, "step time of the first engine of each pool (a slow engine; 0: as the others)")
 	fs.StringVar(&cfg.Balance, "balance", "", "the router's balance (default: the router's default)")
-	fs.StringVar((*string)(&cfg.Routing), "routing", "", "the router's routing strategy: LeastInFlight or PrefixAware (default: the router's default)")
+	fs.StringVar((*string)(&cfg.Routing), "routing", "", "the router's routing strategy: LeastInFlight, PrefixAware or KVEvents (default: the router's default)")
 	cfg.RouterFailure = routerconfig.DefaultFailurePolicy()
 	fp := &cfg.RouterFailure
 	fs.Var(int32Flag{&fp.Retries}, "router-retries", "the router's failurePolicy.retries")

@@ -60,6 +60,7 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
+	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agent"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmsched"
@@ -256,6 +257,17 @@ func run(shutdown context.Context, s *vllmcli.Serve, getenv func(string) string,
 		}
 		c.DropKVTransferParams = getenv(dropKVParamsEnv) == "1"
 		c.Connector = map[vllmcli.Flow]string{vllmcli.FlowMooncake: "mooncake", vllmcli.FlowNixl: "nixl"}[conn.Flow]
+		if s.KVEvents != nil {
+			// One publisher per rank, on the endpoints' ports plus the rank, as vLLM's.
+			p, err := kvpublish.ForRank(*s.KVEvents, rank)
+			if err != nil {
+				return fmt.Errorf("OSError: KV cache events of dp rank %d: %w", rank, err)
+			}
+			if p != nil {
+				defer p.Close()
+				c.Events = p
+			}
+		}
 		e, err := enginesim.New(c)
 		if err != nil {
 			return err
