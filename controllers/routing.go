@@ -2,23 +2,14 @@ package controllers
 
 import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
-
-// routesByHold reports whether pdc's routers weigh what the engines hold (spec.router.routing
-// PrefixAware or KVEvents): they count it, and status shows it.
-func routesByHold(pdc *v1alpha1.PDCluster) bool {
-	switch pdc.Spec.Router.Routing.Strategy {
-	case v1alpha1.RoutingPrefixAware, v1alpha1.RoutingKVEvents:
-		return true
-	}
-	return false
-}
 
 // routingStatus writes status.routing: the share of the prompts the picked engines held, by
 // pool, from the routers' counts. Counts the routers did not answer keep what status said.
 func routingStatus(status *v1alpha1.PDClusterStatus, in statusInputs) {
-	if !routesByHold(in.pdc) {
+	if !render.RoutesByHold(in.pdc) {
 		status.Routing = nil
 		return
 	}

@@ -134,7 +134,7 @@ func (r *PDClusterReconciler) observeSnapshot(ctx context.Context, pdc *v1alpha1
 	if r.PairsReader != nil && pdc.Spec.Scheduling.Pairing != nil {
 		s.pairs = r.readPairs(ctx, s.pods)
 	}
-	if r.RoutingReader != nil && routesByHold(pdc) {
+	if r.RoutingReader != nil && render.RoutesByHold(pdc) {
 		s.routing = r.readRouting(ctx, s.pods)
 	}
 	return s, nil

@@ -38,8 +38,9 @@ var suites = []suite{
 	{name: "operator", pkg: "./test/integration", pattern: "^BenchmarkOperator$", benchtime: "1x", count: 1},
 	// Real vLLM engines (PDCLUSTER_VLLM_ENGINES, which make bench sets): minutes to start.
 	{name: "realengine", pkg: "./test/realengine", pattern: "^BenchmarkRouterRealEngines$", benchtime: "1x", count: 1, tags: "realengine"},
-	// Two prefill and two decode real vLLM engines behind four routers (docs/routing.md).
-	{name: "routing", pkg: "./test/realengine", pattern: "^BenchmarkRoutingRealEngines$", benchtime: "1x", count: 1, tags: "realengine"},
+	// Two prefill and two decode real vLLM engines behind four routers (docs/routing.md), and
+	// one engine tokenizing text.
+	{name: "routing", pkg: "./test/realengine", pattern: "^Benchmark(RoutingRealEngines|TokenizeRealEngine)$", benchtime: "1x", count: 1, tags: "realengine"},
 }
 
 // row is one line of the table. project and reference name a benchmark and a metric;
@@ -108,6 +109,12 @@ var rows = func() []row {
 		row{suite: "router", figure: "KVEvents vs LeastInFlight routing, router CPU, ms/request, 8 clients", project: "BenchmarkPrefixRouting/kv-events", reference: "BenchmarkPrefixRouting/reference",
 			metric: "cpu-ms/req", target: "<= 1.1x", met: ratioAtMost(1.1)},
 		row{suite: "router", figure: "KVEvents vs LeastInFlight routing, p50 ms", project: "BenchmarkPrefixRouting/kv-events", reference: "BenchmarkPrefixRouting/reference", metric: "p50-ms"},
+	)
+	rs = append(rs,
+		row{suite: "routing", figure: "real vLLM, a text prompt of 1000 characters: POST /tokenize vs a 1-token completion, p50 ms", project: "BenchmarkTokenizeRealEngine/project",
+			reference: "BenchmarkTokenizeRealEngine/reference", metric: "p50-ms"},
+		row{suite: "routing", figure: "real vLLM, a text prompt of 1000 characters: POST /tokenize vs a 1-token completion, engine CPU, ms/request", project: "BenchmarkTokenizeRealEngine/project",
+			reference: "BenchmarkTokenizeRealEngine/reference", metric: "cpu-ms/req"},
 	)
 	for _, cache := range []struct{ name, words string }{{"all", "caches hold all"}, {"48-blocks", "48-block caches"}} {
 		routing := "BenchmarkRoutingRealEngines/cache=" + cache.name + "/"

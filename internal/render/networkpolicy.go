@@ -98,9 +98,8 @@ func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
 		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(RouterPort)})
 	}
-	routing := pdc.Spec.Router.Routing.Strategy
 	if len(np.RouterClients) > 0 && len(operator) > 0 && (pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary || pdc.Spec.Scheduling.Pairing != nil ||
-		routing == v1alpha1.RoutingPrefixAware || routing == v1alpha1.RoutingKVEvents) {
+		RoutesByHold(pdc)) {
 		// The operator reads each router's newest canary (GET /canary), pair counts
 		// (GET /pairs) and routing counts (GET /routing).
 		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(RouterPort)})

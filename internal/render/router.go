@@ -74,7 +74,7 @@ func routerConfigMap(pdc *v1alpha1.PDCluster, serving Serving, rev string) (*cor
 	if pdc.Spec.Router.Balance == v1alpha1.RouterBalanceRoundRobin {
 		cfg.Balance = routerconfig.BalanceRoundRobin
 	}
-	cfg.Routing = routerRouting(pdc.Spec.Router.Routing)
+	cfg.Routing = routerRouting(pdc)
 	// Written only when it is not the router's default (which equals the API's): router.json,
 	// and so the router's pods, stay as they were before the field existed.
 	if fp := routerFailurePolicy(pdc); fp != routerconfig.DefaultFailurePolicy() {
@@ -138,14 +138,26 @@ func launcherFlags(command []string) []string {
 // ServiceHost is the DNS name of Service name in namespace.
 func ServiceHost(namespace, name string) string { return fmt.Sprintf("%s.%s.svc", name, namespace) }
 
+// RoutesByHold reports whether pdc's routers weigh what the engines hold (spec.router.routing
+// PrefixAware or KVEvents): they remember or follow it, count it for status, and the
+// operator reads the counts.
+func RoutesByHold(pdc *v1alpha1.PDCluster) bool {
+	switch pdc.Spec.Router.Routing.Strategy {
+	case v1alpha1.RoutingPrefixAware, v1alpha1.RoutingKVEvents:
+		return true
+	}
+	return false
+}
+
 // routerRouting is spec.router.routing in router.json's words: nil for LeastInFlight, the
 // router's default (router.json, and so the router's pods, stay as they were before the field
 // existed). The sizes the spec leaves unset stay 0, the router's defaults; loadSlack, which 0
 // would set, is written.
-func routerRouting(r v1alpha1.RouterRouting) *routerconfig.Routing {
-	if r.Strategy != v1alpha1.RoutingPrefixAware && r.Strategy != v1alpha1.RoutingKVEvents {
+func routerRouting(pdc *v1alpha1.PDCluster) *routerconfig.Routing {
+	if !RoutesByHold(pdc) {
 		return nil
 	}
+	r := pdc.Spec.Router.Routing
 	pa := ptr.Deref(r.PrefixAware, v1alpha1.PrefixAwareRouting{})
 	out := &routerconfig.Routing{
 		Strategy:   routerconfig.RoutingPrefixAware,

@@ -10,7 +10,6 @@ import (
 	"net/url"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,8 +45,6 @@ type kvRouting struct {
 
 type kvCounts struct {
 	prompt, matched, noTokens, untrusted prometheus.Counter
-	// promptN and matchedN are prompt and matched again, for GET /routing.
-	promptN, matchedN *atomic.Int64
 }
 
 // KVEventsPorts are one engine's KV events publisher and replay ports (rank 0's).
@@ -89,7 +86,6 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts)
 		k.counts[l] = kvCounts{
 			k.promptBlocks.WithLabelValues(string(l)), k.matchedBlocks.WithLabelValues(string(l)),
 			k.fallbacks.WithLabelValues(string(l), "text"), k.fallbacks.WithLabelValues(string(l), "untrusted"),
-			new(atomic.Int64), new(atomic.Int64),
 		}
 	}
 	return k
@@ -207,43 +203,27 @@ func (x *exchange) kvPreference(l leg, n int, urlOf func(int) string) *preferenc
 		return nil
 	}
 	f := k.follow[l]
-	streams := f.Streams()
 	k.mu.Lock()
 	ranks := k.ranks[l]
 	k.mu.Unlock()
-	// The pool's block size is what its engines' events state (one --block-size for the
-	// PDCluster); an engine connected that cached nothing yet holds nothing.
-	size := 0
-	now := time.Now()
+	keys := make([][]string, n)
 	for i := range n {
-		if len(ranks[urlOf(i)]) == 0 { // pooled since the last sync: not followed yet
+		if keys[i] = ranks[urlOf(i)]; len(keys[i]) == 0 { // pooled since the last sync: not followed yet
 			c.untrusted.Inc()
 			return nil
 		}
-		for _, key := range ranks[urlOf(i)] {
-			s, ok := streams[key]
-			bs := f.Index.BlockSize(key)
-			if !ok || !s.Connected || now.Sub(s.LastLoss) < trustAfterLoss || (bs != 0 && size != 0 && bs != size) {
-				c.untrusted.Inc()
-				return nil
-			}
-			size = max(size, bs)
-		}
 	}
-	if size == 0 {
+	// The pool's block size is what its engines' events state (one --block-size for the
+	// PDCluster); an engine connected that cached nothing yet holds nothing.
+	size, agree := f.Index.CommonBlockSize(keys)
+	if !agree || size == 0 || !f.Trusted(keys, time.Now(), trustAfterLoss) {
 		c.untrusted.Inc()
 		return nil
 	}
 	hashes := kvevents.Hashes(x.tokens, size)
 	// A pod's match is its best rank's: the router does not pick the rank.
 	matched := make([]int, n)
-	var rank [1]int
-	for i := range n {
-		for _, key := range ranks[urlOf(i)] {
-			f.Index.Match(hashes, func(int) string { return key }, rank[:])
-			matched[i] = max(matched[i], rank[0])
-		}
-	}
+	f.Index.MatchBest(hashes, keys, matched)
 	return &preference{matched: matched, slack: x.r.prefix.slack, blocks: len(hashes), fromEvents: true}
 }
 
@@ -252,8 +232,6 @@ func (k *kvRouting) picked(l leg, pref *preference, pk picked) {
 	c := k.counts[l]
 	c.prompt.Add(float64(pref.blocks))
 	c.matched.Add(float64(pk.matched))
-	c.promptN.Add(int64(pref.blocks))
-	c.matchedN.Add(int64(pk.matched))
 }
 
 func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {

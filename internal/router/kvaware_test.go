@@ -159,4 +159,21 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "decode", "reason", "untrusted"); n != 0 {
 		t.Errorf("decode estimated: %v, want 0 (its engines publish)", n)
 	}
+
+	// d1's events are lost past its replay buffer: the decode pool routes by estimate (for a
+	// minute), though every decode engine is connected.
+	pubs["d1"].Lose(3)
+	for deadline := time.Now().Add(20 * time.Second); f.counter(t, "pdcluster_router_kv_events_lost_total", "pool", "decode") == 0; time.Sleep(50 * time.Millisecond) {
+		store(t, pubs["d1"], prompt[:32], 8)
+		if time.Now().After(deadline) {
+			t.Fatal("the router counted no loss of d1's events")
+		}
+	}
+	if !f.r.kv.follow[legDecode].Streams()[decode[1].url].Connected {
+		t.Fatal("d1's follower disconnected: the test wants a loss alone")
+	}
+	send(prompt)
+	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "decode", "reason", "untrusted"); n != 1 {
+		t.Errorf("decode estimated after a loss: %v, want 1", n)
+	}
 }

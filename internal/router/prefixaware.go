@@ -5,9 +5,9 @@ package router
 import (
 	"encoding/json"
 	"net/http"
-	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"pdcluster.dev/pdcluster-operator/internal/router/prefix"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
@@ -32,7 +32,6 @@ type prefixRouting struct {
 // GET /routing.
 type prefixCounts struct {
 	prompt, matched, passedOver prometheus.Counter
-	promptN, matchedN           *atomic.Int64
 }
 
 // newPrefixRouting is the state of routing, or nil when it does not weigh prefixes (KVEvents
@@ -64,8 +63,7 @@ func newPrefixRouting(routing *routerconfig.Routing) *prefixRouting {
 		counts: map[leg]prefixCounts{},
 	}
 	for _, l := range []leg{legPrefill, legDecode} {
-		p.counts[l] = prefixCounts{p.promptChunks.WithLabelValues(string(l)), p.matchedChunks.WithLabelValues(string(l)), p.passedOver.WithLabelValues(string(l)),
-			new(atomic.Int64), new(atomic.Int64)}
+		p.counts[l] = prefixCounts{p.promptChunks.WithLabelValues(string(l)), p.matchedChunks.WithLabelValues(string(l)), p.passedOver.WithLabelValues(string(l))}
 	}
 	return p
 }
@@ -132,24 +130,30 @@ func (x *exchange) preference(l leg, n int, url func(int) string) *preference {
 // now (vLLM caches what it computes or pulls), and the pick is counted by what pref weighed.
 func (x *exchange) pickedFor(l leg, pk picked, url string, pref *preference) {
 	p := x.r.prefix
-	if pref != nil && pref.fromEvents {
+	estimated := p != nil && len(x.hashes) > 0
+	if estimated {
+		p.pools[l].Record(url, x.hashes)
+	}
+	switch {
+	case pref != nil && pref.fromEvents:
 		x.r.kv.picked(l, pref, pk)
+	case estimated:
+		c := p.counts[l]
+		c.prompt.Add(float64(len(x.hashes)))
+		c.matched.Add(float64(pk.matched))
+		if pk.passedOver {
+			c.passedOver.Inc()
+		}
 	}
-	if p == nil || len(x.hashes) == 0 {
-		return
+}
+
+// counterValue is a counter's value, as the metrics show it.
+func counterValue(c prometheus.Counter) int64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return 0
 	}
-	p.pools[l].Record(url, x.hashes)
-	if pref != nil && pref.fromEvents {
-		return
-	}
-	c := p.counts[l]
-	c.prompt.Add(float64(len(x.hashes)))
-	c.matched.Add(float64(pk.matched))
-	c.promptN.Add(int64(len(x.hashes)))
-	c.matchedN.Add(int64(pk.matched))
-	if pk.passedOver {
-		c.passedOver.Inc()
-	}
+	return int64(m.GetCounter().GetValue())
 }
 
 // serveRouting answers GET /routing: what the picked engines held of the prompts routed since
@@ -158,10 +162,10 @@ func (r *Router) serveRouting(w http.ResponseWriter, _ *http.Request) {
 	var out routerconfig.RoutingCounts
 	for l, pool := range map[leg]*routerconfig.PoolRoutingCounts{legPrefill: &out.Prefill, legDecode: &out.Decode} {
 		c := r.prefix.counts[l]
-		pool.PromptChunks, pool.HeldChunks = c.promptN.Load(), c.matchedN.Load()
+		pool.PromptChunks, pool.HeldChunks = counterValue(c.prompt), counterValue(c.matched)
 		if r.kv != nil {
 			k := r.kv.counts[l]
-			pool.PromptBlocks, pool.HeldBlocks = k.promptN.Load(), k.matchedN.Load()
+			pool.PromptBlocks, pool.HeldBlocks = counterValue(k.prompt), counterValue(k.matched)
 		}
 	}
 	w.Header().Set("Content-Type", "application/json")

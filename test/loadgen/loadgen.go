@@ -24,10 +24,16 @@ import (
 // request under that name.
 func Run(b *testing.B, url string, clients int, body []byte, warmup, duration time.Duration, cpu map[string][]int) {
 	b.Helper()
+	RunAt(b, url+"/v1/completions", clients, body, warmup, duration, cpu)
+}
+
+// RunAt is Run against endpoint itself (any POST that answers 200).
+func RunAt(b *testing.B, endpoint string, clients int, body []byte, warmup, duration time.Duration, cpu map[string][]int) {
+	b.Helper()
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients, MaxConnsPerHost: clients}}
 	one := func() (time.Duration, error) {
 		start := time.Now()
-		resp, err := client.Post(url+"/v1/completions", "application/json", bytes.NewReader(body))
+		resp, err := client.Post(endpoint, "application/json", bytes.NewReader(body))
 		if err != nil {
 			return 0, err
 		}
@@ -76,7 +82,7 @@ func Run(b *testing.B, url string, clients int, body []byte, warmup, duration ti
 	elapsed := time.Since(start)
 	b.StopTimer()
 	if len(lat) == 0 {
-		b.Fatalf("no request succeeded: %v", errs)
+		b.Fatalf("no request succeeded: %d failed, the first: %v", len(errs), errs[0])
 	}
 	slices.Sort(lat)
 	pct := func(p float64) float64 {

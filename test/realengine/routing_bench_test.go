@@ -147,7 +147,7 @@ func startRouting(b *testing.B, o Options, pdc *v1alpha1.PDCluster, name string)
 func runWorkloads(b *testing.B, prefill, decode []*Pod, routers map[string]*Router) {
 	workloads := []struct {
 		name  string
-		turns func(seed int) [][][]int // per client, the prompts it sends in order
+		turns func(seed int) [][][]int // per session, its prompts in order
 	}{
 		{"shared-prefix", chats},
 		{"documents", documents},
@@ -158,90 +158,68 @@ func runWorkloads(b *testing.B, prefill, decode []*Pod, routers map[string]*Rout
 		// of its own: a CPU engine's first prompts of new lengths are slower, and the first
 		// router measured would pay for them.
 		b.Run(w.name+"/warm-up", func(b *testing.B) {
-			runRouting(b, routers[routingStrategies[len(routingStrategies)-1].name], prefill, decode, w.turns(100000*(wi+1)))
+			runRouting(b, routers[routingStrategies[len(routingStrategies)-1].name], prefill, decode, w.turns(100000*(wi+1)), wi)
 		})
 		for si, s := range routingStrategies {
 			b.Run(w.name+"/"+s.name, func(b *testing.B) {
 				// Prompts of this run's own: another run's cached blocks match none of them.
-				runRouting(b, routers[s.name], prefill, decode, w.turns(1000*(wi*len(routingStrategies)+si+1)))
+				runRouting(b, routers[s.name], prefill, decode, w.turns(1000*(wi*len(routingStrategies)+si+1)), wi)
 			})
 		}
 	}
 }
 
-// chats are 8 chats of 5 turns for 4 clients, 2 chats each: a chat's prompt is one of two
-// 192-token system prompts, then 64 tokens per turn so far. A client sends its chats' turns
-// in a random order that keeps each chat's turns in order (interleave): in lockstep, every
-// chat's next turn would come an even number of picks after its last, and least-in-flight's
-// turns over two idle engines would put it on the same engine every time by accident.
+// chats are 8 chats of 5 turns: a chat's prompt is one of two 192-token system prompts, then
+// 64 tokens per turn so far.
 func chats(seed int) [][][]int {
-	rng := rand.New(rand.NewPCG(uint64(seed), 1))
 	var out [][][]int
-	for c := range 4 {
-		var convs [][][]int
-		for chat := 2 * c; chat < 2*c+2; chat++ {
-			history := Prompt(seed+chat%2, 192)
-			var turns [][]int
-			for turn := range 5 {
-				history = append(history, Prompt(seed+100+10*chat+turn, 64)...)
-				turns = append(turns, slices.Clone(history))
-			}
-			convs = append(convs, turns)
+	for chat := range 8 {
+		history := Prompt(seed+chat%2, 192)
+		var turns [][]int
+		for turn := range 5 {
+			history = append(history, Prompt(seed+100+10*chat+turn, 64)...)
+			turns = append(turns, slices.Clone(history))
 		}
-		out = append(out, interleave(rng, convs))
+		out = append(out, turns)
 	}
 	return out
 }
 
-// documents are 8 documents of 448 tokens, each asked 5 questions of 32 tokens, for 4 clients:
-// client c asks about documents 2c and 2c+1, in a random order (interleave).
+// documents are 8 documents of 448 tokens, each asked 5 questions of 32 tokens, one after the
+// other.
 func documents(seed int) [][][]int {
-	rng := rand.New(rand.NewPCG(uint64(seed), 2))
 	var out [][][]int
-	for c := range 4 {
-		var docs [][][]int
-		for doc := 2 * c; doc < 2*c+2; doc++ {
-			var questions [][]int
-			for q := range 5 {
-				questions = append(questions, append(Prompt(seed+doc, 448), Prompt(seed+100+10*doc+q, 32)...))
-			}
-			docs = append(docs, questions)
+	for doc := range 8 {
+		var questions [][]int
+		for q := range 5 {
+			questions = append(questions, append(Prompt(seed+doc, 448), Prompt(seed+100+10*doc+q, 32)...))
 		}
-		out = append(out, interleave(rng, docs))
+		out = append(out, questions)
 	}
 	return out
 }
 
-// interleave merges the sequences in a random order that keeps each one's own.
-func interleave(rng *rand.Rand, seqs [][][]int) [][]int {
-	var out [][]int
-	for {
-		var left []int
-		for i, s := range seqs {
-			if len(s) > 0 {
-				left = append(left, i)
-			}
-		}
-		if len(left) == 0 {
-			return out
-		}
-		i := left[rng.IntN(len(left))]
-		out, seqs[i] = append(out, seqs[i][0]), seqs[i][1:]
-	}
-}
-
-// distinct are 40 prompts of 256 tokens sharing nothing, 10 for each of 4 clients.
+// distinct are 40 prompts of 256 tokens sharing nothing.
 func distinct(seed int) [][][]int {
-	out := make([][][]int, 4)
-	for i := range 40 {
-		out[i%4] = append(out[i%4], Prompt(seed+i, 256))
+	out := make([][][]int, 40)
+	for i := range out {
+		out[i] = [][]int{Prompt(seed+i, 256)}
 	}
 	return out
 }
 
-// runRouting sends each client's prompts in order through router, the clients at once, and
-// reports what the engines' counts and the clock say of them.
-func runRouting(b *testing.B, router *Router, prefill, decode []*Pod, clients [][][]int) {
+// routingClients send the sessions' prompts at once.
+const routingClients = 4
+
+// runRouting sends sessions' prompts through router, a session's in order, each once the one
+// before it was answered, by routingClients clients that take whichever session's next prompt
+// waits longest (first in a random order): as many users' turns reach a router, and not one
+// client's sessions after each other. A client that sent its own sessions in turn would stick
+// to an engine by accident under least-in-flight (it frees the engine it just used, which is
+// then the least loaded for its next prompt), and least-in-flight would look cache-aware.
+// It reports what the engines' counts and the clock say of them.
+// order seeds the sessions' first order (the same for every router of a workload).
+func runRouting(b *testing.B, router *Router, prefill, decode []*Pod, sessions [][][]int, order int) {
 	ctx := context.Background()
 	stats := func(pods []*Pod) vllm.EngineStats {
 		var sum vllm.EngineStats
@@ -261,11 +239,25 @@ func runRouting(b *testing.B, router *Router, prefill, decode []*Pod, clients []
 	var mu sync.Mutex
 	var latencies []time.Duration
 	var failed error
+	// ready are the sessions whose next prompt can be sent, longest waiting first; next[i] is
+	// session i's next prompt.
+	ready := make(chan int, len(sessions))
+	for _, i := range rand.New(rand.NewPCG(uint64(order), 3)).Perm(len(sessions)) {
+		ready <- i
+	}
+	next := make([]int, len(sessions))
+	left := 0
+	for _, s := range sessions {
+		left += len(s)
+	}
 	var wg sync.WaitGroup
 	start := time.Now()
-	for _, prompts := range clients {
+	for range routingClients {
 		wg.Go(func() {
-			for _, prompt := range prompts {
+			for i := range ready {
+				mu.Lock()
+				prompt := sessions[i][next[i]]
+				mu.Unlock()
 				t := time.Now()
 				a, err := Complete(ctx, router.URL, Completion{Prompt: prompt, MaxTokens: 4})
 				if err == nil && a.Status != 200 {
@@ -275,6 +267,13 @@ func runRouting(b *testing.B, router *Router, prefill, decode []*Pod, clients []
 				latencies = append(latencies, time.Since(t))
 				if err != nil && failed == nil {
 					failed = err
+				}
+				next[i]++
+				if next[i] < len(sessions[i]) {
+					ready <- i
+				}
+				if left--; left == 0 {
+					close(ready)
 				}
 				mu.Unlock()
 			}

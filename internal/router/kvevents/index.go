@@ -154,14 +154,24 @@ func (ix *Index) Drop(url string) {
 	delete(ix.engines, url)
 }
 
-// BlockSize is the block size url's events stated, 0 before any.
-func (ix *Index) BlockSize(url string) int {
+// CommonBlockSize is the block size the events of urls stated (those that stated none aside),
+// 0 when none did, and whether they agree.
+func (ix *Index) CommonBlockSize(urls [][]string) (size int, agree bool) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	if e := ix.engines[url]; e != nil {
-		return e.blockSize
+	for _, us := range urls {
+		for _, u := range us {
+			e := ix.engines[u]
+			if e == nil || e.blockSize == 0 {
+				continue
+			}
+			if size != 0 && e.blockSize != size {
+				return 0, false
+			}
+			size = e.blockSize
+		}
 	}
-	return 0
+	return size, true
 }
 
 // Match sets matched[i] to the leading blocks of hashes urls(i) holds.
@@ -169,18 +179,36 @@ func (ix *Index) Match(hashes []uint64, urls func(i int) string, matched []int) 
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	for i := range matched {
+		matched[i] = ix.engines[urls(i)].leading(hashes)
+	}
+}
+
+// MatchBest sets matched[i] to the most leading blocks of hashes any of urls[i] holds (one
+// pod's data-parallel ranks, of which the router does not pick one).
+func (ix *Index) MatchBest(hashes []uint64, urls [][]string, matched []int) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	for i, us := range urls {
 		matched[i] = 0
-		e := ix.engines[urls(i)]
-		if e == nil {
-			continue
-		}
-		for _, h := range hashes {
-			if e.held[h] == 0 {
-				break
-			}
-			matched[i]++
+		for _, u := range us {
+			matched[i] = max(matched[i], ix.engines[u].leading(hashes))
 		}
 	}
+}
+
+// leading is how many of hashes' first blocks e holds (none for no engine).
+func (e *engine) leading(hashes []uint64) int {
+	if e == nil {
+		return 0
+	}
+	n := 0
+	for _, h := range hashes {
+		if e.held[h] == 0 {
+			break
+		}
+		n++
+	}
+	return n
 }
 
 // Blocks is the entries the index holds for url.

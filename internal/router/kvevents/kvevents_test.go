@@ -267,3 +267,56 @@ func TestDecodeRefusesHostileSizes(t *testing.T) {
 		}
 	}
 }
+
+// What the router asks of a pool, each in one locked call: the block size its engines' events
+// agree on (engines that stored nothing aside), and each pod's best rank's match.
+func TestPoolQueries(t *testing.T) {
+	prompt := tokens(0, 12)
+	ix := NewIndex(0)
+	ix.Apply("a", []Event{Stored{BlockHashes: []uint64{1, 2}, TokenIDs: prompt[:8], BlockSize: 4}})
+	ix.Apply("a#1", []Event{Stored{BlockHashes: []uint64{1, 2, 3}, TokenIDs: prompt, BlockSize: 4}})
+	ix.Apply("c", []Event{Stored{BlockHashes: []uint64{1}, TokenIDs: prompt[:8], BlockSize: 8}})
+	for _, tc := range []struct {
+		name  string
+		pods  [][]string
+		size  int
+		agree bool
+	}{
+		{"ranks of one size, a pod that stored nothing", [][]string{{"a", "a#1"}, {"b"}}, 4, true},
+		{"sizes that differ", [][]string{{"a"}, {"c"}}, 0, false},
+		{"nothing stored anywhere", [][]string{{"b"}}, 0, true},
+	} {
+		if size, agree := ix.CommonBlockSize(tc.pods); size != tc.size || agree != tc.agree {
+			t.Errorf("%s: CommonBlockSize = %d, %v; want %d, %v", tc.name, size, agree, tc.size, tc.agree)
+		}
+	}
+	matched := make([]int, 2)
+	ix.MatchBest(Hashes(prompt, 4), [][]string{{"a", "a#1"}, {"b"}}, matched)
+	if diff := cmp.Diff([]int{3, 0}, matched); diff != "" {
+		t.Errorf("MatchBest (-want +got):\n%s", diff)
+	}
+}
+
+// A pool's events are trusted when every engine's stream is connected and lost nothing within
+// the window.
+func TestTrusted(t *testing.T) {
+	now := time.Now()
+	f := &Follower{}
+	f.update("up", func(s *Stream) { s.Connected = true })
+	f.update("lost-lately", func(s *Stream) { s.Connected, s.LastLoss = true, now.Add(-30*time.Second) })
+	f.update("lost-long-ago", func(s *Stream) { s.Connected, s.LastLoss = true, now.Add(-2*time.Minute) })
+	f.update("down", func(s *Stream) {})
+	for _, tc := range []struct {
+		engines []string
+		want    bool
+	}{
+		{[]string{"up", "lost-long-ago"}, true},
+		{[]string{"up", "lost-lately"}, false},
+		{[]string{"up", "down"}, false},
+		{[]string{"up", "never-followed"}, false},
+	} {
+		if got := f.Trusted([][]string{tc.engines}, now, time.Minute); got != tc.want {
+			t.Errorf("Trusted(%v) = %v, want %v", tc.engines, got, tc.want)
+		}
+	}
+}

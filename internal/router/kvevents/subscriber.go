@@ -64,6 +64,22 @@ func (f *Follower) Streams() map[string]Stream {
 	return out
 }
 
+// Trusted is whether every one of engines is connected and lost no events in the last window
+// before now: what its index says of it is then current.
+func (f *Follower) Trusted(engines [][]string, now time.Time, window time.Duration) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, es := range engines {
+		for _, e := range es {
+			s := f.streams[e]
+			if s == nil || !s.Connected || now.Sub(s.LastLoss) < window {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 func (f *Follower) update(engine string, do func(*Stream)) {
 	f.mu.Lock()
 	defer f.mu.Unlock()

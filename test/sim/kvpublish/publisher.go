@@ -146,6 +146,14 @@ func (p *Publisher) Restart() {
 	p.seq, p.buffer = 0, nil
 }
 
+// Lose skips n sequence numbers as if their batches were sent and had left the replay buffer:
+// a subscriber sees a gap that replay cannot fill.
+func (p *Publisher) Lose(n int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.seq += uint64(n)
+}
+
 // Close stops publishing and closes both sockets.
 func (p *Publisher) Close() {
 	p.cancel()
