@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -31,21 +32,23 @@ var routingStrategies = []struct {
 	{"RoundRobin", v1alpha1.RouterBalanceRoundRobin, v1alpha1.RoutingLeastInFlight},
 }
 
-// BenchmarkRoutingRealEngines (make bench, suite routing) runs two prefill and two decode
-// engines of real vLLM (the newest CPU release, testdata/pdcluster.yaml with 2 replicas per pool)
-// behind four routers rendered with spec.router.routing KVEvents, PrefixAware, LeastInFlight
-// and round-robin balance (the engines publish their KV events for the first), and sends each the same kind of traffic, prompts of its own so that no
-// router profits from another's cache:
-//   - shared-prefix: 8 chats of 5 turns, 4 at a time, each turn's prompt the chat so far (a
-//     192-token system prompt, one of two, then 64 tokens a turn);
-//   - documents: 8 documents of 448 tokens, each asked 5 questions of 32 tokens, 4 at a time
-//     (retrieval, few-shot templates, agents re-sending their context);
-//   - distinct: 40 prompts of 256 tokens that share nothing, 4 at a time.
+// BenchmarkRoutingRealEngines (make bench, suite routing) runs prefill and decode engines of
+// real vLLM (the newest CPU release, testdata/pdcluster.yaml; two per pool, or replicasEnv's
+// count) behind four routers rendered with spec.router.routing KVEvents, PrefixAware,
+// LeastInFlight and round-robin balance (the engines publish their KV events for the first),
+// and sends each the same kind of traffic, prompts of its own so that no router profits from
+// another's cache, routingClients at a time (runRouting):
+//   - shared-prefix: 8 chats of 5 turns, each turn's prompt the chat so far (a 192-token system
+//     prompt, one of two, then 64 tokens a turn);
+//   - documents: 8 documents of 448 tokens, each asked 5 questions of 32 tokens (retrieval,
+//     few-shot templates, agents re-sending their context);
+//   - distinct: 40 prompts of 256 tokens that share nothing.
 //
 // Twice: with caches that hold every prompt of a run, and with caches of 48 blocks, which hold
-// the documents once but not once per engine. It reports vLLM's own counts (prompt_tokens_by_source): the share of prompt tokens prefill
-// and decode served from their prefix caches, the tokens decode pulled per request, and the
-// requests' latency, throughput and router CPU.
+// the documents once but not once per engine. It reports vLLM's own counts
+// (prompt_tokens_by_source): the share of prompt tokens prefill and decode served from their
+// prefix caches, the tokens decode pulled per request, and the requests' latency, throughput
+// and router CPU.
 func BenchmarkRoutingRealEngines(b *testing.B) {
 	releases, err := Releases()
 	if err != nil {
@@ -82,8 +85,13 @@ func BenchmarkRoutingRealEngines(b *testing.B) {
 	}
 }
 
-// startRouting starts two prefill and two decode pods of pdc and a router of each strategy in
-// front of all four; name keeps their directories apart.
+// replicasEnv sets how many prefill and how many decode pods BenchmarkRoutingRealEngines runs
+// (default 2: with more, least-in-flight lands on the engine holding a prompt less often, and
+// the engines take longer on 2 cores).
+const replicasEnv = "PDCLUSTER_ROUTING_REPLICAS"
+
+// startRouting starts the prefill and decode pods of pdc (two of each, or replicasEnv's count)
+// and a router of each strategy in front of all of them; name keeps their directories apart.
 func startRouting(b *testing.B, o Options, pdc *v1alpha1.PDCluster, name string) (prefill, decode []*Pod, routers map[string]*Router) {
 	// The engines publish their KV cache events, which only the KVEvents router reads.
 	engines := pdc.DeepCopy()
@@ -97,7 +105,13 @@ func startRouting(b *testing.B, o Options, pdc *v1alpha1.PDCluster, name string)
 			p.Stop()
 		}
 	})
-	for i := range 2 {
+	replicas := 2
+	if v := os.Getenv(replicasEnv); v != "" {
+		if replicas, err = strconv.Atoi(v); err != nil || replicas < 1 {
+			b.Fatalf("%s=%q: want a count of pods per pool", replicasEnv, v)
+		}
+	}
+	for i := range replicas {
 		p, err := StartPod(o, fmt.Sprintf("%s-prefill-%d", name, i), r.Prefill, r.ConfigMaps)
 		if err != nil {
 			b.Fatal(err)

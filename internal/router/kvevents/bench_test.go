@@ -11,18 +11,19 @@ import (
 	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 )
 
-// benchBatch is what an engine publishes for one request of BenchmarkPrefixRouting's (a 64-token
-// prompt in 4 blocks of 16, held already): one BlockStored of the 4 blocks.
+// benchBatch is what a vLLM engine publishes for a request of a 512-token prompt in blocks of
+// 64 that it held already: one BlockStored of the 8 blocks, token ids of a 32000-token
+// vocabulary.
 func benchBatch(b *testing.B) []byte {
-	hs, ids := make([]any, 4), make([]any, 64)
+	hs, ids := make([]any, 8), make([]any, 512)
 	for i := range hs {
-		hs[i] = uint64(1000 + i)
+		hs[i] = uint64(1<<62 + i)
 	}
 	for i := range ids {
-		ids[i] = uint32(100 + i)
+		ids[i] = uint32(1000 + 61*i%31000)
 	}
 	payload, err := msgpack.Marshal([]any{1.0, []any{map[string]any{"type": "BlockStored", "block_hashes": hs, "parent_block_hash": nil,
-		"token_ids": ids, "block_size": 16, "lora_id": nil, "medium": "GPU", "lora_name": nil}}, 0})
+		"token_ids": ids, "block_size": 64, "lora_id": nil, "medium": "GPU", "lora_name": nil}}, 0})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -43,8 +44,8 @@ func BenchmarkIngest(b *testing.B) {
 	}
 }
 
-// The router's work per request and pool: hash the prompt's blocks and match them on two
-// engines.
+// The router's work per request and pool: hash the 512-token prompt's blocks and match them on
+// two engines.
 func BenchmarkMatch(b *testing.B) {
 	batch, err := Decode(benchBatch(b))
 	if err != nil {
@@ -53,17 +54,17 @@ func BenchmarkMatch(b *testing.B) {
 	ix := NewIndex(0)
 	ix.Apply("e0", batch.Events)
 	ix.Apply("e1", batch.Events)
-	tokens := make([]uint32, 64)
+	tokens := make([]uint32, 512)
 	for i := range tokens {
-		tokens[i] = uint32(100 + i)
+		tokens[i] = uint32(1000 + 61*i%31000)
 	}
 	urls := []string{"e0", "e1"}
 	matched := make([]int, 2)
 	b.ReportAllocs()
 	for b.Loop() {
-		ix.Match(Hashes(tokens, 16), func(i int) string { return urls[i] }, matched)
+		ix.Match(Hashes(tokens, 64), func(i int) string { return urls[i] }, matched)
 	}
-	if matched[0] != 4 {
+	if matched[0] != 8 {
 		b.Fatalf("matched %v", matched)
 	}
 }
@@ -97,5 +98,24 @@ func BenchmarkFollow(b *testing.B) {
 	}
 	for f.Streams()["e"].Batches < start+b.N {
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// Decoding alone, Decode (with its BlockStored fast path) and msgpack's generic values
+// (decodeGeneric, the reference), on the same vLLM-shaped batch.
+func BenchmarkDecode(b *testing.B) {
+	payload := benchBatch(b)
+	for _, tc := range []struct {
+		name   string
+		decode func([]byte) (Batch, error)
+	}{{"project", Decode}, {"reference", decodeGeneric}} {
+		b.Run(tc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := tc.decode(payload); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }

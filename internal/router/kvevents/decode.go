@@ -74,39 +74,39 @@ var (
 
 // Decode reads one KVEventBatch payload. Malformed input is an error, never a panic: an event
 // of a kind it does not know is skipped (a newer vLLM may add kinds), a known event with fields
-// of the wrong type fails the batch.
+// of the wrong type fails the batch. BlockStored in map form, every batch of 0.30 and later and
+// most of the bytes, is read straight from the bytes (decodeStored); the rest through msgpack's
+// generic values.
 func Decode(payload []byte) (Batch, error) {
 	if err := wellFormed(payload); err != nil {
 		return Batch{}, fmt.Errorf("kv event batch: %w", err)
 	}
-	var raw []any
-	if err := msgpack.Unmarshal(payload, &raw); err != nil {
+	c := &cursor{p: payload}
+	// [ts, events, data_parallel_rank?]
+	n, err := c.container(isArray)
+	if err != nil {
 		return Batch{}, fmt.Errorf("kv event batch: %w", err)
 	}
-	// [ts, events, data_parallel_rank?]
-	if len(raw) < 2 {
-		return Batch{}, fmt.Errorf("kv event batch: %d fields, want ts and events", len(raw))
-	}
-	events, ok := raw[1].([]any)
-	if !ok {
-		return Batch{}, fmt.Errorf("kv event batch: events is %T, want an array", raw[1])
+	if n < 2 {
+		return Batch{}, fmt.Errorf("kv event batch: %d fields, want ts and events", n)
 	}
 	b := Batch{DataParallelRank: -1}
-	switch ts := raw[0].(type) {
+	ts, err := c.value()
+	if err != nil {
+		return Batch{}, fmt.Errorf("kv event batch: ts: %w", err)
+	}
+	switch ts := ts.(type) {
 	case float64:
 		b.TS = ts
 	case float32:
 		b.TS = float64(ts)
 	}
-	if len(raw) > 2 && raw[2] != nil {
-		rank, err := integer(raw[2])
-		if err != nil {
-			return Batch{}, fmt.Errorf("kv event batch: data_parallel_rank: %w", err)
-		}
-		b.DataParallelRank = int(rank)
+	events, err := c.container(isArray)
+	if err != nil {
+		return Batch{}, fmt.Errorf("kv event batch: events: %w", err)
 	}
-	for i, e := range events {
-		ev, err := decodeEvent(e)
+	for i := range events {
+		ev, err := c.event()
 		if err != nil {
 			return Batch{}, fmt.Errorf("kv event batch: event %d: %w", i, err)
 		}
@@ -114,7 +114,348 @@ func Decode(payload []byte) (Batch, error) {
 			b.Events = append(b.Events, ev)
 		}
 	}
+	for f := 2; f < n; f++ {
+		v, err := c.value()
+		if err != nil {
+			return Batch{}, fmt.Errorf("kv event batch: field %d: %w", f, err)
+		}
+		if f == 2 && v != nil {
+			rank, err := integer(v)
+			if err != nil {
+				return Batch{}, fmt.Errorf("kv event batch: data_parallel_rank: %w", err)
+			}
+			b.DataParallelRank = int(rank)
+		}
+	}
 	return b, nil
+}
+
+// cursor reads msgpack values from p, one after the other, p being wellFormed.
+type cursor struct {
+	p []byte
+	i int
+}
+
+func (c *cursor) code() byte { return c.p[c.i] } // wellFormed: a value is there
+
+// skip passes one value, containers with what they contain.
+func (c *cursor) skip() error {
+	for pending := uint64(1); pending > 0; pending-- {
+		next, items, err := head(c.p, c.i)
+		if err != nil {
+			return err
+		}
+		c.i, pending = next, pending+items
+	}
+	return nil
+}
+
+// value is the next value as msgpack's generic values (which refuse what they cannot read,
+// an unknown extension).
+func (c *cursor) value() (any, error) {
+	start := c.i
+	if err := c.skip(); err != nil {
+		return nil, err
+	}
+	var v any
+	err := msgpack.Unmarshal(c.p[start:c.i], &v)
+	return v, err
+}
+
+func isArray(b byte) bool { return b >= 0x90 && b <= 0x9f || b == 0xdc || b == 0xdd }
+func isMap(b byte) bool   { return b >= 0x80 && b <= 0x8f || b == 0xde || b == 0xdf }
+func isInt(b byte) bool   { return b <= 0x7f || b >= 0xe0 || b >= 0xcc && b <= 0xd3 }
+func isStr(b byte) bool   { return b >= 0xa0 && b <= 0xbf || b >= 0xd9 && b <= 0xdb }
+func isBin(b byte) bool   { return b >= 0xc4 && b <= 0xc6 }
+
+// container reads an array's or map's header (is tells which kind is wanted): its values, a
+// map's pairs.
+func (c *cursor) container(is func(byte) bool) (int, error) {
+	b := c.code()
+	if !is(b) {
+		return 0, fmt.Errorf("byte 0x%02x is not the container wanted", b)
+	}
+	next, items, err := head(c.p, c.i)
+	if err != nil {
+		return 0, err
+	}
+	c.i = next
+	if isMap(b) {
+		items /= 2
+	}
+	return int(items), nil
+}
+
+// bytes is the next string's or binary's bytes (the caller checked isStr or isBin).
+func (c *cursor) bytes() ([]byte, error) {
+	start := c.i
+	next, _, err := head(c.p, c.i)
+	if err != nil {
+		return nil, err
+	}
+	hdr := 1 // a fixstr's
+	switch c.p[start] {
+	case 0xc4, 0xd9:
+		hdr = 2
+	case 0xc5, 0xda:
+		hdr = 3
+	case 0xc6, 0xdb:
+		hdr = 5
+	}
+	c.i = next
+	return c.p[start+hdr : next], nil
+}
+
+// integer is the next value, an integer of any width that fits an int64 (the caller checked
+// isInt; wellFormed, that its bytes are there).
+func (c *cursor) integer() (int64, error) {
+	b := c.code()
+	v := c.p[c.i+1:]
+	var n int64
+	size := 1
+	switch {
+	case b <= 0x7f || b >= 0xe0:
+		n = int64(int8(b))
+	case b == 0xcc:
+		n, size = int64(v[0]), 2
+	case b == 0xcd:
+		n, size = int64(binary.BigEndian.Uint16(v)), 3
+	case b == 0xce:
+		n, size = int64(binary.BigEndian.Uint32(v)), 5
+	case b == 0xcf:
+		u := binary.BigEndian.Uint64(v)
+		if u > 1<<63-1 {
+			return 0, fmt.Errorf("%d is out of range", u)
+		}
+		n, size = int64(u), 9
+	case b == 0xd0:
+		n, size = int64(int8(v[0])), 2
+	case b == 0xd1:
+		n, size = int64(int16(binary.BigEndian.Uint16(v))), 3
+	case b == 0xd2:
+		n, size = int64(int32(binary.BigEndian.Uint32(v))), 5
+	case b == 0xd3:
+		n, size = int64(binary.BigEndian.Uint64(v)), 9
+	}
+	c.i += size
+	return n, nil
+}
+
+// hash is the next value, one ExternalBlockHash, as hash reads it.
+func (c *cursor) hash() (uint64, error) {
+	switch b := c.code(); {
+	case isBin(b):
+		raw, err := c.bytes()
+		if err != nil {
+			return 0, err
+		}
+		return hash(raw)
+	case b == 0xcf:
+		u := binary.BigEndian.Uint64(c.p[c.i+1:])
+		c.i += 9
+		return u, nil
+	case isInt(b):
+		n, err := c.integer()
+		return uint64(n), err
+	default:
+		return 0, fmt.Errorf("block hash of byte 0x%02x", b)
+	}
+}
+
+// event reads the next event: a BlockStored map by stored, anything else by eventOf.
+func (c *cursor) event() (Event, error) {
+	start := c.i
+	if isMap(c.code()) {
+		// Read as a BlockStored (its "type" may come last): kept if it is one.
+		ev, kind, err := c.stored()
+		if err == nil && kind == "BlockStored" {
+			return ev, nil
+		}
+		if err != nil { // the map's last "type" says whether the error is this event's
+			c.i = start
+			final, kerr := c.kind()
+			if kerr != nil {
+				return nil, kerr
+			}
+			if final == "BlockStored" {
+				return nil, err
+			}
+		}
+		c.i = start
+	}
+	v, err := c.value()
+	if err != nil {
+		return nil, err
+	}
+	return eventOf(v)
+}
+
+// kind is an event map's "type" ("" when it has none or it is not a string); the map's other
+// values are skipped.
+func (c *cursor) kind() (string, error) {
+	n, err := c.container(isMap)
+	if err != nil {
+		return "", err
+	}
+	kind := ""
+	for range n {
+		if b := c.code(); !isStr(b) && !isBin(b) { // msgpack reads either as a key
+			return "", fmt.Errorf("a map key of byte 0x%02x", c.code())
+		}
+		key, err := c.bytes()
+		if err != nil {
+			return "", err
+		}
+		if string(key) == "type" && isStr(c.code()) {
+			v, err := c.bytes()
+			if err != nil {
+				return "", err
+			}
+			kind = string(v)
+			continue
+		}
+		if err := c.skip(); err != nil {
+			return "", err
+		}
+	}
+	return kind, nil
+}
+
+// stored reads an event map as a BlockStored without msgpack's generic values (its token ids
+// are most of a batch, and boxing each one was most of what following an engine cost the
+// router), and the map's "type" as far as it read.
+func (c *cursor) stored() (_ Event, kind string, err error) {
+	n, err := c.container(isMap)
+	if err != nil {
+		return nil, "", err
+	}
+	var s Stored
+	var haveHashes, haveTokens bool
+	size := int64(-1)
+	for range n {
+		if b := c.code(); !isStr(b) && !isBin(b) { // msgpack reads either as a key
+			return nil, kind, fmt.Errorf("a map key of byte 0x%02x", c.code())
+		}
+		key, err := c.bytes()
+		if err != nil {
+			return nil, kind, err
+		}
+		b := c.code()
+		switch string(key) {
+		case "type":
+			kind = ""
+			if isStr(b) {
+				var k []byte
+				k, err = c.bytes()
+				kind = string(k)
+			} else {
+				_, err = c.value()
+			}
+		case "block_hashes":
+			if s.BlockHashes, err = c.hashes(); err != nil {
+				return nil, kind, fmt.Errorf("BlockStored block_hashes: %w", err)
+			}
+			haveHashes = true
+		case "parent_block_hash":
+			if s.HasParent = b != 0xc0; s.HasParent {
+				s.Parent, err = c.hash()
+			} else {
+				c.i++
+			}
+		case "token_ids":
+			if s.TokenIDs, err = c.tokens(); err != nil {
+				return nil, kind, fmt.Errorf("BlockStored token_ids: %w", err)
+			}
+			haveTokens = true
+		case "block_size":
+			if !isInt(b) {
+				return nil, kind, fmt.Errorf("BlockStored block_size of byte 0x%02x is not an integer", b)
+			}
+			size, err = c.integer()
+		case "group_idx":
+			switch {
+			case b == 0xc0:
+				s.Group = 0
+				c.i++
+			case isInt(b):
+				var g int64
+				g, err = c.integer()
+				s.Group = int(g)
+			default:
+				return nil, kind, fmt.Errorf("BlockStored group_idx of byte 0x%02x is not an integer", b)
+			}
+		case "medium":
+			s.Medium = ""
+			if isStr(b) {
+				var m []byte
+				m, err = c.bytes()
+				s.Medium = string(m)
+			} else {
+				_, err = c.value()
+			}
+		default:
+			// lora_id, lora_name, extra_keys, lookahead_token_ids and fields this release
+			// does not know; decoded, not skipped: a value msgpack cannot read (an unknown
+			// extension) fails the event, as everywhere else.
+			var v any
+			v, err = c.value()
+			switch string(key) {
+			case "lora_id", "lora_name":
+				s.Keyed = s.Keyed || v != nil
+			case "extra_keys", "lookahead_token_ids":
+				s.Keyed = s.Keyed || keyed(v)
+			}
+		}
+		if err != nil {
+			return nil, kind, err
+		}
+	}
+	switch {
+	case !haveHashes:
+		return nil, kind, errors.New("BlockStored without block_hashes")
+	case !haveTokens:
+		return nil, kind, errors.New("BlockStored without token_ids")
+	case size <= 0:
+		return nil, kind, fmt.Errorf("BlockStored block_size %d is not a positive integer", size)
+	}
+	s.BlockSize = int(size)
+	if len(s.TokenIDs) != len(s.BlockHashes)*s.BlockSize {
+		return nil, kind, fmt.Errorf("BlockStored: %d token ids for %d blocks of %d", len(s.TokenIDs), len(s.BlockHashes), s.BlockSize)
+	}
+	return s, kind, nil
+}
+
+func (c *cursor) tokens() ([]uint32, error) {
+	n, err := c.container(isArray)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]uint32, n)
+	for i := range out {
+		if b := c.code(); !isInt(b) {
+			return nil, fmt.Errorf("[%d] of byte 0x%02x is not a token id", i, b)
+		}
+		t, err := c.integer()
+		if err != nil || t < 0 || t > 1<<32-1 {
+			return nil, fmt.Errorf("[%d]: %d is not a token id (%v)", i, t, err)
+		}
+		out[i] = uint32(t)
+	}
+	return out, nil
+}
+
+func (c *cursor) hashes() ([]uint64, error) {
+	n, err := c.container(isArray)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]uint64, n)
+	for i := range out {
+		if out[i], err = c.hash(); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }
 
 // maxDepth bounds nesting: a batch is at most 5 deep (batch, events, event, extra_keys, a key).
@@ -128,6 +469,37 @@ func wellFormed(p []byte) error {
 	// pending counts the values still to read at each open level.
 	pending := []uint64{1}
 	i := 0
+	for len(pending) > 0 {
+		if pending[len(pending)-1] == 0 {
+			pending = pending[:len(pending)-1]
+			continue
+		}
+		pending[len(pending)-1]--
+		next, items, err := head(p, i)
+		if err != nil {
+			return err
+		}
+		i = next
+		if items > 0 {
+			// Every value takes a byte at least.
+			if items > uint64(len(p)-i) {
+				return fmt.Errorf("a container of %d values in %d bytes", items, len(p)-i)
+			}
+			if len(pending) == maxDepth {
+				return fmt.Errorf("nested deeper than %d", maxDepth)
+			}
+			pending = append(pending, items)
+		}
+	}
+	if i != len(p) {
+		return fmt.Errorf("%d bytes after the batch", len(p)-i)
+	}
+	return nil
+}
+
+// head reads the header of the msgpack value at p[i]: where the value's own bytes end (a
+// container's values follow them) and how many values it contains (a map's keys and values).
+func head(p []byte, i int) (end int, items uint64, err error) {
 	take := func(n uint64) error {
 		if uint64(len(p)-i) < n {
 			return errors.New("truncated msgpack")
@@ -146,88 +518,63 @@ func wellFormed(p []byte) error {
 		i += size
 		return n, nil
 	}
-	for len(pending) > 0 {
-		if pending[len(pending)-1] == 0 {
-			pending = pending[:len(pending)-1]
-			continue
-		}
-		pending[len(pending)-1]--
-		if i >= len(p) {
-			return errors.New("truncated msgpack")
-		}
-		b := p[i]
-		i++
-		var items uint64 // a container's values
-		var err error
-		switch {
-		case b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3:
-		case b >= 0x80 && b <= 0x8f:
-			items = 2 * uint64(b&0x0f)
-		case b >= 0x90 && b <= 0x9f:
-			items = uint64(b & 0x0f)
-		case b >= 0xa0 && b <= 0xbf:
-			err = take(uint64(b & 0x1f))
-		case b == 0xc4 || b == 0xd9:
-			var n uint64
-			if n, err = length(1); err == nil {
-				err = take(n)
-			}
-		case b == 0xc5 || b == 0xda:
-			var n uint64
-			if n, err = length(2); err == nil {
-				err = take(n)
-			}
-		case b == 0xc6 || b == 0xdb:
-			var n uint64
-			if n, err = length(4); err == nil {
-				err = take(n)
-			}
-		case b >= 0xc7 && b <= 0xc9: // ext 8/16/32: length, type, data
-			var n uint64
-			if n, err = length(1 << (b - 0xc7)); err == nil {
-				err = take(n + 1)
-			}
-		case b == 0xca || b == 0xce || b == 0xd2:
-			err = take(4)
-		case b == 0xcb || b == 0xcf || b == 0xd3:
-			err = take(8)
-		case b == 0xcc || b == 0xd0:
-			err = take(1)
-		case b == 0xcd || b == 0xd1:
-			err = take(2)
-		case b >= 0xd4 && b <= 0xd8: // fixext 1..16 and its type
-			err = take(1<<(b-0xd4) + 1)
-		case b == 0xdc:
-			items, err = length(2)
-		case b == 0xdd:
-			items, err = length(4)
-		case b == 0xde:
-			items, err = length(2)
-			items *= 2
-		case b == 0xdf:
-			items, err = length(4)
-			items *= 2
-		default:
-			return fmt.Errorf("byte 0x%02x at %d is not msgpack", b, i-1)
-		}
-		if err != nil {
-			return err
-		}
-		if items > 0 {
-			// Every value takes a byte at least.
-			if items > uint64(len(p)-i) {
-				return fmt.Errorf("a container of %d values in %d bytes", items, len(p)-i)
-			}
-			if len(pending) == maxDepth {
-				return fmt.Errorf("nested deeper than %d", maxDepth)
-			}
-			pending = append(pending, items)
-		}
+	if i >= len(p) {
+		return 0, 0, errors.New("truncated msgpack")
 	}
-	if i != len(p) {
-		return fmt.Errorf("%d bytes after the batch", len(p)-i)
+	b := p[i]
+	i++
+	switch {
+	case b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3:
+	case b >= 0x80 && b <= 0x8f:
+		items = 2 * uint64(b&0x0f)
+	case b >= 0x90 && b <= 0x9f:
+		items = uint64(b & 0x0f)
+	case b >= 0xa0 && b <= 0xbf:
+		err = take(uint64(b & 0x1f))
+	case b == 0xc4 || b == 0xd9:
+		var n uint64
+		if n, err = length(1); err == nil {
+			err = take(n)
+		}
+	case b == 0xc5 || b == 0xda:
+		var n uint64
+		if n, err = length(2); err == nil {
+			err = take(n)
+		}
+	case b == 0xc6 || b == 0xdb:
+		var n uint64
+		if n, err = length(4); err == nil {
+			err = take(n)
+		}
+	case b >= 0xc7 && b <= 0xc9: // ext 8/16/32: length, type, data
+		var n uint64
+		if n, err = length(1 << (b - 0xc7)); err == nil {
+			err = take(n + 1)
+		}
+	case b == 0xca || b == 0xce || b == 0xd2:
+		err = take(4)
+	case b == 0xcb || b == 0xcf || b == 0xd3:
+		err = take(8)
+	case b == 0xcc || b == 0xd0:
+		err = take(1)
+	case b == 0xcd || b == 0xd1:
+		err = take(2)
+	case b >= 0xd4 && b <= 0xd8: // fixext 1..16 and its type
+		err = take(1<<(b-0xd4) + 1)
+	case b == 0xdc:
+		items, err = length(2)
+	case b == 0xdd:
+		items, err = length(4)
+	case b == 0xde:
+		items, err = length(2)
+		items *= 2
+	case b == 0xdf:
+		items, err = length(4)
+		items *= 2
+	default:
+		return 0, 0, fmt.Errorf("byte 0x%02x at %d is not msgpack", b, i-1)
 	}
-	return nil
+	return i, items, err
 }
 
 // fields are an event's fields by name, from either encoding.
@@ -260,7 +607,8 @@ func fields(e any) (string, map[string]any, error) {
 	}
 }
 
-func decodeEvent(e any) (Event, error) {
+// eventOf is an event from msgpack's generic values (array form, and map form but BlockStored).
+func eventOf(e any) (Event, error) {
 	tag, f, err := fields(e)
 	if err != nil {
 		return nil, err
@@ -301,13 +649,7 @@ func decodeEvent(e any) (Event, error) {
 		// extra_keys and (0.32 on) lookahead_token_ids: one entry per block, nil when the
 		// block's hash is its tokens' alone.
 		for _, name := range []string{"extra_keys", "lookahead_token_ids"} {
-			if keys, ok := f[name].([]any); ok {
-				for _, k := range keys {
-					if l, isList := k.([]any); k != nil && (!isList || len(l) > 0) {
-						s.Keyed = true
-					}
-				}
-			}
+			s.Keyed = s.Keyed || keyed(f[name])
 		}
 		if s.Group, err = optionalInt(f["group_idx"]); err != nil {
 			return nil, fmt.Errorf("BlockStored group_idx: %w", err)
@@ -329,6 +671,21 @@ func decodeEvent(e any) (Event, error) {
 	default:
 		return nil, nil
 	}
+}
+
+// keyed is whether extra_keys or lookahead_token_ids (one entry per block, nil or empty when the
+// block's hash is its tokens' alone) key any block by more than its tokens.
+func keyed(v any) bool {
+	keys, ok := v.([]any)
+	if !ok {
+		return false
+	}
+	for _, k := range keys {
+		if l, isList := k.([]any); k != nil && (!isList || len(l) > 0) {
+			return true
+		}
+	}
+	return false
 }
 
 func hashes(v any) ([]uint64, error) {

@@ -1,11 +1,14 @@
 package kvevents
 
 import (
+	"errors"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -149,13 +152,13 @@ func TestDecodeNeverPanics(t *testing.T) {
 				p[rng.IntN(len(p))] = byte(rng.Uint32())
 			}
 		}
-		_, _ = Decode(p)
+		agree(t, p)
 	}
 }
 
 func FuzzDecode(f *testing.F) {
 	f.Add(batch(f, 0, stored([]any{1, 2}, 9, tokens(0, 4), 2)))
-	f.Fuzz(func(t *testing.T, p []byte) { _, _ = Decode(p) })
+	f.Fuzz(func(t *testing.T, p []byte) { agree(t, p) })
 }
 
 func TestIndex(t *testing.T) {
@@ -318,5 +321,103 @@ func TestTrusted(t *testing.T) {
 		if got := f.Trusted([][]string{tc.engines}, now, time.Minute); got != tc.want {
 			t.Errorf("Trusted(%v) = %v, want %v", tc.engines, got, tc.want)
 		}
+	}
+}
+
+// decodeGeneric is Decode through msgpack's generic values alone (as Decode was before its
+// BlockStored fast path): the reference the fast path must agree with.
+func decodeGeneric(payload []byte) (Batch, error) {
+	if err := wellFormed(payload); err != nil {
+		return Batch{}, err
+	}
+	var raw []any
+	if err := msgpack.Unmarshal(payload, &raw); err != nil {
+		return Batch{}, err
+	}
+	if len(raw) < 2 {
+		return Batch{}, errors.New("short")
+	}
+	events, ok := raw[1].([]any)
+	if !ok {
+		return Batch{}, errors.New("events")
+	}
+	b := Batch{DataParallelRank: -1}
+	switch ts := raw[0].(type) {
+	case float64:
+		b.TS = ts
+	case float32:
+		b.TS = float64(ts)
+	}
+	if len(raw) > 2 && raw[2] != nil {
+		rank, err := integer(raw[2])
+		if err != nil {
+			return Batch{}, err
+		}
+		b.DataParallelRank = int(rank)
+	}
+	for _, e := range events {
+		ev, err := eventOf(e)
+		if err != nil {
+			return Batch{}, err
+		}
+		if ev != nil {
+			b.Events = append(b.Events, ev)
+		}
+	}
+	return b, nil
+}
+
+// agree fails t when Decode and decodeGeneric disagree on p: both fail, or both decode alike.
+func agree(t testing.TB, p []byte) {
+	t.Helper()
+	got, err := Decode(p)
+	want, wantErr := decodeGeneric(p)
+	if (err == nil) != (wantErr == nil) {
+		t.Fatalf("payload %x: Decode error %v, the generic decoding's %v", p, err, wantErr)
+	}
+	if err == nil {
+		if diff := cmp.Diff(want, got, cmpopts.EquateEmpty()); diff != "" {
+			t.Fatalf("payload %x: Decode (-generic +fast):\n%s", p, diff)
+		}
+	}
+}
+
+// Decode's BlockStored fast path reads what msgpack's generic values read, and fails where they
+// fail: on vLLM-shaped batches with every field varied, and on those batches mutated.
+func TestDecodeFastPathAgrees(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	values := []any{nil, 0, 1, -1, 7, uint64(1 << 63), int64(-1 << 40), 2.5, "GPU", "CPU", []byte{1, 2, 3}, []any{}, []any{nil}, []any{[]any{"salt"}}, []any{1, 2}, map[string]any{"x": 1}, true}
+	keys := []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "lookahead_token_ids", "group_idx", "type", "other"}
+	for range 20000 {
+		var events []any
+		for range 1 + rng.IntN(3) {
+			n := 1 + rng.IntN(3)
+			size := 1 + rng.IntN(3)
+			hs := make([]any, n)
+			for i := range hs {
+				hs[i] = []any{uint64(rng.Uint64()), int64(rng.IntN(100)), []byte{byte(rng.IntN(256)), 9}}[rng.IntN(3)]
+			}
+			e := stored(hs, nil, tokens(rng.IntN(70000), n*size), size)
+			if rng.IntN(2) == 0 {
+				e["parent_block_hash"] = uint64(rng.Uint64())
+			}
+			for range rng.IntN(3) {
+				k := keys[rng.IntN(len(keys))]
+				if rng.IntN(5) == 0 {
+					delete(e, k)
+				} else {
+					e[k] = values[rng.IntN(len(values))]
+				}
+			}
+			events = append(events, e)
+		}
+		p, err := msgpack.Marshal([]any{1.5, events, rng.IntN(3)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		agree(t, p)
+		q := slices.Clone(p)
+		q[rng.IntN(len(q))] = byte(rng.Uint32())
+		agree(t, q)
 	}
 }
