@@ -57,7 +57,8 @@ func (h *HTTPRouterReader) ReadRouting(ctx context.Context, pod *corev1.Pod) (ro
 	return rc, err
 }
 
-// readRouting sums the routing counts of the PDCluster's running router pods; nil when none
+// readRouting sums the routing counts of the PDCluster's running router pods (each router's
+// index holds the same engines': of the index and the lag, the largest); nil when none
 // answered.
 func (r *PDClusterReconciler) readRouting(ctx context.Context, pods []corev1.Pod) *routerconfig.RoutingCounts {
 	var sum *routerconfig.RoutingCounts
@@ -81,6 +82,8 @@ func (r *PDClusterReconciler) readRouting(ctx context.Context, pods []corev1.Pod
 			p.into.HeldBlocks = saturatingAdd(p.into.HeldBlocks, p.from.HeldBlocks)
 			p.into.PromptChunks = saturatingAdd(p.into.PromptChunks, p.from.PromptChunks)
 			p.into.HeldChunks = saturatingAdd(p.into.HeldChunks, p.from.HeldChunks)
+			p.into.IndexBlocks = max(p.into.IndexBlocks, p.from.IndexBlocks)
+			p.into.EventsLagMilliseconds = max(p.into.EventsLagMilliseconds, p.from.EventsLagMilliseconds)
 		}
 	}
 	return sum
@@ -89,7 +92,7 @@ func (r *PDClusterReconciler) readRouting(ctx context.Context, pods []corev1.Pod
 // routingCountsValid: a router pod is trusted no further than its counts' sense.
 func routingCountsValid(c routerconfig.PoolRoutingCounts) bool {
 	return c.PromptBlocks >= 0 && c.PromptChunks >= 0 && c.HeldBlocks >= 0 && c.HeldChunks >= 0 &&
-		c.HeldBlocks <= c.PromptBlocks && c.HeldChunks <= c.PromptChunks
+		c.HeldBlocks <= c.PromptBlocks && c.HeldChunks <= c.PromptChunks && c.IndexBlocks >= 0 && c.EventsLagMilliseconds >= 0
 }
 
 // readPairs sums the pair counts of the PDCluster's running router pods; nil when none

@@ -29,7 +29,8 @@ func routingStatus(status *v1alpha1.PDClusterStatus, in statusInputs) {
 // poolRoutingStatus is one pool's counts and share held: of the blocks the engines' events
 // reported with KVEvents (once it has routed any), else of the estimate's chunks.
 func poolRoutingStatus(c routerconfig.PoolRoutingCounts, pdc *v1alpha1.PDCluster) v1alpha1.PoolRoutingStatus {
-	s := v1alpha1.PoolRoutingStatus{PromptBlocks: c.PromptBlocks, HeldBlocks: c.HeldBlocks, PromptChunks: c.PromptChunks, HeldChunks: c.HeldChunks}
+	s := v1alpha1.PoolRoutingStatus{PromptBlocks: c.PromptBlocks, HeldBlocks: c.HeldBlocks, PromptChunks: c.PromptChunks, HeldChunks: c.HeldChunks,
+		IndexBlocks: c.IndexBlocks, EventsLagMilliseconds: c.EventsLagMilliseconds}
 	switch {
 	case pdc.Spec.Router.Routing.Strategy == v1alpha1.RoutingKVEvents && c.PromptBlocks > 0:
 		s.HeldPercent = ptrTo(int32(float64(c.HeldBlocks) * 100 / float64(c.PromptBlocks)))

@@ -32,7 +32,7 @@ func (f fakeRouting) ReadRouting(_ context.Context, pod *corev1.Pod) (routerconf
 func TestRoutingStatus(t *testing.T) {
 	before := &v1alpha1.RoutingStatus{Prefill: v1alpha1.PoolRoutingStatus{PromptChunks: 10, HeldChunks: 5, HeldPercent: ptr.To[int32](50)}}
 	counts := &routerconfig.RoutingCounts{
-		Prefill: routerconfig.PoolRoutingCounts{PromptBlocks: 8, HeldBlocks: 6, PromptChunks: 40, HeldChunks: 10},
+		Prefill: routerconfig.PoolRoutingCounts{PromptBlocks: 8, HeldBlocks: 6, PromptChunks: 40, HeldChunks: 10, IndexBlocks: 12, EventsLagMilliseconds: 3},
 		Decode:  routerconfig.PoolRoutingCounts{PromptChunks: 40, HeldChunks: 30},
 	}
 	for _, tc := range []struct {
@@ -45,12 +45,12 @@ func TestRoutingStatus(t *testing.T) {
 		{name: "no answer: kept", strategy: v1alpha1.RoutingPrefixAware, want: before},
 		{name: "prefix aware: the chunks' share", strategy: v1alpha1.RoutingPrefixAware, counts: counts,
 			want: &v1alpha1.RoutingStatus{
-				Prefill: v1alpha1.PoolRoutingStatus{PromptBlocks: 8, HeldBlocks: 6, PromptChunks: 40, HeldChunks: 10, HeldPercent: ptr.To[int32](25)},
+				Prefill: v1alpha1.PoolRoutingStatus{PromptBlocks: 8, HeldBlocks: 6, PromptChunks: 40, HeldChunks: 10, HeldPercent: ptr.To[int32](25), IndexBlocks: 12, EventsLagMilliseconds: 3},
 				Decode:  v1alpha1.PoolRoutingStatus{PromptChunks: 40, HeldChunks: 30, HeldPercent: ptr.To[int32](75)},
 			}},
 		{name: "kv events: the blocks' share, the chunks' where no block was matched", strategy: v1alpha1.RoutingKVEvents, counts: counts,
 			want: &v1alpha1.RoutingStatus{
-				Prefill: v1alpha1.PoolRoutingStatus{PromptBlocks: 8, HeldBlocks: 6, PromptChunks: 40, HeldChunks: 10, HeldPercent: ptr.To[int32](75)},
+				Prefill: v1alpha1.PoolRoutingStatus{PromptBlocks: 8, HeldBlocks: 6, PromptChunks: 40, HeldChunks: 10, HeldPercent: ptr.To[int32](75), IndexBlocks: 12, EventsLagMilliseconds: 3},
 				Decode:  v1alpha1.PoolRoutingStatus{PromptChunks: 40, HeldChunks: 30, HeldPercent: ptr.To[int32](75)},
 			}},
 		{name: "nothing routed yet: no share", strategy: v1alpha1.RoutingKVEvents, counts: &routerconfig.RoutingCounts{},
@@ -69,24 +69,26 @@ func TestRoutingStatus(t *testing.T) {
 	}
 }
 
-// The routers' routing counts are summed without overflow; a router answering a negative
-// count, or more held than routed, is left out.
+// The routers' routing counts are summed without overflow, their indexes' sizes and lags are
+// the largest (every router follows the same engines); a router answering a negative count, or
+// more held than routed, is left out.
 func TestReadRoutingSaturatesAndRefusesNonsense(t *testing.T) {
 	now := time.Date(2026, 12, 7, 12, 0, 0, 0, time.UTC)
 	var pods []corev1.Pod
-	for _, name := range []string{"r-0", "r-1", "r-2", "r-3"} {
+	for _, name := range []string{"r-0", "r-1", "r-2", "r-3", "r-4"} {
 		pods = append(pods, *wrappers.MakeEnginePod("ns", name, "c", v1alpha1.RoleRouter, now).Obj())
 	}
 	r := &PDClusterReconciler{RoutingReader: fakeRouting{
-		"r-0": {Prefill: routerconfig.PoolRoutingCounts{PromptChunks: math.MaxInt64 - 1, HeldChunks: 1}, Decode: routerconfig.PoolRoutingCounts{PromptBlocks: 4, HeldBlocks: 3}},
-		"r-1": {Prefill: routerconfig.PoolRoutingCounts{PromptChunks: 5, HeldChunks: 4}},
+		"r-0": {Prefill: routerconfig.PoolRoutingCounts{PromptChunks: math.MaxInt64 - 1, HeldChunks: 1}, Decode: routerconfig.PoolRoutingCounts{PromptBlocks: 4, HeldBlocks: 3, IndexBlocks: 40, EventsLagMilliseconds: 2}},
+		"r-1": {Prefill: routerconfig.PoolRoutingCounts{PromptChunks: 5, HeldChunks: 4}, Decode: routerconfig.PoolRoutingCounts{IndexBlocks: 38, EventsLagMilliseconds: 9}},
 		"r-2": {Prefill: routerconfig.PoolRoutingCounts{PromptChunks: -9}},
 		"r-3": {Decode: routerconfig.PoolRoutingCounts{PromptBlocks: 1, HeldBlocks: 2}},
+		"r-4": {Decode: routerconfig.PoolRoutingCounts{EventsLagMilliseconds: -1}},
 	}}
 	got := r.readRouting(context.Background(), pods)
 	want := &routerconfig.RoutingCounts{
 		Prefill: routerconfig.PoolRoutingCounts{PromptChunks: math.MaxInt64, HeldChunks: 5},
-		Decode:  routerconfig.PoolRoutingCounts{PromptBlocks: 4, HeldBlocks: 3},
+		Decode:  routerconfig.PoolRoutingCounts{PromptBlocks: 4, HeldBlocks: 3, IndexBlocks: 40, EventsLagMilliseconds: 9},
 	}
 	if d := cmp.Diff(want, got); d != "" {
 		t.Errorf("routing counts (-want +got):\n%s", d)

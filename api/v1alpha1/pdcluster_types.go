@@ -1237,6 +1237,14 @@ type PoolRoutingStatus struct {
 	PromptChunks int64 `json:"promptChunks,omitempty"`
 	// +optional
 	HeldChunks int64 `json:"heldChunks,omitempty"`
+	// indexBlocks are the KV blocks the pool's engines' events say they hold, as the routers
+	// index them (the largest router's index; KVEvents).
+	// +optional
+	IndexBlocks int64 `json:"indexBlocks,omitempty"`
+	// eventsLagMilliseconds is the longest an engine's latest KV event batch took to reach a
+	// router (KVEvents): the index is that far behind the engines' caches.
+	// +optional
+	EventsLagMilliseconds int64 `json:"eventsLagMilliseconds,omitempty"`
 }
 
 // PairingStatus counts the routers' pairs by locality since they started.

@@ -234,6 +234,16 @@ func (k *kvRouting) picked(l leg, pref *preference, pk picked) {
 	c.matched.Add(float64(pk.matched))
 }
 
+// state is pool l's index size in blocks and its events' lag: the longest an engine's latest
+// batch took to reach the router.
+func (k *kvRouting) state(l leg) (index int, lag time.Duration) {
+	f := k.follow[l]
+	for _, s := range f.Streams() {
+		lag = max(lag, s.Lag)
+	}
+	return f.Index.Size(), lag
+}
+
 func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {
 	k.promptBlocks.Describe(ch)
 	k.matchedBlocks.Describe(ch)
@@ -248,16 +258,15 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 	k.matchedBlocks.Collect(ch)
 	k.fallbacks.Collect(ch)
 	for l, f := range k.follow {
-		var lag time.Duration
 		var lost, restarts, orphaned int
 		for _, s := range f.Streams() {
-			lag = max(lag, s.Lag)
 			lost += s.Lost
 			restarts += s.Restarts + s.Reconnects
 			orphaned += s.BlocksOrphaned
 		}
+		index, lag := k.state(l)
 		pool := string(l)
-		ch <- prometheus.MustNewConstMetric(k.indexBlocks, prometheus.GaugeValue, float64(f.Index.Size()), pool)
+		ch <- prometheus.MustNewConstMetric(k.indexBlocks, prometheus.GaugeValue, float64(index), pool)
 		ch <- prometheus.MustNewConstMetric(k.lag, prometheus.GaugeValue, lag.Seconds(), pool)
 		ch <- prometheus.MustNewConstMetric(k.lost, prometheus.CounterValue, float64(lost), pool)
 		ch <- prometheus.MustNewConstMetric(k.restarts, prometheus.CounterValue, float64(restarts), pool)

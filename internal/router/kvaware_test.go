@@ -140,6 +140,16 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 	}
 	if rc, ok := f.routing(t); !ok || rc.Prefill.PromptBlocks != 20 || rc.Prefill.HeldBlocks != 16 || rc.Decode.PromptBlocks != 20 || rc.Decode.HeldBlocks != 16 {
 		t.Errorf("GET /routing %+v (answered %v), want 16 of 20 blocks held in each pool", rc, ok)
+	} else {
+		// The index and the lag as the metrics say them (a batch's lag is at least 0 ms).
+		for pool, c := range map[string]routerconfig.PoolRoutingCounts{"prefill": rc.Prefill, "decode": rc.Decode} {
+			if index := f.counter(t, "pdcluster_router_kv_events_index_blocks", "pool", pool); c.IndexBlocks != 6 || float64(c.IndexBlocks) != index {
+				t.Errorf("%s: GET /routing says the index holds %d blocks, the metric %v; want 6 (4 and 2)", pool, c.IndexBlocks, index)
+			}
+			if lag := f.counter(t, "pdcluster_router_kv_events_lag_seconds", "pool", pool); c.EventsLagMilliseconds < 0 || c.EventsLagMilliseconds > int64(lag*1000)+1 {
+				t.Errorf("%s: GET /routing says the events lag %d ms, the metric %v s", pool, c.EventsLagMilliseconds, lag)
+			}
+		}
 	}
 
 	send("a text prompt has no token ids the router can read")

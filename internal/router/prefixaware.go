@@ -166,6 +166,8 @@ func (r *Router) serveRouting(w http.ResponseWriter, _ *http.Request) {
 		if r.kv != nil {
 			k := r.kv.counts[l]
 			pool.PromptBlocks, pool.HeldBlocks = counterValue(k.prompt), counterValue(k.matched)
+			index, lag := r.kv.state(l)
+			pool.IndexBlocks, pool.EventsLagMilliseconds = int64(index), lag.Milliseconds()
 		}
 	}
 	w.Header().Set("Content-Type", "application/json")

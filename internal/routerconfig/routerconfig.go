@@ -236,6 +236,11 @@ type PoolRoutingCounts struct {
 	HeldBlocks   int64 `json:"heldBlocks"`
 	PromptChunks int64 `json:"promptChunks"`
 	HeldChunks   int64 `json:"heldChunks"`
+	// IndexBlocks are the KV blocks the pool's engines' events say they hold, in the router's
+	// index; EventsLagMilliseconds the longest an engine's latest event batch took to reach
+	// the router (KVEvents).
+	IndexBlocks           int64 `json:"indexBlocks,omitempty"`
+	EventsLagMilliseconds int64 `json:"eventsLagMilliseconds,omitempty"`
 }
 
 // CanaryOutcome is a canary's result: CanaryExternal, CanaryRecomputed or CanaryFailed (the
