@@ -70,3 +70,36 @@ func TestARestartInsideTheReplayedSpanIsARestart(t *testing.T) {
 		t.Errorf("stream %+v: want 1 restart", s)
 	}
 }
+
+// What a live batch's number means, from what Follow knows of the sequence: in order, a
+// duplicate of what the last replay applied (until a live batch past it, or dupWindow), a
+// publisher that restarted (the number went back), or a gap.
+func TestSequenceClassifies(t *testing.T) {
+	t0 := time.Date(2026, 12, 7, 3, 0, 0, 0, time.UTC)
+	fresh := func() sequence { var s sequence; s.reset(); return s }
+	at := func(next uint64) sequence { s := fresh(); s.applied(next - 1); return s }
+	replayed := func(first, last uint64) sequence { s := fresh(); s.replayedSpan(first, last, t0); return s }
+	pastIt := func() sequence { s := replayed(2, 6); s.applied(7); return s }
+	for _, tc := range []struct {
+		name string
+		s    sequence
+		seq  uint64
+		now  time.Time
+		want seqVerdict
+	}{
+		{"fresh: any number starts the sequence", fresh(), 41, t0, seqInOrder},
+		{"the next one", at(5), 5, t0, seqInOrder},
+		{"past the next one", at(5), 7, t0, seqGap},
+		{"before the next one", at(5), 3, t0, seqRestarted},
+		{"inside the replayed span, soon after", replayed(2, 6), 4, t0.Add(time.Second), seqDuplicate},
+		{"inside the replayed span, past the window", replayed(2, 6), 4, t0.Add(dupWindow + time.Second), seqRestarted},
+		{"before the replayed span", replayed(2, 6), 1, t0, seqRestarted},
+		{"right after the replayed span", replayed(2, 6), 7, t0, seqInOrder},
+		{"past the replayed span", replayed(2, 6), 9, t0, seqGap},
+		{"inside the span once a live batch went past it", pastIt(), 4, t0.Add(time.Second), seqRestarted},
+	} {
+		if got := tc.s.classify(tc.seq, tc.now); got != tc.want {
+			t.Errorf("%s: classify(%d) = %d, want %d", tc.name, tc.seq, got, tc.want)
+		}
+	}
+}

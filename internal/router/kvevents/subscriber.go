@@ -113,26 +113,14 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 		delete(f.streams, src.Engine)
 		f.mu.Unlock()
 	}()
-	var next uint64
-	// fresh is set until a batch was applied since the subscriber connected: the first batch
-	// then starts the sequence, whatever its number (the publisher may have sent many
-	// before, and no longer buffer them).
-	fresh := true
-	// replayed is the span the last replay applied: live batches in it are duplicates (the
-	// subscriber got them too while the replay ran) until a live batch past it was applied or
-	// dupWindow passed; after that a batch numbered inside it is a new publisher's (an engine
-	// restarts in tens of seconds at the least).
-	var replayedFrom, replayedTo uint64
-	var replayedAt time.Time
-	replayed := false
+	var sq sequence
+	sq.reset()
 	catchUp := func(from uint64) {
 		// Fresh: whatever the buffer still holds (the engine may have run long before the
 		// router listened); from a gap: that gap exactly.
-		first, last, applied := f.replay(ctx, src, from, fresh, log)
+		first, last, applied := f.replay(ctx, src, from, sq.fresh, log)
 		if applied > 0 {
-			fresh = false
-			replayedFrom, replayedTo, replayed, replayedAt = first, last, true, time.Now()
-			next = last + 1
+			sq.replayedSpan(first, last, time.Now())
 		}
 	}
 	for connected := false; ctx.Err() == nil; connected = true {
@@ -142,7 +130,7 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 			log.Info("KV events connection lost: the engine's index is dropped and rebuilt from the publisher's replay")
 			f.Index.Drop(src.Engine)
 			f.update(src.Engine, func(s *Stream) { s.Reconnects++ })
-			next, replayed, fresh = 0, false, true
+			sq.reset()
 			select {
 			case <-ctx.Done():
 				return
@@ -164,43 +152,95 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 					log.Error(err, "skip a malformed message")
 					continue
 				}
-				if fresh {
-					next, fresh = seq, false
-				}
-				switch {
-				case seq < next && replayed && seq >= replayedFrom && seq <= replayedTo && time.Since(replayedAt) < dupWindow:
+				switch sq.classify(seq, time.Now()) {
+				case seqDuplicate:
 					continue // applied by the replay
-				case seq < next:
-					log.Info("KV events sequence went back: the engine restarted, its index is dropped", "sequence", seq, "expected", next)
+				case seqRestarted:
+					log.Info("KV events sequence went back: the engine restarted, its index is dropped", "sequence", seq, "expected", sq.next)
 					f.Index.Drop(src.Engine)
 					f.update(src.Engine, func(s *Stream) { s.Restarts++ })
-					next, replayed, fresh = 0, false, true
+					sq.reset()
 					if seq > 0 {
-						catchUp(0)
+						catchUp(0) // what the new process published before this batch
 					}
-					if fresh {
-						next, fresh = seq, false
+					if sq.classify(seq, time.Now()) != seqInOrder {
+						continue // the replay applied it
 					}
-				case seq > next:
+				case seqGap:
 					f.update(src.Engine, func(s *Stream) { s.Gaps++ })
-					catchUp(next)
-					if seq > next {
-						log.Info("KV events lost past the publisher's replay buffer: the engine's index is dropped", "from", next, "to", seq-1)
+					catchUp(sq.next)
+					switch sq.classify(seq, time.Now()) {
+					case seqGap:
+						log.Info("KV events lost past the publisher's replay buffer: the engine's index is dropped", "from", sq.next, "to", seq-1)
 						f.Index.Drop(src.Engine)
 						f.update(src.Engine, func(s *Stream) { s.Lost++; s.LastLoss = time.Now() })
-						next = seq
+					case seqInOrder:
+					default:
+						continue // the replay applied it
 					}
 				}
-				if seq < next {
-					continue
-				}
 				f.apply(src.Engine, payload, log)
-				// Past the replay's span: a batch numbered inside it again is a new
-				// publisher's, not a duplicate.
-				next, replayed = seq+1, false
+				sq.applied(seq)
 			}
 		})
 	}
+}
+
+// sequence is what Follow knows of a publisher's batch numbers.
+type sequence struct {
+	// next is the number the next batch should have.
+	next uint64
+	// fresh is set until a batch was applied since the subscriber (re)connected: the first
+	// batch then starts the sequence, whatever its number (the publisher may have sent many
+	// before, and no longer buffer them).
+	fresh bool
+	// replayed is the span the last replay applied, until a live batch past it: live batches
+	// in it are duplicates (the subscriber got them too while the replay ran) until dupWindow
+	// passed; after that a batch numbered inside it is a new publisher's (an engine restarts
+	// in tens of seconds at the least).
+	replayed                 bool
+	replayedFrom, replayedTo uint64
+	replayedAt               time.Time
+}
+
+// seqVerdict is what a live batch's number says.
+type seqVerdict int
+
+const (
+	seqInOrder   seqVerdict = iota // apply it
+	seqDuplicate                   // a replay applied it
+	seqRestarted                   // the number went back: a new engine process
+	seqGap                         // batches before it are missing
+)
+
+func (s *sequence) reset() { *s = sequence{fresh: true} }
+
+// classify is what batch seq means, now.
+func (s *sequence) classify(seq uint64, now time.Time) seqVerdict {
+	next := s.next
+	if s.fresh {
+		next = seq
+	}
+	switch {
+	case seq < next && s.replayed && seq >= s.replayedFrom && seq <= s.replayedTo && now.Sub(s.replayedAt) < dupWindow:
+		return seqDuplicate
+	case seq < next:
+		return seqRestarted
+	case seq > next:
+		return seqGap
+	}
+	return seqInOrder
+}
+
+// applied records that batch seq was applied (live, or past a gap the replay could not fill).
+func (s *sequence) applied(seq uint64) {
+	s.next, s.fresh, s.replayed = seq+1, false, false
+}
+
+// replayedSpan records that a replay applied batches first to last at now.
+func (s *sequence) replayedSpan(first, last uint64, now time.Time) {
+	s.next, s.fresh = last+1, false
+	s.replayed, s.replayedFrom, s.replayedTo, s.replayedAt = true, first, last, now
 }
 
 // receive connects a subscriber to src's publisher (retrying until ctx ends) and runs loop on
