@@ -28,8 +28,7 @@ type prefixRouting struct {
 	counts map[leg]prefixCounts
 }
 
-// prefixCounts are one pool's series of prefixRouting's counters, and the chunks again for
-// GET /routing.
+// prefixCounts are one pool's series of prefixRouting's counters (GET /routing reads them too).
 type prefixCounts struct {
 	prompt, matched, passedOver prometheus.Counter
 }

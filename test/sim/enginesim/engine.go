@@ -379,6 +379,9 @@ func (e *Engine) remember(r *request) {
 	for _, h := range r.hashes[held:whole] {
 		e.prefix[h] = struct{}{}
 	}
+	if e.events == nil {
+		return
+	}
 	var events []map[string]any
 	blocks := func(from, to int, parent *uint64) map[string]any {
 		tokens := make([]uint32, 0, (to-from)*e.cfg.BlockSize)
