@@ -89,10 +89,7 @@ func pairingStatus(status *v1alpha1.PDClusterStatus, in statusInputs) {
 		ps.SameDomainPairs, ps.CrossDomainPairs, ps.SameDomainPercent = status.Pairing.SameDomainPairs, status.Pairing.CrossDomainPairs, status.Pairing.SameDomainPercent
 	}
 	if pc := in.obs.pairs; pc != nil {
-		ps.SameDomainPairs, ps.CrossDomainPairs, ps.SameDomainPercent = pc.SameDomain, pc.CrossDomain, nil
-		if total := pc.SameDomain + pc.CrossDomain; total > 0 {
-			ps.SameDomainPercent = ptrTo(int32(pc.SameDomain * 100 / total))
-		}
+		ps.SameDomainPairs, ps.CrossDomainPairs, ps.SameDomainPercent = pc.SameDomain, pc.CrossDomain, percentOf(pc.SameDomain, pc.CrossDomain)
 	}
 	status.Pairing = &ps
 }

@@ -33,9 +33,9 @@ func poolRoutingStatus(c routerconfig.PoolRoutingCounts, pdc *v1alpha1.PDCluster
 		IndexBlocks: c.IndexBlocks, EventsLagMilliseconds: c.EventsLagMilliseconds}
 	switch {
 	case pdc.Spec.Router.Routing.Strategy == v1alpha1.RoutingKVEvents && c.PromptBlocks > 0:
-		s.HeldPercent = ptrTo(int32(float64(c.HeldBlocks) * 100 / float64(c.PromptBlocks)))
+		s.HeldPercent = percentOf(c.HeldBlocks, c.PromptBlocks-c.HeldBlocks)
 	case c.PromptChunks > 0:
-		s.HeldPercent = ptrTo(int32(float64(c.HeldChunks) * 100 / float64(c.PromptChunks)))
+		s.HeldPercent = percentOf(c.HeldChunks, c.PromptChunks-c.HeldChunks)
 	}
 	return s
 }

@@ -55,6 +55,10 @@ func TestRoutingStatus(t *testing.T) {
 			}},
 		{name: "nothing routed yet: no share", strategy: v1alpha1.RoutingKVEvents, counts: &routerconfig.RoutingCounts{},
 			want: &v1alpha1.RoutingStatus{}},
+		// Summed counts saturate at MaxInt64, where float64 rounds one short of all up to all.
+		{name: "saturated: exact", strategy: v1alpha1.RoutingPrefixAware,
+			counts: &routerconfig.RoutingCounts{Prefill: routerconfig.PoolRoutingCounts{PromptChunks: math.MaxInt64, HeldChunks: math.MaxInt64 - 1}},
+			want:   &v1alpha1.RoutingStatus{Prefill: v1alpha1.PoolRoutingStatus{PromptChunks: math.MaxInt64, HeldChunks: math.MaxInt64 - 1, HeldPercent: ptr.To[int32](99)}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := pdc()

@@ -7,6 +7,7 @@ package controllers
 import (
 	"errors"
 	"fmt"
+	"math/bits"
 	"slices"
 	"strings"
 	"time"
@@ -379,4 +380,17 @@ func gateCondition(pdc *v1alpha1.PDCluster, status *v1alpha1.PDClusterStatus, si
 		return []event{{corev1.EventTypeWarning, v1alpha1.ReasonGateDisabled, "Render", msg}}
 	}
 	return nil
+}
+
+// percentOf is part's whole percent of part+rest, rounded down; nil unless both are
+// non-negative and one is positive. The routers' counts saturate at MaxInt64, so the whole is
+// summed and multiplied in 128 bits: in int64 they wrap, in float64 99.99% rounds up to 100.
+func percentOf(part, rest int64) *int32 {
+	if part < 0 || rest < 0 || part == 0 && rest == 0 {
+		return nil
+	}
+	whole := uint64(part) + uint64(rest) // < 2^64: each is below 2^63
+	hi, lo := bits.Mul64(uint64(part), 100)
+	q, _ := bits.Div64(hi, lo, whole) // hi < whole as part <= whole: no panic
+	return ptrTo(int32(q))
 }

@@ -1,6 +1,7 @@
 package controllers
 
 import (
+	"math"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -153,6 +154,13 @@ func TestPairingStatus(t *testing.T) {
 			want: &v1alpha1.PairingStatus{Domains: 2, SameDomainPairs: 3, CrossDomainPairs: 1, SameDomainPercent: ptr.To[int32](75)}},
 		{name: "answered, no pairs yet: no share", pairing: true, pairs: &routerconfig.PairCounts{},
 			want: &v1alpha1.PairingStatus{Domains: 2}},
+		// The readers saturate each count at MaxInt64: neither the sum nor the product may wrap.
+		{name: "saturated same domain: all", pairing: true, pairs: &routerconfig.PairCounts{SameDomain: math.MaxInt64},
+			want: &v1alpha1.PairingStatus{Domains: 2, SameDomainPairs: math.MaxInt64, SameDomainPercent: ptr.To[int32](100)}},
+		{name: "both saturated: half", pairing: true, pairs: &routerconfig.PairCounts{SameDomain: math.MaxInt64, CrossDomain: math.MaxInt64},
+			want: &v1alpha1.PairingStatus{Domains: 2, SameDomainPairs: math.MaxInt64, CrossDomainPairs: math.MaxInt64, SameDomainPercent: ptr.To[int32](50)}},
+		{name: "saturated, one cross: not quite all", pairing: true, pairs: &routerconfig.PairCounts{SameDomain: math.MaxInt64 - 1, CrossDomain: 1},
+			want: &v1alpha1.PairingStatus{Domains: 2, SameDomainPairs: math.MaxInt64 - 1, CrossDomainPairs: 1, SameDomainPercent: ptr.To[int32](99)}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := pdc()
@@ -166,6 +174,31 @@ func TestPairingStatus(t *testing.T) {
 				t.Errorf("status.pairing (-want +got):\n%s", d)
 			}
 		})
+	}
+}
+
+// percentOf is exact over every count the readers pass, saturated ones included, and has no
+// share for nothing or for nonsense.
+func TestPercentOf(t *testing.T) {
+	for _, tc := range []struct {
+		part, rest int64
+		want       *int32
+	}{
+		{part: 0, rest: 0},
+		{part: -1, rest: 5},
+		{part: 5, rest: -1},
+		{part: 0, rest: 3, want: ptr.To[int32](0)},
+		{part: 3, rest: 1, want: ptr.To[int32](75)},
+		{part: 2, rest: 1, want: ptr.To[int32](66)},
+		{part: math.MaxInt64, rest: 0, want: ptr.To[int32](100)},
+		{part: math.MaxInt64, rest: math.MaxInt64, want: ptr.To[int32](50)},
+		{part: math.MaxInt64 - 1, rest: 1, want: ptr.To[int32](99)},
+		{part: 1, rest: math.MaxInt64, want: ptr.To[int32](0)},
+		{part: math.MaxInt64 / 64, rest: 0, want: ptr.To[int32](100)},
+	} {
+		if d := cmp.Diff(tc.want, percentOf(tc.part, tc.rest)); d != "" {
+			t.Errorf("percentOf(%d, %d) (-want +got):\n%s", tc.part, tc.rest, d)
+		}
 	}
 }
 
