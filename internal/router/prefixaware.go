@@ -29,9 +29,7 @@ type prefixRouting struct {
 }
 
 // prefixCounts are one pool's series of prefixRouting's counters (GET /routing reads them too).
-type prefixCounts struct {
-	prompt, matched, passedOver prometheus.Counter
-}
+type prefixCounts struct{ prompt, matched, passedOver prometheus.Counter }
 
 // newPrefixRouting is the state of routing, or nil when it does not weigh prefixes (KVEvents
 // keeps it as its estimate for text prompts and untrusted events).

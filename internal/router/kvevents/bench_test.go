@@ -58,11 +58,11 @@ func BenchmarkMatch(b *testing.B) {
 	for i := range tokens {
 		tokens[i] = uint32(1000 + 61*i%31000)
 	}
-	urls := []string{"e0", "e1"}
+	urls := [][]string{{"e0"}, {"e1"}}
 	matched := make([]int, 2)
 	b.ReportAllocs()
 	for b.Loop() {
-		ix.Match(Hashes(tokens, 64), func(i int) string { return urls[i] }, matched)
+		ix.MatchBest(Hashes(tokens, 64), urls, matched)
 	}
 	if matched[0] != 8 {
 		b.Fatalf("matched %v", matched)

@@ -75,7 +75,7 @@ var (
 // Decode reads one KVEventBatch payload. Malformed input is an error, never a panic: an event
 // of a kind it does not know is skipped (a newer vLLM may add kinds), a known event with fields
 // of the wrong type fails the batch. BlockStored in map form, every batch of 0.30 and later and
-// most of the bytes, is read straight from the bytes (decodeStored); the rest through msgpack's
+// most of the bytes, is read straight from the bytes (cursor.stored); the rest through msgpack's
 // generic values.
 func Decode(payload []byte) (Batch, error) {
 	if err := wellFormed(payload); err != nil {

@@ -174,15 +174,6 @@ func (ix *Index) CommonBlockSize(urls [][]string) (size int, agree bool) {
 	return size, true
 }
 
-// Match sets matched[i] to the leading blocks of hashes urls(i) holds.
-func (ix *Index) Match(hashes []uint64, urls func(i int) string, matched []int) {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	for i := range matched {
-		matched[i] = ix.engines[urls(i)].leading(hashes)
-	}
-}
-
 // MatchBest sets matched[i] to the most leading blocks of hashes any of urls[i] holds (one
 // pod's data-parallel ranks, of which the router does not pick one).
 func (ix *Index) MatchBest(hashes []uint64, urls [][]string, matched []int) {

@@ -223,7 +223,7 @@ func TestIndex(t *testing.T) {
 			ix := NewIndex(0)
 			orphans := ix.Apply("e", tc.events)
 			matched := make([]int, 2)
-			ix.Match(want, func(i int) string { return []string{"e", "other"}[i] }, matched)
+			ix.MatchBest(want, [][]string{{"e"}, {"other"}}, matched)
 			if diff := cmp.Diff([]int{tc.matched, 0}, matched); diff != "" || orphans != tc.orphans {
 				t.Errorf("matched (-want +got):\n%s\norphans %d, want %d", diff, orphans, tc.orphans)
 			}
