@@ -40,7 +40,7 @@ type kvRouting struct {
 	promptBlocks, matchedBlocks, fallbacks *prometheus.CounterVec
 	counts                                 map[leg]kvCounts
 	indexBlocks, lag                       *prometheus.Desc
-	lost, restarts, orphaned               *prometheus.Desc
+	lost, restarts, orphaned, panics       *prometheus.Desc
 }
 
 type kvCounts struct {
@@ -78,6 +78,7 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts)
 		lost:        prometheus.NewDesc("pdcluster_router_kv_events_lost_total", "Times KV events were lost past an engine's replay buffer (its index dropped, the pool estimated for a minute), by pool.", []string{"pool"}, nil),
 		restarts:    prometheus.NewDesc("pdcluster_router_kv_events_restarts_total", "Times an engine's KV events sequence went back or its connection dropped (its index dropped and rebuilt from its replay), by pool.", []string{"pool"}, nil),
 		orphaned:    prometheus.NewDesc("pdcluster_router_kv_events_orphaned_blocks_total", "Stored KV blocks skipped because the router never saw the block before them, by pool.", []string{"pool"}, nil),
+		panics:      prometheus.NewDesc("pdcluster_router_kv_events_panics_total", "KV event batches whose decoding or applying panicked and was recovered (the engine's index dropped, the pool estimated for a minute), by pool: a bug, or an engine sending what no check foresaw.", []string{"pool"}, nil),
 		counts:      map[leg]kvCounts{},
 	}
 	for _, l := range []leg{legPrefill, legDecode} {
@@ -248,7 +249,7 @@ func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {
 	k.promptBlocks.Describe(ch)
 	k.matchedBlocks.Describe(ch)
 	k.fallbacks.Describe(ch)
-	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned} {
+	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned, k.panics} {
 		ch <- d
 	}
 }
@@ -258,11 +259,12 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 	k.matchedBlocks.Collect(ch)
 	k.fallbacks.Collect(ch)
 	for l, f := range k.follow {
-		var lost, restarts, orphaned int
+		var lost, restarts, orphaned, panics int
 		for _, s := range f.Streams() {
 			lost += s.Lost
 			restarts += s.Restarts + s.Reconnects
 			orphaned += s.BlocksOrphaned
+			panics += s.Panics
 		}
 		index, lag := k.state(l)
 		pool := string(l)
@@ -271,5 +273,6 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(k.lost, prometheus.CounterValue, float64(lost), pool)
 		ch <- prometheus.MustNewConstMetric(k.restarts, prometheus.CounterValue, float64(restarts), pool)
 		ch <- prometheus.MustNewConstMetric(k.orphaned, prometheus.CounterValue, float64(orphaned), pool)
+		ch <- prometheus.MustNewConstMetric(k.panics, prometheus.CounterValue, float64(panics), pool)
 	}
 }

@@ -299,10 +299,7 @@ func (c *cursor) kind() (string, error) {
 	}
 	kind := ""
 	for range n {
-		if b := c.code(); !isStr(b) && !isBin(b) { // msgpack reads either as a key
-			return "", fmt.Errorf("a map key of byte 0x%02x", c.code())
-		}
-		key, err := c.bytes()
+		key, err := c.key()
 		if err != nil {
 			return "", err
 		}
@@ -321,6 +318,20 @@ func (c *cursor) kind() (string, error) {
 	return kind, nil
 }
 
+// key is the next map key as msgpack reads one into a string: a string's or binary's bytes, or
+// nil for nil (an empty key, as msgpack has it; the fuzz target found the fast path refusing it).
+func (c *cursor) key() ([]byte, error) {
+	switch b := c.code(); {
+	case b == 0xc0:
+		c.i++
+		return nil, nil
+	case isStr(b) || isBin(b):
+		return c.bytes()
+	default:
+		return nil, fmt.Errorf("a map key of byte 0x%02x", b)
+	}
+}
+
 // stored reads an event map as a BlockStored without msgpack's generic values (its token ids
 // are most of a batch, and boxing each one was most of what following an engine cost the
 // router), and the map's "type" as far as it read.
@@ -333,10 +344,7 @@ func (c *cursor) stored() (_ Event, kind string, err error) {
 	var haveHashes, haveTokens bool
 	size := int64(-1)
 	for range n {
-		if b := c.code(); !isStr(b) && !isBin(b) { // msgpack reads either as a key
-			return nil, kind, fmt.Errorf("a map key of byte 0x%02x", c.code())
-		}
-		key, err := c.bytes()
+		key, err := c.key()
 		if err != nil {
 			return nil, kind, err
 		}
@@ -418,11 +426,28 @@ func (c *cursor) stored() (_ Event, kind string, err error) {
 	case size <= 0:
 		return nil, kind, fmt.Errorf("BlockStored block_size %d is not a positive integer", size)
 	}
-	s.BlockSize = int(size)
-	if len(s.TokenIDs) != len(s.BlockHashes)*s.BlockSize {
-		return nil, kind, fmt.Errorf("BlockStored: %d token ids for %d blocks of %d", len(s.TokenIDs), len(s.BlockHashes), s.BlockSize)
+	if err := checkBlocks(len(s.BlockHashes), len(s.TokenIDs), size); err != nil {
+		return nil, kind, err
 	}
+	s.BlockSize = int(size)
 	return s, kind, nil
+}
+
+// maxBlockSize bounds the block size an event may state: past any model's context, such a block
+// would never fill. vLLM's are 1 to 256 tokens, hybrid models' a few thousand.
+const maxBlockSize = 1 << 24
+
+// checkBlocks is an error unless tokens token ids make blocks blocks of size each, size in
+// 1..maxBlockSize. It divides rather than multiplies: blocks*size wraps in int (issue 56: 4
+// hashes of 2^62 took no token ids, and the index sliced 2^62 of them).
+func checkBlocks(blocks, tokens int, size int64) error {
+	switch {
+	case size <= 0 || size > maxBlockSize:
+		return fmt.Errorf("BlockStored block_size %d is not in 1..%d", size, maxBlockSize)
+	case tokens%int(size) != 0 || tokens/int(size) != blocks:
+		return fmt.Errorf("BlockStored: %d token ids for %d blocks of %d", tokens, blocks, size)
+	}
+	return nil
 }
 
 func (c *cursor) tokens() ([]uint32, error) {
@@ -641,10 +666,10 @@ func eventOf(e any) (Event, error) {
 		if err != nil || size <= 0 {
 			return nil, fmt.Errorf("BlockStored block_size %v is not a positive integer", f["block_size"])
 		}
-		s.BlockSize = int(size)
-		if len(s.TokenIDs) != len(s.BlockHashes)*s.BlockSize {
-			return nil, fmt.Errorf("BlockStored: %d token ids for %d blocks of %d", len(s.TokenIDs), len(s.BlockHashes), s.BlockSize)
+		if err := checkBlocks(len(s.BlockHashes), len(s.TokenIDs), size); err != nil {
+			return nil, err
 		}
+		s.BlockSize = int(size)
 		s.Keyed = f["lora_id"] != nil || f["lora_name"] != nil
 		// extra_keys and (0.32 on) lookahead_token_ids: one entry per block, nil when the
 		// block's hash is its tokens' alone.

@@ -94,6 +94,9 @@ func (ix *Index) Apply(url string, events []Event) (orphans int) {
 			if ev.Keyed || (ev.Medium != "" && ev.Medium != "GPU") {
 				continue
 			}
+			if checkBlocks(len(ev.BlockHashes), len(ev.TokenIDs), int64(ev.BlockSize)) != nil {
+				continue // Decode refuses it; slicing it here would panic
+			}
 			parent := uint64(root)
 			if ev.HasParent {
 				p, ok := e.blocks[blockKey{ev.Parent, ev.Group}]

@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -156,9 +157,53 @@ func TestDecodeNeverPanics(t *testing.T) {
 	}
 }
 
+// FuzzDecode holds Decode to the generic decoding's answers, and what it decodes to an index
+// that takes it: the router applies whatever an engine's publisher sends.
 func FuzzDecode(f *testing.F) {
 	f.Add(batch(f, 0, stored([]any{1, 2}, 9, tokens(0, 4), 2)))
-	f.Fuzz(func(t *testing.T, p []byte) { agree(t, p) })
+	for _, p := range wrappingBlockSizes(f) {
+		f.Add(p)
+	}
+	f.Fuzz(func(t *testing.T, p []byte) {
+		agree(t, p)
+		if b, err := Decode(p); err == nil {
+			ix := NewIndex(64)
+			ix.Apply("e", b.Events)
+			ix.MatchBest(Hashes(tokens(0, 64), 2), [][]string{{"e"}}, make([]int, 1))
+		}
+	})
+}
+
+// wrappingBlockSizes are BlockStored events whose hashes times block size wrap in 64 bits to
+// the token ids they carry (issue 56): 4 hashes of 2^62 to none, 3 of (2^64+2)/3 to 2; in map
+// form, as vLLM 0.30 and later send them, and in array form.
+func wrappingBlockSizes(t testing.TB) map[string][]byte {
+	forged := func(hashes []any, ts []uint32, size int64) map[string]any {
+		return map[string]any{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": nil, "token_ids": anyTokens(ts), "block_size": size}
+	}
+	array, err := msgpack.Marshal([]any{1.5, []any{[]any{"BlockStored", []any{1, 2, 3, 4}, nil, []any{}, int64(1 << 62), nil, "GPU"}}, 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return map[string][]byte{
+		"4 hashes of 2^62, no token ids":           batch(t, 0, forged([]any{1, 2, 3, 4}, nil, 1<<62)),
+		"3 hashes of (2^64+2)/3, 2 token ids":      batch(t, 0, forged([]any{1, 2, 3}, tokens(0, 2), 6148914691236517206)),
+		"after a valid event":                      batch(t, 0, stored([]any{1}, nil, tokens(0, 2), 2), forged([]any{5, 6, 7, 8}, nil, 1<<62)),
+		"array form, 4 hashes of 2^62, no ids":     array,
+		"a block size past any context, no blocks": batch(t, 0, forged([]any{}, nil, 1<<40)),
+	}
+}
+
+// A block size that makes the event's hashes times it wrap to its token ids' count is refused by
+// both decoders, not read as consistent (issue 56: the index then sliced 2^62 token ids).
+func TestDecodeRefusesBlockSizesThatWrap(t *testing.T) {
+	for name, payload := range wrappingBlockSizes(t) {
+		for dname, decode := range map[string]func([]byte) (Batch, error){"Decode": Decode, "generic": decodeGeneric} {
+			if b, err := decode(payload); err == nil {
+				t.Errorf("%s: %s decoded %+v, want an error", name, dname, b)
+			}
+		}
+	}
 }
 
 func TestIndex(t *testing.T) {
@@ -228,6 +273,37 @@ func TestIndex(t *testing.T) {
 				t.Errorf("matched (-want +got):\n%s\norphans %d, want %d", diff, orphans, tc.orphans)
 			}
 		})
+	}
+}
+
+// The index takes what Decode would refuse without panicking and without holding any of it:
+// an event whose token ids do not make its blocks (issue 56) is skipped whole.
+func TestIndexSkipsInconsistentStored(t *testing.T) {
+	ix := NewIndex(0)
+	err := func() (err error) {
+		defer func() {
+			if p := recover(); p != nil {
+				err = fmt.Errorf("Apply panicked: %v", p)
+			}
+		}()
+		ix.Apply("e", []Event{
+			Stored{BlockHashes: []uint64{1, 2, 3, 4}, BlockSize: 1 << 62},
+			Stored{BlockHashes: []uint64{1, 2, 3}, TokenIDs: tokens(0, 2), BlockSize: 6148914691236517206},
+			Stored{BlockHashes: []uint64{1}, TokenIDs: tokens(0, 3), BlockSize: 2},
+			Stored{BlockHashes: []uint64{1}, BlockSize: 0},
+			Stored{BlockHashes: []uint64{1}, TokenIDs: tokens(0, 1), BlockSize: -1},
+			Stored{BlockHashes: []uint64{9}, TokenIDs: tokens(0, 2), BlockSize: 2},
+		})
+		return nil
+	}()
+	if err != nil {
+		t.Fatal(err)
+	}
+	matched := make([]int, 1)
+	ix.MatchBest(Hashes(tokens(0, 4), 2), [][]string{{"e"}}, matched)
+	size, _ := ix.CommonBlockSize([][]string{{"e"}})
+	if ix.Blocks("e") != 1 || matched[0] != 1 || size != 2 {
+		t.Errorf("%d blocks held, %d matched, block size %d; want the one valid event's: 1, 1, 2", ix.Blocks("e"), matched[0], size)
 	}
 }
 
@@ -376,7 +452,7 @@ func agree(t testing.TB, p []byte) {
 		t.Fatalf("payload %x: Decode error %v, the generic decoding's %v", p, err, wantErr)
 	}
 	if err == nil {
-		if diff := cmp.Diff(want, got, cmpopts.EquateEmpty()); diff != "" {
+		if diff := cmp.Diff(want, got, cmpopts.EquateEmpty(), cmpopts.EquateNaNs()); diff != "" {
 			t.Fatalf("payload %x: Decode (-generic +fast):\n%s", p, diff)
 		}
 	}

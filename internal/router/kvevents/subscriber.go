@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -30,8 +31,10 @@ type Stream struct {
 	// index never saw.
 	Batches, Events, BlocksOrphaned int
 	// Gaps are sequence gaps seen; Lost the gaps replay could not fill; Restarts the times the
-	// publisher's sequence went back (a new engine process); Reconnects the connections lost.
-	Gaps, Lost, Restarts, Reconnects int
+	// publisher's sequence went back (a new engine process); Reconnects the connections lost;
+	// Panics the batches whose decoding or applying panicked (each dropped the index, as a
+	// loss does).
+	Gaps, Lost, Restarts, Reconnects, Panics int
 	// LastEvent is when the last batch arrived; LastLoss when events were last lost.
 	LastEvent, LastLoss time.Time
 	// Lag is how long the last batch took from the engine to the index.
@@ -340,8 +343,22 @@ func frames(msg zmq4.Msg, topic string) (seq uint64, payload []byte, err error) 
 	return seq, msg.Frames[2], nil
 }
 
+// decodeBatch is Decode; tests make it panic.
+var decodeBatch = Decode
+
+// apply decodes a batch and applies it to engine's index. A panic doing so, some input no check
+// foresaw, is recovered: Follow runs in its own goroutine, where it would end the router, every
+// replica alike for as long as the engine republishes (issue 56). What the batch half applied is
+// unknown, so the engine's index is dropped and its pool estimated for a while, as after a loss.
 func (f *Follower) apply(engine string, payload []byte, log logr.Logger) {
-	b, err := Decode(payload)
+	defer func() {
+		if p := recover(); p != nil {
+			log.Error(fmt.Errorf("panic: %v", p), "KV event batch refused: decoding or applying it panicked; the engine's index is dropped", "stack", string(debug.Stack()))
+			f.Index.Drop(engine)
+			f.update(engine, func(s *Stream) { s.Panics++; s.LastLoss = time.Now() })
+		}
+	}()
+	b, err := decodeBatch(payload)
 	if err != nil {
 		log.Error(err, "skip a malformed KV event batch")
 		return
