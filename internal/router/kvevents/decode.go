@@ -484,6 +484,8 @@ func (c *cursor) hashes() ([]uint64, error) {
 }
 
 // maxDepth bounds nesting: a batch is at most 5 deep (batch, events, event, extra_keys, a key).
+// It is all that bounds the msgpack library's recursion: without it a complete batch nested 3
+// million deep overflows the router's stack, which no recover survives.
 const maxDepth = 8
 
 // wellFormed checks payload is one msgpack value whose every length fits in the bytes that

@@ -1,10 +1,12 @@
 package kvevents
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -322,27 +324,49 @@ func TestIndexIsBounded(t *testing.T) {
 }
 
 // The msgpack library sizes a map by its header and recurses as deep as the input nests: a
-// few hostile bytes would take the router's memory or stack.
+// few hostile bytes would take the router's memory or stack. Each payload is refused by the
+// bound meant for it (the error says which): a batch nested deep but cut short would be refused
+// for its truncation alone, and without the depth bound a complete one nested 3 million deep
+// overflows the stack, fatally (issue 56).
 func TestDecodeRefusesHostileSizes(t *testing.T) {
-	nested := make([]byte, 100000)
-	for i := range nested {
-		nested[i] = 0x91 // an array of one, nested
+	// nested is a complete batch [0, [event]] whose one event nests n containers deep, each
+	// opened by open, the innermost an empty array.
+	nested := func(n int, open ...byte) []byte {
+		p := append([]byte{0x92, 0x00, 0x91}, bytes.Repeat(open, n)...)
+		return append(p, 0x90)
 	}
-	for name, payload := range map[string][]byte{
-		"a map claiming 2^32 entries":    {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0xdf, 0xff, 0xff, 0xff, 0xff},
-		"an array claiming 2^32 items":   {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff},
-		"a string longer than the batch": {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdb, 0xff, 0xff, 0xff, 0xff},
-		"nested 100000 deep":             nested,
+	// inExtraKeys is a BlockStored whose extra_keys, read as generic values, nest n deep.
+	inExtraKeys := func(n int) []byte {
+		var deep any = []any{}
+		for range n {
+			deep = []any{deep}
+		}
+		e := stored([]any{1}, nil, tokens(0, 2), 2)
+		e["extra_keys"] = deep
+		return batch(t, 0, e)
+	}
+	for _, tc := range []struct {
+		name    string
+		payload []byte
+		want    string
+	}{
+		{"a map claiming 2^32 entries", []byte{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0xdf, 0xff, 0xff, 0xff, 0xff}, "a container of"},
+		{"an array claiming 2^32 items", []byte{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff}, "a container of"},
+		{"a string longer than the batch", []byte{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdb, 0xff, 0xff, 0xff, 0xff}, "truncated"},
+		{"arrays nested 10000 deep, complete", nested(10000, 0x91), "nested deeper than"},
+		{"array16s nested 10000 deep, complete", nested(10000, 0xdc, 0, 1), "nested deeper than"},
+		{"maps nested 10000 deep, complete", nested(10000, 0x81, 0xa1, 'k'), "nested deeper than"},
+		{"a BlockStored's extra_keys nested 10000 deep", inExtraKeys(10000), "nested deeper than"},
 	} {
 		done := make(chan error, 1)
-		go func() { _, err := Decode(payload); done <- err }()
+		go func() { _, err := Decode(tc.payload); done <- err }()
 		select {
 		case err := <-done:
-			if err == nil {
-				t.Errorf("%s: decoded, want an error", name)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("%s: error %v, want one saying %q", tc.name, err, tc.want)
 			}
 		case <-time.After(10 * time.Second):
-			t.Fatalf("%s: Decode did not return in 10 s", name)
+			t.Fatalf("%s: Decode did not return in 10 s", tc.name)
 		}
 	}
 }
