@@ -136,51 +136,72 @@ func TestBodyLimit(t *testing.T) {
 
 // The bytes of bodies in flight are bounded over all requests: past the budget a body is
 // refused with 503 and Retry-After (and counted), and the budget is whole again once the
-// requests holding it have ended. A budget that cannot hold one body of the largest size is a
-// configuration error.
+// requests holding it have ended; bodies that state no length (chunked) alike, charged as they
+// are read (issue 56: the third large chunked body was taken where a sized one got 503). A
+// budget that cannot hold one body of the largest size is a configuration error.
 func TestBodyBudget(t *testing.T) {
-	slow, entered, release := heldEngine(func(body int64) bool { return body > 1<<10 }) // the large bodies wait
-	defer release()                                                                     // before the servers close: they wait for their handlers
 	const maxBody = 1 << 20
 	cfg := Config{Flow: routerconfig.FlowMooncake, MaxBodyBytes: maxBody, MaxBodyBytesInFlight: 2 * bodyCopies * maxBody}
-	reg := prometheus.NewRegistry()
-	srv := routerMetered(t, cfg, &fakeEngine{}, slow, reg)
 	big := fmt.Sprintf(`{"prompt":%q}`, strings.Repeat("a", 900<<10))
-	held := make(chan int, 2)
-	for range 2 {
-		go func() {
-			code, _ := send(t, srv.URL, big)
-			held <- code
-		}()
-		<-entered
-	}
-	req, _ := http.NewRequest(http.MethodPost, srv.URL+"/v1/completions", strings.NewReader(big))
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Do(req) // taken, it would wait with the others
-	if err != nil {
-		t.Fatalf("a third large body with two held: %v, want 503 at once", err)
-	}
-	got, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(got), "request bodies") || resp.Header.Get("Retry-After") == "" {
-		t.Errorf("a third large body with two held: got %d %s (Retry-After %q), want 503 naming the budget", resp.StatusCode, got, resp.Header.Get("Retry-After"))
-	}
-	if code, got := send(t, srv.URL, `{"prompt":"x"}`); code != http.StatusOK {
-		t.Errorf("a small body beside them: got %d %s, want it taken", code, got)
-	}
-	release()
-	for range 2 {
-		if code := <-held; code != http.StatusOK {
-			t.Errorf("a held request: %d", code)
-		}
-	}
-	if code, got := send(t, srv.URL, big); code != http.StatusOK {
-		t.Errorf("a large body once the others ended: %d %s", code, got)
-	}
-	if got := metricSum(t, reg, "pdcluster_router_body_budget_refused_total"); got != 1 {
-		t.Errorf("pdcluster_router_body_budget_refused_total = %v, want 1", got)
-	}
-	if got := metricSum(t, reg, "pdcluster_router_body_bytes_in_flight"); got != 0 {
-		t.Errorf("pdcluster_router_body_bytes_in_flight = %v after every request ended, want 0", got)
+	for _, chunked := range []bool{false, true} {
+		t.Run(map[bool]string{false: "sized", true: "chunked"}[chunked], func(t *testing.T) {
+			slow, entered, release := heldEngine(func(body int64) bool { return body > 1<<10 }) // the large bodies wait
+			defer release()                                                                     // before the servers close: they wait for their handlers
+			reg := prometheus.NewRegistry()
+			srv := routerMetered(t, cfg, &fakeEngine{}, slow, reg)
+			// post sends body, chunked or with its length, and is answered within 5 s: a body
+			// taken past the budget would wait with the held ones.
+			post := func(body string) (int, string, http.Header, error) {
+				var r io.Reader = strings.NewReader(body)
+				if chunked {
+					r = struct{ io.Reader }{r} // no length known: chunked
+				}
+				req, _ := http.NewRequest(http.MethodPost, srv.URL+"/v1/completions", r)
+				resp, err := (&http.Client{Timeout: 5 * time.Second}).Do(req)
+				if err != nil {
+					return 0, "", nil, err
+				}
+				defer resp.Body.Close()
+				got, _ := io.ReadAll(resp.Body)
+				if chunked && req.ContentLength > 0 {
+					t.Fatalf("the request states its length %d, want chunked", req.ContentLength)
+				}
+				return resp.StatusCode, string(got), resp.Header, nil
+			}
+			held := make(chan int, 2)
+			for range 2 {
+				go func() {
+					code, _, _, _ := post(big)
+					held <- code
+				}()
+				<-entered
+			}
+			if got, want := metricSum(t, reg, "pdcluster_router_body_bytes_in_flight"), float64(2*bodyCopies*len(big)); got != want {
+				t.Errorf("two large bodies held: pdcluster_router_body_bytes_in_flight = %v, want %v", got, want)
+			}
+			code, got, h, err := post(big)
+			if err != nil || code != http.StatusServiceUnavailable || !strings.Contains(got, "request bodies") || h.Get("Retry-After") == "" {
+				t.Errorf("a third large body with two held: got %d %s (Retry-After %q, error %v), want 503 naming the budget at once", code, got, h.Get("Retry-After"), err)
+			}
+			if code, got, _, err := post(`{"prompt":"x"}`); code != http.StatusOK {
+				t.Errorf("a small body beside them: got %d %s (%v), want it taken", code, got, err)
+			}
+			release()
+			for range 2 {
+				if code := <-held; code != http.StatusOK {
+					t.Errorf("a held request: %d", code)
+				}
+			}
+			if code, got, _, err := post(big); code != http.StatusOK {
+				t.Errorf("a large body once the others ended: %d %s (%v)", code, got, err)
+			}
+			if got := metricSum(t, reg, "pdcluster_router_body_budget_refused_total"); got != 1 {
+				t.Errorf("pdcluster_router_body_budget_refused_total = %v, want 1", got)
+			}
+			if got := metricSum(t, reg, "pdcluster_router_body_bytes_in_flight"); got != 0 {
+				t.Errorf("pdcluster_router_body_bytes_in_flight = %v after every request ended, want 0", got)
+			}
+		})
 	}
 	if _, err := New(Config{Flow: routerconfig.FlowMooncake, MaxBodyBytes: maxBody, MaxBodyBytesInFlight: maxBody}, logr.Discard(), nil); err == nil {
 		t.Error("New took a body budget smaller than one body of the largest size")
