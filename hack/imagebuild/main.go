@@ -7,6 +7,13 @@
 //
 // Each argument is image=file[:path][,file[:path]...]; the first file is the entrypoint, and a
 // file without a path goes to /usr/local/bin/<its name>.
+//
+// An image of prebuilt layers (vLLM's CPU engine image, hack/vllm-image.sh) is the subcommand
+// layers: each layer a zstd tarball, pushed as an OCI image; a layer the registry already has is
+// not sent again.
+//
+//	imagebuild layers --ref 127.0.0.1:5000/pdcluster/vllm-cpu:0.32.0 --entrypoint /opt/vllm/bin/vllm \
+//	  --env PATH=/opt/vllm/bin:/usr/bin:/bin base.tar.zst vllm.tar.zst ...
 package main
 
 import (
@@ -27,9 +34,17 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "layers" {
+		if err := layersMain(os.Args[2:]); err != nil {
+			fmt.Fprintf(os.Stderr, "imagebuild layers: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
 	registry := flag.String("registry", "127.0.0.1:5000/pdcluster", "repository prefix the images are pushed under")
 	tag := flag.String("tag", "", "image tag (the chart's appVersion)")
 	user := flag.String("user", "65532:65532", "user the images run as, unless an image's spec ends in @root")
@@ -155,4 +170,73 @@ func tarOf(files []file) ([]byte, error) {
 		return nil, err
 	}
 	return buf.Bytes(), nil
+}
+
+// stringList is a repeatable flag.
+type stringList []string
+
+func (l *stringList) String() string     { return strings.Join(*l, ",") }
+func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
+
+// layersMain pushes an OCI image made of prebuilt zstd layer tarballs, in order.
+func layersMain(args []string) error {
+	fs := flag.NewFlagSet("layers", flag.ContinueOnError)
+	refFlag := fs.String("ref", "", "image reference to push, registry/repository:tag")
+	entrypoint := fs.String("entrypoint", "", "the image's entrypoint")
+	user := fs.String("user", "0:0", "user the image runs as")
+	workdir := fs.String("workdir", "/", "the image's working directory")
+	var env stringList
+	fs.Var(&env, "env", "KEY=VALUE of the image's environment (repeatable)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *refFlag == "" || fs.NArg() == 0 {
+		return fmt.Errorf("usage: imagebuild layers --ref R [--entrypoint E] [--env K=V]... layer.tar.zst...")
+	}
+	img, err := layered(fs.Args(), *entrypoint, *user, *workdir, env)
+	if err != nil {
+		return err
+	}
+	ref, err := name.NewTag(*refFlag, name.Insecure)
+	if err != nil {
+		return err
+	}
+	if err := remote.Write(ref, img); err != nil {
+		return fmt.Errorf("push %s: %w", ref, err)
+	}
+	d, err := img.Digest()
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%s@%s\n", ref, d)
+	return nil
+}
+
+// layered is the OCI image of layers (zstd tarballs) with the given config.
+func layered(layers []string, entrypoint, user, workdir string, env []string) (v1.Image, error) {
+	img := mutate.MediaType(empty.Image, types.OCIManifestSchema1)
+	img = mutate.ConfigMediaType(img, types.OCIConfigJSON)
+	for _, p := range layers {
+		l, err := tarball.LayerFromFile(p, tarball.WithMediaType(types.OCILayerZStd))
+		if err != nil {
+			return nil, fmt.Errorf("layer %s: %w", p, err)
+		}
+		if img, err = mutate.AppendLayers(img, l); err != nil {
+			return nil, fmt.Errorf("layer %s: %w", p, err)
+		}
+	}
+	cfg, err := img.ConfigFile()
+	if err != nil {
+		return nil, err
+	}
+	cfg = cfg.DeepCopy()
+	cfg.OS, cfg.Architecture = "linux", runtime.GOARCH
+	if entrypoint != "" {
+		cfg.Config.Entrypoint = []string{entrypoint}
+	}
+	cfg.Config.Env = env
+	cfg.Config.User = user
+	cfg.Config.WorkingDir = workdir
+	cfg.Config.Labels = map[string]string{"org.opencontainers.image.source": "https://github.com/pdcluster-dev/pdcluster-operator"}
+	return mutate.ConfigFile(img, cfg)
 }
