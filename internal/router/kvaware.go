@@ -37,10 +37,10 @@ type kvRouting struct {
 	running map[string]context.CancelFunc
 	ranks   map[leg]map[string][]string
 
-	promptBlocks, matchedBlocks, fallbacks *prometheus.CounterVec
-	counts                                 map[leg]kvCounts
-	indexBlocks, lag                       *prometheus.Desc
-	lost, restarts, orphaned, panics       *prometheus.Desc
+	promptBlocks, matchedBlocks, fallbacks    *prometheus.CounterVec
+	counts                                    map[leg]kvCounts
+	indexBlocks, lag                          *prometheus.Desc
+	lost, restarts, orphaned, panics, refused *prometheus.Desc
 }
 
 type kvCounts struct {
@@ -79,6 +79,7 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts)
 		restarts:    prometheus.NewDesc("pdcluster_router_kv_events_restarts_total", "Times an engine's KV events sequence went back or its connection dropped (its index dropped and rebuilt from its replay), by pool.", []string{"pool"}, nil),
 		orphaned:    prometheus.NewDesc("pdcluster_router_kv_events_orphaned_blocks_total", "Stored KV blocks skipped because the router never saw the block before them, by pool.", []string{"pool"}, nil),
 		panics:      prometheus.NewDesc("pdcluster_router_kv_events_panics_total", "KV event batches whose decoding or applying panicked and was recovered (the engine's index dropped, the pool estimated for a minute), by pool: a bug, or an engine sending what no check foresaw.", []string{"pool"}, nil),
+		refused:     prometheus.NewDesc("pdcluster_router_kv_events_refused_total", "KV events connections the router closed for what the engine wrote (a message past the size cap, a malformed ZMTP handshake, or none in time; the engine's index dropped, the pool estimated for a minute), by pool.", []string{"pool"}, nil),
 		counts:      map[leg]kvCounts{},
 	}
 	for _, l := range []leg{legPrefill, legDecode} {
@@ -249,7 +250,7 @@ func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {
 	k.promptBlocks.Describe(ch)
 	k.matchedBlocks.Describe(ch)
 	k.fallbacks.Describe(ch)
-	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned, k.panics} {
+	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned, k.panics, k.refused} {
 		ch <- d
 	}
 }
@@ -259,12 +260,13 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 	k.matchedBlocks.Collect(ch)
 	k.fallbacks.Collect(ch)
 	for l, f := range k.follow {
-		var lost, restarts, orphaned, panics int
+		var lost, restarts, orphaned, panics, refused int
 		for _, s := range f.Streams() {
 			lost += s.Lost
 			restarts += s.Restarts + s.Reconnects
 			orphaned += s.BlocksOrphaned
 			panics += s.Panics
+			refused += s.Refused
 		}
 		index, lag := k.state(l)
 		pool := string(l)
@@ -274,5 +276,6 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(k.restarts, prometheus.CounterValue, float64(restarts), pool)
 		ch <- prometheus.MustNewConstMetric(k.orphaned, prometheus.CounterValue, float64(orphaned), pool)
 		ch <- prometheus.MustNewConstMetric(k.panics, prometheus.CounterValue, float64(panics), pool)
+		ch <- prometheus.MustNewConstMetric(k.refused, prometheus.CounterValue, float64(refused), pool)
 	}
 }

@@ -33,8 +33,9 @@ type Stream struct {
 	// Gaps are sequence gaps seen; Lost the gaps replay could not fill; Restarts the times the
 	// publisher's sequence went back (a new engine process); Reconnects the connections lost;
 	// Panics the batches whose decoding or applying panicked (each dropped the index, as a
-	// loss does).
-	Gaps, Lost, Restarts, Reconnects, Panics int
+	// loss does); Refused the connections refused for what the publisher wrote (a frame past
+	// the cap, a malformed handshake, none in time: RefusedError), each a loss too.
+	Gaps, Lost, Restarts, Reconnects, Panics, Refused int
 	// LastEvent is when the last batch arrived; LastLoss when events were last lost.
 	LastEvent, LastLoss time.Time
 	// Lag is how long the last batch took from the engine to the index.
@@ -145,6 +146,9 @@ func (f *Follower) Follow(ctx context.Context, src Source) {
 			for {
 				msg, err := sub.Recv()
 				if err != nil {
+					if f.refused(src.Engine, err, log) {
+						return
+					}
 					if ctx.Err() == nil {
 						log.V(1).Info("KV events receive ended", "error", err.Error())
 					}
@@ -256,6 +260,9 @@ func (f *Follower) receive(ctx context.Context, src Source, log logr.Logger, loo
 		return
 	}
 	if err := sub.Dial(buffered(src.Endpoint)); err != nil {
+		if f.refused(src.Engine, err, log) {
+			return
+		}
 		if ctx.Err() == nil {
 			log.Error(err, "dial the KV events publisher")
 		}
@@ -281,8 +288,10 @@ func (f *Follower) replay(ctx context.Context, src Source, from uint64, orLater 
 	defer cancel()
 	dealer := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0))
 	defer dealer.Close()
-	if err := dealer.Dial(src.Replay); err != nil {
-		log.V(1).Info("KV events replay unavailable", "error", err.Error())
+	if err := dealer.Dial(buffered(src.Replay)); err != nil {
+		if !f.refused(src.Engine, err, log) {
+			log.V(1).Info("KV events replay unavailable", "error", err.Error())
+		}
 		return 0, 0, 0
 	}
 	var req [8]byte
@@ -295,7 +304,9 @@ func (f *Follower) replay(ctx context.Context, src Source, from uint64, orLater 
 	for {
 		msg, err := dealer.Recv()
 		if err != nil {
-			log.V(1).Info("KV events replay ended early", "error", err.Error())
+			if !f.refused(src.Engine, err, log) {
+				log.V(1).Info("KV events replay ended early", "error", err.Error())
+			}
 			return first, last, applied
 		}
 		// [empty, topic, seq, payload]
@@ -326,6 +337,20 @@ func (f *Follower) replay(ctx context.Context, src Source, from uint64, orLater 
 		last, want = seq, seq+1
 		applied++
 	}
+}
+
+// refused is whether err refuses engine's publisher (RefusedError: the connection was closed
+// for what it wrote), which it then logs and counts as a loss: what the refused message held,
+// and what the publisher sends until the follower reconnects, is missing from the index.
+func (f *Follower) refused(engine string, err error, log logr.Logger) bool {
+	var r *RefusedError
+	if !errors.As(err, &r) {
+		return false
+	}
+	log.Error(err, "KV events connection refused: the engine's index is dropped and its pool estimated for a while")
+	f.Index.Drop(engine)
+	f.update(engine, func(s *Stream) { s.Refused++; s.LastLoss = time.Now() })
+	return true
 }
 
 // frames reads a publisher message: [topic, 8-byte big-endian sequence, payload].
