@@ -30,8 +30,16 @@ build: ## Build every binary into bin/: the shipped ones (cmd/), the simulators 
 images: ## Build the images (operator, connector, router, vllm-sim, pause) without a Docker daemon and push them to the local registry (127.0.0.1:5000).
 	hack/local-node.sh images
 
+.PHONY: vllm-image
+vllm-image: ## Build vLLM's CPU engine image (the release make run's sample runs) without a Docker daemon and push it to the local registry (hack/vllm-image.sh; docs/vllm-image.md).
+	. hack/lib.sh && hack/vllm-image.sh "$$(vllm_release config/samples/local-node-vllm.yaml)"
+
+.PHONY: vllm-image-layers
+vllm-image-layers: ## Build (or find cached) the layers of vLLM's CPU engine image, without pushing it.
+	. hack/lib.sh && hack/vllm-image.sh --layers-only "$$(vllm_release config/samples/local-node-vllm.yaml)"
+
 .PHONY: run
-run: build ## Main job: local cluster, operator installed with Helm, sample PDCluster Ready (stop: make down).
+run: build ## Main job: local cluster, operator installed with Helm, a PDCluster of real vLLM engines Ready and serving (PDCLUSTER_ENGINE=sim: the stand-in; stop: make down).
 	hack/run.sh up
 
 .PHONY: down

@@ -6,8 +6,13 @@
 # the cluster up afterwards, to look at.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=hack/lib.sh
+source "${root}/hack/lib.sh"
 bin="$("${root}/hack/envtest-assets.sh")"
 export PDCLUSTER_CLUSTER_DIR="${PDCLUSTER_E2E_DIR:-$(mktemp -d -t pdcluster-e2e.XXXXXX)}"
+# A directory of our own goes when the cluster does: its registry and containerd hold about 14 GB
+# with vLLM's engine image.
+made_dir=""; [[ -n "${PDCLUSTER_E2E_DIR:-}" ]] || made_dir="${PDCLUSTER_CLUSTER_DIR}"
 export PDCLUSTER_APISERVER_PORT="${PDCLUSTER_E2E_APISERVER_PORT:-16543}"
 export PDCLUSTER_ETCD_PORT="${PDCLUSTER_E2E_ETCD_PORT:-12479}"
 export PDCLUSTER_MANAGER_METRICS=127.0.0.1:18180 PDCLUSTER_MANAGER_PROBES=127.0.0.1:18181
@@ -27,6 +32,8 @@ cleanup() {
 		exit "${rc}"
 	fi
 	"${root}/hack/run.sh" down || true
+	# run.sh down unmounted everything under it.
+	[[ -z "${made_dir}" ]] || rm -rf "${made_dir}"
 	exit "${rc}"
 }
 trap cleanup EXIT
@@ -34,7 +41,9 @@ if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 	PDCLUSTER_CLUSTER_DIR="${HOME}/.cache/pdcluster/cluster" "${root}/hack/local-cluster.sh" down
 fi
 
-"${root}/hack/run.sh" up
+# The stand-in engine for the tests of the tiny sample (make run's default is real vLLM: its
+# sample runs in test/e2e TestRealVLLMPods, beside it).
+PDCLUSTER_ENGINE=sim "${root}/hack/run.sh" up
 cd "${root}"
 real=()
 if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
@@ -49,7 +58,9 @@ if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 	"${k[@]}" create serviceaccount metrics-scraper -n pdcluster-system >&2
 	"${k[@]}" create clusterrolebinding metrics-scraper --clusterrole pdcluster-operator-metrics-reader \
 		--serviceaccount pdcluster-system:metrics-scraper >&2
-	real=(PDCLUSTER_E2E_REAL_NODE="${PDCLUSTER_NODE_NAME:-pdc-node-0}" PDCLUSTER_E2E_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
+	# vLLM's CPU engine image, the release make run's sample runs, in this cluster's registry.
+	vllm_image="$(PDCLUSTER_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}" hack/vllm-image.sh "$(vllm_release config/samples/local-node-vllm.yaml)")"
+	real=(PDCLUSTER_E2E_VLLM_IMAGE="${vllm_image%@*}" PDCLUSTER_E2E_REAL_NODE="${PDCLUSTER_NODE_NAME:-pdc-node-0}" PDCLUSTER_E2E_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
 		PDCLUSTER_MANAGER_METRICS="${manager_ip}:8080"
 		PDCLUSTER_MANAGER_METRICS_TOKEN="$("${k[@]}" create token metrics-scraper -n pdcluster-system --duration 2h)")
 fi

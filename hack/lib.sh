@@ -6,3 +6,9 @@ app_version() { awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' "${root}/char
 # node_ip is this machine's address on its default route: the real node's InternalIP, which the
 # API server advertises too. Nothing is sent; the kernel only looks the route up.
 node_ip() { ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "src") print $(i + 1)}'; }
+
+# vllm_release prints the vLLM release of the engine image hack/vllm-image.sh builds, if the
+# PDCluster file given runs it (its image is .../pdcluster/vllm-cpu:RELEASE), else nothing.
+vllm_release() {
+	sed -n 's|^ *image: .*/pdcluster/vllm-cpu:\([0-9][0-9.]*\) *$|\1|p' "$1" | head -1
+}

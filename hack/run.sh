@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The main job: a local cluster (hack/local-cluster.sh) with a real node, the operator installed
 # by its Helm chart from the images built here (it runs as a pod on the real node), and the
-# sample PDCluster on the real node, waited on until Ready and answering a completion through
-# its router Service.
+# sample PDCluster on the real node, waited on until Ready and answering a chat completion
+# through its router Service.
 #   hack/run.sh up     # leaves the cluster and the operator running
 #   hack/run.sh down
+#
+# The sample's engines are real vLLM (config/samples/local-node-vllm.yaml: vLLM's CPU build from
+# the image hack/vllm-image.sh builds, a tiny model with random weights); once they answer,
+# run.sh waits for KVTransferVerified, judged from real vLLM's metrics. PDCLUSTER_ENGINE=sim
+# applies config/samples/local-node.yaml instead: the Go stand-in for vLLM, a faster start.
 #
 # With PDCLUSTER_REAL_NODE=0 there are only kwok nodes, which run no containers: the chart's
 # manager Deployment gets zero replicas and the manager runs here as a process instead.
@@ -19,8 +24,13 @@ release=pdcluster-operator
 namespace=pdcluster-system
 real_node="${PDCLUSTER_REAL_NODE:-1}"
 registry="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
+engine="${PDCLUSTER_ENGINE:-vllm}"
 if [[ "${real_node}" == 1 ]]; then
-	sample="${PDCLUSTER_SAMPLE:-${root}/config/samples/local-node.yaml}"
+	case "${engine}" in
+	vllm) sample="${PDCLUSTER_SAMPLE:-${root}/config/samples/local-node-vllm.yaml}" ;;
+	sim) sample="${PDCLUSTER_SAMPLE:-${root}/config/samples/local-node.yaml}" ;;
+	*) echo "run: PDCLUSTER_ENGINE is vllm (default) or sim, not ${engine}" >&2; exit 2 ;;
+	esac
 else
 	sample="${PDCLUSTER_SAMPLE:-${root}/config/samples/serving_v1alpha1_pdcluster.yaml}"
 fi
@@ -67,6 +77,29 @@ KC
 	log "operator running as ServiceAccount ${namespace}/${release} (log: ${dir}/manager.log)"
 }
 
+# verify_kv waits for KVTransferVerified, which the operator judges from decode's own vLLM
+# metrics: at least 256 prompt tokens in the sample's 30 s window, taken from prefill. A chat
+# message is too short, so new prompts of a few hundred tokens go through the router meanwhile
+# (new each time: decode would find a repeated one in its own prefix cache).
+verify_kv() {
+	local ns="$1" name="$2" ip="$3" model="$4" i status words
+	for i in $(seq 1 36); do
+		status="$("${kubectl}" get --namespace "${ns}" pdcluster "${name}" -o jsonpath='{.status.conditions[?(@.type=="KVTransferVerified")].status}')"
+		if [[ "${status}" == True ]]; then
+			log "KVTransferVerified: $("${kubectl}" get --namespace "${ns}" pdcluster "${name}" -o jsonpath='{.status.conditions[?(@.type=="KVTransferVerified")].message}')"
+			return 0
+		fi
+		words="$(seq -f "run${i}w%g" 1 60 | tr '\n' ' ')"
+		curl -fsS -m 60 -o /dev/null "http://${ip}/v1/completions" -H 'Content-Type: application/json' \
+			-d "{\"model\":\"${model}\",\"prompt\":\"${words}\",\"max_tokens\":4}" || true
+		sleep 5
+	done
+	log "KVTransferVerified is not True after 3 minutes of traffic:"
+	"${kubectl}" get --namespace "${ns}" pdcluster "${name}" -o jsonpath='{.status.conditions[?(@.type=="KVTransferVerified")]}' >&2
+	echo >&2
+	return 1
+}
+
 up() {
 	local kubeconfig; kubeconfig="$("${root}/hack/local-cluster.sh" up)"
 	export KUBECONFIG="${kubeconfig}"
@@ -75,6 +108,9 @@ up() {
 	if [[ "${real_node}" == 1 ]]; then
 		# The operator runs as the chart's pod on the real node, from the image built here.
 		"${root}/hack/local-node.sh" images
+		# The sample's vLLM engine image (its tag is the vLLM release), built here.
+		local vllm; vllm="$(vllm_release "${sample}")"
+		[[ -z "${vllm}" ]] || PDCLUSTER_REGISTRY="${registry}" "${root}/hack/vllm-image.sh" "${vllm}" >/dev/null
 		"${root}/hack/local-node.sh" netpol "${kubeconfig}"
 		# Before the operator: it watches LeaderWorkerSets when the cluster serves them at start.
 		"${root}/hack/local-node.sh" lws "${kubeconfig}"
@@ -91,7 +127,10 @@ up() {
 	local ns name
 	ns="$("${kubectl}" get -f "${sample}" -o jsonpath='{.metadata.namespace}')"
 	name="$("${kubectl}" get -f "${sample}" -o jsonpath='{.metadata.name}')"
-	"${kubectl}" wait --namespace "${ns}" --for=condition=Ready "pdcluster/${name}" --timeout "${PDCLUSTER_WAIT:-300s}" >&2
+	# Real vLLM pulls a 3 GB image and starts on a CPU: minutes, not seconds.
+	local wait=300s
+	[[ -z "$(vllm_release "${sample}")" ]] || wait=900s
+	"${kubectl}" wait --namespace "${ns}" --for=condition=Ready "pdcluster/${name}" --timeout "${PDCLUSTER_WAIT:-${wait}}" >&2
 	local kinds=pdcluster,deployments,pods
 	# The real node's cluster runs LeaderWorkerSet: a pool with parallelism.nodes > 1 is one.
 	[[ "${real_node}" == 1 ]] && kinds=pdcluster,deployments,leaderworkersets,pods
@@ -100,11 +139,14 @@ up() {
 		local ip model
 		ip="$("${kubectl}" get --namespace "${ns}" service "${name}-router" -o jsonpath='{.spec.clusterIP}')"
 		model="$("${kubectl}" get --namespace "${ns}" pdcluster "${name}" -o jsonpath='{.spec.model.servedModelName}')"
-		log "a completion through the router Service ${ip}:80:"
+		log "a chat completion through the router Service ${ip}:80:"
 		# The router resolves the pools every 5 s: retry while it has not seen the new pods yet.
-		curl -fsS -m 30 --retry 15 --retry-delay 2 --retry-all-errors "http://${ip}/v1/completions" -H 'Content-Type: application/json' \
-			-d "{\"model\":\"${model}\",\"prompt\":\"Disaggregated serving moves the KV cache from prefill to decode\",\"max_tokens\":8}" >&2
+		curl -fsS -m 60 --retry 15 --retry-delay 2 --retry-all-errors "http://${ip}/v1/chat/completions" -H 'Content-Type: application/json' \
+			-d "{\"model\":\"${model}\",\"messages\":[{\"role\":\"user\",\"content\":\"Disaggregated serving moves the KV cache from prefill to decode\"}],\"max_tokens\":8}" >&2
 		echo >&2
+		if [[ -n "$(vllm_release "${sample}")" ]]; then
+			verify_kv "${ns}" "${name}" "${ip}" "${model}"
+		fi
 	fi
 	log "up. export KUBECONFIG=${kubeconfig}; stop with: hack/run.sh down"
 }

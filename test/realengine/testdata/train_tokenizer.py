@@ -3,9 +3,10 @@ image, hack/vllm-image.sh): writes a byte-level BPE tokenizer of 8000 tokens, tr
 words, into the model directory given (tokenizer.json and tokenizer_config.json, with a plain chat
 template), so that vLLM serves text prompts, chat and /tokenize for the tiny model without a
 download. Its speed per token is a real tokenizer's (Hugging Face tokenizers, as vLLM loads any);
-its vocabulary is not a language's."""
+its vocabulary is not a language's. The directory's config.json, if any, gets the tokenizer's
+vocabulary size, so that every token the random weights pick decodes to text."""
 
-import random, sys
+import json, os, random, sys
 from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders
 from transformers import PreTrainedTokenizerFast
 random.seed(1)
@@ -20,4 +21,11 @@ fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_toke
 fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 fast.save_pretrained(sys.argv[1])
+config = os.path.join(sys.argv[1], "config.json")
+if os.path.exists(config):
+    with open(config) as f:
+        c = json.load(f)
+    c["vocab_size"] = len(fast)
+    with open(config, "w") as f:
+        json.dump(c, f, indent=2)
 print(len(fast), fast("hello world abc").input_ids)

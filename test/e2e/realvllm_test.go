@@ -1,0 +1,243 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/yaml"
+
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/test/realengine"
+)
+
+// The sample `make run` applies by default: real vLLM from the engine image hack/vllm-image.sh
+// builds (config/samples/local-node-vllm.yaml).
+const (
+	vllmSample  = "config/samples/local-node-vllm.yaml"
+	vllmNS      = "vllm"
+	vllmVersion = "0.32.0"
+)
+
+// vllmAnswer is what the tests read of an OpenAI completion or chat completion.
+type vllmAnswer struct {
+	Status  int
+	Body    string
+	Text    string
+	IDs     []int // choices[0].token_ids (return_token_ids)
+	Prompt  int   // usage.prompt_tokens
+	Tokens  int   // usage.completion_tokens
+	Chatted bool
+}
+
+// openAI posts req to base+path and reads the answer.
+func openAI(base, path string, req map[string]any) (vllmAnswer, error) {
+	body, err := json.Marshal(req)
+	if err != nil {
+		return vllmAnswer{}, err
+	}
+	hc := &http.Client{Timeout: 2 * time.Minute}
+	resp, err := hc.Post(base+path, "application/json", bytes.NewReader(body))
+	if err != nil {
+		return vllmAnswer{}, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return vllmAnswer{}, err
+	}
+	a := vllmAnswer{Status: resp.StatusCode, Body: string(b)}
+	var out struct {
+		Choices []struct {
+			Text     string `json:"text"`
+			TokenIDs []int  `json:"token_ids"`
+			Message  *struct {
+				Content string `json:"content"`
+			} `json:"message"`
+		} `json:"choices"`
+		Usage struct {
+			PromptTokens     int `json:"prompt_tokens"`
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(b, &out); err == nil && len(out.Choices) == 1 {
+		a.Text, a.IDs = out.Choices[0].Text, out.Choices[0].TokenIDs
+		if m := out.Choices[0].Message; m != nil {
+			a.Text, a.Chatted = m.Content, true
+		}
+		a.Prompt, a.Tokens = out.Usage.PromptTokens, out.Usage.CompletionTokens
+	}
+	return a, nil
+}
+
+// TestRealVLLMPods runs `make run`'s default sample, real vLLM, in the operator's own pods on
+// the real node: the engine image's vLLM (its CPU build) with the plugin from the operator's
+// ConfigMap, the sidecars, the router, every NetworkPolicy enforced. It proves in pods what
+// test/realengine proves on loopback: the engines are vLLM and load the gate, a chat and a
+// text completion through the router Service are served from KV decode pulled from prefill
+// (decode's external-KV prompt tokens are the prompt's), with the tokens one engine alone
+// computes, and the operator's KVTransferVerified and gate counts come from the real engines.
+func TestRealVLLMPods(t *testing.T) {
+	image := os.Getenv("PDCLUSTER_E2E_VLLM_IMAGE")
+	if os.Getenv("PDCLUSTER_E2E_REAL_NODE") == "" || image == "" {
+		t.Skip("needs the local cluster's real node and vLLM's engine image: run hack/e2e.sh (make test does)")
+	}
+	e := setup(t)
+	raw, err := os.ReadFile(filepath.Join("..", "..", vllmSample))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pdc v1alpha1.PDCluster
+	if err := yaml.UnmarshalStrict(raw, &pdc); err != nil {
+		t.Fatalf("%s: %v", vllmSample, err)
+	}
+	if !strings.HasSuffix(pdc.Spec.Engine.Image, "/pdcluster/vllm-cpu:"+vllmVersion) {
+		t.Fatalf("%s runs %s: this test expects vLLM %s's CPU image", vllmSample, pdc.Spec.Engine.Image, vllmVersion)
+	}
+	// Beside the stand-in sample of the same name: a namespace of its own, the image from the
+	// registry e2e.sh pushed it to.
+	pdc.Namespace, pdc.Spec.Engine.Image = vllmNS, image
+	e.namespace(vllmNS)
+	if err := e.c.Create(e.ctx, &pdc); err != nil {
+		t.Fatal(err)
+	}
+	name := pdc.Name
+	get := func() v1alpha1.PDCluster {
+		t.Helper()
+		var p v1alpha1.PDCluster
+		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: vllmNS, Name: name}, &p); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	pods := func(role v1alpha1.Role) []corev1.Pod { return e.podsOf(vllmNS, name, role) }
+	start := time.Now()
+	// Pulling a 3 GB image and starting vLLM on a CPU: minutes.
+	e.eventuallyWithin("the real-vLLM sample Ready", 15*time.Minute, func() error {
+		p := get()
+		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady); c == nil || c.Status != metav1.ConditionTrue || p.Status.ObservedGeneration != p.Generation {
+			return fmt.Errorf("Ready %+v at observed generation %d of %d", c, p.Status.ObservedGeneration, p.Generation)
+		}
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
+			if got := pods(role); len(got) != 1 {
+				return fmt.Errorf("%s: %d pods %v, want 1", role, len(got), podNames(got))
+			}
+		}
+		return nil
+	})
+	t.Logf("Ready %s after the PDCluster was created", time.Since(start).Round(time.Second))
+	prefill, decode := pods(v1alpha1.RolePrefill)[0], pods(v1alpha1.RoleDecode)[0]
+
+	// The engines are vLLM itself, and each loaded the operator's plugin.
+	for _, pod := range []corev1.Pod{prefill, decode} {
+		got := strings.TrimSpace(e.run("exec", "-n", vllmNS, pod.Name, "-c", "engine", "--", "python", "-c", "import vllm; print(vllm.__version__)"))
+		if !strings.HasPrefix(got, vllmVersion) {
+			t.Errorf("%s's engine runs vLLM %q, want %s", pod.Name, got, vllmVersion)
+		}
+		logs := e.run("logs", "-n", vllmNS, pod.Name, "-c", "engine")
+		if want := "pdgate: GatedMooncakeConnector loaded on vLLM " + vllmVersion; !strings.Contains(logs, want) {
+			t.Errorf("%s's engine log does not say %q", pod.Name, want)
+		}
+	}
+
+	var svc corev1.Service
+	if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: vllmNS, Name: name + "-router"}, &svc); err != nil {
+		t.Fatal(err)
+	}
+	router := "http://" + svc.Spec.ClusterIP
+	engine := func(pod corev1.Pod) string {
+		return "http://" + net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(vllm.APIPort)))
+	}
+	model := pdc.Spec.Model.ServedModelName
+
+	// A chat completion through the router Service: the chat template and tokenizer the image
+	// ships, both legs on real engines.
+	chat := map[string]any{"model": model, "messages": []map[string]string{{"role": "user", "content": "Where does decode find its KV cache?"}},
+		"max_tokens": 8, "temperature": 0, "ignore_eos": true}
+	var got vllmAnswer
+	// The router resolves the pools every 5 s: it may not know the new pods yet.
+	e.eventuallyWithin("a chat completion through the router Service", time.Minute, func() error {
+		var err error
+		if got, err = openAI(router, "/v1/chat/completions", chat); err != nil {
+			return err
+		}
+		if got.Status != http.StatusOK || !got.Chatted || got.Tokens != 8 {
+			return fmt.Errorf("%d %s", got.Status, got.Body)
+		}
+		return nil
+	})
+	t.Logf("chat answered %q", got.Text)
+
+	// A text prompt of several blocks (the image's tokenizer makes about 5 tokens of each of
+	// these words; the model takes 1024): decode takes every prompt token from prefill's KV, and
+	// the answer is the one engine alone gives for it.
+	before, err := realengine.EngineStats(context.Background(), engine(decode))
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := map[string]any{"model": model, "prompt": words(40), "max_tokens": 8, "temperature": 0, "ignore_eos": true, "return_token_ids": true}
+	pd, err := openAI(router, "/v1/completions", text)
+	if err != nil || pd.Status != http.StatusOK || pd.Tokens != 8 {
+		t.Fatalf("a text completion through the router: %+v %v", pd, err)
+	}
+	after, err := realengine.EngineStats(context.Background(), engine(decode))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ext := after.ExternalKVTokens - before.ExternalKVTokens; ext != float64(pd.Prompt) || pd.Prompt <= 2*realBlock {
+		t.Errorf("decode counted %v prompt tokens from external KV for a prompt of %d tokens (local compute %v), want all of them (and more than two blocks)",
+			ext, pd.Prompt, after.LocalComputeTokens-before.LocalComputeTokens)
+	}
+	alone, err := openAI(engine(prefill), "/v1/completions", text)
+	if err != nil || alone.Status != http.StatusOK {
+		t.Fatalf("the same prompt on prefill's engine alone: %+v %v", alone, err)
+	}
+	if len(pd.IDs) != 8 || fmt.Sprint(pd.IDs) != fmt.Sprint(alone.IDs) {
+		t.Errorf("P/D answered tokens %v (%q), one engine alone %v (%q)", pd.IDs, pd.Text, alone.IDs, alone.Text)
+	}
+
+	// The operator judges KV transfer from decode's own metrics, and reads the gate's counts.
+	e.eventuallyWithin("KVTransferVerified from the real engines", 3*time.Minute, func() error {
+		p := get()
+		c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionKVTransferVerified)
+		if c == nil || c.Status != metav1.ConditionTrue {
+			// Traffic inside the verification window keeps the evidence current: new prompts,
+			// which decode cannot find in its own prefix cache.
+			_, _ = openAI(router, "/v1/completions", map[string]any{"model": model, "prompt": words(40), "max_tokens": 4})
+			return fmt.Errorf("KVTransferVerified %+v", c)
+		}
+		if g := p.Status.Decode.Gate; g == nil || g.ReportingPods != 1 || g.PassedCompletions < 2 {
+			return fmt.Errorf("status.decode.gate %+v: want the one decode pod reporting the completions it passed", g)
+		}
+		return nil
+	})
+	for _, pod := range pods(v1alpha1.RolePrefill) {
+		for _, c := range pod.Status.ContainerStatuses {
+			if c.RestartCount != 0 {
+				t.Errorf("%s's %s restarted %d times", pod.Name, c.Name, c.RestartCount)
+			}
+		}
+	}
+	for _, pod := range pods(v1alpha1.RoleDecode) {
+		for _, c := range pod.Status.ContainerStatuses {
+			if c.RestartCount != 0 {
+				t.Errorf("%s's %s restarted %d times", pod.Name, c.Name, c.RestartCount)
+			}
+		}
+	}
+}
