@@ -19,6 +19,7 @@ package main
 import (
 	"archive/tar"
 	"bytes"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -191,7 +192,7 @@ func layersMain(args []string) error {
 		return err
 	}
 	if *refFlag == "" || fs.NArg() == 0 {
-		return fmt.Errorf("usage: imagebuild layers --ref R [--entrypoint E] [--env K=V]... layer.tar.zst...")
+		return errors.New("usage: imagebuild layers --ref R [--entrypoint E] [--env K=V]... LAYER.tar.zst [LAYER.tar.zst ...]")
 	}
 	img, err := layered(fs.Args(), *entrypoint, *user, *workdir, env)
 	if err != nil {

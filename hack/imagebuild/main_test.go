@@ -64,10 +64,10 @@ func TestLayeredImage(t *testing.T) {
 	}
 	type got struct {
 		Manifest, Config types.MediaType
-		Layers          []types.MediaType
-		DiffIDs         []string
-		Entrypoint, Env []string
-		User            string
+		Layers           []types.MediaType
+		DiffIDs          []string
+		Entrypoint, Env  []string
+		User             string
 	}
 	g := got{Manifest: m.MediaType, Config: m.Config.MediaType}
 	for _, l := range m.Layers {

@@ -30,9 +30,17 @@ import (
 // image, on the real node) and returns its address.
 func (r realNode) stranger(t *testing.T) string {
 	t.Helper()
-	image := strings.Replace(r.pods(v1alpha1.RoleRouter)[0].Spec.Containers[0].Image, "/pdcluster/router:", "/pdcluster/netprobe:", 1)
+	return r.strangerBeside(t, sampleNS, r.pods(v1alpha1.RoleRouter)[0])
+}
+
+// strangerBeside starts a pod in ns that belongs to no PDCluster, from the netprobe image of
+// the registry router (a running router pod) came from, and returns its address.
+func (e *env) strangerBeside(t *testing.T, ns string, router corev1.Pod) string {
+	t.Helper()
+	r := realNode{e}
+	image := strings.Replace(router.Spec.Containers[0].Image, "/pdcluster/router:", "/pdcluster/netprobe:", 1)
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: sampleNS, Name: "stranger", Labels: map[string]string{"app": "stranger"}},
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "stranger", Labels: map[string]string{"app": "stranger"}},
 		Spec: corev1.PodSpec{
 			NodeSelector: map[string]string{"pdcluster.dev/real-node": "true"},
 			Containers: []corev1.Container{{

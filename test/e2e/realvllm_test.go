@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -21,8 +22,12 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/realengine"
 )
 
@@ -226,18 +231,109 @@ func TestRealVLLMPods(t *testing.T) {
 		}
 		return nil
 	})
-	for _, pod := range pods(v1alpha1.RolePrefill) {
-		for _, c := range pod.Status.ContainerStatuses {
-			if c.RestartCount != 0 {
-				t.Errorf("%s's %s restarted %d times", pod.Name, c.Name, c.RestartCount)
+	noRestarts := func() {
+		t.Helper()
+		for _, pod := range append(pods(v1alpha1.RolePrefill), pods(v1alpha1.RoleDecode)...) {
+			for _, c := range pod.Status.ContainerStatuses {
+				if c.RestartCount != 0 {
+					t.Errorf("%s's %s restarted %d times", pod.Name, c.Name, c.RestartCount)
+				}
 			}
 		}
 	}
-	for _, pod := range pods(v1alpha1.RoleDecode) {
-		for _, c := range pod.Status.ContainerStatuses {
-			if c.RestartCount != 0 {
-				t.Errorf("%s's %s restarted %d times", pod.Name, c.Name, c.RestartCount)
+	noRestarts()
+
+	// KVEvents routing: the router follows each engine's publisher across pod IPs (the
+	// engines bind --kv-events-config's wildcard in their pods), so a token-id prompt served
+	// once is found whole in both pools' indexes the second time; a pod that is no engine or
+	// router of this PDCluster cannot reach the publishers.
+	e.patchNamed(vllmNS, name, `{"router":{"routing":{"strategy":"`+string(v1alpha1.RoutingKVEvents)+`"}}}`)
+	e.eventuallyWithin("the engines restarted with their KV events publishers, Ready", 10*time.Minute, func() error {
+		p := get()
+		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady); c == nil || c.Status != metav1.ConditionTrue || p.Status.ObservedGeneration != p.Generation {
+			return fmt.Errorf("Ready %+v at observed generation %d of %d", c, p.Status.ObservedGeneration, p.Generation)
+		}
+		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
+			got := pods(role)
+			if len(got) != 1 {
+				return fmt.Errorf("%s: %d pods %v, want 1", role, len(got), podNames(got))
+			}
+			if role != v1alpha1.RoleRouter && !slices.Contains(got[0].Spec.Containers[0].Args, "--kv-events-config") {
+				return fmt.Errorf("%s's engine %s runs without --kv-events-config", role, got[0].Name)
+			}
+		}
+		return nil
+	})
+	prefill, decode = pods(v1alpha1.RolePrefill)[0], pods(v1alpha1.RoleDecode)[0]
+	routerPod := pods(v1alpha1.RoleRouter)[0]
+	routerMetrics := "http://" + net.JoinHostPort(routerPod.Status.PodIP, strconv.Itoa(int(render.RouterPort))) + "/metrics"
+	matched := func() map[string]float64 {
+		t.Helper()
+		return counterByPool(t, routerMetrics, "pdcluster_router_kv_events_matched_blocks_total")
+	}
+	seed := 0
+	e.eventuallyWithin("a token-id prompt served twice matches its 3 whole blocks in both pools' indexes", 2*time.Minute, func() error {
+		seed++
+		// 200 tokens of the image's 8000-token vocabulary: 3 whole blocks of 64 and a partial.
+		ids := make([]int, 200)
+		for i := range ids {
+			ids[i] = 100 + (seed*7919+i*31)%7000
+		}
+		req := map[string]any{"model": model, "prompt": ids, "max_tokens": 4}
+		if a, err := openAI(router, "/v1/completions", req); err != nil || a.Status != http.StatusOK {
+			return fmt.Errorf("first: %+v %v", a, err)
+		}
+		before := matched()
+		if a, err := openAI(router, "/v1/completions", req); err != nil || a.Status != http.StatusOK {
+			return fmt.Errorf("second: %+v %v", a, err)
+		}
+		after := matched()
+		for _, pool := range []string{"prefill", "decode"} {
+			if d := after[pool] - before[pool]; d != 3 {
+				return fmt.Errorf("%s: the second request matched %v blocks, want 3 (the router may not follow the new engines yet)", pool, d)
+			}
+		}
+		return nil
+	})
+	stranger := e.strangerBeside(t, vllmNS, routerPod)
+	for _, pod := range []corev1.Pod{prefill, decode} {
+		for _, port := range []int32{vllm.KVEventsPort, vllm.KVEventsReplayPort} {
+			addr := net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(port)))
+			if err := dial(stranger, addr); err == nil {
+				t.Errorf("a pod of no PDCluster connected to %s's KV events at %s", pod.Name, addr)
 			}
 		}
 	}
+	noRestarts()
+}
+
+// counterByPool reads a router's /metrics: the counter family's values by their pool label.
+func counterByPool(t *testing.T, url, family string) map[string]float64 {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("%s: %v", url, err)
+	}
+	f := families[family]
+	if f == nil { // newer parsers name a counter's family without its _total
+		f = families[strings.TrimSuffix(family, "_total")]
+	}
+	if f == nil {
+		t.Fatalf("%s has no %s", url, family)
+	}
+	out := map[string]float64{}
+	for _, m := range f.GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "pool" {
+				out[l.GetValue()] += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return out
 }

@@ -152,7 +152,7 @@ func (c *guardedConn) fail(err error) error {
 	var refused *RefusedError
 	if errors.As(err, &refused) {
 		c.err = err
-		c.Conn.Close()
+		c.Close()
 	}
 	return err
 }
@@ -163,13 +163,13 @@ func (c *guardedConn) fail(err error) error {
 func (c *guardedConn) read(wait, idle bool, do func() (int, error)) (int, error) {
 	stall := wait && c.ready && !idle
 	if stall {
-		if err := c.Conn.SetReadDeadline(time.Now().Add(stallTimeout)); err != nil {
+		if err := c.SetReadDeadline(time.Now().Add(stallTimeout)); err != nil {
 			return 0, fmt.Errorf("set a message's deadline: %w", err)
 		}
 	}
 	n, err := do()
 	if stall && err == nil {
-		if err := c.Conn.SetReadDeadline(time.Time{}); err != nil {
+		if err := c.SetReadDeadline(time.Time{}); err != nil {
 			return n, fmt.Errorf("clear a message's deadline: %w", err)
 		}
 	}
@@ -251,7 +251,7 @@ func (c *guardedConn) next() error {
 		}
 		if ready && !c.ready {
 			// The handshake is over: an engine may now be idle for as long as it likes.
-			if err := c.Conn.SetDeadline(time.Time{}); err != nil {
+			if err := c.SetDeadline(time.Time{}); err != nil {
 				return fmt.Errorf("clear the ZMTP handshake's deadline: %w", err)
 			}
 			c.ready = true
