@@ -18,6 +18,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
+	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
@@ -205,24 +206,8 @@ func rankTokens(t *testing.T, pods []corev1.Pod, source string) map[string]map[s
 	t.Helper()
 	out := map[string]map[string]float64{}
 	for _, pod := range pods {
-		resp, err := http.Get("http://" + net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(vllm.APIPort))) + "/metrics")
-		if err != nil {
-			t.Fatal(err)
-		}
-		parser := expfmt.NewTextParser(model.UTF8Validation)
-		families, err := parser.TextToMetricFamilies(resp.Body)
-		resp.Body.Close()
-		if err != nil {
-			t.Fatalf("%s /metrics: %v", pod.Name, err)
-		}
+		f := scrape(t, "http://"+net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(vllm.APIPort)))+"/metrics", vllm.MetricPromptTokensBySource)
 		out[pod.Name] = map[string]float64{}
-		f := families[vllm.MetricPromptTokensBySource]
-		if f == nil { // newer parsers name a counter's family without its _total
-			f = families[strings.TrimSuffix(vllm.MetricPromptTokensBySource, "_total")]
-		}
-		if f == nil {
-			t.Fatalf("%s /metrics has no %s", pod.Name, vllm.MetricPromptTokensBySource)
-		}
 		for _, m := range f.GetMetric() {
 			labels := map[string]string{}
 			for _, l := range m.GetLabel() {
@@ -234,4 +219,28 @@ func rankTokens(t *testing.T, pods []corev1.Pod, source string) map[string]map[s
 		}
 	}
 	return out
+}
+
+// scrape reads the Prometheus text at url and returns the family named (a counter's by its
+// name with or without _total: newer parsers drop it), failing the test if it is absent.
+func scrape(t *testing.T, url, family string) *dto.MetricFamily {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("%s: %v", url, err)
+	}
+	f := families[family]
+	if f == nil {
+		f = families[strings.TrimSuffix(family, "_total")]
+	}
+	if f == nil {
+		t.Fatalf("%s has no %s", url, family)
+	}
+	return f
 }

@@ -22,9 +22,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
-
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -310,25 +307,8 @@ func TestRealVLLMPods(t *testing.T) {
 // counterByPool reads a router's /metrics: the counter family's values by their pool label.
 func counterByPool(t *testing.T, url, family string) map[string]float64 {
 	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		t.Fatalf("%s: %v", url, err)
-	}
-	f := families[family]
-	if f == nil { // newer parsers name a counter's family without its _total
-		f = families[strings.TrimSuffix(family, "_total")]
-	}
-	if f == nil {
-		t.Fatalf("%s has no %s", url, family)
-	}
 	out := map[string]float64{}
-	for _, m := range f.GetMetric() {
+	for _, m := range scrape(t, url, family).GetMetric() {
 		for _, l := range m.GetLabel() {
 			if l.GetName() == "pool" {
 				out[l.GetValue()] += m.GetCounter().GetValue()
