@@ -110,10 +110,10 @@ func ResolvePools(ctx context.Context, fc routerconfig.File, lookup Lookup) (Poo
 	if len(fc.Revisions) == 0 {
 		p := Pools{Domains: domains}
 		var err error
-		if p.Prefill, err = prefillOf(fc.PrefillHost, fc.PrefillDataParallel); err != nil {
+		if p.Prefill, err = prefillOf(fc.PrefillHost, fc.PrefillDataParallel); err != nil && !notFound(err) {
 			return Pools{}, err
 		}
-		if p.Decode, err = decodeOf(fc.DecodeHost); err != nil {
+		if p.Decode, err = decodeOf(fc.DecodeHost); err != nil && !notFound(err) {
 			return Pools{}, err
 		}
 		return p, nil

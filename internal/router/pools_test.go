@@ -66,6 +66,28 @@ func TestResolvePoolsGivesOneEndpointPerPodInAStableOrder(t *testing.T) {
 	}
 }
 
+// A pool whose Service has no ready pod (its only pod being deleted or not ready yet) has no
+// DNS name: the pool is empty, so the router answers at once that it has no engine instead of
+// sending requests to the pod going away; any other DNS failure keeps the last pools. Found
+// on real vLLM pods: with the only prefill pod deleted, the router kept sending to it until
+// vLLM exited and the requests in flight hung.
+func TestResolvePoolsEmptiesAPoolWithoutReadyPods(t *testing.T) {
+	got, err := ResolvePools(context.Background(), mooncakeFile, dnsLookup(map[string][]string{"c-decode.ns.svc": {"10.0.0.2"}}))
+	if err != nil {
+		t.Fatalf("a Service without a ready pod: %v, want an empty pool", err)
+	}
+	want := Pools{Decode: []string{"http://10.0.0.2:8000"}}
+	if d := cmp.Diff(want, got, cmpopts.IgnoreUnexported(Pools{})); d != "" {
+		t.Errorf("pools (-want +got):\n%s", d)
+	}
+	failing := func(ctx context.Context, host string) ([]string, error) {
+		return nil, &net.DNSError{Err: "server misbehaving", Name: host, IsTemporary: true}
+	}
+	if _, err := ResolvePools(context.Background(), mooncakeFile, failing); err == nil {
+		t.Error("a DNS failure other than not found emptied the pools")
+	}
+}
+
 // A router started from a config file has no engines until the first resolution: it answers
 // 503, then proxies to the pools SetPools gives it.
 func TestRouterServesThePoolsItIsGiven(t *testing.T) {
