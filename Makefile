@@ -35,8 +35,9 @@ vllm-image: ## Build vLLM's CPU engine image (the release make run's sample runs
 	. hack/lib.sh && hack/vllm-image.sh "$$(vllm_release config/samples/local-node-vllm.yaml)"
 
 .PHONY: vllm-image-layers
-vllm-image-layers: ## Build (or find cached) the layers of vLLM's CPU engine image, without pushing it.
-	. hack/lib.sh && hack/vllm-image.sh --layers-only "$$(vllm_release config/samples/local-node-vllm.yaml)"
+vllm-image-layers: ## Build (or find cached) the layers of vLLM's CPU engine images without pushing them: make run's release and the e2e's stock-crash control.
+	. hack/lib.sh && hack/vllm-image.sh --layers-only "$$(vllm_release config/samples/local-node-vllm.yaml)" && \
+		hack/vllm-image.sh --layers-only "$${vllm_control_release}"
 
 .PHONY: run
 run: build ## Main job: local cluster, operator installed with Helm, a PDCluster of real vLLM engines Ready and serving (PDCLUSTER_ENGINE=sim: the stand-in; stop: make down).

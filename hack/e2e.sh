@@ -10,8 +10,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "${root}/hack/lib.sh"
 bin="$("${root}/hack/envtest-assets.sh")"
 export PDCLUSTER_CLUSTER_DIR="${PDCLUSTER_E2E_DIR:-$(mktemp -d -t pdcluster-e2e.XXXXXX)}"
-# A directory of our own goes when the cluster does: its registry and containerd hold about 14 GB
-# with vLLM's engine image.
+# A directory of our own goes when the cluster does: its registry and containerd hold about 20 GB
+# with the two vLLM engine images.
 made_dir=""; [[ -n "${PDCLUSTER_E2E_DIR:-}" ]] || made_dir="${PDCLUSTER_CLUSTER_DIR}"
 export PDCLUSTER_APISERVER_PORT="${PDCLUSTER_E2E_APISERVER_PORT:-16543}"
 export PDCLUSTER_ETCD_PORT="${PDCLUSTER_E2E_ETCD_PORT:-12479}"
@@ -58,11 +58,13 @@ if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 	"${k[@]}" create serviceaccount metrics-scraper -n pdcluster-system >&2
 	"${k[@]}" create clusterrolebinding metrics-scraper --clusterrole pdcluster-operator-metrics-reader \
 		--serviceaccount pdcluster-system:metrics-scraper >&2
-	# vLLM's CPU engine image, the release make run's sample runs, in this cluster's registry.
+	# vLLM's CPU engine images in this cluster's registry: the release make run's sample runs,
+	# and the stock-crash control's (hack/lib.sh).
 	vllm_image="$(PDCLUSTER_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}" hack/vllm-image.sh "$(vllm_release config/samples/local-node-vllm.yaml)")"
-	real=(PDCLUSTER_E2E_VLLM_IMAGE="${vllm_image%@*}" PDCLUSTER_E2E_REAL_NODE="${PDCLUSTER_NODE_NAME:-pdc-node-0}" PDCLUSTER_E2E_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
+	control_image="$(PDCLUSTER_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}" hack/vllm-image.sh "${vllm_control_release}")"
+	real=(PDCLUSTER_E2E_VLLM_IMAGE="${vllm_image%@*}" PDCLUSTER_E2E_VLLM_CONTROL_IMAGE="${control_image%@*}" PDCLUSTER_E2E_REAL_NODE="${PDCLUSTER_NODE_NAME:-pdc-node-0}" PDCLUSTER_E2E_REGISTRY="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
 		PDCLUSTER_MANAGER_METRICS="${manager_ip}:8080"
 		PDCLUSTER_MANAGER_METRICS_TOKEN="$("${k[@]}" create token metrics-scraper -n pdcluster-system --duration 2h)")
 fi
 env "${real[@]}" PDCLUSTER_E2E_KUBECONFIG="${PDCLUSTER_CLUSTER_DIR}/kubeconfig" PDCLUSTER_E2E_BIN="${bin}" \
-	go test ./test/e2e/ -count=1 -v -timeout 30m ${PDCLUSTER_E2E_RUN:+-run "${PDCLUSTER_E2E_RUN}"}
+	go test ./test/e2e/ -count=1 -v -timeout 50m ${PDCLUSTER_E2E_RUN:+-run "${PDCLUSTER_E2E_RUN}"}

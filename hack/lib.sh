@@ -12,3 +12,8 @@ node_ip() { ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i = 1; i < NF; i++)
 vllm_release() {
 	sed -n 's|^ *image: .*/pdcluster/vllm-cpu:\([0-9][0-9.]*\) *$|\1|p' "$1" | head -1
 }
+
+# vllm_control_release is the vLLM release whose stock decode engine dies of a pull with no
+# local block (0.32.0 checks it itself): test/e2e TestRealVLLMPods rolls its sample onto this
+# release's engine image, gated and then stock, to show what the gate prevents.
+vllm_control_release=0.30.0

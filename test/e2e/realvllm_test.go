@@ -47,14 +47,25 @@ type vllmAnswer struct {
 	Chatted bool
 }
 
-// openAI posts req to base+path and reads the answer.
+// openAI posts req to base+path and reads the answer (within 2 minutes).
 func openAI(base, path string, req map[string]any) (vllmAnswer, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	return openAIContext(ctx, base, path, req)
+}
+
+// openAIContext is openAI until ctx ends (a client that gives up).
+func openAIContext(ctx context.Context, base, path string, req map[string]any) (vllmAnswer, error) {
 	body, err := json.Marshal(req)
 	if err != nil {
 		return vllmAnswer{}, err
 	}
-	hc := &http.Client{Timeout: 2 * time.Minute}
-	resp, err := hc.Post(base+path, "application/json", bytes.NewReader(body))
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, base+path, bytes.NewReader(body))
+	if err != nil {
+		return vllmAnswer{}, err
+	}
+	hreq.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(hreq)
 	if err != nil {
 		return vllmAnswer{}, err
 	}
@@ -95,9 +106,12 @@ func openAI(base, path string, req map[string]any) (vllmAnswer, error) {
 // (decode's external-KV prompt tokens are the prompt's), with the tokens one engine alone
 // computes, and the operator's KVTransferVerified and gate counts come from the real engines.
 func TestRealVLLMPods(t *testing.T) {
-	image := os.Getenv("PDCLUSTER_E2E_VLLM_IMAGE")
+	image, controlImage := os.Getenv("PDCLUSTER_E2E_VLLM_IMAGE"), os.Getenv("PDCLUSTER_E2E_VLLM_CONTROL_IMAGE")
 	if os.Getenv("PDCLUSTER_E2E_REAL_NODE") == "" || image == "" {
 		t.Skip("needs the local cluster's real node and vLLM's engine image: run hack/e2e.sh (make test does)")
+	}
+	if !strings.HasSuffix(controlImage, ":"+controlVersion) {
+		t.Fatalf("PDCLUSTER_E2E_VLLM_CONTROL_IMAGE %q: want vLLM %s's CPU image (hack/e2e.sh pushes it)", controlImage, controlVersion)
 	}
 	e := setup(t)
 	raw, err := os.ReadFile(filepath.Join("..", "..", vllmSample))
@@ -118,16 +132,9 @@ func TestRealVLLMPods(t *testing.T) {
 	if err := e.c.Create(e.ctx, &pdc); err != nil {
 		t.Fatal(err)
 	}
-	name := pdc.Name
-	get := func() v1alpha1.PDCluster {
-		t.Helper()
-		var p v1alpha1.PDCluster
-		if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: vllmNS, Name: name}, &p); err != nil {
-			t.Fatal(err)
-		}
-		return p
-	}
-	pods := func(role v1alpha1.Role) []corev1.Pod { return e.podsOf(vllmNS, name, role) }
+	name, model := pdc.Name, pdc.Spec.Model.ServedModelName
+	v := vllmCluster{t: t, e: e, name: name, model: model}
+	get, pods := v.get, v.pods
 	start := time.Now()
 	// Pulling a 3 GB image and starting vLLM on a CPU: minutes.
 	e.eventuallyWithin("the real-vLLM sample Ready", 15*time.Minute, func() error {
@@ -145,27 +152,16 @@ func TestRealVLLMPods(t *testing.T) {
 	t.Logf("Ready %s after the PDCluster was created", time.Since(start).Round(time.Second))
 	prefill, decode := pods(v1alpha1.RolePrefill)[0], pods(v1alpha1.RoleDecode)[0]
 
-	// The engines are vLLM itself, and each loaded the operator's plugin.
-	for _, pod := range []corev1.Pod{prefill, decode} {
-		got := strings.TrimSpace(e.run("exec", "-n", vllmNS, pod.Name, "-c", "engine", "--", "python", "-c", "import vllm; print(vllm.__version__)"))
-		if !strings.HasPrefix(got, vllmVersion) {
-			t.Errorf("%s's engine runs vLLM %q, want %s", pod.Name, got, vllmVersion)
-		}
-		logs := e.run("logs", "-n", vllmNS, pod.Name, "-c", "engine")
-		if want := "pdgate: GatedMooncakeConnector loaded on vLLM " + vllmVersion; !strings.Contains(logs, want) {
-			t.Errorf("%s's engine log does not say %q", pod.Name, want)
-		}
-	}
-
 	var svc corev1.Service
 	if err := e.c.Get(e.ctx, client.ObjectKey{Namespace: vllmNS, Name: name + "-router"}, &svc); err != nil {
 		t.Fatal(err)
 	}
 	router := "http://" + svc.Spec.ClusterIP
-	engine := func(pod corev1.Pod) string {
-		return "http://" + net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(vllm.APIPort)))
-	}
-	model := pdc.Spec.Model.ServedModelName
+	v.router = router
+
+	// The engines are vLLM itself, and each loaded the operator's plugin.
+	v.runsVLLM(t, vllmVersion, true)
+	v.samples(t)
 
 	// A chat completion through the router Service: the chat template and tokenizer the image
 	// ships, both legs on real engines.
@@ -188,7 +184,7 @@ func TestRealVLLMPods(t *testing.T) {
 	// A text prompt of several blocks (the image's tokenizer makes about 5 tokens of each of
 	// these words; the model takes 1024): decode takes every prompt token from prefill's KV, and
 	// the answer is the one engine alone gives for it.
-	before, err := realengine.EngineStats(context.Background(), engine(decode))
+	before, err := realengine.EngineStats(context.Background(), engineURL(decode))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,7 +193,7 @@ func TestRealVLLMPods(t *testing.T) {
 	if err != nil || pd.Status != http.StatusOK || pd.Tokens != 8 {
 		t.Fatalf("a text completion through the router: %+v %v", pd, err)
 	}
-	after, err := realengine.EngineStats(context.Background(), engine(decode))
+	after, err := realengine.EngineStats(context.Background(), engineURL(decode))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -205,7 +201,7 @@ func TestRealVLLMPods(t *testing.T) {
 		t.Errorf("decode counted %v prompt tokens from external KV for a prompt of %d tokens (local compute %v), want all of them (and more than two blocks)",
 			ext, pd.Prompt, after.LocalComputeTokens-before.LocalComputeTokens)
 	}
-	alone, err := openAI(engine(prefill), "/v1/completions", text)
+	alone, err := openAI(engineURL(prefill), "/v1/completions", text)
 	if err != nil || alone.Status != http.StatusOK {
 		t.Fatalf("the same prompt on prefill's engine alone: %+v %v", alone, err)
 	}
@@ -302,6 +298,19 @@ func TestRealVLLMPods(t *testing.T) {
 		}
 	}
 	noRestarts()
+
+	// Failures under load, and the stock-crash control (realvllm_control_test.go).
+	v.prefillDeletedUnderLoad(t)
+	// A new vLLM release is a new KV revision: the 0.30.0 pods come up beside the 0.32.0 ones.
+	v.rollsOut(t, `{"engine":{"image":"`+controlImage+`"}}`, true)
+	v.runsVLLM(t, controlVersion, true)
+	v.samples(t)
+	v.gateKeepsTheEngine(t)
+	// The control: the same release without the gate (a KV revision too), idle to start sooner.
+	v.rollsOut(t, `{"kvTransfer":{"completionGate":"`+string(v1alpha1.CompletionGateDisabled)+`"}}`, false)
+	v.runsVLLM(t, controlVersion, false)
+	v.stockEngineDies(t, "a refused decode leg", func(t *testing.T) { v.refusedLegs(t, 1) })
+	v.stockEngineDies(t, "a client that gave up while decode waited", v.abortWhileDecodeWaits)
 }
 
 // counterByPool reads a router's /metrics: the counter family's values by their pool label.
