@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -190,7 +189,6 @@ func (v vllmCluster) loadDuring(clients int, pause time.Duration, during func())
 func (v vllmCluster) servesFromPrefill(what string) {
 	v.t.Helper()
 	decode := v.pods(v1alpha1.RoleDecode)[0]
-	var last string
 	v.e.eventuallyWithin(what+": a new prompt served from prefill's KV", 2*time.Minute, func() error {
 		before, err := realengine.EngineStats(context.Background(), engineURL(decode))
 		if err != nil {
@@ -205,8 +203,7 @@ func (v vllmCluster) servesFromPrefill(what string) {
 			return err
 		}
 		if ext := after.ExternalKVTokens - before.ExternalKVTokens; ext != float64(a.Prompt) {
-			last = fmt.Sprintf("decode took %v of %d prompt tokens from external KV", ext, a.Prompt)
-			return fmt.Errorf("%s", last)
+			return fmt.Errorf("decode took %v of %d prompt tokens from external KV", ext, a.Prompt)
 		}
 		return nil
 	})
@@ -265,29 +262,6 @@ func (v vllmCluster) prefillDeletedUnderLoad(t *testing.T) {
 	}
 }
 
-// pairedRevisions counts the KV revisions that have engine Deployments in both pools now.
-func (v vllmCluster) pairedRevisions() int {
-	var deps appsv1.DeploymentList
-	if err := v.e.c.List(v.e.ctx, &deps, client.InNamespace(vllmNS), client.MatchingLabels{v1alpha1.LabelCluster: v.name}); err != nil {
-		return 0
-	}
-	pools := map[string]map[string]bool{}
-	for _, d := range deps.Items {
-		rev := d.Spec.Template.Labels[v1alpha1.LabelKVRevision]
-		if pools[rev] == nil {
-			pools[rev] = map[string]bool{}
-		}
-		pools[rev][d.Labels[v1alpha1.LabelRole]] = true
-	}
-	n := 0
-	for _, p := range pools {
-		if p[string(v1alpha1.RolePrefill)] && p[string(v1alpha1.RoleDecode)] {
-			n++
-		}
-	}
-	return n
-}
-
 // rollsOut applies spec (a merge patch of the PDCluster's spec) that changes the KV revision,
 // under load through the router if asked, and returns once the new revision alone runs: the
 // new pods come up beside the old ones, the router sends each request to one revision's pair,
@@ -299,7 +273,7 @@ func (v vllmCluster) rollsOut(t *testing.T, spec string, underLoad bool) {
 		time.Sleep(3 * time.Second)
 		v.e.patchNamed(vllmNS, v.name, spec)
 		v.e.eventuallyWithin("the new KV revision rolled out", 15*time.Minute, func() error {
-			sawBoth = sawBoth || v.pairedRevisions() == 2
+			sawBoth = sawBoth || v.e.pairedRevisions(vllmNS, v.name) == 2
 			if p := v.get(); p.Status.UpdateRevision == before {
 				return fmt.Errorf("the update revision is still %s", before)
 			}
@@ -460,10 +434,11 @@ func (v vllmCluster) gateKeepsTheEngine(t *testing.T) {
 }
 
 // stockEngineDies is the control, with the completion gate Disabled on the same release: what
-// the gated engine survived (cause) kills the stock decode engine at its next step (the scheduler's assertion,
-// in the log of the container that died); the kubelet restarts the container; while it is
-// down the pod is not ready, the operator reports DecodeReady False, and a request is refused
-// at once (the router's 5xx); once it is back the router serves from prefill's KV again.
+// the gated engine survived (cause, named what) kills the stock decode engine at its next step
+// (the scheduler's assertion, in the log of the container that died); the kubelet restarts the
+// container; while it is down the pod is not ready, the operator reports DecodeReady False,
+// and a request is refused at once (the router's 5xx); once it is back the router serves from
+// prefill's KV again.
 func (v vllmCluster) stockEngineDies(t *testing.T, what string, cause func(*testing.T)) {
 	decode := v.pods(v1alpha1.RoleDecode)[0]
 	was := restarts(decode, "engine")

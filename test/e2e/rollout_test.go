@@ -69,10 +69,11 @@ func podCounter(podIP, series string) (string, error) {
 	return string(m[1]), nil
 }
 
-// pairedRevisions counts the KV revisions that have engine Deployments in both pools now.
-func (r realNode) pairedRevisions() int {
+// pairedRevisions counts the KV revisions of the PDCluster ns/cluster that have engine
+// Deployments in both pools now.
+func (e *env) pairedRevisions(ns, cluster string) int {
 	var deps appsv1.DeploymentList
-	if err := r.c.List(r.ctx, &deps, client.InNamespace(sampleNS), client.MatchingLabels{v1alpha1.LabelCluster: realName}); err != nil {
+	if err := e.c.List(e.ctx, &deps, client.InNamespace(ns), client.MatchingLabels{v1alpha1.LabelCluster: cluster}); err != nil {
 		return 0
 	}
 	pools := map[string]map[string]bool{}
@@ -105,7 +106,7 @@ func (r realNode) rollsOutKVRevision(t *testing.T) {
 		r.patchSpec(t, `{"engine":{"args":["--kv-cache-dtype=fp8"]}}`)
 		r.eventually("the new KV revision rolled out", func() error {
 			p := r.pdc()
-			sawBoth = sawBoth || r.pairedRevisions() == 2
+			sawBoth = sawBoth || r.pairedRevisions(sampleNS, realName) == 2
 			if p.Status.UpdateRevision == before || p.Status.CurrentRevision != p.Status.UpdateRevision || len(p.Status.Revisions) != 1 {
 				return fmt.Errorf("revisions %+v, update %s, current %s", p.Status.Revisions, p.Status.UpdateRevision, p.Status.CurrentRevision)
 			}

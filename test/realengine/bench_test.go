@@ -27,7 +27,7 @@ func BenchmarkRouterRealEngines(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	d := deploy(b, releases[len(releases)-1], false)
+	d := deploy(b, releases[len(releases)-1])
 	proxy, proxyPID := startPlainProxy(b, d.gated.Engine)
 	routerPID := d.gatedVia.Proc.cmd.Process.Pid
 	// A 100-token prompt (a whole block and a partial one move) and 4 tokens out.

@@ -22,21 +22,23 @@ import (
 	"pdcluster.dev/pdcluster-operator/controllers/kvverify"
 )
 
-// Releases whose Mooncake worker reports a pull with no local block as finished receiving (the
-// stock decode engine dies of it); 0.32.0 added upstream's `and any(pull_meta.local_block_ids)`.
-var stockDies = map[string]bool{"0.30.0": true, "0.32.0": false}
+// Releases whose Mooncake worker reports a pull with no local block as finished receiving, so
+// the gate keeps the report from the scheduler (the stock decode engine dies of it: test/e2e
+// TestRealVLLMPods shows it in the operator's pods on 0.30.0); 0.32.0 added upstream's
+// `and any(pull_meta.local_block_ids)`, and the gate's records of such pulls expire instead.
+var reportsEmptyPulls = map[string]bool{"0.30.0": true, "0.32.0": false}
 
 // startup bounds an engine's start: measured 75-250 s on 2 cores, slower beside a build.
 const startup = 10 * time.Minute
 
-// deployment is one release's engines and routers: one prefill pod (gated, as rendered), a
-// decode pod with the completion gate and a decode pod without it (the control: the same
-// PDCluster with kvTransfer.completionGate Disabled), each behind a router of its own.
+// deployment is one release's engines and router: one prefill pod and one decode pod, both
+// gated as rendered, behind the router. (The stock decode engine, the control, runs in the
+// operator's pods: test/e2e TestRealVLLMPods.)
 type deployment struct {
-	release            Release
-	prefill            *Pod
-	gated, stock       *Pod
-	gatedVia, stockVia *Router
+	release  Release
+	prefill  *Pod
+	gated    *Pod
+	gatedVia *Router
 }
 
 func TestRealEngines(t *testing.T) {
@@ -46,10 +48,10 @@ func TestRealEngines(t *testing.T) {
 	}
 	for _, rel := range releases {
 		t.Run("vLLM "+rel.Version, func(t *testing.T) {
-			if _, ok := stockDies[rel.Version]; !ok {
-				t.Fatalf("vLLM %s is not measured in stockDies: run it and add what the stock decode engine does", rel.Version)
+			if _, ok := reportsEmptyPulls[rel.Version]; !ok {
+				t.Fatalf("vLLM %s is not measured in reportsEmptyPulls: run it and add whether its worker reports a pull with no local block", rel.Version)
 			}
-			d := deploy(t, rel, true)
+			d := deploy(t, rel)
 			t.Run("a request through the router decodes from prefill's KV", d.testNormal)
 			t.Run("the engine's log says the gate loaded", d.testLoadLine)
 			t.Run("the same prompt twice: decode's own prefix cache", d.testPrefixHit)
@@ -66,8 +68,8 @@ func TestRealEngines(t *testing.T) {
 	}
 }
 
-// deploy starts rel's engines and routers; without stock, only prefill and the gated decode.
-func deploy(t testing.TB, rel Release, stock bool) *deployment {
+// deploy starts rel's engines and router.
+func deploy(t testing.TB, rel Release) *deployment {
 	t.Helper()
 	ctx := context.Background()
 	bin, err := filepath.Abs(filepath.Join("..", "..", "bin"))
@@ -99,12 +101,6 @@ func deploy(t testing.TB, rel Release, stock bool) *deployment {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ungated := pdc.DeepCopy()
-	ungated.Spec.KVTransfer.CompletionGate = v1alpha1.CompletionGateDisabled
-	ungatedRender, err := Render(ungated)
-	if err != nil {
-		t.Fatal(err)
-	}
 	d := &deployment{release: rel}
 	var pods []*Pod
 	t.Cleanup(func() {
@@ -119,11 +115,7 @@ func deploy(t testing.TB, rel Release, stock bool) *deployment {
 	}{
 		{"prefill", gated, &d.prefill},
 		{"decode-gated", gated, &d.gated},
-		{"decode-stock", ungatedRender, &d.stock},
 	} {
-		if p.into == &d.stock && !stock {
-			continue
-		}
 		dep := p.r.Decode
 		if p.name == "prefill" {
 			dep = p.r.Prefill
@@ -143,29 +135,19 @@ func deploy(t testing.TB, rel Release, stock bool) *deployment {
 			t.Fatal(err)
 		}
 	}
-	for _, r := range []struct {
-		name   string
-		r      Rendered
-		decode *Pod
-		into   **Router
-	}{{"router-gated", gated, d.gated, &d.gatedVia}, {"router-stock", ungatedRender, d.stock, &d.stockVia}} {
-		if r.decode == nil {
-			continue
-		}
-		cm, err := r.r.RouterConfigMap()
-		if err != nil {
-			t.Fatal(err)
-		}
-		router, err := StartRouter(o, r.name, r.r.Router, cm, []*Pod{d.prefill}, []*Pod{r.decode})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { router.Proc.Stop(5 * time.Second) })
-		if err := WaitOK(ctx, router.URL+"/ready", router.Proc, time.Minute); err != nil {
-			t.Fatal(err)
-		}
-		*r.into = router
+	cm, err := gated.RouterConfigMap()
+	if err != nil {
+		t.Fatal(err)
 	}
+	router, err := StartRouter(o, "router-gated", gated.Router, cm, []*Pod{d.prefill}, []*Pod{d.gated})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { router.Proc.Stop(5 * time.Second) })
+	if err := WaitOK(ctx, router.URL+"/ready", router.Proc, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	d.gatedVia = router
 	return d
 }
 
@@ -219,41 +201,39 @@ func (d *deployment) testLoadLine(t *testing.T) {
 func (d *deployment) testPrefixHit(t *testing.T) {
 	ctx := context.Background()
 	c := Completion{Prompt: Prompt(5, 192), MaxTokens: 6} // three whole 64-token blocks
-	for _, side := range []struct {
-		name   string
-		via    *Router
-		decode *Pod
-	}{{"gated", d.gatedVia, d.gated}, {"stock", d.stockVia, d.stock}} {
-		t.Run(side.name, func(t *testing.T) {
-			first, err := Complete(ctx, side.via.URL, c)
-			if err != nil || first.Status != 200 {
-				t.Fatalf("first: %d %s %v", first.Status, first.Body, err)
-			}
-			before, err := EngineStats(ctx, side.decode.Engine)
-			if err != nil {
-				t.Fatal(err)
-			}
-			second, err := Complete(ctx, side.via.URL, c)
-			if err != nil || second.Status != 200 {
-				t.Fatalf("second: %d %s %v", second.Status, second.Body, err)
-			}
-			after, err := EngineStats(ctx, side.decode.Engine)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ext, hit := after.ExternalKVTokens-before.ExternalKVTokens, after.LocalCacheHitTokens-before.LocalCacheHitTokens
-			local := after.LocalComputeTokens - before.LocalComputeTokens
-			t.Logf("second request on decode: %v tokens from its prefix cache, %v from prefill, %v computed", hit, ext, local)
-			if hit != 128 || ext != 64 || local != 0 {
-				t.Errorf("second request: %v cached, %v external, %v computed; want the first two blocks cached and the last pulled (128, 64, 0)", hit, ext, local)
-			}
-			if fmt.Sprint(first.TokenIDs) != fmt.Sprint(second.TokenIDs) {
-				t.Errorf("the same prompt answered %v, then %v", first.TokenIDs, second.TokenIDs)
-			}
-			if !Healthy(ctx, side.decode.Engine) {
-				t.Errorf("decode engine unhealthy after a prefix hit")
-			}
-		})
+	first, err := Complete(ctx, d.gatedVia.URL, c)
+	if err != nil || first.Status != 200 {
+		t.Fatalf("first: %d %s %v", first.Status, first.Body, err)
+	}
+	before, err := EngineStats(ctx, d.gated.Engine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gateBefore := gateCounts(t, d.gated)
+	second, err := Complete(ctx, d.gatedVia.URL, c)
+	if err != nil || second.Status != 200 {
+		t.Fatalf("second: %d %s %v", second.Status, second.Body, err)
+	}
+	after, err := EngineStats(ctx, d.gated.Engine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ext, hit := after.ExternalKVTokens-before.ExternalKVTokens, after.LocalCacheHitTokens-before.LocalCacheHitTokens
+	local := after.LocalComputeTokens - before.LocalComputeTokens
+	t.Logf("second request on decode: %v tokens from its prefix cache, %v from prefill, %v computed", hit, ext, local)
+	if hit != 128 || ext != 64 || local != 0 {
+		t.Errorf("second request: %v cached, %v external, %v computed; want the first two blocks cached and the last pulled (128, 64, 0)", hit, ext, local)
+	}
+	if fmt.Sprint(first.TokenIDs) != fmt.Sprint(second.TokenIDs) {
+		t.Errorf("the same prompt answered %v, then %v", first.TokenIDs, second.TokenIDs)
+	}
+	if !Healthy(ctx, d.gated.Engine) {
+		t.Errorf("decode engine unhealthy after a prefix hit")
+	}
+	// The pull had a local block: the gate passed it and kept nothing.
+	time.Sleep(6 * time.Second) // the next heartbeat (every 5 s)
+	if now := gateCounts(t, d.gated); now.Gated != gateBefore.Gated {
+		t.Errorf("the gate kept %d reports of a prefix hit's pull from the scheduler, want 0", now.Gated-gateBefore.Gated)
 	}
 }
 
@@ -426,7 +406,7 @@ func (d *deployment) testHeldSends(t *testing.T) {
 // serves on.
 func (d *deployment) testRejectedDecodeLeg(t *testing.T) {
 	refused := Completion{Prompt: Prompt(2, 40), MaxTokens: 5000}
-	d.bothSides(t, 3, 3, func(t *testing.T, via *Router) {
+	d.afterEmptyPulls(t, 3, 3, func(t *testing.T, via *Router) {
 		for i := range 3 {
 			got, err := Complete(context.Background(), via.URL, refused)
 			if err != nil {
@@ -445,8 +425,8 @@ func (d *deployment) testRejectedDecodeLeg(t *testing.T) {
 // for the cancelled one, a second such pull for the same transfer.
 func (d *deployment) testAbortWhileWaiting(t *testing.T) {
 	// Its two pulls name one request: one record or two, and vLLM 0.30 reports it once.
-	d.bothSides(t, 1, 2, func(t *testing.T, via *Router) {
-		decode := d.decodeBehind(via)
+	d.afterEmptyPulls(t, 1, 2, func(t *testing.T, via *Router) {
+		decode := d.gated
 		busy := d.fill(t, decode)
 		ctx, cancel := context.WithCancel(context.Background())
 		answered := make(chan error, 1)
@@ -666,70 +646,43 @@ func (d *deployment) servesAgain(t *testing.T, via *Router) {
 	t.Fatalf("the router does not serve again 2 minutes after the engine came back: %d %s", last.Status, last.Body)
 }
 
-// bothSides runs cause through the gated decode's router, then the stock one's, and checks
-// what follows: the next request's step carries the pulls with no local block (wantGated to
-// maxGated of them in the gate's records). On a release whose stock worker reports them the
-// stock engine dies; otherwise each serves the next request and stays healthy, and the gated
-// one's records go with their reports or by the deadline-and-steps rule. A dead stock engine
-// is restarted, as the kubelet would, for the scenarios after.
-func (d *deployment) bothSides(t *testing.T, wantGated, maxGated int64, cause func(*testing.T, *Router)) {
+// afterEmptyPulls runs cause through the router and checks what follows: the next request's
+// step carries the pulls with no local block (wantGated to maxGated of them in the gate's
+// records); the gated decode engine serves it and stays healthy, and the gate's records go
+// with their reports (kept from the scheduler, which a stock engine of such a release dies of)
+// or by the deadline-and-steps rule.
+func (d *deployment) afterEmptyPulls(t *testing.T, wantGated, maxGated int64, cause func(*testing.T, *Router)) {
 	ctx := context.Background()
-	dies := stockDies[d.release.Version]
-	for _, side := range []struct {
-		name string
-		via  *Router
-		pod  *Pod
-		dies bool
-	}{{"gated", d.gatedVia, d.gated, false}, {"stock", d.stockVia, d.stock, dies}} {
-		t.Run(side.name, func(t *testing.T) {
-			before := gateCounts(t, side.pod)
-			cause(t, side.via)
-			next, err := Complete(ctx, side.via.URL, Completion{Prompt: Prompt(3, 70), MaxTokens: 4})
-			if err != nil {
-				t.Fatal(err)
-			}
-			dead := waitUnhealthy(ctx, side.pod, 15*time.Second)
-			if dead != side.dies {
-				t.Fatalf("decode engine died: %v, want %v (the next request answered %d %s); its log ends:\n%s", dead, side.dies, next.Status, next.Body, side.pod.EngineProc.Tail(3000))
-			}
-			if dead {
-				if !strings.Contains(side.pod.EngineProc.Tail(200_000), "assert req_id in self.requests") {
-					t.Errorf("the stock engine died, but not of the scheduler's assertion; its log ends:\n%s", side.pod.EngineProc.Tail(3000))
-				}
-				if err := side.pod.RestartEngine(); err != nil {
-					t.Fatal(err)
-				}
-				if err := WaitOK(ctx, side.pod.Engine+"/health", side.pod.EngineProc, startup); err != nil {
-					t.Fatal(err)
-				}
-				return
-			}
-			if next.Status != 200 {
-				t.Fatalf("the request after: %d %s", next.Status, next.Body)
-			}
-			if side.name != "gated" {
-				return
-			}
-			// The gate records every pull with no local block (wantGated to maxGated of them).
-			// Where vLLM reports them the gate keeps the reports from the scheduler and drops
-			// each record with its report; a record no report comes for (vLLM 0.30 reports an
-			// abort's two pulls, which name one request, once: measured, one kept and one
-			// expired) and, where vLLM no longer reports them, every record goes by the
-			// deadline-and-steps rule instead (the fixture's decode pods: PDGATE_TTL_SECONDS=20,
-			// then 64 scheduler steps).
-			if dies {
-				waitGate(t, side.pod, func(c vllm.Counts) bool { return c.Passed > before.Passed && c.Gated-before.Gated >= min(wantGated, 1) })
-			}
-			after := d.stepPastRecords(t, side.via, side.pod)
-			gated, expired := after.Gated-before.Gated, after.Expired-before.Expired
-			t.Logf("the gate kept %d reports from the scheduler; %d of its records expired", gated, expired)
-			if dies && gated < wantGated || !dies && gated != 0 {
-				t.Errorf("the gate kept %d completions from the scheduler, want at least %d where vLLM reports them, else 0", gated, wantGated)
-			}
-			if gated+expired < wantGated || gated+expired > maxGated {
-				t.Errorf("the gate's records: %d reported, %d expired; want %d to %d in all", gated, expired, wantGated, maxGated)
-			}
-		})
+	reports := reportsEmptyPulls[d.release.Version]
+	before := gateCounts(t, d.gated)
+	cause(t, d.gatedVia)
+	next, err := Complete(ctx, d.gatedVia.URL, Completion{Prompt: Prompt(3, 70), MaxTokens: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if waitUnhealthy(ctx, d.gated, 15*time.Second) {
+		t.Fatalf("the gated decode engine died (the next request answered %d %s); its log ends:\n%s", next.Status, next.Body, d.gated.EngineProc.Tail(3000))
+	}
+	if next.Status != 200 {
+		t.Fatalf("the request after: %d %s", next.Status, next.Body)
+	}
+	// The gate records every pull with no local block (wantGated to maxGated of them). Where
+	// vLLM reports them the gate keeps the reports from the scheduler and drops each record
+	// with its report; a record no report comes for (vLLM 0.30 reports an abort's two pulls,
+	// which name one request, once: measured, one kept and one expired) and, where vLLM no
+	// longer reports them, every record goes by the deadline-and-steps rule instead (the
+	// fixture's decode pods: PDGATE_TTL_SECONDS=20, then 64 scheduler steps).
+	if reports {
+		waitGate(t, d.gated, func(c vllm.Counts) bool { return c.Passed > before.Passed && c.Gated-before.Gated >= min(wantGated, 1) })
+	}
+	after := d.stepPastRecords(t, d.gatedVia, d.gated)
+	gated, expired := after.Gated-before.Gated, after.Expired-before.Expired
+	t.Logf("the gate kept %d reports from the scheduler; %d of its records expired", gated, expired)
+	if reports && gated < wantGated || !reports && gated != 0 {
+		t.Errorf("the gate kept %d completions from the scheduler, want at least %d where vLLM reports them, else 0", gated, wantGated)
+	}
+	if gated+expired < wantGated || gated+expired > maxGated {
+		t.Errorf("the gate's records: %d reported, %d expired; want %d to %d in all", gated, expired, wantGated, maxGated)
 	}
 }
 
@@ -750,13 +703,6 @@ func (d *deployment) stepPastRecords(t *testing.T, via *Router, p *Pod) vllm.Cou
 	}
 	time.Sleep(6 * time.Second) // the next heartbeat (every 5 s)
 	return gateCounts(t, p)
-}
-
-func (d *deployment) decodeBehind(via *Router) *Pod {
-	if via == d.gatedVia {
-		return d.gated
-	}
-	return d.stock
 }
 
 // waitUnhealthy watches the engine for window: true once it dies or /health fails.
