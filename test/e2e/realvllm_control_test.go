@@ -336,11 +336,7 @@ func (v vllmCluster) samples(t *testing.T) {
 	}
 	time.Sleep(5 * time.Second) // an engine that dies of it exits within seconds
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		var p corev1.Pod
-		pod := v.pods(role)[0]
-		if err := v.e.c.Get(v.e.ctx, client.ObjectKeyFromObject(&pod), &p); err != nil {
-			t.Fatal(err)
-		}
+		p := v.pods(role)[0]
 		exited := p.Status.ContainerStatuses != nil && !slices.ContainsFunc(p.Status.ContainerStatuses, func(c corev1.ContainerStatus) bool {
 			return c.Name == "engine" && c.State.Running != nil
 		})
