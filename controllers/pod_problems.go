@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"unicode/utf8"
 
 	corev1 "k8s.io/api/core/v1"
 
@@ -70,10 +71,23 @@ func podProblem(pods []corev1.Pod) (reason, message string) {
 	return reason, message
 }
 
+// clipped marks where clip cut a message.
+const clipped = " ... "
+
+// clip bounds a container's message to maxProblemMessage bytes (and the mark), keeping both
+// ends: the kubelet and the engine say what failed first and why last (containerd's cause of a
+// failed pull, Python's exception), cut on rune boundaries.
 func clip(s string) string {
 	s = strings.TrimSpace(s)
-	if len(s) > maxProblemMessage {
-		return s[:maxProblemMessage] + "..."
+	if len(s) <= maxProblemMessage {
+		return s
 	}
-	return s
+	head, tail := maxProblemMessage/3, len(s)-(maxProblemMessage-maxProblemMessage/3)
+	for head > 0 && !utf8.RuneStart(s[head]) {
+		head--
+	}
+	for tail < len(s) && !utf8.RuneStart(s[tail]) {
+		tail++
+	}
+	return s[:head] + clipped + s[tail:]
 }

@@ -1,7 +1,9 @@
 package controllers
 
 import (
+	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
@@ -69,6 +71,42 @@ func TestPodProblem(t *testing.T) {
 			reason, msg := podProblem(pods)
 			if d := cmp.Diff([]string{tc.reason, tc.want}, []string{reason, msg}); d != "" {
 				t.Errorf("(-want +got):\n%s", d)
+			}
+		})
+	}
+}
+
+// TestClipKeepsTheCause: the kubelet's and the engine's messages say what failed first and why
+// last (containerd's cause, Python's exception); a clipped message keeps both ends, within the
+// bound, on rune boundaries. The cut-off cause of an image pull once hid a full disk in CI.
+func TestClipKeepsTheCause(t *testing.T) {
+	pull := `failed to pull and unpack image "127.0.0.1:5000/pdcluster/vllm-cpu:0.30.0": failed to prepare extraction snapshot ` +
+		`"extract-906790786-MhIZ sha256:dce7eae2bbc9355daa9761fc9c834244556e8b1c27e058b55d0d7243efb8a992": ` +
+		`failed to create temp dir: mkdir /root/.cache/pdcluster/cluster/node/containerd/root/io.containerd.snapshotter.v1.overlayfs/snapshots/new-1234: no space left on device`
+	traceback := "Traceback (most recent call last):\n" + strings.Repeat("  File \"/opt/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py\", line 1, in run\n", 8) +
+		"AssertionError: assert req_id in self.requests"
+	wide := "a" + strings.Repeat("é", 400) // two bytes each, from an odd offset: a cut at a byte bound splits one
+	for _, tc := range []struct {
+		name, in, head, tail string
+	}{
+		{"short is whole", "not found", "not found", "not found"},
+		{"an image pull keeps its image and its cause", pull, `failed to pull and unpack image "127.0.0.1:5000/pdcluster/vllm-cpu:0.30.0"`, "no space left on device"},
+		{"a traceback keeps its exception", traceback, "Traceback (most recent call last):", "AssertionError: assert req_id in self.requests"},
+		{"multi-byte runes stay whole", wide, "aé", "éé"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := clip(tc.in)
+			if !strings.HasPrefix(got, tc.head) || !strings.HasSuffix(got, tc.tail) {
+				t.Errorf("clip(%q) = %q: want it to start %q and end %q", tc.in, got, tc.head, tc.tail)
+			}
+			if len(got) > maxProblemMessage+len(clipped) {
+				t.Errorf("clip gave %d bytes, more than %d", len(got), maxProblemMessage+len(clipped))
+			}
+			if !utf8.ValidString(got) {
+				t.Errorf("clip(%q) = %q: not valid UTF-8", tc.in, got)
+			}
+			if len(tc.in) > maxProblemMessage && !strings.Contains(got, clipped) {
+				t.Errorf("clip(%q) = %q: a clipped message says so (%q)", tc.in, got, clipped)
 			}
 		})
 	}

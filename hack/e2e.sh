@@ -39,6 +39,7 @@ cleanup() {
 trap cleanup EXIT
 if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 	PDCLUSTER_CLUSTER_DIR="${HOME}/.cache/pdcluster/cluster" "${root}/hack/local-cluster.sh" down
+	need_disk "${PDCLUSTER_CLUSTER_DIR}" 22 "The e2e cluster (its registry and containerd with two vLLM engine images)"
 fi
 
 # The stand-in engine for the tests of the tiny sample (make run's default is real vLLM: its

@@ -17,3 +17,16 @@ vllm_release() {
 # local block (0.32.0 checks it itself): test/e2e TestRealVLLMPods rolls its sample onto this
 # release's engine image, gated and then stock, to show what the gate prevents.
 vllm_control_release=0.30.0
+
+# need_disk fails unless the filesystem holding DIR has GB gigabytes free, naming what it is for
+# and what this machine's caches take: a pull that runs out of space half way fails in
+# containerd's words, minutes later, as an image that cannot be unpacked.
+need_disk() { # DIR GB WHAT
+	local d="$1"
+	while [[ ! -d "${d}" ]]; do d="$(dirname "${d}")"; done
+	local free; free="$(df -P -B1G "${d}" | awk 'NR == 2 {print $4}')"
+	((free >= $2)) && return 0
+	echo "$3 needs ${2} GB free on the filesystem of ${1}; it has ${free} GB. What the caches here take:" >&2
+	du -sh "${HOME}"/.cache/pdcluster/* "${HOME}/.cache/go-build" >&2 2>/dev/null || true
+	return 1
+}

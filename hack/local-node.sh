@@ -89,6 +89,10 @@ down() {
 	{ iptables -t nat -S POSTROUTING 2>/dev/null || true; } | { grep -F -- "CNI-" || true; } | sed 's/^-A/-D/' |
 		while read -r r; do eval "iptables -t nat ${r}" 2>/dev/null || true; done
 	rm -rf "${dir}/containerd/state" "${dir}/cni-state"
+	# The images too (containerd's store, the registry's): the next up starts from an empty
+	# directory (hack/local-cluster.sh), so kept they would only hold the disk, about 10 GB with a
+	# vLLM engine image, that the next cluster needs (hack/e2e.sh's holds two such images).
+	rm -rf "${dir}/containerd/root" "${dir}/registry"
 }
 
 write_configs() {
