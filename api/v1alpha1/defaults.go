@@ -40,6 +40,10 @@ const (
 
 	DefaultDrainTimeoutSeconds int32 = 120
 
+	// DefaultRouterMemoryLimit is the router container's memory limit when spec.router.resources
+	// is unset (render's default resources): its heap, body budget and KV index are sized from it.
+	DefaultRouterMemoryLimit = "1Gi"
+
 	// A Deployment's own defaults.
 	DefaultMaxSurge       = "25%"
 	DefaultMaxUnavailable = "25%"

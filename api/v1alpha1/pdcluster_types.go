@@ -596,7 +596,8 @@ type RouterSpec struct {
 	// resources of the router container. Default: requests of 100m CPU and 128Mi memory, a
 	// limit of 1Gi memory. The router keeps its Go heap under 90% of its memory limit and holds
 	// at most a quarter of it in request bodies (each counted four times, its copies; 503 with
-	// Retry-After past it); without a limit, the node's memory stands for it.
+	// Retry-After past it) and 3/16 of it in each pool's KVEvents index; without a limit, the
+	// node's memory stands for it.
 	// +optional
 	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
 
@@ -694,8 +695,12 @@ type RouterRouting struct {
 // KVEventsRouting sizes KVEvents' index of what each engine holds.
 type KVEventsRouting struct {
 	// blocksPerEngine is how many KV blocks the router keeps per engine and data-parallel
-	// rank (about 50 bytes of router memory each); past it, entries are dropped at random:
-	// 262144 by default, more than one GPU's KV cache holds in 16-token blocks.
+	// rank (at most 160 bytes of router memory each); past it, entries are dropped at random:
+	// 262144 by default, more than one GPU's KV cache holds in 16-token blocks. Each pool's
+	// index holds at most 3/16 of the router's memory limit over all its engines (past it the
+	// engine holding the most gives up a block, counted in
+	// pdcluster_router_kv_events_index_evicted_blocks_total), and one engine's blocks must fit
+	// in that: 1258291 blocks with the router's default 1Gi limit.
 	// +kubebuilder:validation:Minimum=1024
 	// +kubebuilder:validation:Maximum=16777216
 	// +optional

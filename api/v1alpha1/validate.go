@@ -2,6 +2,7 @@ package v1alpha1
 
 import (
 	"encoding/json"
+	"fmt"
 	"maps"
 	"slices"
 	"strconv"
@@ -15,6 +16,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	utilvalidation "k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
+
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // OperatorVolumeNames are the volumes the operator adds to the engine pods (CEL keeps a
@@ -104,6 +107,7 @@ func (p *PDCluster) Validate() field.ErrorList {
 		errs = append(errs, field.Invalid(spec.Child("router", "maxRequestBody"), q.String(), "must be from 1Ki to 1Gi"))
 	}
 	errs = append(errs, validateExtraConfig(spec.Child("kvTransfer", "extraConfig"), p.Spec.KVTransfer.ExtraConfig)...)
+	errs = append(errs, validateKVIndex(spec.Child("router"), p.Spec.Router)...)
 	// An engine-wide mount missing its volume in both pools is one mistake, said once.
 	seen := map[string]bool{}
 	return slices.DeleteFunc(errs, func(e *field.Error) bool {
@@ -338,4 +342,33 @@ func validateRollout(path *field.Path, r RolloutSpec) field.ErrorList {
 			"may not be 0 when maxSurge is 0: no pod could be replaced (set maxSurge 1 where an accelerator is free, else maxUnavailable 1)"))
 	}
 	return errs
+}
+
+// validateKVIndex refuses a KVEvents index one engine's blocks cannot fit in: each pool's index
+// holds at most its share of the router's memory limit (routerconfig.KVIndexBlocks), so an
+// engine's blocksPerEngine past it would be evicted at random as it arrives. A router without a
+// memory limit is bounded by the node's memory, which only the router knows.
+func validateKVIndex(path *field.Path, r RouterSpec) field.ErrorList {
+	if r.Routing.Strategy != RoutingKVEvents {
+		return nil
+	}
+	limit, limitSays := resource.MustParse(DefaultRouterMemoryLimit), "the default of spec.router.resources.limits.memory"
+	if r.Resources != nil {
+		q, ok := r.Resources.Limits[corev1.ResourceMemory]
+		if !ok {
+			return nil
+		}
+		limit, limitSays = q, "spec.router.resources.limits.memory"
+	}
+	blocks, unset := int64(routerconfig.DefaultBlocksPerEngine), " ("+strconv.Itoa(routerconfig.DefaultBlocksPerEngine)+" by default)"
+	if e := r.Routing.KVEvents; e != nil && e.BlocksPerEngine != nil {
+		blocks, unset = int64(*e.BlocksPerEngine), ""
+	}
+	fits := routerconfig.KVIndexBlocks(limit.Value())
+	if blocks <= fits {
+		return nil
+	}
+	return field.ErrorList{field.Invalid(path.Child("routing", "kvEvents", "blocksPerEngine"), blocks, fmt.Sprintf(
+		"one engine's index takes %d MiB of router memory (%d bytes a block), more than a pool's share of the router's memory limit (3/16 of %s, %s: %d blocks): raise the limit or lower blocksPerEngine%s",
+		blocks*routerconfig.KVIndexBlockBytes>>20, routerconfig.KVIndexBlockBytes, limit.String(), limitSays, fits, unset))}
 }

@@ -25,6 +25,24 @@ func TestValidate(t *testing.T) {
 		want   []string // field.Error strings
 	}{
 		{"nothing set", func(*PDCluster) {}, nil},
+		{"a KV index one engine overflows the default router's memory with", func(p *PDCluster) {
+			p.Spec.Router.Routing = RouterRouting{Strategy: RoutingKVEvents, KVEvents: &KVEventsRouting{BlocksPerEngine: ptr.To[int32](16777216)}}
+		}, []string{`spec.router.routing.kvEvents.blocksPerEngine: Invalid value: 16777216: one engine's index takes 2560 MiB of router memory (160 bytes a block), more than a pool's share of the router's memory limit (3/16 of 1Gi, the default of spec.router.resources.limits.memory: 1258291 blocks): raise the limit or lower blocksPerEngine`}},
+		{"the default KV index past a small router's memory", func(p *PDCluster) {
+			p.Spec.Router.Routing = RouterRouting{Strategy: RoutingKVEvents}
+			p.Spec.Router.Resources = &corev1.ResourceRequirements{Limits: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("128Mi")}}
+		}, []string{`spec.router.routing.kvEvents.blocksPerEngine: Invalid value: 262144: one engine's index takes 40 MiB of router memory (160 bytes a block), more than a pool's share of the router's memory limit (3/16 of 128Mi, spec.router.resources.limits.memory: 157286 blocks): raise the limit or lower blocksPerEngine (262144 by default)`}},
+		{"a large KV index in a router sized for it", func(p *PDCluster) {
+			p.Spec.Router.Routing = RouterRouting{Strategy: RoutingKVEvents, KVEvents: &KVEventsRouting{BlocksPerEngine: ptr.To[int32](16777216)}}
+			p.Spec.Router.Resources = &corev1.ResourceRequirements{Limits: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("16Gi")}}
+		}, nil},
+		{"a router without a memory limit: the node's memory bounds the index", func(p *PDCluster) {
+			p.Spec.Router.Routing = RouterRouting{Strategy: RoutingKVEvents, KVEvents: &KVEventsRouting{BlocksPerEngine: ptr.To[int32](16777216)}}
+			p.Spec.Router.Resources = &corev1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("128Mi")}}
+		}, nil},
+		{"no KV index without KVEvents", func(p *PDCluster) {
+			p.Spec.Router.Routing = RouterRouting{Strategy: RoutingPrefixAware, KVEvents: &KVEventsRouting{BlocksPerEngine: ptr.To[int32](16777216)}}
+		}, nil},
 		{"toleration effect", func(p *PDCluster) {
 			p.Spec.Decode.Tolerations = []corev1.Toleration{{Key: "a", Operator: corev1.TolerationOpExists}, {Key: "gpu", Operator: corev1.TolerationOpExists, Effect: "Sometimes"}}
 		}, []string{`spec.decode.tolerations[1].effect: Unsupported value: "Sometimes": supported values: "NoSchedule", "PreferNoSchedule", "NoExecute"`}},

@@ -59,7 +59,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", router.DefaultMaxBodyBytes, "largest request body accepted (413 past it)")
 	fs.Int64Var(&o.maxInFlight, "max-in-flight", router.DefaultMaxInFlight, "most requests proxied at once (503 past it)")
 	fs.Int64Var(&o.maxBodyBytesInFlight, "max-body-bytes-in-flight", 0, "bytes of request bodies held at once over all requests, each counted 4 times (the router's copies; 503 past it); 0: a quarter of --memory-limit, or 8 of the largest bodies without one")
-	fs.Int64Var(&o.memoryLimit, "memory-limit", 0, "the container's memory limit in bytes (the operator passes limits.memory): the Go runtime keeps under 90% of it (unless GOMEMLIMIT is set), and the body budget defaults to a quarter of it; 0: none")
+	fs.Int64Var(&o.memoryLimit, "memory-limit", 0, "the container's memory limit in bytes (the operator passes limits.memory): the Go runtime keeps under 90% of it (unless GOMEMLIMIT is set), the body budget defaults to a quarter of it, and each pool's KV events index holds at most 3/16 of it; 0: none")
 	o.zap.BindFlags(fs)
 	return o, fs.Parse(args)
 }
@@ -81,6 +81,7 @@ func configure(o *options) (router.Config, routerconfig.File, router.Pools, erro
 		Flow: routerconfig.Flow(o.flow), Balance: routerconfig.Balance(o.balance),
 		MaxBodyBytes: o.maxBodyBytes, MaxInFlight: o.maxInFlight,
 		MaxBodyBytesInFlight: bodyBudget(o),
+		KVIndexBlocks:        routerconfig.KVIndexBlocks(o.memoryLimit),
 	}
 	static := router.Pools{Decode: o.decode}
 	for _, p := range o.prefill {

@@ -89,6 +89,8 @@ func TestConfigure(t *testing.T) {
 		wantRouting *routerconfig.Routing
 		// wantKVPorts are --kv-events-ports as the router gets them.
 		wantKVPorts map[string]router.KVEventsPorts
+		// wantIndexBlocks bounds each pool's KV events index, from --memory-limit.
+		wantIndexBlocks int64
 	}{
 		{name: "file with PrefixAware routing", args: []string{"--config", prefixAware}, wantFlow: routerconfig.FlowMooncake, wantPolicy: router.DefaultFailurePolicy(),
 			wantRouting: &routerconfig.Routing{Strategy: routerconfig.RoutingPrefixAware, ChunkBytes: 32, LoadSlack: 3}},
@@ -104,6 +106,8 @@ func TestConfigure(t *testing.T) {
 		{name: "prefill with no data-parallel ranks", args: []string{"--prefill", "http://a,http://a:8998,0", "--decode", "http://c"}, wantErr: "data-parallel ranks"},
 		{name: "engines' own KV events ports", args: []string{"--prefill", "http://a", "--decode", "http://c", "--kv-events-ports", "http://a=7001,7002", "--kv-events-ports", "http://c=7003,7004"},
 			wantFlow: routerconfig.FlowMooncake, wantStatic: 1, wantKVPorts: map[string]router.KVEventsPorts{"http://a": {Port: 7001, ReplayPort: 7002}, "http://c": {Port: 7003, ReplayPort: 7004}}},
+		{name: "the KV index within the memory limit", args: []string{"--prefill", "http://a", "--decode", "http://c", "--memory-limit", "1073741824"},
+			wantFlow: routerconfig.FlowMooncake, wantStatic: 1, wantIndexBlocks: (1 << 30) / 16 * 3 / routerconfig.KVIndexBlockBytes},
 		{name: "KV events ports without a replay port", args: []string{"--prefill", "http://a", "--decode", "http://c", "--kv-events-ports", "http://a=7001"}, wantErr: "want ENGINE_URL=PORT,REPLAY_PORT"},
 	}
 	for _, tc := range cases {
@@ -130,6 +134,9 @@ func TestConfigure(t *testing.T) {
 			}
 			if d := cmp.Diff(tc.wantRouting, cfg.Routing); d != "" {
 				t.Errorf("routing (-want +got):\n%s", d)
+			}
+			if cfg.KVIndexBlocks != tc.wantIndexBlocks {
+				t.Errorf("KV index of %d blocks a pool, want %d", cfg.KVIndexBlocks, tc.wantIndexBlocks)
 			}
 			if d := cmp.Diff(tc.wantKVPorts, cfg.KVEventsPorts); d != "" {
 				t.Errorf("KV events ports (-want +got):\n%s", d)

@@ -306,7 +306,8 @@ func routerResources(r v1alpha1.RouterSpec) corev1.ResourceRequirements {
 			corev1.ResourceCPU:    resource.MustParse("100m"),
 			corev1.ResourceMemory: resource.MustParse("128Mi"),
 		},
-		// Bodies in flight (a quarter of it) and the Go heap (90%) are sized from it.
-		Limits: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("1Gi")},
+		// Bodies in flight (a quarter of it), each pool's KV index (3/16) and the Go heap (90%)
+		// are sized from it.
+		Limits: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse(v1alpha1.DefaultRouterMemoryLimit)},
 	}
 }

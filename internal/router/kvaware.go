@@ -41,6 +41,7 @@ type kvRouting struct {
 	counts                                    map[leg]kvCounts
 	indexBlocks, lag                          *prometheus.Desc
 	lost, restarts, orphaned, panics, refused *prometheus.Desc
+	evicted                                   *prometheus.Desc
 }
 
 type kvCounts struct {
@@ -50,7 +51,9 @@ type kvCounts struct {
 // KVEventsPorts are one engine's KV events publisher and replay ports (rank 0's).
 type KVEventsPorts struct{ Port, ReplayPort int32 }
 
-func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts) *kvRouting {
+// newKVRouting follows the engines' KV events into an index per pool, of at most indexBlocks
+// blocks each (0: blocksPerEngine per engine alone).
+func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts, indexBlocks int64) *kvRouting {
 	if routing == nil || routing.Strategy != routerconfig.RoutingKVEvents || routing.KVEvents == nil {
 		return nil
 	}
@@ -73,17 +76,18 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts)
 			Name: "pdcluster_router_kv_events_estimated_total",
 			Help: "Requests routed by PrefixAware's estimate instead of the engines' KV events, by pool and reason: text (the prompt is not token ids), untrusted (an engine of the pool is not connected, has stated no block size, or lost events in the last minute).",
 		}, []string{"pool", "reason"}),
-		indexBlocks: prometheus.NewDesc("pdcluster_router_kv_events_index_blocks", "KV blocks the engines' events say they hold, by pool (bounded by blocksPerEngine per engine and rank).", []string{"pool"}, nil),
+		indexBlocks: prometheus.NewDesc("pdcluster_router_kv_events_index_blocks", "KV blocks the engines' events say they hold, by pool (bounded by blocksPerEngine per engine and rank, and in all by the router's memory limit).", []string{"pool"}, nil),
 		lag:         prometheus.NewDesc("pdcluster_router_kv_events_lag_seconds", "The longest time an engine's last KV event batch took from the engine to the router's index, by pool.", []string{"pool"}, nil),
 		lost:        prometheus.NewDesc("pdcluster_router_kv_events_lost_total", "Times KV events were lost past an engine's replay buffer (its index dropped, the pool estimated for a minute), by pool.", []string{"pool"}, nil),
 		restarts:    prometheus.NewDesc("pdcluster_router_kv_events_restarts_total", "Times an engine's KV events sequence went back or its connection dropped (its index dropped and rebuilt from its replay), by pool.", []string{"pool"}, nil),
 		orphaned:    prometheus.NewDesc("pdcluster_router_kv_events_orphaned_blocks_total", "Stored KV blocks skipped because the router never saw the block before them, by pool.", []string{"pool"}, nil),
 		panics:      prometheus.NewDesc("pdcluster_router_kv_events_panics_total", "KV event batches whose decoding or applying panicked and was recovered (the engine's index dropped, the pool estimated for a minute), by pool: a bug, or an engine sending what no check foresaw.", []string{"pool"}, nil),
 		refused:     prometheus.NewDesc("pdcluster_router_kv_events_refused_total", "KV events connections the router closed for what the engine wrote (a message past the size cap, a malformed ZMTP handshake, or none in time; the engine's index dropped, the pool estimated for a minute), by pool.", []string{"pool"}, nil),
+		evicted:     prometheus.NewDesc("pdcluster_router_kv_events_index_evicted_blocks_total", "KV blocks the router's index gave up, by pool, to stay within its share of the router's memory limit (3/16 a pool; the engine holding the most gives one up): the engines hold more than the router can follow (raise spec.router.resources.limits.memory).", []string{"pool"}, nil),
 		counts:      map[leg]kvCounts{},
 	}
 	for _, l := range []leg{legPrefill, legDecode} {
-		k.follow[l] = &kvevents.Follower{Index: kvevents.NewIndex(int(e.BlocksPerEngine)), Topic: e.Topic}
+		k.follow[l] = &kvevents.Follower{Index: kvevents.NewIndex(int(e.BlocksPerEngine), int(indexBlocks)), Topic: e.Topic}
 		k.ranks[l] = map[string][]string{}
 		k.counts[l] = kvCounts{
 			k.promptBlocks.WithLabelValues(string(l)), k.matchedBlocks.WithLabelValues(string(l)),
@@ -250,7 +254,7 @@ func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {
 	k.promptBlocks.Describe(ch)
 	k.matchedBlocks.Describe(ch)
 	k.fallbacks.Describe(ch)
-	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned, k.panics, k.refused} {
+	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned, k.panics, k.refused, k.evicted} {
 		ch <- d
 	}
 }
@@ -277,5 +281,6 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(k.orphaned, prometheus.CounterValue, float64(orphaned), pool)
 		ch <- prometheus.MustNewConstMetric(k.panics, prometheus.CounterValue, float64(panics), pool)
 		ch <- prometheus.MustNewConstMetric(k.refused, prometheus.CounterValue, float64(refused), pool)
+		ch <- prometheus.MustNewConstMetric(k.evicted, prometheus.CounterValue, float64(f.Index.Evicted()), pool)
 	}
 }

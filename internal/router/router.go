@@ -64,6 +64,9 @@ type Config struct {
 	Pairing routerconfig.PairingMode
 	// Routing weighs what the engines hold of a request's prompt; nil: Balance alone picks.
 	Routing *routerconfig.Routing
+	// KVIndexBlocks bounds each pool's KVEvents index over all its engines
+	// (routerconfig.KVIndexBlocks of the memory limit); 0: blocksPerEngine per engine alone.
+	KVIndexBlocks int64
 }
 
 // DefaultFailurePolicy is the policy of a router.json without one.
@@ -220,7 +223,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		probeEvery: probeEvery,
 		canary:     newCanaryState(),
 		prefix:     newPrefixRouting(cfg.Routing),
-		kv:         newKVRouting(cfg.Routing, cfg.KVEventsPorts),
+		kv:         newKVRouting(cfg.Routing, cfg.KVEventsPorts, cfg.KVIndexBlocks),
 		metrics: metrics{
 			requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",

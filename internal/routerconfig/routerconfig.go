@@ -127,6 +127,28 @@ type KVEventsEndpoints struct {
 	BlocksPerEngine int32 `json:"blocksPerEngine,omitempty"`
 }
 
+// DefaultBlocksPerEngine bounds each engine's entries in KVEvents' index when
+// blocksPerEngine is unset: 262144 blocks of 16 tokens is 4M tokens, more than one GPU's KV
+// cache holds for the models served on one.
+const DefaultBlocksPerEngine = 262144
+
+// KVIndexBlockBytes is what one block of KVEvents' index costs the router, at most: 54 to 90
+// bytes of live heap measured (kvevents' TestBlockBytes holds it under this), 149 of a router's
+// resident memory under churn (issue 56).
+const KVIndexBlockBytes = 160
+
+// KVIndexBlocks is how many blocks each pool's KVEvents index may hold over all its engines
+// with a router memory limit of memoryLimit bytes: 3/16 of it each (3/8 for both pools, beside
+// the body budget's quarter, and the rest the Go runtime's and the connections'); 0, no bound
+// but blocksPerEngine's, without a limit. The operator refuses a blocksPerEngine one engine
+// cannot fit in.
+func KVIndexBlocks(memoryLimit int64) int64 {
+	if memoryLimit <= 0 {
+		return 0
+	}
+	return memoryLimit / 16 * 3 / KVIndexBlockBytes
+}
+
 // Validate reports a routing the router cannot run.
 func (r Routing) Validate(b Balance) error {
 	switch r.Strategy {

@@ -33,7 +33,7 @@ func benchBatch(b *testing.B) []byte {
 // The router's work per batch an engine publishes: decode it and apply it to the index.
 func BenchmarkIngest(b *testing.B) {
 	payload := benchBatch(b)
-	ix := NewIndex(0)
+	ix := NewIndex(0, 0)
 	b.ReportAllocs()
 	for b.Loop() {
 		batch, err := Decode(payload)
@@ -51,7 +51,7 @@ func BenchmarkMatch(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	ix := NewIndex(0)
+	ix := NewIndex(0, 0)
 	ix.Apply("e0", batch.Events)
 	ix.Apply("e1", batch.Events)
 	tokens := make([]uint32, 512)
@@ -77,7 +77,7 @@ func BenchmarkFollow(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer p.Close()
-	f := &Follower{Index: NewIndex(0), Topic: "kv", Log: logr.Discard()}
+	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: logr.Discard()}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go f.Follow(ctx, Source{Engine: "e", Endpoint: "tcp://" + p.Addr(), Replay: "tcp://" + p.ReplayAddr()})

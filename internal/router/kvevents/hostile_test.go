@@ -16,7 +16,7 @@ func followStandIn(t *testing.T, before func(*kvpublish.Publisher)) (*kvpublish.
 	t.Helper()
 	p, pubAt, replayAt := startStandIn(t)
 	before(p)
-	f := &Follower{Index: NewIndex(0), Topic: "kv", Log: testr.New(t)}
+	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t)}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); f.Follow(ctx, Source{Engine: "e", Endpoint: pubAt, Replay: replayAt}) }()

@@ -4,12 +4,9 @@ import (
 	"encoding/binary"
 	"hash/maphash"
 	"sync"
-)
 
-// DefaultBlocksPerEngine bounds each engine's entries: 262144 blocks of 16 tokens is 4M
-// tokens, more than one GPU's KV cache holds for the models served on one; a flood of events
-// past it evicts entries at random instead of growing.
-const DefaultBlocksPerEngine = 262144
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+)
 
 // seed is one per process: requests and events hash alike, random so that no client can aim
 // collisions at the router.
@@ -47,12 +44,26 @@ func Hashes(tokens []uint32, blockSize int) []uint64 {
 	return out
 }
 
+// applySlice bounds the work (blocks and events) Apply does under one hold of the lock: every
+// request's match waits for one slice, not for a whole batch (issue 56: a hostile engine's batch
+// of 2,000,000 blocks held the pool's index for 1.8 s).
+const applySlice = 1024
+
 // Index is what the engines of one pool hold, by engine URL, as their events said. It is safe
 // for concurrent use.
 type Index struct {
-	capacity int
-	mu       sync.Mutex
-	engines  map[string]*engine
+	// capacity bounds each engine's entries; total bounds all of them (0: no bound), from the
+	// router's memory (routerconfig.KVIndexBlocks).
+	capacity, total int
+	// mu guards engines and the counts: requests read under a read lock, each engine's
+	// follower writes.
+	mu      sync.RWMutex
+	engines map[string]*engine
+	// size is the entries of all engines; evicted counts those given up for total.
+	size    int
+	evicted int64
+	// betweenSlices runs while Apply has let go of the lock between two slices (tests).
+	betweenSlices func()
 }
 
 // engine is one engine's cache: its block hashes mapped to the router's (a block of each KV
@@ -68,16 +79,49 @@ type blockKey struct {
 	group int
 }
 
-// NewIndex returns an empty Index of at most blocksPerEngine entries per engine (0: the
-// default).
-func NewIndex(blocksPerEngine int) *Index {
+// NewIndex returns an empty Index of at most blocksPerEngine entries per engine (0:
+// routerconfig.DefaultBlocksPerEngine; a flood of events past it evicts entries at random
+// instead of growing) and total in all (0: no bound but the engines'). Past total the engine
+// holding the most gives up an entry at random, so that an engine that joins gets its share.
+func NewIndex(blocksPerEngine, total int) *Index {
 	if blocksPerEngine <= 0 {
-		blocksPerEngine = DefaultBlocksPerEngine
+		blocksPerEngine = routerconfig.DefaultBlocksPerEngine
 	}
-	return &Index{capacity: blocksPerEngine, engines: map[string]*engine{}}
+	return &Index{capacity: blocksPerEngine, total: max(total, 0), engines: map[string]*engine{}}
 }
 
-// Apply records an engine's events, in order. Blocks whose parent the index does not know
+// add records an entry of e, within both bounds.
+func (ix *Index) add(e *engine, k blockKey, own uint64) {
+	before := len(e.blocks)
+	e.add(k, own, ix.capacity)
+	ix.size += len(e.blocks) - before
+	for ix.total > 0 && ix.size > ix.total {
+		var most *engine
+		for _, o := range ix.engines {
+			if most == nil || len(o.blocks) > len(most.blocks) {
+				most = o
+			}
+		}
+		for victim := range most.blocks {
+			most.remove(victim)
+			break
+		}
+		ix.size--
+		ix.evicted++
+	}
+}
+
+// forget takes e's entries out of the count: e is cleared or dropped.
+func (ix *Index) forget(e *engine) {
+	if e != nil {
+		ix.size -= len(e.blocks)
+	}
+}
+
+// Apply records an engine's events, in order, in slices of applySlice blocks or events with the
+// lock let go between them; one follower applies each engine's batches, so their order holds,
+// and a request meanwhile sees the batch in part, as it would one event sooner. An engine
+// dropped meanwhile takes no more of the batch. Blocks whose parent the index does not know
 // (stored before the router listened, and not replayed) are skipped: their tokens' place in a
 // prompt is unknown. It reports how many stored blocks it skipped that way.
 func (ix *Index) Apply(url string, events []Event) (orphans int) {
@@ -88,7 +132,24 @@ func (ix *Index) Apply(url string, events []Event) (orphans int) {
 		e = &engine{blocks: map[blockKey]uint64{}, held: map[uint64]int{}}
 		ix.engines[url] = e
 	}
+	work := 0
+	// more counts one unit of work and lets readers in after a slice; false once e is dropped.
+	more := func() bool {
+		if work++; work < applySlice {
+			return true
+		}
+		work = 0
+		ix.mu.Unlock()
+		if ix.betweenSlices != nil {
+			ix.betweenSlices()
+		}
+		ix.mu.Lock()
+		return ix.engines[url] == e
+	}
 	for _, ev := range events {
+		if !more() {
+			return orphans
+		}
 		switch ev := ev.(type) {
 		case Stored:
 			if ev.Keyed || (ev.Medium != "" && ev.Medium != "GPU") {
@@ -109,13 +170,22 @@ func (ix *Index) Apply(url string, events []Event) (orphans int) {
 			e.blockSize = ev.BlockSize
 			for i, h := range ev.BlockHashes {
 				parent = chain(parent, ev.TokenIDs[i*ev.BlockSize:(i+1)*ev.BlockSize])
-				e.add(blockKey{h, ev.Group}, parent, ix.capacity)
+				ix.add(e, blockKey{h, ev.Group}, parent)
+				if !more() {
+					return orphans
+				}
 			}
 		case Removed:
 			for _, h := range ev.BlockHashes {
+				before := len(e.blocks)
 				e.remove(blockKey{h, ev.Group})
+				ix.size += len(e.blocks) - before
+				if !more() {
+					return orphans
+				}
 			}
 		case Cleared:
+			ix.forget(e)
 			*e = engine{blockSize: e.blockSize, blocks: map[blockKey]uint64{}, held: map[uint64]int{}}
 		}
 	}
@@ -154,14 +224,15 @@ func (e *engine) remove(k blockKey) {
 func (ix *Index) Drop(url string) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
+	ix.forget(ix.engines[url])
 	delete(ix.engines, url)
 }
 
 // CommonBlockSize is the block size the events of urls stated (those that stated none aside),
 // 0 when none did, and whether they agree.
 func (ix *Index) CommonBlockSize(urls [][]string) (size int, agree bool) {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
 	for _, us := range urls {
 		for _, u := range us {
 			e := ix.engines[u]
@@ -180,8 +251,8 @@ func (ix *Index) CommonBlockSize(urls [][]string) (size int, agree bool) {
 // MatchBest sets matched[i] to the most leading blocks of hashes any of urls[i] holds (one
 // pod's data-parallel ranks, of which the router does not pick one).
 func (ix *Index) MatchBest(hashes []uint64, urls [][]string, matched []int) {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
 	for i, us := range urls {
 		matched[i] = 0
 		for _, u := range us {
@@ -207,8 +278,8 @@ func (e *engine) leading(hashes []uint64) int {
 
 // Blocks is the entries the index holds for url.
 func (ix *Index) Blocks(url string) int {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
 	if e := ix.engines[url]; e != nil {
 		return len(e.blocks)
 	}
@@ -217,21 +288,25 @@ func (ix *Index) Blocks(url string) int {
 
 // Size is the entries the index holds in all.
 func (ix *Index) Size() int {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	n := 0
-	for _, e := range ix.engines {
-		n += len(e.blocks)
-	}
-	return n
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.size
+}
+
+// Evicted is how many entries the index gave up to stay within its total.
+func (ix *Index) Evicted() int64 {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.evicted
 }
 
 // Retain forgets the engines keep does not name.
 func (ix *Index) Retain(keep func(url string) bool) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	for url := range ix.engines {
+	for url, e := range ix.engines {
 		if !keep(url) {
+			ix.forget(e)
 			delete(ix.engines, url)
 		}
 	}

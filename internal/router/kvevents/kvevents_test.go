@@ -169,7 +169,7 @@ func FuzzDecode(f *testing.F) {
 	f.Fuzz(func(t *testing.T, p []byte) {
 		agree(t, p)
 		if b, err := Decode(p); err == nil {
-			ix := NewIndex(64)
+			ix := NewIndex(64, 0)
 			ix.Apply("e", b.Events)
 			ix.MatchBest(Hashes(tokens(0, 64), 2), [][]string{{"e"}}, make([]int, 1))
 		}
@@ -267,7 +267,7 @@ func TestIndex(t *testing.T) {
 		},
 	}} {
 		t.Run(tc.name, func(t *testing.T) {
-			ix := NewIndex(0)
+			ix := NewIndex(0, 0)
 			orphans := ix.Apply("e", tc.events)
 			matched := make([]int, 2)
 			ix.MatchBest(want, [][]string{{"e"}, {"other"}}, matched)
@@ -281,7 +281,7 @@ func TestIndex(t *testing.T) {
 // The index takes what Decode would refuse without panicking and without holding any of it:
 // an event whose token ids do not make its blocks (issue 56) is skipped whole.
 func TestIndexSkipsInconsistentStored(t *testing.T) {
-	ix := NewIndex(0)
+	ix := NewIndex(0, 0)
 	err := func() (err error) {
 		defer func() {
 			if p := recover(); p != nil {
@@ -310,7 +310,7 @@ func TestIndexSkipsInconsistentStored(t *testing.T) {
 }
 
 func TestIndexIsBounded(t *testing.T) {
-	ix := NewIndex(100)
+	ix := NewIndex(100, 0)
 	for i := range 1000 {
 		ix.Apply("e", []Event{Stored{BlockHashes: []uint64{uint64(i)}, TokenIDs: tokens(i, 2), BlockSize: 2}})
 	}
@@ -375,7 +375,7 @@ func TestDecodeRefusesHostileSizes(t *testing.T) {
 // agree on (engines that stored nothing aside), and each pod's best rank's match.
 func TestPoolQueries(t *testing.T) {
 	prompt := tokens(0, 12)
-	ix := NewIndex(0)
+	ix := NewIndex(0, 0)
 	ix.Apply("a", []Event{Stored{BlockHashes: []uint64{1, 2}, TokenIDs: prompt[:8], BlockSize: 4}})
 	ix.Apply("a#1", []Event{Stored{BlockHashes: []uint64{1, 2, 3}, TokenIDs: prompt, BlockSize: 4}})
 	ix.Apply("c", []Event{Stored{BlockHashes: []uint64{1}, TokenIDs: prompt[:8], BlockSize: 8}})

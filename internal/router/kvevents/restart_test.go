@@ -40,7 +40,7 @@ func TestARestartInsideTheReplayedSpanIsARestart(t *testing.T) {
 	p, pubAt, replayAt := startStandIn(t)
 	store(t, p, 1, tokens(0, 4))
 	store(t, p, 2, tokens(10, 4))
-	f := &Follower{Index: NewIndex(0), Topic: "kv", Log: testr.New(t)}
+	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t)}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); f.Follow(ctx, Source{Engine: "e", Endpoint: pubAt, Replay: replayAt}) }()

@@ -95,7 +95,7 @@ func followVLLM(t *testing.T, python string) {
 	await("history")
 
 	const engine = "http://engine"
-	f := &Follower{Index: NewIndex(0), Topic: "kv", Log: testr.New(t)}
+	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t)}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Add(1)

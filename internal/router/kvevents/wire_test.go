@@ -158,7 +158,7 @@ func followHostile(t *testing.T, greet bool, then []byte, body int, after []byte
 			}()
 		}
 	}()
-	f := &Follower{Index: NewIndex(0), Topic: "kv", Log: testr.New(t)}
+	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t)}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); f.Follow(ctx, Source{Engine: "e", Endpoint: "tcp://" + l.Addr().String()}) }()
@@ -189,7 +189,7 @@ func TestFollowSurvivesAReplayThatNeverGreets(t *testing.T) {
 			go func() { defer c.Close(); _, _ = io.Copy(io.Discard, c) }()
 		}
 	}()
-	f := &Follower{Index: NewIndex(0), Topic: "kv", Log: testr.New(t), ReplayTimeout: 300 * time.Millisecond}
+	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t), ReplayTimeout: 300 * time.Millisecond}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
