@@ -66,6 +66,16 @@ func (c *chargedReader) prepay(n int64) bool {
 	return true
 }
 
+// charge reserves n more bytes for what the request makes of its body (given back with the
+// body's); false when the budget cannot hold them.
+func (c *chargedReader) charge(n int64) bool {
+	if !c.b.take(n) {
+		return false
+	}
+	c.taken += n
+	return true
+}
+
 func (c *chargedReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	if n > 0 {

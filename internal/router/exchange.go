@@ -45,8 +45,9 @@ type exchange struct {
 	// hashes are the prompt's chunk hashes, with PrefixAware routing (prefixaware.go).
 	hashes []uint64
 	// tokens are the prompt's token ids, with KVEvents routing when the prompt is token ids
-	// (kvaware.go).
-	tokens []uint32
+	// (kvaware.go); tokensOverBudget when the body budget could not hold them.
+	tokens           []uint32
+	tokensOverBudget bool
 }
 
 // attempt is one try of the request on one prefill (none when decodeOnly) and one decode

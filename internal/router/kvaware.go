@@ -4,6 +4,7 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"net"
@@ -45,7 +46,7 @@ type kvRouting struct {
 }
 
 type kvCounts struct {
-	prompt, matched, noTokens, untrusted prometheus.Counter
+	prompt, matched, noTokens, untrusted, overBudget prometheus.Counter
 }
 
 // KVEventsPorts are one engine's KV events publisher and replay ports (rank 0's).
@@ -74,7 +75,7 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts,
 		}, []string{"pool"}),
 		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdcluster_router_kv_events_estimated_total",
-			Help: "Requests routed by PrefixAware's estimate instead of the engines' KV events, by pool and reason: text (the prompt is not token ids), untrusted (an engine of the pool is not connected, has stated no block size, or lost events in the last minute).",
+			Help: "Requests routed by PrefixAware's estimate instead of the engines' KV events, by pool and reason: text (the prompt is not token ids), untrusted (an engine of the pool is not connected, has stated no block size, or lost events in the last minute), budget (the router's budget of request bytes in flight could not hold the prompt's token ids, 4 bytes each).",
 		}, []string{"pool", "reason"}),
 		indexBlocks: prometheus.NewDesc("pdcluster_router_kv_events_index_blocks", "KV blocks the engines' events say they hold, by pool (bounded by blocksPerEngine per engine and rank, and in all by the router's memory limit).", []string{"pool"}, nil),
 		lag:         prometheus.NewDesc("pdcluster_router_kv_events_lag_seconds", "The longest time an engine's last KV event batch took from the engine to the router's index, by pool.", []string{"pool"}, nil),
@@ -92,6 +93,7 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts,
 		k.counts[l] = kvCounts{
 			k.promptBlocks.WithLabelValues(string(l)), k.matchedBlocks.WithLabelValues(string(l)),
 			k.fallbacks.WithLabelValues(string(l), "text"), k.fallbacks.WithLabelValues(string(l), "untrusted"),
+			k.fallbacks.WithLabelValues(string(l), "budget"),
 		}
 	}
 	return k
@@ -182,21 +184,28 @@ func (k *kvRouting) sync(ctx context.Context, pools *Pools) {
 
 // promptTokens are a completion's prompt token ids (a list of ints, or a batch of one such
 // list), or nil: a text prompt or a chat has no token ids the router can read without a
-// tokenizer.
-func promptTokens(body map[string]json.RawMessage) []uint32 {
+// tokenizer. The ids' memory, 4 bytes each, is charged first (charge false: nil, and
+// overBudget): the body budget counts the body's copies, not what parsing it makes (issue 56:
+// 8 MiB of token ids a request took a router's memory past its budget).
+func promptTokens(body map[string]json.RawMessage, charge func(bytes int64) bool) (ids []uint32, overBudget bool) {
 	raw := body["prompt"]
 	if len(raw) < 2 || raw[0] != '[' {
-		return nil
+		return nil, false
 	}
-	var ids []uint32
+	// At most one id per comma, and one more: sized once, never grown.
+	n := bytes.Count(raw, []byte{','}) + 1
+	if !charge(4 * int64(n)) {
+		return nil, true
+	}
+	ids = make([]uint32, 0, n)
 	if err := json.Unmarshal(raw, &ids); err == nil {
-		return ids
+		return ids, false
 	}
-	var batch [][]uint32
+	batch := [][]uint32{ids}
 	if err := json.Unmarshal(raw, &batch); err == nil && len(batch) == 1 {
-		return batch[0]
+		return batch[0], false
 	}
-	return nil
+	return nil, false
 }
 
 // kvPreference is l's preference from the engines' events, or nil when the pool routes by
@@ -205,7 +214,11 @@ func (x *exchange) kvPreference(l leg, n int, urlOf func(int) string) *preferenc
 	k := x.r.kv
 	c := k.counts[l]
 	if x.tokens == nil {
-		c.noTokens.Inc()
+		if x.tokensOverBudget {
+			c.overBudget.Inc()
+		} else {
+			c.noTokens.Inc()
+		}
 		return nil
 	}
 	f := k.follow[l]
@@ -226,11 +239,10 @@ func (x *exchange) kvPreference(l leg, n int, urlOf func(int) string) *preferenc
 		c.untrusted.Inc()
 		return nil
 	}
-	hashes := kvevents.Hashes(x.tokens, size)
 	// A pod's match is its best rank's: the router does not pick the rank.
 	matched := make([]int, n)
-	f.Index.MatchBest(hashes, keys, matched)
-	return &preference{matched: matched, slack: x.r.prefix.slack, blocks: len(hashes), fromEvents: true}
+	blocks := f.Index.MatchLeading(x.tokens, size, keys, matched)
+	return &preference{matched: matched, slack: x.r.prefix.slack, blocks: blocks, fromEvents: true}
 }
 
 // picked counts a pick made by the engines' events.

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 )
@@ -166,6 +168,21 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "reason", "text"); n != 2 {
 		t.Errorf("estimated for text: %v, want 2 (one per pool)", n)
 	}
+	// A router whose body budget holds the body but not its token ids routes by estimate: the
+	// ids (4 bytes each, 40 of them) are charged before they are parsed.
+	body, _ := json.Marshal(map[string]any{"model": "m", "prompt": prompt, "max_tokens": 1})
+	f.r.bodies.limit = bodyCopies*int64(len(body)) + 4*int64(len(prompt)) - 1
+	send(prompt)
+	f.r.bodies.limit = f.r.cfg.MaxBodyBytesInFlight
+	for _, pool := range []string{"prefill", "decode"} {
+		if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", pool, "reason", "budget"); n != 1 {
+			t.Errorf("%s estimated for the budget: %v, want 1", pool, n)
+		}
+	}
+	if used := f.r.bodies.used.Load(); used != 0 {
+		t.Errorf("%d bytes of the body budget still taken after the answers", used)
+	}
+
 	pubs["p0"].Close()
 	for deadline := time.Now().Add(20 * time.Second); f.r.kv.follow[legPrefill].Streams()[prefill[0].url].Connected; time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -195,5 +212,37 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 	send(prompt)
 	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "decode", "reason", "untrusted"); n != 1 {
 		t.Errorf("decode estimated after a loss: %v, want 1", n)
+	}
+}
+
+// promptTokens charges the ids' memory before it parses them, at most 4 bytes for each comma
+// and one more, and parses nothing the budget refuses.
+func TestPromptTokensChargesTheBudget(t *testing.T) {
+	for _, tc := range []struct {
+		name, prompt string
+		budget       int64
+		want         []uint32
+		charged      int64
+		overBudget   bool
+	}{
+		{"ids", `[1,2,3]`, 100, []uint32{1, 2, 3}, 12, false},
+		{"a batch of one", `[[1, 2]]`, 100, []uint32{1, 2}, 8, false},
+		{"ids past the budget", `[1,2,3]`, 11, nil, 0, true},
+		{"text: nothing to charge", `"hello, world"`, 0, nil, 0, false},
+		{"a batch of two", `[[1],[2]]`, 100, nil, 8, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var charged int64
+			got, over := promptTokens(map[string]json.RawMessage{"prompt": json.RawMessage(tc.prompt)}, func(n int64) bool {
+				if charged+n > tc.budget {
+					return false
+				}
+				charged += n
+				return true
+			})
+			if d := cmp.Diff(tc.want, got); d != "" || over != tc.overBudget || charged != tc.charged {
+				t.Errorf("ids (-want +got):\n%s\nover budget %v, want %v; charged %d, want %d", d, over, tc.overBudget, charged, tc.charged)
+			}
+		})
 	}
 }

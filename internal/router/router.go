@@ -511,7 +511,7 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		x.hashes = r.prefix.promptHashes(body)
 	}
 	if r.kv != nil {
-		x.tokens = promptTokens(body)
+		x.tokens, x.tokensOverBudget = promptTokens(body, in.charge)
 	}
 	x.run()
 }

@@ -62,7 +62,7 @@ func BenchmarkMatch(b *testing.B) {
 	matched := make([]int, 2)
 	b.ReportAllocs()
 	for b.Loop() {
-		ix.MatchBest(Hashes(tokens, 64), urls, matched)
+		ix.MatchLeading(tokens, 64, urls, matched)
 	}
 	if matched[0] != 8 {
 		b.Fatalf("matched %v", matched)

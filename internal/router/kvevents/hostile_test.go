@@ -37,7 +37,7 @@ func waitFor(t *testing.T, f *Follower, what string, ok func() bool) {
 // holds is whether f's index holds ts as a prompt's first block of 4.
 func holds(f *Follower, ts []uint32) bool {
 	m := make([]int, 1)
-	f.Index.MatchBest(Hashes(ts, 4), [][]string{{"e"}}, m)
+	f.Index.MatchLeading(ts, 4, [][]string{{"e"}}, m)
 	return m[0] == 1
 }
 

@@ -3,6 +3,7 @@ package kvevents
 import (
 	"encoding/binary"
 	"hash/maphash"
+	"slices"
 	"sync"
 
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
@@ -248,32 +249,42 @@ func (ix *Index) CommonBlockSize(urls [][]string) (size int, agree bool) {
 	return size, true
 }
 
-// MatchBest sets matched[i] to the most leading blocks of hashes any of urls[i] holds (one
-// pod's data-parallel ranks, of which the router does not pick one).
-func (ix *Index) MatchBest(hashes []uint64, urls [][]string, matched []int) {
+// MatchLeading sets matched[i] to the most leading full blocks of tokens (blockSize each) any
+// of urls[i] holds (one pod's data-parallel ranks, of which the router does not pick one) and
+// returns how many full blocks tokens has. A block is hashed only while some rank holds every
+// block before it: a long prompt costs what matches, not 8 bytes of hashes a block (issue 56:
+// 8 MiB of token ids in blocks of one took a router 80 MiB a request).
+func (ix *Index) MatchLeading(tokens []uint32, blockSize int, urls [][]string, matched []int) (blocks int) {
+	if blockSize <= 0 {
+		clear(matched)
+		return 0
+	}
+	blocks = len(tokens) / blockSize
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
+	// The ranks still matching: each holds every block so far.
+	type rank struct {
+		pod int
+		e   *engine
+	}
+	var alive []rank
 	for i, us := range urls {
 		matched[i] = 0
 		for _, u := range us {
-			matched[i] = max(matched[i], ix.engines[u].leading(hashes))
+			if e := ix.engines[u]; e != nil {
+				alive = append(alive, rank{i, e})
+			}
 		}
 	}
-}
-
-// leading is how many of hashes' first blocks e holds (none for no engine).
-func (e *engine) leading(hashes []uint64) int {
-	if e == nil {
-		return 0
-	}
-	n := 0
-	for _, h := range hashes {
-		if e.held[h] == 0 {
-			break
+	parent := uint64(root)
+	for b := 0; b < blocks && len(alive) > 0; b++ {
+		parent = chain(parent, tokens[b*blockSize:(b+1)*blockSize])
+		alive = slices.DeleteFunc(alive, func(r rank) bool { return r.e.held[parent] == 0 })
+		for _, r := range alive {
+			matched[r.pod] = b + 1
 		}
-		n++
 	}
-	return n
+	return blocks
 }
 
 // Blocks is the entries the index holds for url.

@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"runtime"
+	"slices"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -31,7 +32,7 @@ func TestApplyLetsReadersInBetweenSlices(t *testing.T) {
 			t.Fatal("the index is locked between two slices of a batch")
 		}
 		ix.mu.Unlock()
-		ix.MatchBest(Hashes(ids, size), [][]string{{"e"}}, matched) // a request meanwhile
+		ix.MatchLeading(ids, size, [][]string{{"e"}}, matched) // a request meanwhile
 	}
 	if orphans := ix.Apply("e", events); orphans != 0 {
 		t.Fatalf("%d orphans", orphans)
@@ -46,8 +47,8 @@ func TestApplyLetsReadersInBetweenSlices(t *testing.T) {
 	whole := NewIndex(0, 0)
 	whole.Apply("e", events)
 	got, want := make([]int, 1), make([]int, 1)
-	ix.MatchBest(Hashes(ids, size), [][]string{{"e"}}, got)
-	whole.MatchBest(Hashes(ids, size), [][]string{{"e"}}, want)
+	ix.MatchLeading(ids, size, [][]string{{"e"}}, got)
+	whole.MatchLeading(ids, size, [][]string{{"e"}}, want)
 	if d := cmp.Diff([]int{want[0], whole.Blocks("e")}, []int{got[0], ix.Blocks("e")}); d != "" {
 		t.Errorf("sliced apply differs from whole (-want +got):\n%s", d)
 	}
@@ -122,5 +123,62 @@ func TestBlockBytes(t *testing.T) {
 			t.Errorf("%d blocks: %.0f bytes each, more than routerconfig.KVIndexBlockBytes (%d)", n, per, routerconfig.KVIndexBlockBytes)
 		}
 		runtime.KeepAlive(ix)
+	}
+}
+
+// MatchLeading hashes only while a rank still matches, and agrees with matching every block's
+// hash: per pod, its best rank's leading run, ranks holding different runs and gaps included.
+func TestMatchLeadingAgreesWithEveryHash(t *testing.T) {
+	const size = 2
+	prompt := tokens(0, 40) // 20 blocks
+	hs := Hashes(prompt, size)
+	ix := NewIndex(0, 0)
+	// Engines' hashes are their own; the index maps them to the router's chain of the tokens.
+	store := func(url string, from, to int) {
+		ids := make([]uint64, to-from)
+		for i := range ids {
+			ids[i] = uint64(1000*len(url) + from + i)
+		}
+		ev := Stored{BlockHashes: ids, TokenIDs: prompt[from*size : to*size], BlockSize: size}
+		if from > 0 {
+			ix.Apply(url, []Event{Stored{BlockHashes: []uint64{uint64(7000 + len(url))}, TokenIDs: prompt[:from*size], BlockSize: from * size}})
+			ev.HasParent, ev.Parent = true, uint64(7000+len(url))
+		}
+		ix.Apply(url, []Event{ev})
+	}
+	store("a", 0, 6)    // pod 0, rank 0: blocks 0-5
+	store("a#1", 0, 10) // pod 0, rank 1: blocks 0-9
+	store("bb", 0, 3)   // pod 1: 0-2, then a gap, then 4-19 (unreachable)
+	store("bb", 4, 20)  //
+	store("ccc", 0, 20) // pod 2: every block
+	urls := [][]string{{"a", "a#1"}, {"bb"}, {"ccc"}, {"none"}}
+	want := make([]int, len(urls))
+	for i, us := range urls {
+		for _, u := range us {
+			n := 0
+			for _, h := range hs {
+				ix.mu.RLock()
+				held := ix.engines[u] != nil && ix.engines[u].held[h] > 0
+				ix.mu.RUnlock()
+				if !held {
+					break
+				}
+				n++
+			}
+			want[i] = max(want[i], n)
+		}
+	}
+	got := make([]int, len(urls))
+	if blocks := ix.MatchLeading(prompt, size, urls, got); blocks != len(hs) {
+		t.Errorf("%d blocks, want %d", blocks, len(hs))
+	}
+	if d := cmp.Diff([]int{10, 3, 20, 0}, want); d != "" {
+		t.Fatalf("the test's own index is not what it says (-want +got):\n%s", d)
+	}
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("MatchLeading (-every hash +got):\n%s", d)
+	}
+	if ix.MatchLeading(prompt[:1], size, urls, got); !slices.Equal(got, []int{0, 0, 0, 0}) {
+		t.Errorf("a prompt shorter than a block matched %v", got)
 	}
 }

@@ -171,7 +171,7 @@ func FuzzDecode(f *testing.F) {
 		if b, err := Decode(p); err == nil {
 			ix := NewIndex(64, 0)
 			ix.Apply("e", b.Events)
-			ix.MatchBest(Hashes(tokens(0, 64), 2), [][]string{{"e"}}, make([]int, 1))
+			ix.MatchLeading(tokens(0, 64), 2, [][]string{{"e"}}, make([]int, 1))
 		}
 	})
 }
@@ -210,7 +210,6 @@ func TestDecodeRefusesBlockSizesThatWrap(t *testing.T) {
 
 func TestIndex(t *testing.T) {
 	prompt := tokens(100, 12) // three blocks of 4
-	want := Hashes(prompt, 4)
 	for _, tc := range []struct {
 		name   string
 		events []Event
@@ -270,7 +269,7 @@ func TestIndex(t *testing.T) {
 			ix := NewIndex(0, 0)
 			orphans := ix.Apply("e", tc.events)
 			matched := make([]int, 2)
-			ix.MatchBest(want, [][]string{{"e"}, {"other"}}, matched)
+			ix.MatchLeading(prompt, 4, [][]string{{"e"}, {"other"}}, matched)
 			if diff := cmp.Diff([]int{tc.matched, 0}, matched); diff != "" || orphans != tc.orphans {
 				t.Errorf("matched (-want +got):\n%s\norphans %d, want %d", diff, orphans, tc.orphans)
 			}
@@ -302,7 +301,7 @@ func TestIndexSkipsInconsistentStored(t *testing.T) {
 		t.Fatal(err)
 	}
 	matched := make([]int, 1)
-	ix.MatchBest(Hashes(tokens(0, 4), 2), [][]string{{"e"}}, matched)
+	ix.MatchLeading(tokens(0, 4), 2, [][]string{{"e"}}, matched)
 	size, _ := ix.CommonBlockSize([][]string{{"e"}})
 	if ix.Blocks("e") != 1 || matched[0] != 1 || size != 2 {
 		t.Errorf("%d blocks held, %d matched, block size %d; want the one valid event's: 1, 1, 2", ix.Blocks("e"), matched[0], size)
@@ -394,9 +393,9 @@ func TestPoolQueries(t *testing.T) {
 		}
 	}
 	matched := make([]int, 2)
-	ix.MatchBest(Hashes(prompt, 4), [][]string{{"a", "a#1"}, {"b"}}, matched)
+	ix.MatchLeading(prompt, 4, [][]string{{"a", "a#1"}, {"b"}}, matched)
 	if diff := cmp.Diff([]int{3, 0}, matched); diff != "" {
-		t.Errorf("MatchBest (-want +got):\n%s", diff)
+		t.Errorf("MatchLeading (-want +got):\n%s", diff)
 	}
 }
 

@@ -47,7 +47,7 @@ func TestARestartInsideTheReplayedSpanIsARestart(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-done })
 	holds := func(ts []uint32) bool {
 		m := make([]int, 1)
-		f.Index.MatchBest(Hashes(ts, 4), [][]string{{"e"}}, m)
+		f.Index.MatchLeading(ts, 4, [][]string{{"e"}}, m)
 		return m[0] == 1
 	}
 	wait := func(what string, ok func() bool) {

@@ -110,7 +110,7 @@ func followVLLM(t *testing.T, python string) {
 		t.Helper()
 		got := make([]int, 1)
 		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-			f.Index.MatchBest(Hashes(tokens, 4), [][]string{{engine}}, got)
+			f.Index.MatchLeading(tokens, 4, [][]string{{engine}}, got)
 			if got[0] == want {
 				return
 			}
