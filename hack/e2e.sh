@@ -10,7 +10,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "${root}/hack/lib.sh"
 bin="$("${root}/hack/envtest-assets.sh")"
 export PDCLUSTER_CLUSTER_DIR="${PDCLUSTER_E2E_DIR:-$(mktemp -d -t pdcluster-e2e.XXXXXX)}"
-# A directory of our own goes when the cluster does: its registry and containerd hold about 20 GB
+# A directory of our own goes when the cluster does: its registry and containerd hold about 24 GB
 # with the two vLLM engine images.
 made_dir=""; [[ -n "${PDCLUSTER_E2E_DIR:-}" ]] || made_dir="${PDCLUSTER_CLUSTER_DIR}"
 export PDCLUSTER_APISERVER_PORT="${PDCLUSTER_E2E_APISERVER_PORT:-16543}"
@@ -39,7 +39,7 @@ cleanup() {
 trap cleanup EXIT
 if [[ "${PDCLUSTER_REAL_NODE:-1}" == 1 ]]; then
 	PDCLUSTER_CLUSTER_DIR="${HOME}/.cache/pdcluster/cluster" "${root}/hack/local-cluster.sh" down
-	need_disk "${PDCLUSTER_CLUSTER_DIR}" 22 "The e2e cluster (its registry and containerd with two vLLM engine images)"
+	need_disk "${PDCLUSTER_CLUSTER_DIR}" 26 "The e2e cluster (its registry and containerd with two vLLM engine images)"
 fi
 
 # The stand-in engine for the tests of the tiny sample (make run's default is real vLLM: its
