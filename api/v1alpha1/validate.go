@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -23,6 +24,58 @@ import (
 // OperatorVolumeNames are the volumes the operator adds to the engine pods (CEL keeps a
 // PDCluster's own volumes from taking these names; a volume mount may name them).
 var OperatorVolumeNames = []string{"dshm", "connector-run", "connector-ctl", "completion-gate", "model", "hf-cache"}
+
+// OperatorEngineFlags are the `vllm serve` flags the operator sets from typed fields (render's
+// engine command, and the launcher's for a replica across pods): spec.*.args may not set them,
+// nor abbreviate one (vLLM's parser takes a unique prefix of a long flag) or set one's keys
+// after a dot (a JSON flag's), as vLLM 0.30.0's parser would take them. EngineArgs' CEL rule
+// lists the same (TestEngineArgsRuleListsTheOperatorsFlags).
+var OperatorEngineFlags = []string{
+	"--kv-transfer-config", "--kv-events-config", "--block-size", "--tensor-parallel-size", "--pipeline-parallel-size",
+	"--data-parallel-size", "--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-address",
+	"--data-parallel-rpc-port", "--data-parallel-hybrid-lb", "--enable-expert-parallel", "--enable-prefix-caching",
+	"--no-enable-prefix-caching", "--served-model-name", "--port", "--host", "--nnodes", "--node-rank", "--master-addr",
+	"--master-port", "--headless",
+	"-tp", "-dp", "-pp", // short forms: argparse abbreviates long flags only
+}
+
+// operatorFlag is the flag of OperatorEngineFlags arg sets, abbreviates or sets a key of, if
+// any.
+func operatorFlag(arg string) (string, bool) {
+	name, _, _ := strings.Cut(arg, "=")
+	name, _, _ = strings.Cut(name, ".")
+	name = strings.ReplaceAll(name, "_", "-")
+	for _, f := range OperatorEngineFlags {
+		if name == f || strings.HasPrefix(name, "--") && len(name) > 2 && strings.HasPrefix(f, name) {
+			return f, true
+		}
+	}
+	return "", false
+}
+
+// validateEngineArgs refuses args that set a flag the operator sets (the CRD's rule says the
+// same to the API server; this is it for pdctl and a PDCluster an older CRD admitted).
+func validateEngineArgs(path *field.Path, args EngineArgs) field.ErrorList {
+	var errs field.ErrorList
+	for i, a := range args {
+		if f, ok := operatorFlag(a); ok {
+			errs = append(errs, field.Forbidden(path.Index(i), "flag "+a+" is set by the operator ("+f+"): use the typed field instead"))
+		}
+	}
+	return errs
+}
+
+// OperatorMountPaths are where the operator mounts its volumes in the engine container, and
+// whether a path beneath is the operator's too: a PDCluster's volumeMounts may not use them
+// (PodSettings' CEL rule says so of each path as written, with or without a trailing slash;
+// Validate of each cleaned). Beneath the sockets, the gate plugin's code and shared memory a
+// mount would replace what the operator put there; beneath the model and the Hugging Face cache
+// (adapters at /models/lora, say) it is the author's to add.
+var OperatorMountPaths = map[string]bool{"/dev/shm": true, "/var/run/pdcluster": true, "/opt/pdgate/pdgate": true, "/models": false, "/var/cache/huggingface": false}
+
+// ControlVolumeName is the volume of the connector sidecar's control socket, which drains the
+// pod: the engine container may not mount it.
+const ControlVolumeName = "connector-ctl"
 
 // ReservedExtraConfigKeys are kv-transfer-config keys the operator derives from typed fields,
 // by the field they come from: spec.kvTransfer.extraConfig may not set them.
@@ -83,12 +136,14 @@ func (p *PDCluster) Validate() field.ErrorList {
 	var errs field.ErrorList
 	spec := field.NewPath("spec")
 	errs = append(errs, validatePodSettings(spec.Child("engine", "pod"), p.Spec.Engine.Pod)...)
+	errs = append(errs, validateEngineArgs(spec.Child("engine", "args"), p.Spec.Engine.Args)...)
 	for _, pool := range []struct {
 		name string
 		spec *PoolSpec
 	}{{"prefill", &p.Spec.Prefill}, {"decode", &p.Spec.Decode}} {
 		path := spec.Child(pool.name)
 		errs = append(errs, validatePodSettings(path.Child("pod"), pool.spec.Pod)...)
+		errs = append(errs, validateEngineArgs(path.Child("args"), pool.spec.Args)...)
 		errs = append(errs, validateMounts(spec.Child("engine", "pod"), p.Spec.Engine.Pod, path.Child("pod"), pool.spec.Pod)...)
 		errs = append(errs, validateTolerations(path.Child("tolerations"), pool.spec.Tolerations)...)
 		if b := pool.spec.DisruptionBudget; b != nil {
@@ -138,6 +193,16 @@ func validateMounts(enginePath *field.Path, engine *PodSettings, poolPath *field
 			continue
 		}
 		for i, m := range s.pod.VolumeMounts {
+			at := s.path.Child("volumeMounts").Index(i)
+			if m.Name == ControlVolumeName {
+				errs = append(errs, field.Forbidden(at.Child("name"), ControlVolumeName+" holds the connector sidecar's control socket, which drains the pod: the engine may not mount it"))
+			}
+			clean := path.Clean(m.MountPath)
+			for _, p := range slices.Sorted(maps.Keys(OperatorMountPaths)) {
+				if clean == p || OperatorMountPaths[p] && strings.HasPrefix(clean, p+"/") {
+					errs = append(errs, field.Forbidden(at.Child("mountPath"), m.MountPath+" is the operator's mount "+p+" or beneath it"))
+				}
+			}
 			if !slices.Contains(volumes, m.Name) {
 				errs = append(errs, field.NotFound(s.path.Child("volumeMounts").Index(i).Child("name"),
 					m.Name+" (no volume of that name in "+enginePath.Child("volumes").String()+" or "+poolPath.Child("volumes").String()+")"))

@@ -1,6 +1,8 @@
 package v1alpha1
 
 import (
+	"os"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -10,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
 )
 
 // Each case breaks one rule (or keeps to it) and checks the errors, by PDCluster field.
@@ -25,6 +28,30 @@ func TestValidate(t *testing.T) {
 		want   []string // field.Error strings
 	}{
 		{"nothing set", func(*PDCluster) {}, nil},
+		{"mounts on the operator's paths, however written, and of its control socket", func(p *PDCluster) {
+			p.Spec.Engine.Pod = &PodSettings{Volumes: []corev1.Volume{{Name: "x"}}, VolumeMounts: []corev1.VolumeMount{
+				{Name: "x", MountPath: "/var/run/pdcluster/"}, {Name: "x", MountPath: "/opt/pdgate//pdgate/pdgate.py"},
+				{Name: "x", MountPath: "/models/./"}, {Name: "x", MountPath: "/models/lora"}, {Name: "x", MountPath: "/dev/shmem"},
+			}}
+			p.Spec.Decode.Pod = &PodSettings{VolumeMounts: []corev1.VolumeMount{{Name: "connector-ctl", MountPath: "/ctl"}}}
+		}, []string{
+			`spec.engine.pod.volumeMounts[0].mountPath: Forbidden: /var/run/pdcluster/ is the operator's mount /var/run/pdcluster or beneath it`,
+			`spec.engine.pod.volumeMounts[1].mountPath: Forbidden: /opt/pdgate//pdgate/pdgate.py is the operator's mount /opt/pdgate/pdgate or beneath it`,
+			`spec.engine.pod.volumeMounts[2].mountPath: Forbidden: /models/./ is the operator's mount /models or beneath it`,
+			`spec.decode.pod.volumeMounts[0].name: Forbidden: connector-ctl holds the connector sidecar's control socket, which drains the pod: the engine may not mount it`,
+		}},
+		{"engine flags the operator sets, however spelled", func(p *PDCluster) {
+			p.Spec.Engine.Args = EngineArgs{"--max-model-len=4096", "--block-siz=32", "--data-parallel-backend", "ray", "--enable-prompt-tokens-details"}
+			p.Spec.Prefill.Args = EngineArgs{"--kv-transfer-config.kv_connector=X", "--kv_events_config", "{}", "--compilation-config.level=3"}
+			p.Spec.Decode.Args = EngineArgs{"-tp", "4", "--node-rank=1", "--p", "8001"}
+		}, []string{
+			`spec.engine.args[1]: Forbidden: flag --block-siz=32 is set by the operator (--block-size): use the typed field instead`,
+			`spec.prefill.args[0]: Forbidden: flag --kv-transfer-config.kv_connector=X is set by the operator (--kv-transfer-config): use the typed field instead`,
+			`spec.prefill.args[1]: Forbidden: flag --kv_events_config is set by the operator (--kv-events-config): use the typed field instead`,
+			`spec.decode.args[0]: Forbidden: flag -tp is set by the operator (-tp): use the typed field instead`,
+			`spec.decode.args[2]: Forbidden: flag --node-rank=1 is set by the operator (--node-rank): use the typed field instead`,
+			`spec.decode.args[3]: Forbidden: flag --p is set by the operator (--pipeline-parallel-size): use the typed field instead`,
+		}},
 		{"a KV index one engine overflows the default router's memory with", func(p *PDCluster) {
 			p.Spec.Router.Routing = RouterRouting{Strategy: RoutingKVEvents, KVEvents: &KVEventsRouting{BlocksPerEngine: ptr.To[int32](16777216)}}
 		}, []string{`spec.router.routing.kvEvents.blocksPerEngine: Invalid value: 16777216: one engine's index takes 2560 MiB of router memory (160 bytes a block), more than a pool's share of the router's memory limit (3/16 of 1Gi, the default of spec.router.resources.limits.memory: 1258291 blocks): raise the limit or lower blocksPerEngine`}},
@@ -122,5 +149,55 @@ func TestValidate(t *testing.T) {
 				t.Errorf("Validate() (-want +got):\n%s", d)
 			}
 		})
+	}
+}
+
+// The CRD's rule on EngineArgs, which the API server runs, refuses the flags Validate does.
+func TestEngineArgsRuleListsTheOperatorsFlags(t *testing.T) {
+	crd, err := os.ReadFile("../../config/crd/bases/serving.pdcluster.dev_pdclusters.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc apiextensionsv1.CustomResourceDefinition
+	if err := yaml.Unmarshal(crd, &doc); err != nil {
+		t.Fatal(err)
+	}
+	args := doc.Spec.Versions[0].Schema.OpenAPIV3Schema.Properties["spec"].Properties["engine"].Properties["args"]
+	if len(args.XValidations) != 1 {
+		t.Fatalf("spec.engine.args has %d rules, want 1", len(args.XValidations))
+	}
+	rule := args.XValidations[0].Rule
+	for _, f := range OperatorEngineFlags {
+		if !strings.Contains(rule, "'"+f+"'") {
+			t.Errorf("the CRD's EngineArgs rule does not list %s", f)
+		}
+	}
+}
+
+// The CRD's rules on PodSettings refuse the operator's mount paths, with or without a trailing
+// slash, and its control socket's volume, as Validate does.
+func TestPodSettingsRulesListTheOperatorsMounts(t *testing.T) {
+	crd, err := os.ReadFile("../../config/crd/bases/serving.pdcluster.dev_pdclusters.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc apiextensionsv1.CustomResourceDefinition
+	if err := yaml.Unmarshal(crd, &doc); err != nil {
+		t.Fatal(err)
+	}
+	var rules []string
+	for _, r := range doc.Spec.Versions[0].Schema.OpenAPIV3Schema.Properties["spec"].Properties["engine"].Properties["pod"].XValidations {
+		rules = append(rules, r.Rule)
+	}
+	all := strings.Join(rules, "\n")
+	for p := range OperatorMountPaths {
+		for _, written := range []string{p, p + "/"} {
+			if !strings.Contains(all, "'"+written+"'") {
+				t.Errorf("no rule of spec.engine.pod refuses a mount at %s", written)
+			}
+		}
+	}
+	if !strings.Contains(all, "m.name != '"+ControlVolumeName+"'") {
+		t.Errorf("no rule of spec.engine.pod refuses a mount of %s", ControlVolumeName)
 	}
 }

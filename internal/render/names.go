@@ -30,7 +30,7 @@ const (
 	connectorVolumeBytes = 1 << 20
 	// controlVolume holds the sidecar's control socket, where its preStop hook asks for a
 	// drain: mounted in the sidecar's container alone, since a drain makes the pod unready.
-	controlVolume = "connector-ctl"
+	controlVolume = v1alpha1.ControlVolumeName
 	ControlDir    = "/var/run/pdcluster-ctl"
 	// ControlSocket is the sidecar's --control-listen and its drain's --listen.
 	ControlSocket = "unix://" + ControlDir + "/ctl.sock"

@@ -198,6 +198,43 @@ var invalidSpecs = []struct {
 		doc:  minimal + "  prefill: {args: [\"--kv_transfer_config={}\"]}\n",
 		want: []string{"spec.prefill.args", "flag --kv_transfer_config={} is set by the operator"},
 	},
+	// vLLM's parser takes a unique abbreviation of a long flag and a JSON flag's keys after a
+	// dot (checked with vLLM 0.30.0): each still names a flag the operator sets (issue 56).
+	{
+		name: "an abbreviated owned flag",
+		doc:  minimal + "  prefill: {args: [\"--kv-transfer-conf={}\"]}\n",
+		want: []string{"spec.prefill.args", "flag --kv-transfer-conf={} is set by the operator"},
+	},
+	{
+		name: "an owned flag's key after a dot",
+		doc:  minimal + "  decode: {args: [\"--kv-transfer-config.kv_connector=X\"]}\n",
+		want: []string{"spec.decode.args", "flag --kv-transfer-config.kv_connector=X is set by the operator"},
+	},
+	{
+		name: "an abbreviated block size",
+		doc:  strings.Replace(minimal, "{image: vllm/vllm-openai:v0.11.0}", `{image: x, args: ["--block-siz=32"]}`, 1),
+		want: []string{"spec.engine.args", "flag --block-siz=32 is set by the operator"},
+	},
+	{
+		name: "the KV events publisher",
+		doc:  minimal + "  decode: {args: [\"--kv-events-config\", \"{}\"]}\n",
+		want: []string{"spec.decode.args", "flag --kv-events-config is set by the operator"},
+	},
+	{
+		name: "a multi-node rank",
+		doc:  minimal + "  decode: {args: [\"--node-rank=1\"]}\n",
+		want: []string{"spec.decode.args", "flag --node-rank=1 is set by the operator"},
+	},
+	{
+		name: "the operator's socket directory with a trailing slash",
+		doc:  minimal + "  decode: {pod: {volumes: [{name: x, emptyDir: {}}], volumeMounts: [{name: x, mountPath: /var/run/pdcluster/}]}}\n",
+		want: []string{"spec.decode.pod", "volumeMounts may not use /dev/shm, /var/run/pdcluster"},
+	},
+	{
+		name: "the sidecar's control socket mounted in the engine",
+		doc:  minimal + "  prefill: {pod: {volumeMounts: [{name: connector-ctl, mountPath: /ctl}]}}\n",
+		want: []string{"spec.prefill.pod", "volumeMounts may not mount connector-ctl"},
+	},
 	{
 		name: "connector backoff cap below its start",
 		doc:  minimal + "  connector: {health: {initialBackoffSeconds: 60, maxBackoffSeconds: 10}}\n",

@@ -359,6 +359,16 @@ func TestInvalidSpecRejectedAtAdmission(t *testing.T) {
 			p.Spec.Prefill.Args = []string{"--tensor-parallel-size=8"}
 			return p
 		}(), "flag --tensor-parallel-size=8 is set by the operator"},
+		{"owned flag abbreviated", func() *v1alpha1.PDCluster {
+			p := wrappers.MakePDCluster(f.ns, "b2").Obj()
+			p.Spec.Decode.Args = []string{"--max-model-len=4096", "--kv-transfer-conf={}"}
+			return p
+		}(), "flag --kv-transfer-conf={} is set by the operator"},
+		{"the sidecar's control socket in the engine", func() *v1alpha1.PDCluster {
+			p := wrappers.MakePDCluster(f.ns, "b3").Obj()
+			p.Spec.Decode.Pod = &v1alpha1.PodSettings{VolumeMounts: []corev1.VolumeMount{{Name: "connector-ctl", MountPath: "/ctl"}}}
+			return p
+		}(), "volumeMounts may not mount connector-ctl"},
 		{"negative replicas", func() *v1alpha1.PDCluster {
 			p := wrappers.MakePDCluster(f.ns, "c").Obj()
 			p.Spec.Decode.Replicas = ptr.To[int32](-1)
