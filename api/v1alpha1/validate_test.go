@@ -152,8 +152,9 @@ func TestValidate(t *testing.T) {
 	}
 }
 
-// The CRD's rule on EngineArgs, which the API server runs, refuses the flags Validate does.
-func TestEngineArgsRuleListsTheOperatorsFlags(t *testing.T) {
+// engineSchema is spec.engine's schema in the generated CRD, which the API server runs.
+func engineSchema(t *testing.T) apiextensionsv1.JSONSchemaProps {
+	t.Helper()
 	crd, err := os.ReadFile("../../config/crd/bases/serving.pdcluster.dev_pdclusters.yaml")
 	if err != nil {
 		t.Fatal(err)
@@ -162,7 +163,12 @@ func TestEngineArgsRuleListsTheOperatorsFlags(t *testing.T) {
 	if err := yaml.Unmarshal(crd, &doc); err != nil {
 		t.Fatal(err)
 	}
-	args := doc.Spec.Versions[0].Schema.OpenAPIV3Schema.Properties["spec"].Properties["engine"].Properties["args"]
+	return doc.Spec.Versions[0].Schema.OpenAPIV3Schema.Properties["spec"].Properties["engine"]
+}
+
+// The CRD's rule on EngineArgs, which the API server runs, refuses the flags Validate does.
+func TestEngineArgsRuleListsTheOperatorsFlags(t *testing.T) {
+	args := engineSchema(t).Properties["args"]
 	if len(args.XValidations) != 1 {
 		t.Fatalf("spec.engine.args has %d rules, want 1", len(args.XValidations))
 	}
@@ -177,16 +183,8 @@ func TestEngineArgsRuleListsTheOperatorsFlags(t *testing.T) {
 // The CRD's rules on PodSettings refuse the operator's mount paths, with or without a trailing
 // slash, and its control socket's volume, as Validate does.
 func TestPodSettingsRulesListTheOperatorsMounts(t *testing.T) {
-	crd, err := os.ReadFile("../../config/crd/bases/serving.pdcluster.dev_pdclusters.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var doc apiextensionsv1.CustomResourceDefinition
-	if err := yaml.Unmarshal(crd, &doc); err != nil {
-		t.Fatal(err)
-	}
 	var rules []string
-	for _, r := range doc.Spec.Versions[0].Schema.OpenAPIV3Schema.Properties["spec"].Properties["engine"].Properties["pod"].XValidations {
+	for _, r := range engineSchema(t).Properties["pod"].XValidations {
 		rules = append(rules, r.Rule)
 	}
 	all := strings.Join(rules, "\n")
