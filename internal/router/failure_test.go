@@ -669,6 +669,10 @@ func TestOnlyFailuresInARowEject(t *testing.T) {
 			policy := DefaultFailurePolicy()
 			policy.RetryBudgetPercent = 100 // every failure retried: the client never sees one
 			f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+			// The requests an ejected endpoint gets are its failures in a row alone: a reset
+			// engine's /health answers, and a probe every 500 ms brought it back within a slow
+			// run's 24 requests (under -race on a busy machine: 5 and 6 requests, not 3).
+			f.r.probeEvery = time.Hour
 			for range 24 {
 				if code, body := f.send(t, `{"prompt":"hi"}`); code != http.StatusOK {
 					t.Fatalf("got %d %s", code, body)
