@@ -87,7 +87,7 @@ func launchEnv(environ, extra []string) []string {
 
 // launchCommand is the command line and the extra environment launchMain execs.
 func launchCommand(ctx context.Context, o launchOptions, getenv func(string) string, resolve launch.Resolver) ([]string, []string, error) {
-	g, err := launch.FromEnv(getenv, launch.Layout(o.layout), o.localRanks, int32(o.port))
+	g, err := launch.FromEnv(getenv, launch.Layout(o.layout), o.localRanks, o.port)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -46,8 +46,12 @@ type Group struct {
 
 // FromEnv reads the group from LeaderWorkerSet's variables and the pod's IP (POD_IP, from
 // the downward API); layout, localRanks and port are the rendered flags'.
-func FromEnv(getenv func(string) string, layout Layout, localRanks int, port int32) (Group, error) {
-	g := Group{Layout: layout, Leader: getenv(vllm.EnvLWSLeaderAddress), PodIP: getenv("POD_IP"), LocalRanks: localRanks, Port: port}
+func FromEnv(getenv func(string) string, layout Layout, localRanks, port int) (Group, error) {
+	// The port as given, checked before it is narrowed: 2^32+29550 is not port 29550.
+	if port < 1 || port > 65535 {
+		return Group{}, fmt.Errorf("port %d: want 1 to 65535", port)
+	}
+	g := Group{Layout: layout, Leader: getenv(vllm.EnvLWSLeaderAddress), PodIP: getenv("POD_IP"), LocalRanks: localRanks, Port: int32(port)}
 	var err error
 	if g.Size, err = strconv.Atoi(getenv(vllm.EnvLWSGroupSize)); err != nil {
 		return g, fmt.Errorf("%s %q: %w", vllm.EnvLWSGroupSize, getenv(vllm.EnvLWSGroupSize), err)
@@ -58,20 +62,24 @@ func FromEnv(getenv func(string) string, layout Layout, localRanks int, port int
 	return g, g.validate()
 }
 
+// maxGroup bounds a group's pods and a pod's data-parallel ranks (the CRD allows 64 of each),
+// so that this pod's first rank, index x local ranks, cannot wrap.
+const maxGroup = 1 << 16
+
 func (g Group) validate() error {
 	switch {
 	case g.Layout != LayoutDataParallel && g.Layout != LayoutModel:
 		return fmt.Errorf("layout %q: want %s or %s", g.Layout, LayoutDataParallel, LayoutModel)
-	case g.Size < 2:
-		return fmt.Errorf("%s %d: a replica across pods has at least 2", vllm.EnvLWSGroupSize, g.Size)
+	case g.Size < 2 || g.Size > maxGroup:
+		return fmt.Errorf("%s %d: a replica across pods has 2 to %d", vllm.EnvLWSGroupSize, g.Size, maxGroup)
 	case g.Index < 0 || g.Index >= g.Size:
 		return fmt.Errorf("%s %d is outside the group of %d", vllm.EnvLWSWorkerIndex, g.Index, g.Size)
 	case g.Leader == "":
 		return fmt.Errorf("%s is empty: the pod is not in a LeaderWorkerSet group", vllm.EnvLWSLeaderAddress)
 	case net.ParseIP(g.PodIP) == nil:
 		return fmt.Errorf("POD_IP %q is not an IP", g.PodIP)
-	case g.Layout == LayoutDataParallel && g.LocalRanks < 1:
-		return fmt.Errorf("data-parallel ranks per pod %d: want at least 1", g.LocalRanks)
+	case g.Layout == LayoutDataParallel && (g.LocalRanks < 1 || g.LocalRanks > maxGroup):
+		return fmt.Errorf("data-parallel ranks per pod %d: want 1 to %d", g.LocalRanks, maxGroup)
 	case g.Port < 1 || g.Port > 65535:
 		return fmt.Errorf("port %d: want 1 to 65535", g.Port)
 	}

@@ -24,7 +24,7 @@ func TestFromEnvAndArgs(t *testing.T) {
 		name       string
 		layout     Layout
 		localRanks int
-		port       int32
+		port       int
 		change     map[string]string
 		wantArgs   []string
 		wantErr    string
@@ -42,6 +42,10 @@ func TestFromEnvAndArgs(t *testing.T) {
 		{name: "no pod IP", layout: LayoutModel, port: 1, change: map[string]string{"POD_IP": ""}, wantErr: `POD_IP "" is not an IP`},
 		{name: "no local ranks", layout: LayoutDataParallel, port: 1, wantErr: "ranks per pod 0"},
 		{name: "unknown layout", layout: "pipeline", port: 1, wantErr: `layout "pipeline"`},
+		// Checked as given, not after narrowing or multiplying (issue 56).
+		{name: "a port past 16 bits", layout: LayoutModel, port: 1<<32 + 29501, wantErr: "port 4294996797: want 1 to 65535"},
+		{name: "ranks per pod whose first rank would wrap", layout: LayoutDataParallel, localRanks: 1 << 62, port: 1, wantErr: "ranks per pod 4611686018427387904: want 1 to 65536"},
+		{name: "a group past any replica", layout: LayoutModel, port: 1, change: map[string]string{"LWS_GROUP_SIZE": "4611686018427387904"}, wantErr: "LWS_GROUP_SIZE 4611686018427387904: a replica across pods has 2 to 65536"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -115,13 +119,13 @@ func TestCommandsGolden(t *testing.T) {
 		base       []string
 		size       int
 		localRanks int
-		port       int32
+		port       int
 	}{
 		{"deepseek-dp16-over-2-pods", LayoutDataParallel, []string{"serve", "deepseek-ai/DeepSeek-V3", "--data-parallel-size", "16", "--enable-expert-parallel"}, 2, 8, 29550},
 		{"tp8-pp2-over-2-pods", LayoutModel, []string{"serve", "meta-llama/Llama-3.1-405B", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2"}, 2, 0, 29501},
 	} {
 		for i := range r.size {
-			g := Group{Layout: r.layout, Size: r.size, Index: i, Leader: "eng-0.eng.ns", PodIP: "10.0.0.1", LocalRanks: r.localRanks, Port: r.port}
+			g := Group{Layout: r.layout, Size: r.size, Index: i, Leader: "eng-0.eng.ns", PodIP: "10.0.0.1", LocalRanks: r.localRanks, Port: int32(r.port)}
 			if err := g.validate(); err != nil {
 				t.Fatal(err)
 			}

@@ -2,6 +2,7 @@ package sidecar
 
 import (
 	"encoding/json"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -66,6 +67,19 @@ func TestEngineEvidenceInGateState(t *testing.T) {
 		t.Errorf("after a failed read: engine = %+v, want the last counts and the 500", got)
 	}
 
+	// A count that is not a number (NaN, +Inf: the text format allows them) is a failed read
+	// too, not counts GET /gate cannot encode (issue 56: it answered 200 with an empty body).
+	for _, bad := range []string{"NaN", "+Inf"} {
+		mu.Lock()
+		status, answer = http.StatusOK, "# TYPE vllm:prompt_tokens_by_source counter\n"+vllm.MetricPromptTokensBySource+`{source="`+vllm.SourceExternalKV+`"} `+bad+"\n"
+		mu.Unlock()
+		s.engine.readOnce(t.Context())
+		got := gateState(t, s).Engine
+		if got == nil || got.ExternalKVTokens != 13500 || !strings.Contains(got.Error, "not a number") {
+			t.Errorf("after a read of %s: engine = %+v, want the last counts and why", bad, got)
+		}
+	}
+
 	// An engine without the metric (an older vLLM): no prompt sources, not zeros that look
 	// like no traffic.
 	mu.Lock()
@@ -103,9 +117,22 @@ func gateState(t *testing.T, s *Sidecar) vllm.State {
 	t.Helper()
 	rec := httptest.NewRecorder()
 	s.PublicHandler(nil).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, vllm.StatePath, nil))
+	if rec.Code != http.StatusOK {
+		t.Fatalf("GET /gate: %d %s", rec.Code, rec.Body)
+	}
 	var st vllm.State
 	if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
 		t.Fatalf("GET /gate: %v: %s", err, rec.Body)
 	}
 	return st
+}
+
+// What the sidecar cannot encode is a 500 that says so, never a 200 with no body (the
+// operator would read that as an answer).
+func TestWriteJSONSaysWhatItCannotEncode(t *testing.T) {
+	rec := httptest.NewRecorder()
+	writeJSON(rec, map[string]float64{"x": math.NaN()})
+	if rec.Code != http.StatusInternalServerError || !strings.Contains(rec.Body.String(), "unsupported value") {
+		t.Errorf("writeJSON(NaN) = %d %q, want 500 saying why", rec.Code, rec.Body)
+	}
 }

@@ -194,7 +194,13 @@ func (l *refusalLog) note(what string, code int, why string) {
 	l.log.Info("refused a request", "request", what, "status", code, "reason", why, "refusedSinceLastLine", skipped)
 }
 
+// writeJSON answers v, or 500 saying why it cannot be encoded: never a 200 with no body.
 func writeJSON(w http.ResponseWriter, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		http.Error(w, "encode: "+err.Error(), http.StatusInternalServerError)
+		return
+	}
 	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(v)
+	_, _ = w.Write(append(b, '\n'))
 }

@@ -3,6 +3,7 @@ package vllm
 import (
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"strings"
 
@@ -70,6 +71,17 @@ func ParseEngineMetrics(r io.Reader) (EngineStats, error) {
 	histogramSum := func(m *dto.Metric) float64 { return m.GetHistogram().GetSampleSum() }
 	st.TransferBytes = sum(histogramSum, MetricMooncakeBytes, MetricNixlBytes)
 	st.TransferSeconds = sum(histogramSum, MetricMooncakeXferSeconds, MetricNixlXferSeconds)
+	// The text format allows NaN and infinities; no count is either, and JSON has neither.
+	for name, v := range map[string]float64{
+		"external KV tokens": st.ExternalKVTokens, "local compute tokens": st.LocalComputeTokens,
+		"local cache hit tokens": st.LocalCacheHitTokens, "failed transfers": st.FailedTransfers,
+		"failed receives": st.FailedReceives, "expired requests": st.ExpiredRequests,
+		"transfer bytes": st.TransferBytes, "transfer seconds": st.TransferSeconds,
+	} {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return EngineStats{}, fmt.Errorf("engine metrics: %s is not a number (%v)", name, v)
+		}
+	}
 	return st, nil
 }
 
