@@ -36,10 +36,21 @@ type podHTTP struct {
 }
 
 // newPodHTTP reads port with a short timeout: a pod that does not answer is left out, not
-// waited for. A pod is read at its own IP only: its redirects are not followed.
+// waited for. A pod is read at its own IP only: its redirects are not followed, no proxy of
+// the manager's environment stands between, and its headers are bounded as its answer is (Go's
+// client takes 10 MiB of them).
 func newPodHTTP(port int32) podHTTP {
-	return podHTTP{Client: &http.Client{Timeout: 2 * time.Second, CheckRedirect: bounded.NoRedirect}, Port: port}
+	transport := &http.Transport{
+		DialContext:            (&net.Dialer{Timeout: 2 * time.Second}).DialContext,
+		MaxIdleConnsPerHost:    2,
+		IdleConnTimeout:        90 * time.Second,
+		MaxResponseHeaderBytes: maxPodHeaders,
+	}
+	return podHTTP{Client: &http.Client{Transport: transport, Timeout: 2 * time.Second, CheckRedirect: bounded.NoRedirect}, Port: port}
 }
+
+// maxPodHeaders bounds a pod's answer's headers: a sidecar's or a router's are a few lines.
+const maxPodHeaders = 16 << 10
 
 // HTTPGateReader reads GET /gate on the sidecar's public port (render.ConnectorPort) at the
 // pod's IP.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -67,7 +68,8 @@ func TestHTTPGateReader(t *testing.T) {
 
 // The operator reads each pod at the pod's own IP and nowhere else: a pod that answers with a
 // redirect (to the API server, a cloud metadata address, another tenant) is not followed, and
-// an answer past the bound is refused, not decoded from its first 64 KiB.
+// an answer past the bound is refused, not decoded from its first 64 KiB; so are its headers
+// past theirs (issue 56).
 func TestHTTPGateReaderFollowsNoRedirectAndBoundsTheAnswer(t *testing.T) {
 	var followed int
 	elsewhere := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
@@ -81,10 +83,17 @@ func TestHTTPGateReaderFollowsNoRedirectAndBoundsTheAnswer(t *testing.T) {
 		// Valid JSON whose first 64 KiB decode: a truncating reader would take it.
 		_, _ = w.Write([]byte(`{"loaded":true}` + strings.Repeat(" ", 1<<20)))
 	})
+	mux.HandleFunc("/huge-headers"+vllm.StatePath, func(w http.ResponseWriter, _ *http.Request) {
+		// A megabyte of headers before a valid answer: Go's client takes 10 MiB of them.
+		for i := range 64 {
+			w.Header().Set(fmt.Sprintf("X-Pad-%d", i), strings.Repeat("x", 16<<10))
+		}
+		_ = json.NewEncoder(w).Encode(loaded(0, 1, 0))
+	})
 	pod := httptest.NewServer(mux)
 	defer pod.Close()
 	h := NewHTTPGateReader()
-	for _, path := range []string{"/redirect", "/huge"} {
+	for _, path := range []string{"/redirect", "/huge", "/huge-headers"} {
 		h.Addr = func(*corev1.Pod) string { return strings.TrimPrefix(pod.URL, "http://") + path }
 		if st, err := h.ReadGate(context.Background(), &corev1.Pod{}); err == nil {
 			t.Errorf("%s: read %+v, want an error", path, st)
