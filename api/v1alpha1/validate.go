@@ -204,7 +204,7 @@ func validateMounts(enginePath *field.Path, engine *PodSettings, poolPath *field
 				}
 			}
 			if !slices.Contains(volumes, m.Name) {
-				errs = append(errs, field.NotFound(s.path.Child("volumeMounts").Index(i).Child("name"),
+				errs = append(errs, field.NotFound(at.Child("name"),
 					m.Name+" (no volume of that name in "+enginePath.Child("volumes").String()+" or "+poolPath.Child("volumes").String()+")"))
 			}
 		}

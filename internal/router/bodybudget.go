@@ -59,15 +59,11 @@ type chargedReader struct {
 
 // prepay reserves a body of n bytes before it is read; false when the budget cannot hold it.
 func (c *chargedReader) prepay(n int64) bool {
-	if n <= 0 || !c.b.take(n*bodyCopies) {
-		return n <= 0
-	}
-	c.taken += n * bodyCopies
-	return true
+	return n <= 0 || c.charge(n*bodyCopies)
 }
 
-// charge reserves n more bytes for what the request makes of its body (given back with the
-// body's); false when the budget cannot hold them.
+// charge reserves n more bytes for the request (its body, or what it makes of it), given back
+// when it ends; false when the budget cannot hold them.
 func (c *chargedReader) charge(n int64) bool {
 	if !c.b.take(n) {
 		return false
@@ -80,11 +76,8 @@ func (c *chargedReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	if n > 0 {
 		c.read += int64(n)
-		if need := c.read*bodyCopies - c.taken; need > 0 {
-			if !c.b.take(need) {
-				return 0, errBodyBudget
-			}
-			c.taken += need
+		if need := c.read*bodyCopies - c.taken; need > 0 && !c.charge(need) {
+			return 0, errBodyBudget
 		}
 	}
 	return n, err

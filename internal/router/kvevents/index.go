@@ -103,10 +103,7 @@ func (ix *Index) add(e *engine, k blockKey, own uint64) {
 				most = o
 			}
 		}
-		for victim := range most.blocks {
-			most.remove(victim)
-			break
-		}
+		most.evictOne()
 		ix.size--
 		ix.evicted++
 	}
@@ -178,9 +175,9 @@ func (ix *Index) Apply(url string, events []Event) (orphans int) {
 			}
 		case Removed:
 			for _, h := range ev.BlockHashes {
-				before := len(e.blocks)
-				e.remove(blockKey{h, ev.Group})
-				ix.size += len(e.blocks) - before
+				if e.remove(blockKey{h, ev.Group}) {
+					ix.size--
+				}
 				if !more() {
 					return orphans
 				}
@@ -201,23 +198,29 @@ func (e *engine) add(k blockKey, own uint64, capacity int) {
 		e.remove(k)
 	}
 	for len(e.blocks) >= capacity {
-		for victim := range e.blocks {
-			e.remove(victim)
-			break
-		}
+		e.evictOne()
 	}
 	e.blocks[k] = own
 	e.held[own]++
 }
 
-func (e *engine) remove(k blockKey) {
+func (e *engine) remove(k blockKey) (removed bool) {
 	own, ok := e.blocks[k]
 	if !ok {
-		return
+		return false
 	}
 	delete(e.blocks, k)
 	if e.held[own]--; e.held[own] <= 0 {
 		delete(e.held, own)
+	}
+	return true
+}
+
+// evictOne removes an entry of e at random (map order); e holds at least one.
+func (e *engine) evictOne() {
+	for victim := range e.blocks {
+		e.remove(victim)
+		return
 	}
 }
 
