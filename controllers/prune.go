@@ -65,9 +65,11 @@ func keepSet(rendered []render.Object, revs engineRevisions, scale scaleDecision
 			keep[keyOf(d.Object)] = true
 			keep[childKey{"Service", d.service()}] = true
 			if _, ok := d.Object.(*lwsv1.LeaderWorkerSet); ok {
-				// Its groups' gangs: a pod of an older group recreated waits for its PodGroup.
+				// Its groups' gangs (a pod of an older group recreated waits for its PodGroup)
+				// and NetworkPolicies (its pods reach each other through them).
 				for g := range d.wants() {
-					keep[childKey{"PodGroup", render.GangName(d.GetName(), g)}] = true
+					keep[childKey{"PodGroup", render.GroupName(d.GetName(), g)}] = true
+					keep[childKey{"NetworkPolicy", render.GroupName(d.GetName(), g)}] = true
 				}
 			}
 		}

@@ -10,6 +10,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
@@ -51,5 +52,28 @@ func TestPruneDeletesEveryControlledChildNotKept(t *testing.T) {
 		if apierrors.IsNotFound(err) != gone {
 			t.Errorf("%s: deleted %v (err %v), want %v", obj.GetName(), apierrors.IsNotFound(err), err, gone)
 		}
+	}
+}
+
+// An older KV revision's LeaderWorkerSet keeps its groups' PodGroups and NetworkPolicies until
+// it drains: without its group's policy a pod of a running replica could not reach the others.
+func TestPruneKeepsAnOlderRevisionsGroups(t *testing.T) {
+	p := pdc()
+	old := groupSet(v1alpha1.RolePrefill, "c-prefill-lws", "c-prefill", "r1", 2, 2, 2, start)
+	revs := revisionsOf(p, nil, []*lwsv1.LeaderWorkerSet{old}, "r2")
+	keep := keepSet(nil, revs, scaleDecision{})
+	for key, want := range map[childKey]bool{
+		{"PodGroup", "c-prefill-lws-0"}: true, {"NetworkPolicy", "c-prefill-lws-0"}: true,
+		{"PodGroup", "c-prefill-lws-1"}: true, {"NetworkPolicy", "c-prefill-lws-1"}: true,
+		{"NetworkPolicy", "c-prefill-lws-2"}: false,
+	} {
+		if keep[key] != want {
+			t.Errorf("keeps %v: %v, want %v", key, keep[key], want)
+		}
+	}
+	old.Spec.Replicas, old.Status.Replicas, old.Status.ReadyReplicas, old.Status.UpdatedReplicas = ptr.To[int32](0), 0, 0, 0
+	drained := keepSet(nil, revisionsOf(p, nil, []*lwsv1.LeaderWorkerSet{old}, "r2"), scaleDecision{})
+	if drained[childKey{"NetworkPolicy", "c-prefill-lws-0"}] {
+		t.Error("a drained revision's group NetworkPolicy is kept")
 	}
 }

@@ -23,7 +23,7 @@ const (
 	LabelDomain = "serving.pdcluster.dev/domain"
 	// LabelGang "true" on a pod of a replica across pods asks the operator's admission policy
 	// (config/admission/gang-podgroups.yaml) to put it in its replica's PodGroup, named
-	// <LeaderWorkerSet>-<group index> (render.GangName).
+	// <LeaderWorkerSet>-<group index> (render.GroupName).
 	LabelGang = "serving.pdcluster.dev/gang"
 
 	// AnnotationConfigHash on a pod template changes whenever the pod spec does, so a spec

@@ -4,6 +4,7 @@ import (
 	"os"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -55,6 +56,7 @@ func TestRenderGroupsReplicasAcrossPods(t *testing.T) {
 			var lws *lwsv1.LeaderWorkerSet
 			var svc *corev1.Service
 			var np *networkingv1.NetworkPolicy
+			groupPolicies := map[string]*networkingv1.NetworkPolicy{}
 			for _, o := range objs {
 				switch x := o.(type) {
 				case *lwsv1.LeaderWorkerSet:
@@ -71,6 +73,7 @@ func TestRenderGroupsReplicasAcrossPods(t *testing.T) {
 					if x.Name == "pd-decode" {
 						np = x
 					}
+					groupPolicies[x.Name] = x
 				}
 			}
 			if lws == nil || svc == nil || np == nil {
@@ -149,9 +152,13 @@ func TestRenderGroupsReplicasAcrossPods(t *testing.T) {
 			if _, ok := svc.Spec.Selector[lwsv1.WorkerIndexLabelKey]; ok != tc.want.leaderOnly {
 				t.Errorf("Service selector %v: leaders only %v, want %v", svc.Spec.Selector, ok, tc.want.leaderOnly)
 			}
-			// The pods of a group reach each other on every port.
-			if !admitsEveryPortFrom(np, v1alpha1.RoleDecode) {
-				t.Errorf("decode's NetworkPolicy does not admit its own pool: %+v", np.Spec.Ingress)
+			// Each group it runs has its own NetworkPolicy (what it admits:
+			// TestNetworkPoliciesKeepEachReplicaToItself).
+			for g := range *lws.Spec.Replicas {
+				gp := groupPolicies[GroupName(lws.Name, g)]
+				if gp == nil || gp.Spec.PodSelector.MatchLabels[lwsv1.GroupIndexLabelKey] != strconv.Itoa(int(g)) {
+					t.Errorf("group %d: NetworkPolicy %+v, want one selecting the group's pods", g, gp)
+				}
 			}
 		})
 	}
@@ -159,20 +166,6 @@ func TestRenderGroupsReplicasAcrossPods(t *testing.T) {
 
 func mounts(c corev1.Container, volume, path string) bool {
 	return slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool { return m.Name == volume && m.MountPath == path })
-}
-
-func admitsEveryPortFrom(np *networkingv1.NetworkPolicy, role v1alpha1.Role) bool {
-	for _, r := range np.Spec.Ingress {
-		if len(r.Ports) > 0 {
-			continue
-		}
-		for _, p := range r.From {
-			if p.PodSelector != nil && p.PodSelector.MatchLabels[v1alpha1.LabelRole] == string(role) {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // A LeaderWorkerSet's name leaves room for its StatefulSets (<lws>-<group>) and their

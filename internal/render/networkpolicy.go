@@ -1,11 +1,15 @@
 package render
 
 import (
+	"slices"
+	"strconv"
+
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
@@ -25,18 +29,20 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //   - prefill's bootstrap port: the router (Mooncake asks it for the engine id) and decode.
 //   - engines' KV events ports (routing.strategy KVEvents): the router (the other pool reaches
 //     every port anyway, below).
-//   - every port of a pool from the other pool of this PDCluster: vLLM's transfer engines
-//     (Mooncake, NIXL over UCX) listen on ports they pick at run time, besides the declared
-//     bootstrap and side-channel ports; and from its own pool when its replicas span pods.
+//   - the transfer ports of a pool from the other pool of this PDCluster: every port but the
+//     ones with a rule of their own here (the API, the sidecar's, the KV events ports:
+//     transferPorts), since vLLM's transfer engines (Mooncake, NIXL over UCX) listen on ports
+//     they pick at run time besides the declared bootstrap and side-channel ports. When a
+//     pool's replicas span pods, the pods of one replica (a LeaderWorkerSet group) reach each
+//     other on those ports too, and no other replica's (groupPolicies).
 //   - the connector sidecars' port: the operator's manager pods (they read /gate) and
 //     monitoring.
 //   - the router's port: routerClients, or everyone when none is set (then also monitoring, and
 //     the operator's manager pods with verification mode Canary, pairing or a routing strategy
 //     that weighs what engines hold: they read GET /canary, GET /pairs and GET /routing).
 //
-// Egress of the engine pods (spec.networkPolicy.egress): the other pool (every port; its own
-// too when its replicas span pods), DNS,
-// public HTTPS and the author's rules. A decode engine connects to whatever
+// Egress of the engine pods (spec.networkPolicy.egress): the other pool's transfer ports (and
+// their own replica's, groupPolicies), DNS, public HTTPS and the author's rules. A decode engine connects to whatever
 // remote_bootstrap_addr a request names, which these rules keep inside the PDCluster.
 //
 // Kubelet probes come from the node, which a NetworkPolicy always admits.
@@ -66,24 +72,15 @@ func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 		if role == v1alpha1.RoleDecode {
 			other = v1alpha1.RolePrefill
 		}
-		peers := []networkingv1.NetworkPolicyPeer{pods(other)}
-		if MultiNode(pdc, role) {
-			// The pods of one replica talk on ports they pick at run time (torch.distributed,
-			// NCCL, vLLM's data-parallel coordination).
-			peers = append(peers, pods(role))
-		}
+		transfer := transferPorts(pdc, role)
 		rules := []networkingv1.NetworkPolicyIngressRule{
 			{From: append([]networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, np.EngineClients...), Ports: tcp(vllm.APIPort)},
-			{From: peers},
+			{From: []networkingv1.NetworkPolicyPeer{pods(other)}, Ports: transfer},
 		}
 		if role == v1alpha1.RolePrefill && pdc.Spec.KVTransfer.Connector == v1alpha1.ConnectorMooncake {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(vllm.MooncakeBootstrapPort)})
 		}
-		if KVEvents(pdc) {
-			var ports []int32
-			for rank := range *pool(pdc, role).Parallelism.Data {
-				ports = append(ports, vllm.KVEventsPort+rank, vllm.KVEventsReplayPort+rank)
-			}
+		if ports := kvEventsPorts(pdc, role); len(ports) > 0 {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{pods(v1alpha1.RoleRouter)}, Ports: tcp(ports...)})
 		}
 		if len(operator) > 0 {
@@ -92,7 +89,7 @@ func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 		if len(np.Monitoring) > 0 {
 			rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(vllm.APIPort, ConnectorPort)})
 		}
-		out = append(out, networkPolicy(pdc, role, rules, engineEgress(np.Egress, peers)))
+		out = append(out, networkPolicy(pdc, role, rules, engineEgress(np.Egress, networkingv1.NetworkPolicyEgressRule{To: []networkingv1.NetworkPolicyPeer{pods(other)}, Ports: transfer})))
 	}
 	routerRules := []networkingv1.NetworkPolicyIngressRule{{From: np.RouterClients, Ports: tcp(RouterPort)}}
 	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
@@ -120,15 +117,15 @@ var (
 	privateV6 = []string{"::1/128", "fc00::/7", "fe80::/10"}
 )
 
-// engineEgress is an engine pool's egress (nil: not limited): every port of pools (the other
-// pool, and its own when its replicas span pods), DNS (port 53 anywhere: cluster DNS, or a node-local cache on a link-local address), public
-// HTTPS and the author's rules.
-func engineEgress(e v1alpha1.EngineEgressSpec, pools []networkingv1.NetworkPolicyPeer) []networkingv1.NetworkPolicyEgressRule {
+// engineEgress is an engine pool's egress (nil: not limited): the other pool's transfer ports
+// (otherPool), DNS (port 53 anywhere: cluster DNS, or a node-local cache on a link-local
+// address), public HTTPS and the author's rules.
+func engineEgress(e v1alpha1.EngineEgressSpec, otherPool networkingv1.NetworkPolicyEgressRule) []networkingv1.NetworkPolicyEgressRule {
 	if !ptr.Deref(e.Enabled, true) {
 		return nil
 	}
 	dns := append(udp(53), tcp(53)...)
-	rules := []networkingv1.NetworkPolicyEgressRule{{To: pools}, {Ports: dns}}
+	rules := []networkingv1.NetworkPolicyEgressRule{otherPool, {Ports: dns}}
 	if ptr.Deref(e.PublicHTTPS, true) {
 		rules = append(rules, networkingv1.NetworkPolicyEgressRule{Ports: tcp(443), To: []networkingv1.NetworkPolicyPeer{
 			{IPBlock: &networkingv1.IPBlock{CIDR: "0.0.0.0/0", Except: privateV4}},
@@ -154,6 +151,81 @@ func networkPolicy(pdc *v1alpha1.PDCluster, role v1alpha1.Role, ingress []networ
 			Egress:      egress,
 		},
 	}
+}
+
+// kvEventsPorts are the KV events publishers' ports of role's pods, and their replay ports,
+// one each per data-parallel rank (routing.strategy KVEvents; none otherwise).
+func kvEventsPorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []int32 {
+	if !KVEvents(pdc) {
+		return nil
+	}
+	var ports []int32
+	for rank := range *pool(pdc, role).Parallelism.Data {
+		ports = append(ports, vllm.KVEventsPort+rank, vllm.KVEventsReplayPort+rank)
+	}
+	return ports
+}
+
+// transferPorts are the ports of role's pods that the other pool (and the pod's own replica
+// when it spans pods) may reach: every TCP port but the ones with a rule of their own (the
+// API, the sidecar's, the KV events'), as ranges. vLLM's transfer engines and its
+// multi-node ranks (torch.distributed, NCCL, data-parallel coordination) listen on ports they
+// pick at run time; the excluded ones are bound by the pod's own processes, so none of those
+// can land there.
+func transferPorts(pdc *v1alpha1.PDCluster, role v1alpha1.Role) []networkingv1.NetworkPolicyPort {
+	own := append([]int32{vllm.APIPort, ConnectorPort}, kvEventsPorts(pdc, role)...)
+	slices.Sort(own)
+	var out []networkingv1.NetworkPolicyPort
+	from := int32(1)
+	for _, p := range append(own, maxPort+1) {
+		switch {
+		case p < from:
+			continue // a duplicate
+		case p == from+1:
+			out = append(out, tcp(from)...)
+		case p > from+1:
+			r := tcp(from)[0]
+			r.EndPort = ptr.To(p - 1)
+			out = append(out, r)
+		}
+		from = p + 1
+	}
+	return out
+}
+
+// maxPort is the highest TCP port.
+const maxPort = 65535
+
+// groupPolicies let the pods of each group of lws (one replica across pods) reach each other on
+// their transfer ports, and no other group's: NetworkPolicy cannot say "my own group", so
+// there is one per group that lws may run (groups), named like the group's PodGroup.
+func groupPolicies(pdc *v1alpha1.PDCluster, role v1alpha1.Role, lws *lwsv1.LeaderWorkerSet) []Object {
+	transfer := transferPorts(pdc, role)
+	egress := ptr.Deref(pdc.Spec.NetworkPolicy.Egress.Enabled, true)
+	var out []Object
+	for g := range groups(lws) {
+		group := mergeMaps(Labels(pdc.Name, role), map[string]string{
+			lwsv1.SetNameLabelKey: lws.Name, lwsv1.GroupIndexLabelKey: strconv.Itoa(int(g)),
+		})
+		peers := []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: group}}}
+		np := &networkingv1.NetworkPolicy{
+			TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+			ObjectMeta: metav1.ObjectMeta{Name: GroupName(lws.Name, g), Namespace: pdc.Namespace, Labels: Labels(pdc.Name, role)},
+			Spec: networkingv1.NetworkPolicySpec{
+				PodSelector: metav1.LabelSelector{MatchLabels: group},
+				PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+				Ingress:     []networkingv1.NetworkPolicyIngressRule{{From: peers, Ports: transfer}},
+			},
+		}
+		if egress {
+			// Only where the pool's egress is limited: a policy of type Egress limits the
+			// pods it selects to what it allows.
+			np.Spec.PolicyTypes = append(np.Spec.PolicyTypes, networkingv1.PolicyTypeEgress)
+			np.Spec.Egress = []networkingv1.NetworkPolicyEgressRule{{To: peers, Ports: transfer}}
+		}
+		out = append(out, np)
+	}
+	return out
 }
 
 func tcp(ports ...int32) []networkingv1.NetworkPolicyPort { return portsOf(corev1.ProtocolTCP, ports) }

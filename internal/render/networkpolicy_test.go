@@ -16,8 +16,10 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
+	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
@@ -52,6 +54,18 @@ func selectsPod(t *testing.T, np networkingv1.NetworkPolicyPeer, p peer) bool {
 	}
 }
 
+// portTakes reports whether a rule's port p takes port of protocol proto: its number, or the
+// range from it to its endPort.
+func portTakes(p networkingv1.NetworkPolicyPort, proto corev1.Protocol, port int32) bool {
+	if ptr.Deref(p.Protocol, corev1.ProtocolTCP) != proto {
+		return false
+	}
+	if p.Port == nil {
+		return true
+	}
+	return p.Port.IntVal == port || (p.EndPort != nil && port > p.Port.IntVal && port <= *p.EndPort)
+}
+
 // admits evaluates NetworkPolicy ingress as the API defines it: a pod selected by no policy
 // takes everything; a selected pod takes what some rule of some policy selecting it admits
 // (no from: every source; no ports: every port).
@@ -66,7 +80,7 @@ func admits(t *testing.T, policies []*networkingv1.NetworkPolicy, to map[string]
 		for _, rule := range np.Spec.Ingress {
 			portOK := len(rule.Ports) == 0
 			for _, p := range rule.Ports {
-				if p.Port == nil || (p.Port.IntVal == port && ptr.Deref(p.Protocol, corev1.ProtocolTCP) == corev1.ProtocolTCP) {
+				if portTakes(p, corev1.ProtocolTCP, port) {
 					portOK = true
 				}
 			}
@@ -91,17 +105,21 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 				t.Fatal(err)
 			}
 			var policies []*networkingv1.NetworkPolicy
-			var deps []*appsv1.Deployment
+			var pods []groupPod
 			for _, o := range objs {
 				switch o := o.(type) {
 				case *networkingv1.NetworkPolicy:
 					policies = append(policies, o)
 				case *appsv1.Deployment:
-					deps = append(deps, o)
+					pods = append(pods, groupPod{o.Labels[v1alpha1.LabelRole], o.Spec.Template.Labels, o.Spec.Template.Spec})
+				case *lwsv1.LeaderWorkerSet:
+					pods = append(pods, groupPods(o, 0)...)
 				}
 			}
-			if len(policies) != 3 {
-				t.Fatalf("%d NetworkPolicies, want one per pool and the router's", len(policies))
+			for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode, v1alpha1.RoleRouter} {
+				if !slices.ContainsFunc(policies, func(np *networkingv1.NetworkPolicy) bool { return np.Name == render.ObjectName(pdc.Name, role) }) {
+					t.Fatalf("no NetworkPolicy %s", render.ObjectName(pdc.Name, role))
+				}
 			}
 			ns := map[string]string{corev1.LabelMetadataName: pdc.Namespace}
 			of := func(role v1alpha1.Role) peer {
@@ -122,7 +140,7 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 				case role == v1alpha1.RoleRouter && port == "http":
 					return append([]peer{{name: "a client", labels: map[string]string{"app": "chat"}, nsLabels: ns, sameNS: true}}, strangers...), true // everyone (the engines need not reach it)
 				case port == "http":
-					return []peer{of(v1alpha1.RoleRouter), of(other[role])}, true
+					return []peer{of(v1alpha1.RoleRouter)}, true
 				case port == "bootstrap":
 					return []peer{of(v1alpha1.RoleRouter), of(v1alpha1.RoleDecode)}, true
 				case port == "connector":
@@ -130,16 +148,20 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 				case len(port) > 5 && port[:5] == "nixl-":
 					return []peer{of(other[role])}, true
 				case strings.HasPrefix(port, "kv-events-") || strings.HasPrefix(port, "kv-replay-"):
-					// The other pool reaches every port (its transfer engine's are picked at
-					// run time).
-					return []peer{of(v1alpha1.RoleRouter), of(other[role])}, true
+					// Every cached prompt's token ids: the router's alone.
+					return []peer{of(v1alpha1.RoleRouter)}, true
 				}
 				return nil, false
 			}
-			for _, dep := range deps {
-				role := v1alpha1.Role(dep.Labels[v1alpha1.LabelRole])
-				to := dep.Spec.Template.Labels
-				for _, c := range dep.Spec.Template.Spec.Containers {
+			for _, pod := range pods {
+				role := v1alpha1.Role(pod.role)
+				to := pod.labels
+				// The other pool reaches the ports it needs (the transfer engines'), and no other.
+				strangers := slices.Clone(strangers)
+				if o, ok := other[role]; ok {
+					strangers = append(strangers, of(o))
+				}
+				for _, c := range pod.spec.Containers {
 					for _, p := range c.Ports {
 						want, ok := needs(role, p.Name)
 						if !ok {
@@ -167,6 +189,109 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// groupPod is a pod a rendered pod set runs, labelled as it runs: its role, labels and spec.
+type groupPod struct {
+	role   string
+	labels map[string]string
+	spec   corev1.PodSpec
+}
+
+// groupPods are the pods of group g of lws as the LeaderWorkerSet controller labels them.
+func groupPods(lws *lwsv1.LeaderWorkerSet, g int) []groupPod {
+	t := lws.Spec.LeaderWorkerTemplate
+	templates := []corev1.PodTemplateSpec{t.WorkerTemplate}
+	if t.LeaderTemplate != nil {
+		templates = append(templates, *t.LeaderTemplate)
+	}
+	var out []groupPod
+	for _, tmpl := range templates {
+		l := maps.Clone(tmpl.Labels)
+		l[lwsv1.SetNameLabelKey], l[lwsv1.GroupIndexLabelKey] = lws.Name, strconv.Itoa(g)
+		out = append(out, groupPod{lws.Labels[v1alpha1.LabelRole], l, tmpl.Spec})
+	}
+	return out
+}
+
+// A pool whose replicas span pods: the pods of one replica reach each other on every port but
+// the API's, the sidecar's and the KV events' (torch.distributed, NCCL, vLLM's data-parallel
+// coordination pick theirs at run time), and no pod of another replica does; the other pool
+// reaches their transfer ports and not those three. An older KV revision's groups keep their
+// own (the reconciler keeps them until it drains: TestPruneKeepsAnOlderRevisionsGroups).
+func TestNetworkPoliciesKeepEachReplicaToItself(t *testing.T) {
+	pdc := load(t, filepath.Join("testdata", "multinode-model.yaml"))
+	pdc.Spec.Router.Routing.Strategy = v1alpha1.RoutingKVEvents
+	objs, err := render.Render(pdc, render.DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var policies []*networkingv1.NetworkPolicy
+	var lws *lwsv1.LeaderWorkerSet
+	for _, o := range objs {
+		switch o := o.(type) {
+		case *networkingv1.NetworkPolicy:
+			policies = append(policies, o)
+		case *lwsv1.LeaderWorkerSet:
+			lws = o
+		}
+	}
+	if lws == nil {
+		t.Fatal("no LeaderWorkerSet rendered")
+	}
+	ns := map[string]string{corev1.LabelMetadataName: pdc.Namespace}
+	member := func(g int) peer {
+		return peer{name: "group " + strconv.Itoa(g), labels: groupPods(lws, g)[0].labels, nsLabels: ns, sameNS: true}
+	}
+	decode := peer{name: "decode", labels: render.Labels(pdc.Name, v1alpha1.RoleDecode), nsLabels: ns, sameNS: true}
+	// 2 replicas and a surge of one: groups 0 to 2 have their policy; group 3 is never run.
+	for _, tc := range []struct {
+		from, to peer
+		port     int32
+		want     bool
+	}{
+		{member(0), member(0), vllm.MasterPort, true}, // torch.distributed
+		{member(0), member(0), 41234, true},           // a port picked at run time
+		{member(2), member(2), vllm.MasterPort, true},
+		{member(1), member(0), vllm.MasterPort, false},
+		{member(0), member(1), 41234, false},
+		{member(3), member(3), vllm.MasterPort, false},
+		{member(0), member(0), render.ConnectorPort, false},
+		{member(0), member(0), vllm.KVEventsPort, false},
+		{member(0), member(0), 8000, false},
+		{decode, member(1), 41234, true}, // Mooncake's transfer engine
+		{decode, member(1), 8998, true},  // its bootstrap
+		{decode, member(1), 65535, true},
+		{decode, member(1), 1, true},
+		{decode, member(1), render.ConnectorPort, false},
+		{decode, member(1), vllm.KVEventsPort, false},
+		{decode, member(1), vllm.KVEventsReplayPort, false},
+		{decode, member(1), 8000, false},
+		{member(0), decode, 41234, true},
+		{member(0), decode, vllm.KVEventsPort, false},
+	} {
+		there := dest{peer: tc.to, proto: corev1.ProtocolTCP, port: tc.port}
+		if got := admits(t, policies, tc.to.labels, tc.port, tc.from) && allowsEgress(t, policies, tc.from.labels, there); got != tc.want {
+			t.Errorf("%s to %s port %d: reaches %v, want %v", tc.from.name, tc.to.name, tc.port, got, tc.want)
+		}
+	}
+	// With the engines' egress not limited, the group's policy does not limit it either.
+	pdc.Spec.NetworkPolicy.Egress.Enabled = ptr.To(false)
+	objs, err = render.Render(pdc, render.DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	policies = nil
+	for _, o := range objs {
+		if np, ok := o.(*networkingv1.NetworkPolicy); ok {
+			policies = append(policies, np)
+		}
+	}
+	for _, to := range []dest{{ip: "10.0.5.7", proto: corev1.ProtocolTCP, port: 9000}, {peer: member(1), proto: corev1.ProtocolTCP, port: 41234}} {
+		if !allowsEgress(t, policies, member(0).labels, to) {
+			t.Errorf("egress not limited: group 0 may not connect to %+v", to)
+		}
 	}
 }
 
@@ -293,7 +418,7 @@ func allowsEgress(t *testing.T, policies []*networkingv1.NetworkPolicy, from map
 		for _, rule := range np.Spec.Egress {
 			portOK := len(rule.Ports) == 0
 			for _, p := range rule.Ports {
-				if ptr.Deref(p.Protocol, corev1.ProtocolTCP) == to.proto && (p.Port == nil || p.Port.IntVal == to.port) {
+				if portTakes(p, to.proto, to.port) {
 					portOK = true
 				}
 			}

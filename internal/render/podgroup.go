@@ -19,25 +19,30 @@ func Gangs(pdc *v1alpha1.PDCluster, role v1alpha1.Role, servesPodGroups bool) bo
 	return servesPodGroups && MultiNode(pdc, role) && pdc.Spec.Scheduling.Gang != v1alpha1.GangNone
 }
 
-// GangName is the PodGroup of group index group of the LeaderWorkerSet groupSet: the name
-// config/admission/gang-podgroups.yaml gives the group's pods.
-func GangName(groupSet string, group int32) string {
+// GroupName names the objects of group index group of the LeaderWorkerSet groupSet: its
+// PodGroup (the name config/admission/gang-podgroups.yaml gives the group's pods) and its
+// NetworkPolicy.
+func GroupName(groupSet string, group int32) string {
 	return groupSet + "-" + strconv.Itoa(int(group))
 }
 
-// gangs are the PodGroups of lws's groups, each of minCount its size: the scheduler binds a
-// group's pods all at once or none. Groups 0..replicas-1, and the ones a rolling update adds
-// past them (maxSurge, rounded up as LeaderWorkerSet does): a group whose PodGroup is missing
-// is never scheduled.
-func gangs(pdc *v1alpha1.PDCluster, lws *lwsv1.LeaderWorkerSet) []Object {
-	var out []Object
+// groups is how many groups lws may run: 0..replicas-1, and the ones a rolling update adds
+// past them (maxSurge, rounded up as LeaderWorkerSet does).
+func groups(lws *lwsv1.LeaderWorkerSet) int32 {
 	replicas := *lws.Spec.Replicas
 	surge, _ := intstr.GetScaledValueFromIntOrPercent(&lws.Spec.RolloutStrategy.RollingUpdateConfiguration.MaxSurge, int(replicas), true)
-	for g := range replicas + int32(surge) {
+	return replicas + int32(surge)
+}
+
+// gangs are the PodGroups of lws's groups, each of minCount its size: the scheduler binds a
+// group's pods all at once or none. A group whose PodGroup is missing is never scheduled.
+func gangs(pdc *v1alpha1.PDCluster, lws *lwsv1.LeaderWorkerSet) []Object {
+	var out []Object
+	for g := range groups(lws) {
 		pg := &schedulingv1beta1.PodGroup{
 			TypeMeta: metav1.TypeMeta{APIVersion: schedulingv1beta1.SchemeGroupVersion.String(), Kind: "PodGroup"},
 			ObjectMeta: metav1.ObjectMeta{
-				Name: GangName(lws.Name, g), Namespace: pdc.Namespace, Labels: mergeMaps(nil, lws.Labels),
+				Name: GroupName(lws.Name, g), Namespace: pdc.Namespace, Labels: mergeMaps(nil, lws.Labels),
 			},
 			Spec: schedulingv1beta1.PodGroupSpec{SchedulingPolicy: schedulingv1beta1.PodGroupSchedulingPolicy{
 				Gang: &schedulingv1beta1.GangSchedulingPolicy{MinCount: *lws.Spec.LeaderWorkerTemplate.Size},

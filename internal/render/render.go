@@ -173,6 +173,9 @@ func (p *Prepared) Objects(opts Options, serving Serving, router RouterObjects) 
 				joinGang(lws)
 				engines = append(engines, gangs(pdc, lws)...)
 			}
+			if NetworkPoliciesEnabled(pdc) {
+				engines = append(engines, groupPolicies(pdc, role, lws)...)
+			}
 		} else {
 			dep, err := engineDeployment(pdc, opts, role, rev)
 			if err != nil {
