@@ -89,10 +89,12 @@ func (r *PDClusterReconciler) readRouting(ctx context.Context, pods []corev1.Pod
 	return sum
 }
 
-// routingCountsValid: a router pod is trusted no further than its counts' sense.
+// routingCountsValid: a router pod is trusted no further than its counts' sense (a lag past
+// routerconfig.MaxEventsLag is an engine's forged date the router should have refused).
 func routingCountsValid(c routerconfig.PoolRoutingCounts) bool {
 	return c.PromptBlocks >= 0 && c.PromptChunks >= 0 && c.HeldBlocks >= 0 && c.HeldChunks >= 0 &&
-		c.HeldBlocks <= c.PromptBlocks && c.HeldChunks <= c.PromptChunks && c.IndexBlocks >= 0 && c.EventsLagMilliseconds >= 0
+		c.HeldBlocks <= c.PromptBlocks && c.HeldChunks <= c.PromptChunks && c.IndexBlocks >= 0 &&
+		c.EventsLagMilliseconds >= 0 && c.EventsLagMilliseconds <= routerconfig.MaxEventsLag.Milliseconds()
 }
 
 // readPairs sums the pair counts of the PDCluster's running router pods; nil when none

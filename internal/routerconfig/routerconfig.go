@@ -265,6 +265,11 @@ type PoolRoutingCounts struct {
 	EventsLagMilliseconds int64 `json:"eventsLagMilliseconds,omitempty"`
 }
 
+// MaxEventsLag bounds a KV events lag: the lag is taken from the timestamp the engine writes in
+// its batch, so one dated further back (1970, say) or in the future says nothing of how late
+// it came; the router keeps the last plausible lag and the operator refuses a larger one.
+const MaxEventsLag = time.Hour
+
 // CanaryOutcome is a canary's result: CanaryExternal, CanaryRecomputed or CanaryFailed (the
 // words of the PDCluster's status.kvTransfer.lastCanary.result).
 type CanaryOutcome string

@@ -11,6 +11,8 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/go-zeromq/zmq4"
+
+	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
 // Source is one engine's publisher, as --kv-events-config binds it: the PUB endpoint and the
@@ -394,8 +396,23 @@ func (f *Follower) apply(engine string, payload []byte, log logr.Logger) {
 		s.Events += len(b.Events)
 		s.BlocksOrphaned += orphans
 		s.LastEvent = time.Now()
-		if b.TS > 0 {
-			s.Lag = max(0, s.LastEvent.Sub(time.Unix(0, int64(b.TS*1e9))))
+		if lag, ok := batchLag(s.LastEvent, b.TS); ok {
+			s.Lag = lag
 		}
 	})
+}
+
+// clockSkew is how far in the future a batch's timestamp may be: the engine's clock, not the
+// router's.
+const clockSkew = time.Minute
+
+// batchLag is how long a batch dated ts (seconds since the epoch, the engine's clock) took to
+// arrive at now; ok is false for a date before now - routerconfig.MaxEventsLag or past now +
+// clockSkew (the engine writes it: issue 56 saw a batch dated 1970 put 56 years in status).
+func batchLag(now time.Time, ts float64) (lag time.Duration, ok bool) {
+	d := float64(now.UnixNano())/1e9 - ts
+	if !(d >= -clockSkew.Seconds() && d <= routerconfig.MaxEventsLag.Seconds()) { // NaN too
+		return 0, false
+	}
+	return time.Duration(max(d, 0) * 1e9), true
 }
