@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -25,7 +26,7 @@ import (
 // a reconcile worker. Reconcile asks it as it would ask the pods (it is a GateReader,
 // CanaryReader and PairsReader) and gets the last answer at once. A pod asked about for the
 // first time is read right away; every pod asked about within forgetAfter is read again each
-// Interval. When an answer changes what a reconcile acts on (a pod begins or stops answering,
+// Interval, podReportReads at once and podReportReadsPerCluster of one PDCluster. When an answer changes what a reconcile acts on (a pod begins or stops answering,
 // its gate loads or unloads or first reports, a router has a newer canary), the pod's
 // PDCluster is enqueued through Events. Counts that move with every request are not such a
 // change: they reach status with the reconciler's periodic refresh (countsRefresh), or status
@@ -51,6 +52,10 @@ type PodReports struct {
 	pods   map[reportKey]*podReport
 	kick   chan struct{}
 	events chan crevent.GenericEvent
+	// slots bound the reads at once, over every poll; clusterSlots each PDCluster's, so that
+	// one PDCluster's silent pods (each read waits out Timeout) leave the others' slots free.
+	slots        chan struct{}
+	clusterSlots map[types.NamespacedName]chan struct{}
 }
 
 // NewPodReports reads the pods with the given readers every 10 s (the most often the
@@ -79,12 +84,14 @@ type podReport struct {
 	pod   *corev1.Pod // as Reconcile last passed it (its IP, its PDCluster's label)
 	asked time.Time   // when Reconcile last asked
 	read  bool        // read at least once
-	at    time.Time   // when it was last read
-	err   error       // why the last read failed; nil when it answered
-	gate  vllm.State
-	canry routerconfig.CanaryResult
-	pairs routerconfig.PairCounts
-	routg routerconfig.RoutingCounts
+	// reading is set while a poll reads the pod: a later poll leaves it to that one.
+	reading bool
+	at      time.Time // when it was last read
+	err     error     // why the last read failed; nil when it answered
+	gate    vllm.State
+	canry   routerconfig.CanaryResult
+	pairs   routerconfig.PairCounts
+	routg   routerconfig.RoutingCounts
 }
 
 // forgetAfter is how long a pod Reconcile stopped asking about (deleted, stopped, its
@@ -92,8 +99,11 @@ type podReport struct {
 // at least every gateRefresh.
 const forgetAfter = 3 * gateRefresh
 
-// podReportReads bounds the pods read at once.
-const podReportReads = gateReads
+// podReportReads bounds the pods read at once; podReportReadsPerCluster one PDCluster's.
+const (
+	podReportReads           = gateReads
+	podReportReadsPerCluster = podReportReads / 4
+)
 
 // errNotReadYet: the pod has not been read since Reconcile first asked about it; its first
 // answer enqueues the PDCluster.
@@ -109,6 +119,8 @@ func (p *PodReports) init() {
 		p.pods = map[reportKey]*podReport{}
 		p.kick = make(chan struct{}, 1)
 		p.events = make(chan crevent.GenericEvent, 1024)
+		p.slots = make(chan struct{}, podReportReads)
+		p.clusterSlots = map[types.NamespacedName]chan struct{}{}
 	})
 }
 
@@ -182,62 +194,96 @@ func (p *PodReports) last(pod *corev1.Pod, kind reportKind) (podReport, error) {
 }
 
 // Start reads the pods until ctx ends: the new ones as soon as Reconcile asks, all of them
-// every Interval.
+// every Interval. Polls overlap: a poll waiting on silent pods (each read waits out Timeout)
+// holds up neither the next one nor a new pod's first read.
 func (p *PodReports) Start(ctx context.Context) error {
 	p.init()
 	tick := time.NewTicker(p.Interval)
 	defer tick.Stop()
+	var polls sync.WaitGroup
+	defer polls.Wait()
 	for {
+		onlyNew := false
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-p.kick:
-			p.poll(ctx, true)
+			onlyNew = true
 		case <-tick.C:
-			p.poll(ctx, false)
 		}
+		polls.Go(func() { p.poll(ctx, onlyNew) })
 	}
 }
 
-// poll reads the pods (only the never-read ones when onlyNew), forgets the ones Reconcile
-// stopped asking about, and enqueues the PDClusters whose pods' answers changed.
+// poll reads the pods (only the never-read ones when onlyNew) that no earlier poll is still
+// reading, forgets the ones Reconcile stopped asking about, and enqueues the PDClusters whose
+// pods' answers changed. Pods that answered their last read go first.
 func (p *PodReports) poll(ctx context.Context, onlyNew bool) {
 	p.init()
 	type job struct {
-		key reportKey
-		pod *corev1.Pod
+		key     reportKey
+		pod     *corev1.Pod
+		cluster types.NamespacedName
+		failed  bool
+		slots   chan struct{}
 	}
 	var jobs []job
 	p.mu.Lock()
 	now := p.now()
+	clusters := map[types.NamespacedName]bool{}
 	for k, r := range p.pods {
-		switch {
-		case now.Sub(r.asked) > forgetAfter:
+		if now.Sub(r.asked) > forgetAfter {
 			delete(p.pods, k)
-		case !onlyNew || !r.read:
-			jobs = append(jobs, job{k, r.pod})
+			continue
+		}
+		cluster := types.NamespacedName{Namespace: r.pod.Namespace, Name: r.pod.Labels[v1alpha1.LabelCluster]}
+		clusters[cluster] = true
+		if (!onlyNew || !r.read) && !r.reading {
+			r.reading = true
+			jobs = append(jobs, job{key: k, pod: r.pod, cluster: cluster, failed: r.err != nil})
 		}
 	}
+	for c, slots := range p.clusterSlots {
+		if !clusters[c] && len(slots) == 0 {
+			delete(p.clusterSlots, c)
+		}
+	}
+	for i := range jobs {
+		c := jobs[i].cluster
+		if p.clusterSlots[c] == nil {
+			p.clusterSlots[c] = make(chan struct{}, podReportReadsPerCluster)
+		}
+		jobs[i].slots = p.clusterSlots[c]
+	}
 	p.mu.Unlock()
+	slices.SortStableFunc(jobs, func(a, b job) int {
+		switch {
+		case a.failed == b.failed:
+			return 0
+		case b.failed:
+			return -1
+		}
+		return 1
+	})
 
 	var (
 		wg      sync.WaitGroup
-		slots   = make(chan struct{}, podReportReads)
 		mu      sync.Mutex
 		changed = map[types.NamespacedName]bool{}
 	)
 	for _, j := range jobs {
-		wg.Add(1)
-		slots <- struct{}{}
-		go func() {
-			defer func() { <-slots; wg.Done() }()
+		wg.Go(func() {
+			// The PDCluster's slot first: a read waiting for one holds none of the others'.
+			j.slots <- struct{}{}
+			p.slots <- struct{}{}
+			defer func() { <-p.slots; <-j.slots }()
 			next := p.read(ctx, j.pod, j.key.kind)
 			if p.store(j.key, next) {
 				mu.Lock()
-				changed[types.NamespacedName{Namespace: j.pod.Namespace, Name: j.pod.Labels[v1alpha1.LabelCluster]}] = true
+				changed[j.cluster] = true
 				mu.Unlock()
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	for key := range changed {
@@ -285,6 +331,7 @@ func (p *PodReports) store(k reportKey, next podReport) bool {
 	if r == nil {
 		return false
 	}
+	r.reading = false
 	before := r.gist(k.kind)
 	next.pod, next.asked = r.pod, r.asked
 	*r = next

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -281,5 +283,80 @@ func TestKVSamplesAreDatedByTheirRead(t *testing.T) {
 	}
 	if d := cmp.Diff([]time.Time{start.Add(-10 * time.Second)}, at); d != "" {
 		t.Errorf("samples' times (-want +got):\n%s", d)
+	}
+}
+
+// hangingGates never answers for the pods of PDCluster "a" (each read waits for its context,
+// as a silent sidecar's waits out the timeout) and answers the others at once; it counts the
+// reads and the most of "a"'s at once.
+type hangingGates struct {
+	mu                  sync.Mutex
+	reads               map[string]int
+	hanging, mostAtOnce int
+}
+
+func (h *hangingGates) ReadGate(ctx context.Context, pod *corev1.Pod) (vllm.State, error) {
+	h.mu.Lock()
+	h.reads[pod.Name]++
+	silent := pod.Labels[v1alpha1.LabelCluster] == "a"
+	if silent {
+		h.hanging++
+		h.mostAtOnce = max(h.mostAtOnce, h.hanging)
+	}
+	h.mu.Unlock()
+	if !silent {
+		return loaded(1, 1, 0), nil
+	}
+	<-ctx.Done()
+	h.mu.Lock()
+	h.hanging--
+	h.mu.Unlock()
+	return vllm.State{}, ctx.Err()
+}
+
+// One PDCluster's silent pods hold up no other PDCluster's reads (issue 56: 160 silent pods
+// made every poll 20 s, for every tenant): polls overlap, a pod being read is left to the poll
+// reading it, and one PDCluster takes at most podReportReadsPerCluster reads at once.
+func TestPodReportsSilentPodsHoldUpNoOtherPDCluster(t *testing.T) {
+	gates := &hangingGates{reads: map[string]int{}}
+	p := &PodReports{Gates: gates, Interval: time.Hour, Timeout: time.Hour}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- p.Start(ctx) }()
+	silent := make([]*corev1.Pod, 40)
+	for i := range silent {
+		silent[i] = wrappers.MakeEnginePod("ns", "a-"+strconv.Itoa(i), "a", v1alpha1.RoleDecode, start).Obj()
+		silent[i].UID = types.UID(silent[i].Name)
+		_, _, _ = p.ReadGateAt(silent[i])
+	}
+	b := wrappers.MakeEnginePod("ns", "b-0", "b", v1alpha1.RoleDecode, start).Obj()
+	b.UID = "b-0"
+	var err error
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		// Asking again as Reconcile does (each first ask wakes the poller).
+		for _, pod := range silent[:4] {
+			_, _, _ = p.ReadGateAt(pod)
+		}
+		if _, _, err = p.ReadGateAt(b); err == nil {
+			break
+		}
+	}
+	if err != nil {
+		t.Errorf("PDCluster b's pod not read while a's hang: %v", err)
+	}
+	gates.mu.Lock()
+	most, reads := gates.mostAtOnce, maps.Clone(gates.reads)
+	gates.mu.Unlock()
+	if most > podReportReadsPerCluster {
+		t.Errorf("PDCluster a had %d reads at once, want at most %d", most, podReportReadsPerCluster)
+	}
+	for name, n := range reads {
+		if n > 1 {
+			t.Errorf("%s read %d times while its first read hung", name, n)
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }
