@@ -110,8 +110,21 @@ lint: envtest-assets $(GOLANGCI_LINT) ## golangci-lint (.golangci.yml: vet, stat
 .PHONY: test
 test: envtest-assets test-plugin ## Unit, golden, connector, plugin, envtest integration and local-cluster end-to-end tests.
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" PDCLUSTER_VLLM_PYTHONS="$(foreach v,$(VLLM_TESTED_VERSIONS),$(v)=$$(hack/vllm-venv.sh --tested $(v)))" $(GO) test ./... -count=1
+	$(MAKE) --no-print-directory fuzz
 	hack/e2e.sh
 	$(MAKE) --no-print-directory test-realengine
+
+# CI's fuzz budget (make test runs it): the KV-event wire from the socket up for FUZZ_WIRE_TIME,
+# each other target for FUZZ_TIME; the inputs found interesting stay in Go's cache.
+FUZZ_WIRE_TIME ?= 60s
+FUZZ_TIME ?= 15s
+
+.PHONY: fuzz
+fuzz: ## Fuzz what hostile peers write: a real KV events follower on loopback (FuzzFollow, FUZZ_WIRE_TIME), the ZMTP reader, the batch decoder and the transfer simulator's event sequences (FUZZ_TIME each).
+	$(GO) test ./internal/router/kvevents/ -run '^$$' -fuzz '^FuzzFollow$$' -fuzztime $(FUZZ_WIRE_TIME)
+	$(GO) test ./internal/router/kvevents/ -run '^$$' -fuzz '^FuzzWire$$' -fuzztime $(FUZZ_TIME)
+	$(GO) test ./internal/router/kvevents/ -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZ_TIME)
+	$(GO) test ./test/sim/kvtransfer/ -run '^$$' -fuzz '^FuzzEventSequences$$' -fuzztime $(FUZZ_TIME)
 
 .PHONY: test-realengine
 test-realengine: build ## Real vLLM engines (the CPU builds of VLLM_ENGINE_VERSIONS) run what render gives for test/realengine/testdata/pdcluster.yaml, with the sidecars and the router: the P/D path and the gate on vLLM itself. Alone: two cores are all an engine pair gets.

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
@@ -91,13 +92,22 @@ func refuse(format string, args ...any) error {
 	return &RefusedError{Reason: fmt.Sprintf(format, args...)}
 }
 
-// guard wraps c, which has just connected, the handshake to end by deadline.
+// guard wraps c, which has just connected, the handshake to end by deadline. A connection zmq4
+// has not taken up by then (read or written past the handshake) is closed: zmq4 drops the
+// connection of a handshake it failed (a command it did not expect, say) without closing it,
+// which left a descriptor open each time the follower dialled again (FuzzFollow).
 func guard(c net.Conn, limits wireLimits, deadline time.Time) (net.Conn, error) {
 	if err := c.SetDeadline(deadline); err != nil {
 		c.Close()
 		return nil, fmt.Errorf("set the ZMTP handshake's deadline: %w", err)
 	}
-	return newWireConn(c, limits), nil
+	g := newWireConn(c, limits)
+	time.AfterFunc(time.Until(deadline)+min(time.Second, handshakeTimeout), func() {
+		if !g.adopted.Load() {
+			c.Close()
+		}
+	})
+	return g, nil
 }
 
 func newWireConn(c net.Conn, limits wireLimits) *guardedConn {
@@ -124,9 +134,14 @@ type guardedConn struct {
 	frames, size int
 	inMessage    bool
 	err          error
+	// adopted is set once zmq4 reads or writes past the handshake: it runs the connection.
+	adopted atomic.Bool
 }
 
 func (c *guardedConn) Read(p []byte) (int, error) {
+	if c.ready {
+		c.adopted.Store(true)
+	}
 	if c.err != nil {
 		return 0, c.err
 	}
@@ -147,14 +162,29 @@ func (c *guardedConn) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// fail closes the connection if err refuses the peer, and keeps err for every later read.
+// fail closes the connection if err refuses the peer or ends the handshake, and keeps err for
+// every later read. zmq4 closes a connection whose messages fail, but not one whose handshake
+// did (its dial returns the error and drops the connection): one left open each time the
+// follower dialled again, a descriptor a second for as long as a peer hung up mid-handshake.
 func (c *guardedConn) fail(err error) error {
 	var refused *RefusedError
-	if errors.As(err, &refused) {
+	if errors.As(err, &refused) || !c.ready {
 		c.err = err
 		c.Close()
 	}
 	return err
+}
+
+// Write is the connection's, but a write that fails in the handshake closes it (fail).
+func (c *guardedConn) Write(p []byte) (int, error) {
+	if c.ready {
+		c.adopted.Store(true)
+	}
+	n, err := c.Conn.Write(p)
+	if err != nil && !c.ready {
+		return n, c.fail(err)
+	}
+	return n, err
 }
 
 // read runs a read that waits for the peer if wait: past the handshake, what is not idle (a
