@@ -2,6 +2,8 @@ package controllers
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -10,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -75,5 +78,36 @@ func TestPruneKeepsAnOlderRevisionsGroups(t *testing.T) {
 	drained := keepSet(nil, revisionsOf(p, nil, []*lwsv1.LeaderWorkerSet{old}, "r2"), scaleDecision{})
 	if drained[childKey{"NetworkPolicy", "c-prefill-lws-0"}] {
 		t.Error("a drained revision's group NetworkPolicy is kept")
+	}
+}
+
+// A delete that fails is reported as an error, never as the event that says it happened; the
+// other removals still go, with theirs.
+func TestPruneReportsOnlyTheDeletesThatHappened(t *testing.T) {
+	p := pdc()
+	p.UID = "uid-c"
+	owner := []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
+	labels := render.Labels("c", v1alpha1.RolePrefill)
+	stuck := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c-stuck", Labels: labels, OwnerReferences: owner}}
+	legacy := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c-legacy", Labels: labels, OwnerReferences: owner}}
+	c := newFakeClient(t).WithObjects(p, stuck, legacy).WithInterceptorFuncs(interceptor.Funcs{
+		Delete: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
+			if obj.GetName() == "c-stuck" {
+				return apierrors.NewForbidden(corev1.Resource("configmaps"), obj.GetName(), errors.New("a webhook said no"))
+			}
+			return c.Delete(ctx, obj, opts...)
+		},
+	}).Build()
+	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme()}
+	events, err := pruneAsReconciled(t, r, p)
+	if err == nil || !strings.Contains(err.Error(), "c-stuck") {
+		t.Errorf("error %v, want one naming c-stuck", err)
+	}
+	var notes []string
+	for _, e := range events {
+		notes = append(notes, e.note)
+	}
+	if d := cmp.Diff([]string{"deleted ConfigMap c-legacy: the PDCluster no longer renders it"}, notes); d != "" {
+		t.Errorf("events (-want +got):\n%s", d)
 	}
 }

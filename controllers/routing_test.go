@@ -75,11 +75,11 @@ func TestRoutingStatus(t *testing.T) {
 
 // The routers' routing counts are summed without overflow, their indexes' sizes and lags are
 // the largest (every router follows the same engines); a router answering a negative count,
-// more held than routed, or a lag past an hour, is left out.
+// more held than routed, a negative index, or a lag past an hour, is left out.
 func TestReadRoutingSaturatesAndRefusesNonsense(t *testing.T) {
 	now := time.Date(2026, 12, 7, 12, 0, 0, 0, time.UTC)
 	var pods []corev1.Pod
-	for _, name := range []string{"r-0", "r-1", "r-2", "r-3", "r-4", "r-5"} {
+	for _, name := range []string{"r-0", "r-1", "r-2", "r-3", "r-4", "r-5", "r-6"} {
 		pods = append(pods, *wrappers.MakeEnginePod("ns", name, "c", v1alpha1.RoleRouter, now).Obj())
 	}
 	r := &PDClusterReconciler{RoutingReader: fakeRouting{
@@ -89,6 +89,7 @@ func TestReadRoutingSaturatesAndRefusesNonsense(t *testing.T) {
 		"r-3": {Decode: routerconfig.PoolRoutingCounts{PromptBlocks: 1, HeldBlocks: 2}},
 		"r-4": {Decode: routerconfig.PoolRoutingCounts{EventsLagMilliseconds: -1}},
 		"r-5": {Decode: routerconfig.PoolRoutingCounts{EventsLagMilliseconds: 56 * 365 * 24 * 3600 * 1000}}, // a batch dated 1970
+		"r-6": {Prefill: routerconfig.PoolRoutingCounts{PromptChunks: 1, IndexBlocks: -1000}},
 	}}
 	got := r.readRouting(context.Background(), pods)
 	want := &routerconfig.RoutingCounts{

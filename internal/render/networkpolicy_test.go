@@ -460,6 +460,8 @@ func TestNetworkPolicyEgress(t *testing.T) {
 		"hub-v6:443":      addr("2600:9000:2000::1", 443),
 		"ula-v6:443":      addr("fd00::10", 443),
 		"minio:9000":      addr("10.0.5.7", 9000),
+		"pod-172:443":     addr("172.17.3.4", 443),
+		"cgnat:443":       addr("100.64.1.2", 443),
 	}
 	minio := networkingv1.NetworkPolicyEgressRule{
 		To:    []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "10.0.5.0/24"}}},
@@ -473,6 +475,7 @@ func TestNetworkPolicyEgress(t *testing.T) {
 		"decode/stranger:8080": false, "decode/elsewhere:443": false, "prefill/elsewhere:443": false,
 		"decode/metadata:80": false, "decode/metadata:443": false, "decode/kubernetes:443": false,
 		"decode/node:10250": false, "decode/hub:80": false, "decode/ula-v6:443": false, "decode/minio:9000": false,
+		"decode/pod-172:443": false, "prefill/cgnat:443": false,
 		"router/prefill:8998": true, "router/stranger:8080": true, "router/metadata:80": true,
 	}
 	everywhere := map[string]bool{}

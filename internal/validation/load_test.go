@@ -136,7 +136,12 @@ var invalidSpecs = []struct {
 	{
 		name: "kv-events routing for replicas across pods",
 		doc:  minimal + "  decode: {parallelism: {tensor: 2, nodes: 2}}\n  router: {routing: {strategy: KVEvents}}\n",
-		want: []string{"spec.router.routing.strategy", "a replica across pods (parallelism.nodes above 1)"},
+		want: []string{"spec.router.routing.strategy", "a replica across pods (parallelism.nodes above 1) numbers from its first pod: use PrefixAware for such pools"},
+	},
+	{
+		name: "kv-events routing for prefill replicas across pods",
+		doc:  minimal + "  prefill: {parallelism: {tensor: 2, nodes: 2}}\n  router: {routing: {strategy: KVEvents}}\n",
+		want: []string{"spec.router.routing.strategy", "a replica across pods (parallelism.nodes above 1) numbers from its first pod: use PrefixAware for such pools"},
 	},
 	{
 		name: "kv-events settings without the strategy",

@@ -375,6 +375,39 @@ func TestInvalidSpecRejectedAtAdmission(t *testing.T) {
 			return p
 		}(), "spec.decode.replicas"},
 	}
+	// The routing rules, each as pdctl validate's tests have it (internal/validation).
+	routing := func(name string, mutate func(*v1alpha1.PDCluster)) *v1alpha1.PDCluster {
+		p := wrappers.MakePDCluster(f.ns, name).Obj()
+		p.Spec.Router.Routing.Strategy = v1alpha1.RoutingKVEvents
+		mutate(p)
+		return p
+	}
+	cases = append(cases, []struct {
+		name string
+		pdc  *v1alpha1.PDCluster
+		want string
+	}{
+		{"kv-events routing with round robin", routing("r1", func(p *v1alpha1.PDCluster) { p.Spec.Router.Balance = v1alpha1.RouterBalanceRoundRobin }),
+			"it needs balance least-in-flight"},
+		{"kv-events routing without prefix caching", routing("r2", func(p *v1alpha1.PDCluster) { p.Spec.Engine.EnablePrefixCaching = ptr.To(false) }),
+			"it needs engine.enablePrefixCaching true"},
+		{"kv-events routing for prefill replicas across pods", routing("r3", func(p *v1alpha1.PDCluster) {
+			p.Spec.Prefill.Parallelism.Tensor, p.Spec.Prefill.Parallelism.Nodes = ptr.To[int32](2), ptr.To[int32](2)
+		}),
+			"a replica across pods (parallelism.nodes above 1) numbers from its first pod: use PrefixAware for such pools"},
+		{"kv-events routing for decode replicas across pods", routing("r4", func(p *v1alpha1.PDCluster) {
+			p.Spec.Decode.Parallelism.Tensor, p.Spec.Decode.Parallelism.Nodes = ptr.To[int32](2), ptr.To[int32](2)
+		}),
+			"a replica across pods (parallelism.nodes above 1) numbers from its first pod: use PrefixAware for such pools"},
+		{"kv-events settings without the strategy", routing("r5", func(p *v1alpha1.PDCluster) {
+			p.Spec.Router.Routing.Strategy = v1alpha1.RoutingPrefixAware
+			p.Spec.Router.Routing.KVEvents = &v1alpha1.KVEventsRouting{BlocksPerEngine: ptr.To[int32](4096)}
+		}), "kvEvents tunes strategy KVEvents"},
+		{"prefix-aware settings without the strategy", routing("r6", func(p *v1alpha1.PDCluster) {
+			p.Spec.Router.Routing.Strategy = v1alpha1.RoutingLeastInFlight
+			p.Spec.Router.Routing.PrefixAware = &v1alpha1.PrefixAwareRouting{LoadSlack: ptr.To[int32](4)}
+		}), "prefixAware tunes strategies PrefixAware and KVEvents"},
+	}...)
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			err := f.c.Create(f.ctx, tc.pdc)
