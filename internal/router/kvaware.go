@@ -39,6 +39,7 @@ type kvRouting struct {
 	ranks   map[leg]map[string][]string
 
 	promptBlocks, matchedBlocks, fallbacks    *prometheus.CounterVec
+	unvouchedBlocks                           *prometheus.CounterVec
 	counts                                    map[leg]kvCounts
 	indexBlocks, lag                          *prometheus.Desc
 	lost, restarts, orphaned, panics, refused *prometheus.Desc
@@ -46,7 +47,7 @@ type kvRouting struct {
 }
 
 type kvCounts struct {
-	prompt, matched, noTokens, untrusted, overBudget prometheus.Counter
+	prompt, matched, noTokens, untrusted, overBudget, unvouched prometheus.Counter
 }
 
 // KVEventsPorts are one engine's KV events publisher and replay ports (rank 0's).
@@ -73,6 +74,10 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts,
 			Name: "pdcluster_router_kv_events_matched_blocks_total",
 			Help: "Leading KV blocks of the prompt the picked engine's events said it held (routing.strategy KVEvents), by pool.",
 		}, []string{"pool"}),
+		unvouchedBlocks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdcluster_router_kv_events_unvouched_blocks_total",
+			Help: "Leading KV blocks of routed prompts that an engine's events claimed but this router never sent that engine (routing.strategy KVEvents), by pool: not counted for the pick. Many mean the engines' caches fill from elsewhere (another router replica, direct clients) or an engine claims what it does not hold.",
+		}, []string{"pool"}),
 		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdcluster_router_kv_events_estimated_total",
 			Help: "Requests routed by PrefixAware's estimate instead of the engines' KV events, by pool and reason: text (the prompt is not token ids), untrusted (an engine of the pool is not connected, has stated no block size, or lost events in the last minute), budget (the router's budget of request bytes in flight could not hold the prompt's token ids, 4 bytes each).",
@@ -93,7 +98,7 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts,
 		k.counts[l] = kvCounts{
 			k.promptBlocks.WithLabelValues(string(l)), k.matchedBlocks.WithLabelValues(string(l)),
 			k.fallbacks.WithLabelValues(string(l), "text"), k.fallbacks.WithLabelValues(string(l), "untrusted"),
-			k.fallbacks.WithLabelValues(string(l), "budget"),
+			k.fallbacks.WithLabelValues(string(l), "budget"), k.unvouchedBlocks.WithLabelValues(string(l)),
 		}
 	}
 	return k
@@ -242,7 +247,35 @@ func (x *exchange) kvPreference(l leg, n int, urlOf func(int) string) *preferenc
 	// A pod's match is its best rank's: the router does not pick the rank.
 	matched := make([]int, n)
 	blocks := f.Index.MatchLeading(x.tokens, size, keys, matched)
+	c.unvouched.Add(float64(x.vouch(l, urlOf, size, matched)))
 	return &preference{matched: matched, slack: x.r.prefix.slack, blocks: blocks, fromEvents: true}
+}
+
+// vouch caps each engine's matched blocks at what this router itself sent it of the prompt
+// (PrefixAware's record of what it sent each engine, which KVEvents keeps) and returns the
+// blocks it took off. An engine's events are its own word: one that claims a prefix clients
+// share drew its pool's traffic to itself (issue 56: 40 of 40 requests) from the engines the
+// prompts went to. Capped, it wins a prompt only where an honest engine in its place would
+// hold it: after the router sent it there. Blocks past the prompt's hashed start (maxChunks of
+// chunkBytes) are vouched for by a record of the whole start.
+func (x *exchange) vouch(l leg, urlOf func(int) string, blockSize int, matched []int) (unvouched int) {
+	p := x.r.prefix
+	sent := make([]int, len(matched))
+	if len(x.hashes) > 0 {
+		p.pools[l].Match(x.hashes, urlOf, sent)
+	}
+	raw := x.body["prompt"]
+	for i, m := range matched {
+		if m == 0 || (len(x.hashes) > 0 && sent[i] == len(x.hashes)) {
+			continue
+		}
+		// The whole token ids in the chunks sent: one before each comma.
+		end := min(sent[i]*p.pools[l].ChunkBytes(), len(raw))
+		if vouched := bytes.Count(raw[:end], []byte{','}) / blockSize; vouched < m {
+			matched[i], unvouched = vouched, unvouched+m-vouched
+		}
+	}
+	return unvouched
 }
 
 // picked counts a pick made by the engines' events.
@@ -266,6 +299,7 @@ func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {
 	k.promptBlocks.Describe(ch)
 	k.matchedBlocks.Describe(ch)
 	k.fallbacks.Describe(ch)
+	k.unvouchedBlocks.Describe(ch)
 	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned, k.panics, k.refused, k.evicted} {
 		ch <- d
 	}
@@ -275,6 +309,7 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 	k.promptBlocks.Collect(ch)
 	k.matchedBlocks.Collect(ch)
 	k.fallbacks.Collect(ch)
+	k.unvouchedBlocks.Collect(ch)
 	for l, f := range k.follow {
 		var lost, restarts, orphaned, panics, refused int
 		for _, s := range f.Streams() {

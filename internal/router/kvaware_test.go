@@ -6,6 +6,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -68,59 +69,98 @@ func sharedFreePort(t *testing.T, hosts ...string) int {
 	return 0
 }
 
-// With KVEvents routing, token-id prompts go to the engines whose events say they hold the
-// prompt's start, in both pools, every time (least-in-flight alone would take turns); a text
-// prompt, and any prompt once an engine of the pool stops publishing, is routed by PrefixAware's
-// estimate, and the metrics say why.
-func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
+// kvEventsFixture is a router with KVEvents routing over prefill engines p0, p1 and decode
+// engines d0, d1, each with a KV events publisher of its own on a loopback address.
+type kvEventsFixture struct {
+	f               *pdFixture
+	pubs            map[string]*kvpublish.Publisher
+	prefill, decode []*testEngine
+	// prompt is 40 token ids: 5 blocks of 8.
+	prompt []uint32
+}
+
+func newKVEventsFixture(t *testing.T) *kvEventsFixture {
+	t.Helper()
 	hosts := map[string]string{"p0": "127.0.0.11", "p1": "127.0.0.12", "d0": "127.0.0.21", "d1": "127.0.0.22"}
 	all := []string{hosts["p0"], hosts["p1"], hosts["d0"], hosts["d1"]}
 	port := sharedFreePort(t, all...)
 	replayPort := sharedFreePort(t, all...)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	pubs := map[string]*kvpublish.Publisher{}
+	k := &kvEventsFixture{pubs: map[string]*kvpublish.Publisher{}}
 	for name, host := range hosts {
-		pubs[name] = startPublisher(t, host, port, replayPort)
+		k.pubs[name] = startPublisher(t, host, port, replayPort)
 	}
-
 	kv := newLedger()
-	prefill, decode := engines("p0", "p1"), engines("d0", "d1")
-	for _, e := range prefill {
+	k.prefill, k.decode = engines("p0", "p1"), engines("d0", "d1")
+	for _, e := range k.prefill {
 		e.do, e.host = prefillOK(kv), hosts[e.name]
 	}
-	for _, e := range decode {
+	for _, e := range k.decode {
 		e.do, e.host = decodeOK(kv), hosts[e.name]
 	}
 	routing := &routerconfig.Routing{Strategy: routerconfig.RoutingKVEvents, LoadSlack: 2,
 		KVEvents: &routerconfig.KVEventsEndpoints{Port: int32(port), ReplayPort: int32(replayPort), Topic: "kv"}}
-	f := newPDWith(t, Config{Flow: routerconfig.FlowMooncake, Routing: routing}, prefill, decode)
+	k.f = newPDWith(t, Config{Flow: routerconfig.FlowMooncake, Routing: routing}, k.prefill, k.decode)
 	done := make(chan struct{})
-	go func() { defer close(done); f.r.RunKVEvents(ctx) }()
+	go func() { defer close(done); k.f.r.RunKVEvents(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
-
-	prompt := make([]uint32, 40)
-	for i := range prompt {
-		prompt[i] = uint32(7000 + i)
+	k.prompt = make([]uint32, 40)
+	for i := range k.prompt {
+		k.prompt[i] = uint32(7000 + i)
 	}
-	// p1 and d1 hold the prompt's first 32 tokens; p0 and d0 something else.
-	other := make([]uint32, 16)
+	return k
+}
+
+// publish has each named engine's publisher store its tokens in blocks of 8 until the router's
+// index holds want blocks in all (a PUB drops what it sends before the subscriber joined).
+func (k *kvEventsFixture) publish(t *testing.T, held map[string][]uint32, want float64) {
+	t.Helper()
 	for range 2 {
-		// Publish until every follower is connected and has them (a PUB drops what it sends
-		// before the subscriber joined).
 		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-			store(t, pubs["p1"], prompt[:32], 8)
-			store(t, pubs["d1"], prompt[:32], 8)
-			store(t, pubs["p0"], other, 8)
-			store(t, pubs["d0"], other, 8)
-			if f.counter(t, "pdcluster_router_kv_events_index_blocks") == 4+4+2+2 {
+			for name, tokens := range held {
+				store(t, k.pubs[name], tokens, 8)
+			}
+			if k.f.counter(t, "pdcluster_router_kv_events_index_blocks") == want {
 				break
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("the router's index holds %v blocks, want 12", f.counter(t, "pdcluster_router_kv_events_index_blocks"))
+				t.Fatalf("the router's index holds %v blocks, want %v", k.f.counter(t, "pdcluster_router_kv_events_index_blocks"), want)
 			}
 		}
 	}
+}
+
+// vouch records that the router sent prompt to each of es (PrefixAware's record, which
+// vouches for what their events claim of it), as routing a request there does.
+func (k *kvEventsFixture) vouch(t *testing.T, prompt []uint32, es ...*testEngine) {
+	t.Helper()
+	raw, err := json.Marshal(prompt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hashes := k.f.r.prefix.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
+	for _, e := range es {
+		l := legDecode
+		if slices.Contains(k.prefill, e) {
+			l = legPrefill
+		}
+		k.f.r.prefix.pools[l].Record(e.url, hashes)
+	}
+}
+
+// With KVEvents routing, token-id prompts go to the engines whose events say they hold the
+// prompt's start, in both pools, every time (least-in-flight alone would take turns); a text
+// prompt, and any prompt once an engine of the pool stops publishing, is routed by PrefixAware's
+// estimate, and the metrics say why.
+func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
+	k := newKVEventsFixture(t)
+	f, pubs, prefill, decode := k.f, k.pubs, k.prefill, k.decode
+	prompt := k.prompt
+	// p1 and d1 hold the prompt's first 32 tokens, and the router sent it to them before;
+	// p0 and d0 hold something else.
+	k.vouch(t, prompt, prefill[1], decode[1])
+	k.publish(t, map[string][]uint32{"p1": prompt[:32], "d1": prompt[:32], "p0": make([]uint32, 16), "d0": make([]uint32, 16)}, 4+4+2+2)
 	send := func(prompt any) {
 		t.Helper()
 		body, _ := json.Marshal(map[string]any{"model": "m", "prompt": prompt, "max_tokens": 1})
@@ -212,6 +252,52 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 	send(prompt)
 	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "decode", "reason", "untrusted"); n != 1 {
 		t.Errorf("decode estimated after a loss: %v, want 1", n)
+	}
+}
+
+// An engine's claims count only as far as the router sent it the prompt (issue 56: a hostile
+// engine claiming a prefix clients share drew every request): p1 and d1 claim more of the
+// prompt than p0 and d0 hold, but the router sent the prompt only to p0 and d0, so every request
+// goes there and p1's and d1's claims are counted as unvouched. Once the router has sent p1 and
+// d1 the prompt (an honest engine would then hold it), their claims win.
+func TestKVEventsClaimsOnlyWhatTheRouterSent(t *testing.T) {
+	k := newKVEventsFixture(t)
+	k.vouch(t, k.prompt, k.prefill[0], k.decode[0])
+	k.publish(t, map[string][]uint32{"p0": k.prompt[:24], "d0": k.prompt[:24], "p1": k.prompt, "d1": k.prompt}, 3+3+5+5)
+	send := func() {
+		t.Helper()
+		body, _ := json.Marshal(map[string]any{"model": "m", "prompt": k.prompt, "max_tokens": 1})
+		if code, out := k.f.send(t, string(body)); code != http.StatusOK {
+			t.Fatalf("%d %s", code, out)
+		}
+	}
+	for range 4 {
+		send()
+	}
+	if got := calls(append(k.prefill, k.decode...)); got["p0"] != 4 || got["d0"] != 4 {
+		t.Errorf("calls %v: want all 4 on p0 and d0, the engines the router sent the prompt", got)
+	}
+	for _, pool := range []string{"prefill", "decode"} {
+		matched := k.f.counter(t, "pdcluster_router_kv_events_matched_blocks_total", "pool", pool)
+		unvouched := k.f.counter(t, "pdcluster_router_kv_events_unvouched_blocks_total", "pool", pool)
+		if matched != 4*3 || unvouched != 4*5 {
+			t.Errorf("%s: %v blocks matched, %v unvouched; want 12 (p0's and d0's 3 each time) and 20 (the other engine's 5 each time)", pool, matched, unvouched)
+		}
+	}
+	// The router sent p1 the prompt's first two chunks of JSON (128 bytes, "[7000," and 24 more
+	// ids and commas: 25 whole ids): 3 blocks of p1's 5 are vouched for.
+	raw, _ := json.Marshal(k.prompt)
+	hashes := k.f.r.prefix.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
+	k.f.r.prefix.pools[legPrefill].Record(k.prefill[1].url, hashes[:2])
+	send()
+	if n := k.f.counter(t, "pdcluster_router_kv_events_unvouched_blocks_total", "pool", "prefill"); n != 4*5+2 {
+		t.Errorf("prefill: %v blocks unvouched, want 22 (2 of p1's 5 past the two chunks sent)", n)
+	}
+	k.vouch(t, k.prompt, k.prefill[1], k.decode[1])
+	before := calls(append(k.prefill, k.decode...))
+	send()
+	if got := calls(append(k.prefill, k.decode...)); got["p1"] != before["p1"]+1 || got["d1"] != before["d1"]+1 {
+		t.Errorf("calls %v (before %v): want the last on p1 and d1, which hold more of it and were sent it", got, before)
 	}
 }
 

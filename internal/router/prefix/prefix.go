@@ -58,6 +58,9 @@ func New(cfg Config) *Index {
 	return &Index{cfg: cfg, engines: map[string]*lru{}}
 }
 
+// ChunkBytes is the bytes of prompt each hash covers.
+func (ix *Index) ChunkBytes() int { return ix.cfg.ChunkBytes }
+
 // Hashes are the chunk hashes of prompt for model: the model's name starts the chain, since
 // one engine's cache holds one model's blocks.
 func (ix *Index) Hashes(model, prompt []byte) []uint64 {
