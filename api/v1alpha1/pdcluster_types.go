@@ -656,8 +656,9 @@ const (
 	// unless it is loadSlack requests past the least loaded engine.
 	RoutingPrefixAware RoutingStrategy = "PrefixAware"
 	// RoutingKVEvents picks the engine whose own KV cache events say it holds the longest
-	// start of the prompt's token ids, within the same load bound; PrefixAware's estimate for
-	// text prompts and while an engine's events cannot be trusted.
+	// start of the prompt's token ids, as far as the router sent it that start, within the same
+	// load bound; PrefixAware's estimate for text prompts and while an engine's events cannot
+	// be trusted.
 	RoutingKVEvents RoutingStrategy = "KVEvents"
 )
 
@@ -677,7 +678,9 @@ type RouterRouting struct {
 	// ZeroMQ publisher that only the router's pods may reach) and keeps, per engine, the
 	// blocks the engine says it holds, by their token ids: a completion whose prompt is token
 	// ids goes to the engine holding the most leading blocks of it, within the same load
-	// bound; a text prompt or a chat (the router has no tokenizer), and a pool with an engine
+	// bound, an engine's claim counting only as far as this router sent it the prompt (by
+	// PrefixAware's record: an engine's events are its own word;
+	// pdcluster_router_kv_events_unvouched_blocks_total counts the rest); a text prompt or a chat (the router has no tokenizer), and a pool with an engine
 	// whose events are not connected or were lost in the last minute, are routed as
 	// PrefixAware routes them (pdcluster_router_kv_events_estimated_total counts why). Not
 	// for pools whose replicas span pods.
