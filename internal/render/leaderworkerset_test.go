@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	schedulingv1beta1 "k8s.io/api/scheduling/v1beta1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/ptr"
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
@@ -252,5 +253,42 @@ func TestGangs(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A LeaderWorkerSet rolls its groups out as spec.rollout says, and each group a rolling update
+// may add past the replicas (maxSurge) has its NetworkPolicy before its pods start.
+func TestGroupSetRollsOutAsTheSpecSays(t *testing.T) {
+	pdc := revisionBase()
+	pdc.Spec.Decode.Replicas = ptr.To[int32](2)
+	pdc.Spec.Decode.Parallelism = v1alpha1.Parallelism{Tensor: ptr.To[int32](8), Nodes: ptr.To[int32](2)}
+	pdc.Spec.Rollout.MaxSurge, pdc.Spec.Rollout.MaxUnavailable = ptr.To(intstr.FromInt32(2)), ptr.To(intstr.FromString("50%"))
+	pdc.SetDefaults()
+	objs, err := Render(pdc, DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lws *lwsv1.LeaderWorkerSet
+	var groups []string
+	for _, o := range objs {
+		switch x := o.(type) {
+		case *lwsv1.LeaderWorkerSet:
+			lws = x
+		case *networkingv1.NetworkPolicy:
+			if _, ok := x.Spec.PodSelector.MatchLabels[lwsv1.GroupIndexLabelKey]; ok {
+				groups = append(groups, x.Name)
+			}
+		}
+	}
+	if lws == nil {
+		t.Fatal("no LeaderWorkerSet")
+	}
+	want := lwsv1.RollingUpdateConfiguration{Partition: ptr.To[int32](0), MaxSurge: intstr.FromInt32(2), MaxUnavailable: intstr.FromString("50%")}
+	if d := cmp.Diff(want, *lws.Spec.RolloutStrategy.RollingUpdateConfiguration); d != "" {
+		t.Errorf("rolling update (-want +got):\n%s", d)
+	}
+	// 2 replicas and a surge of 2.
+	if d := cmp.Diff([]string{lws.Name + "-0", lws.Name + "-1", lws.Name + "-2", lws.Name + "-3"}, groups); d != "" {
+		t.Errorf("group NetworkPolicies (-want +got):\n%s", d)
 	}
 }
