@@ -101,37 +101,50 @@ func TestReadRoutingSaturatesAndRefusesNonsense(t *testing.T) {
 	}
 }
 
-// Through a reconcile: with PrefixAware routing the running router's counts reach
-// status.routing; back to LeastInFlight, status.routing goes.
+// Through a reconcile: with PrefixAware or KVEvents routing the running router's counts reach
+// status.routing (KVEvents' held share from the engines' blocks, with the index and the lag);
+// back to LeastInFlight, status.routing goes.
 func TestRoutingCountsReachStatus(t *testing.T) {
-	p := pdc()
-	p.Spec.Router.Routing.Strategy = v1alpha1.RoutingPrefixAware
-	f := newRolloutFixture(t, p)
-	ctx := context.Background()
-	router := wrappers.MakeEnginePod("ns", "router-0", "c", v1alpha1.RoleRouter, time.Now()).Obj()
-	if err := f.c.Create(ctx, router); err != nil {
-		t.Fatal(err)
-	}
-	f.r.RoutingReader = fakeRouting{"router-0": {Prefill: routerconfig.PoolRoutingCounts{PromptChunks: 8, HeldChunks: 6}}}
-	f.reconcile()
-	var got v1alpha1.PDCluster
-	if err := f.c.Get(ctx, client.ObjectKeyFromObject(p), &got); err != nil {
-		t.Fatal(err)
-	}
-	want := &v1alpha1.RoutingStatus{Prefill: v1alpha1.PoolRoutingStatus{PromptChunks: 8, HeldChunks: 6, HeldPercent: ptr.To[int32](75)}}
-	if d := cmp.Diff(want, got.Status.Routing); d != "" {
-		t.Errorf("status.routing (-want +got):\n%s", d)
-	}
-	got.Spec.Router.Routing.Strategy = v1alpha1.RoutingLeastInFlight
-	if err := f.c.Update(ctx, &got); err != nil {
-		t.Fatal(err)
-	}
-	f.reconcile()
-	if err := f.c.Get(ctx, client.ObjectKeyFromObject(p), &got); err != nil {
-		t.Fatal(err)
-	}
-	if got.Status.Routing != nil {
-		t.Errorf("status.routing %+v with LeastInFlight, want none", got.Status.Routing)
+	for _, tc := range []struct {
+		strategy v1alpha1.RoutingStrategy
+		counts   routerconfig.PoolRoutingCounts
+		want     v1alpha1.PoolRoutingStatus
+	}{
+		{v1alpha1.RoutingPrefixAware, routerconfig.PoolRoutingCounts{PromptChunks: 8, HeldChunks: 6},
+			v1alpha1.PoolRoutingStatus{PromptChunks: 8, HeldChunks: 6, HeldPercent: ptr.To[int32](75)}},
+		{v1alpha1.RoutingKVEvents, routerconfig.PoolRoutingCounts{PromptBlocks: 10, HeldBlocks: 4, PromptChunks: 8, HeldChunks: 6, IndexBlocks: 300, EventsLagMilliseconds: 12},
+			v1alpha1.PoolRoutingStatus{PromptBlocks: 10, HeldBlocks: 4, PromptChunks: 8, HeldChunks: 6, IndexBlocks: 300, EventsLagMilliseconds: 12, HeldPercent: ptr.To[int32](40)}},
+	} {
+		t.Run(string(tc.strategy), func(t *testing.T) {
+			p := pdc()
+			p.Spec.Router.Routing.Strategy = tc.strategy
+			f := newRolloutFixture(t, p)
+			ctx := context.Background()
+			router := wrappers.MakeEnginePod("ns", "router-0", "c", v1alpha1.RoleRouter, time.Now()).Obj()
+			if err := f.c.Create(ctx, router); err != nil {
+				t.Fatal(err)
+			}
+			f.r.RoutingReader = fakeRouting{"router-0": {Prefill: tc.counts}}
+			f.reconcile()
+			var got v1alpha1.PDCluster
+			if err := f.c.Get(ctx, client.ObjectKeyFromObject(p), &got); err != nil {
+				t.Fatal(err)
+			}
+			if d := cmp.Diff(&v1alpha1.RoutingStatus{Prefill: tc.want}, got.Status.Routing); d != "" {
+				t.Errorf("status.routing (-want +got):\n%s", d)
+			}
+			got.Spec.Router.Routing.Strategy = v1alpha1.RoutingLeastInFlight
+			if err := f.c.Update(ctx, &got); err != nil {
+				t.Fatal(err)
+			}
+			f.reconcile()
+			if err := f.c.Get(ctx, client.ObjectKeyFromObject(p), &got); err != nil {
+				t.Fatal(err)
+			}
+			if got.Status.Routing != nil {
+				t.Errorf("status.routing %+v with LeastInFlight, want none", got.Status.Routing)
+			}
+		})
 	}
 }
 
