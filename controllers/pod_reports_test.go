@@ -136,6 +136,27 @@ func TestPodReportsKeepTheLastAnswerAndEnqueueOnChange(t *testing.T) {
 		t.Errorf("counts after a poll: %+v, want the new ones", got.Report.Counts)
 	}
 
+	// The gate's first report, a change of its ranks: each is a change (issue 57: status
+	// waited up to a minute for them).
+	silentGate := busier
+	silentGate.Report = nil
+	gates.set("d-0", &silentGate)
+	p.poll(ctx, false)
+	_ = enqueued(p) // the report gone: a change too
+	gates.set("d-0", &busier)
+	p.poll(ctx, false)
+	if d := cmp.Diff([]string{"ns/c"}, enqueued(p)); d != "" {
+		t.Errorf("first report: enqueued (-want +got):\n%s", d)
+	}
+	twoRanks := busier
+	twoRanks.Ranks = 2
+	gates.set("d-0", &twoRanks)
+	p.poll(ctx, false)
+	if d := cmp.Diff([]string{"ns/c"}, enqueued(p)); d != "" {
+		t.Errorf("ranks changed: enqueued (-want +got):\n%s", d)
+	}
+	busier = twoRanks
+
 	// The gate unloads; then the sidecar stops answering: each is a change.
 	unloaded := busier
 	unloaded.Loaded = false
