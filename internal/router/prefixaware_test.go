@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
@@ -110,4 +112,63 @@ func (f *pdFixture) routing(t *testing.T) (routerconfig.RoutingCounts, bool) {
 		t.Fatal(err)
 	}
 	return rc, true
+}
+
+// An engine that holds more of the prompt but has loadSlack requests in flight past the least
+// loaded one is passed over, and pdcluster_router_prefix_load_bound_total counts it (issue 57:
+// the counter was never asserted): with loadSlack 0, a third request of a prompt while the
+// second still runs on its holders goes to the other engines.
+func TestPrefixAwarePassesOverALoadedHolder(t *testing.T) {
+	kv := newLedger()
+	prefill, decode := engines("p0", "p1"), engines("d0", "d1")
+	release := make(chan struct{})
+	var hold atomic.Bool
+	for _, e := range prefill {
+		ok := prefillOK(kv)
+		e.do = func(e *testEngine, w http.ResponseWriter, r *http.Request, params map[string]any) {
+			if hold.Load() {
+				<-release
+			}
+			ok(e, w, r, params)
+		}
+	}
+	for _, e := range decode {
+		e.do = decodeOK(kv)
+	}
+	f := newPDWith(t, Config{Flow: routerconfig.FlowNIXL, Routing: &routerconfig.Routing{Strategy: routerconfig.RoutingPrefixAware}}, prefill, decode)
+	body, _ := json.Marshal(map[string]any{"model": "m", "prompt": strings.Repeat("A system prompt every request shares, then the question. ", 8), "max_tokens": 1})
+	if code, out := f.send(t, string(body)); code != http.StatusOK {
+		t.Fatalf("%d %s", code, out)
+	}
+	holder, other := prefill[0], prefill[1]
+	if len(holder.got()) == 0 {
+		holder, other = other, holder
+	}
+	hold.Store(true)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_, _ = f.send(t, string(body))
+	}()
+	for deadline := time.Now().Add(10 * time.Second); len(holder.got()) < 2; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the second request never reached the holder")
+		}
+	}
+	hold.Store(false)
+	if code, out := f.send(t, string(body)); code != http.StatusOK {
+		t.Fatalf("%d %s", code, out)
+	}
+	close(release)
+	<-done
+	if n := len(other.got()); n != 1 {
+		t.Errorf("%s got %d requests, want the third (its holder %s was busy)", other.name, n, holder.name)
+	}
+	// Both legs' engines are picked before prefill runs: the decode engine that holds the
+	// prompt has the second request too, and is passed over alike.
+	for _, pool := range []string{"prefill", "decode"} {
+		if n := f.counter(t, "pdcluster_router_prefix_load_bound_total", "pool", pool); n != 1 {
+			t.Errorf("%s load-bound picks: %v, want 1", pool, n)
+		}
+	}
 }
