@@ -332,3 +332,27 @@ func TestPromptTokensChargesTheBudget(t *testing.T) {
 		})
 	}
 }
+
+// An engine pooled since the follower's last sync (not followed yet) makes its pool route by
+// estimate, counted as untrusted: its events are unknown, not empty (issue 57: counting it as
+// holding nothing passed every test).
+func TestKVEventsEstimateForAnEngineNotFollowedYet(t *testing.T) {
+	k := newKVEventsFixture(t)
+	k.vouch(t, k.prompt, k.prefill[1])
+	k.publish(t, map[string][]uint32{"p1": k.prompt[:32], "d1": k.prompt[:32], "p0": make([]uint32, 16), "d0": make([]uint32, 16)}, 4+4+2+2)
+	raw, _ := json.Marshal(k.prompt)
+	x := &exchange{r: k.f.r, tokens: k.prompt, body: map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw}}
+	x.hashes = k.f.r.prefix.promptHashes(x.body)
+	urls := []string{k.prefill[0].url, k.prefill[1].url}
+	if pref := x.kvPreference(legPrefill, 2, func(i int) string { return urls[i] }); pref == nil || pref.matched[1] != 4 {
+		t.Fatalf("the followed engines: preference %+v, want p1 matching 4 blocks", pref)
+	}
+	before := k.f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "prefill", "reason", "untrusted")
+	urls = append(urls, "http://127.0.0.13:8000")
+	if pref := x.kvPreference(legPrefill, 3, func(i int) string { return urls[i] }); pref != nil {
+		t.Errorf("with an engine not followed yet: preference %+v, want none (the estimate)", pref)
+	}
+	if n := k.f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "prefill", "reason", "untrusted"); n != before+1 {
+		t.Errorf("estimated as untrusted: %v, want %v", n, before+1)
+	}
+}
