@@ -356,3 +356,35 @@ func TestKVEventsEstimateForAnEngineNotFollowedYet(t *testing.T) {
 		t.Errorf("estimated as untrusted: %v, want %v", n, before+1)
 	}
 }
+
+// An engine that leaves its pool is forgotten: its follower stops (its stream and its blocks
+// go from the index) and PrefixAware's record of what the router sent it goes too (issue 57:
+// both stayed, the follower dialling for ever).
+func TestEnginesThatLeaveAreForgotten(t *testing.T) {
+	k := newKVEventsFixture(t)
+	k.vouch(t, k.prompt, k.prefill[0], k.prefill[1])
+	k.publish(t, map[string][]uint32{"p1": k.prompt[:32], "d1": k.prompt[:32], "p0": make([]uint32, 16), "d0": make([]uint32, 16)}, 4+4+2+2)
+	cur := k.f.r.pools.Load()
+	stay := slices.DeleteFunc(slices.Clone(cur.Prefill), func(p Prefill) bool { return p.URL == k.prefill[0].url })
+	if err := k.f.r.SetPools(Pools{Prefill: stay, Decode: cur.Decode}); err != nil {
+		t.Fatal(err)
+	}
+	follower := k.f.r.kv.follow[legPrefill]
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		_, followed := follower.Streams()[k.prefill[0].url]
+		if !followed && k.f.counter(t, "pdcluster_router_kv_events_index_blocks", "pool", "prefill") == 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("p0 left: still followed %v, the prefill index holds %v blocks (want p1's 4)", followed, k.f.counter(t, "pdcluster_router_kv_events_index_blocks", "pool", "prefill"))
+		}
+	}
+	raw, _ := json.Marshal(k.prompt)
+	hashes := k.f.r.prefix.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
+	sent := make([]int, 2)
+	urls := []string{k.prefill[0].url, k.prefill[1].url}
+	k.f.r.prefix.pools[legPrefill].Match(hashes, func(i int) string { return urls[i] }, sent)
+	if sent[0] != 0 || sent[1] != len(hashes) {
+		t.Errorf("PrefixAware's record after p0 left: %v chunks of p0, %v of p1; want 0 and %d", sent[0], sent[1], len(hashes))
+	}
+}
