@@ -133,13 +133,17 @@ func (r *Router) RunKVEvents(ctx context.Context) {
 	}
 }
 
-// sync follows every rank of every engine in pools and stops following the others.
-func (k *kvRouting) sync(ctx context.Context, pools *Pools) {
-	type source struct {
-		l   leg
-		src kvevents.Source
-	}
-	want := map[string]source{}
+// kvSource is one publisher to follow, for pool l.
+type kvSource struct {
+	l   leg
+	src kvevents.Source
+}
+
+// sources are the publishers of every rank of every engine in pools, by "<pool> <index key>",
+// and each pool's index keys by engine URL: a data-parallel pod's rank r publishes on its
+// engine's ports plus r, keyed "<url>#r" (rank 0 by its URL).
+func (k *kvRouting) sources(pools *Pools) (map[string]kvSource, map[leg]map[string][]string) {
+	want := map[string]kvSource{}
 	ranks := map[leg]map[string][]string{legPrefill: {}, legDecode: {}}
 	add := func(l leg, engine string, n int) {
 		u, err := url.Parse(engine)
@@ -159,7 +163,7 @@ func (k *kvRouting) sync(ctx context.Context, pools *Pools) {
 			at := func(port int32) string {
 				return "tcp://" + net.JoinHostPort(u.Hostname(), strconv.Itoa(int(port)+rank))
 			}
-			want[string(l)+" "+key] = source{l, kvevents.Source{Engine: key, Endpoint: at(base.Port), Replay: at(base.ReplayPort)}}
+			want[string(l)+" "+key] = kvSource{l, kvevents.Source{Engine: key, Endpoint: at(base.Port), Replay: at(base.ReplayPort)}}
 		}
 	}
 	for _, pf := range pools.Prefill {
@@ -168,6 +172,12 @@ func (k *kvRouting) sync(ctx context.Context, pools *Pools) {
 	for _, d := range pools.Decode {
 		add(legDecode, d, 1)
 	}
+	return want, ranks
+}
+
+// sync follows every rank of every engine in pools and stops following the others.
+func (k *kvRouting) sync(ctx context.Context, pools *Pools) {
+	want, ranks := k.sources(pools)
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.ranks = ranks

@@ -13,6 +13,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"pdcluster.dev/pdcluster-operator/internal/router/kvevents"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 )
@@ -386,5 +387,29 @@ func TestEnginesThatLeaveAreForgotten(t *testing.T) {
 	k.f.r.prefix.pools[legPrefill].Match(hashes, func(i int) string { return urls[i] }, sent)
 	if sent[0] != 0 || sent[1] != len(hashes) {
 		t.Errorf("PrefixAware's record after p0 left: %v chunks of p0, %v of p1; want 0 and %d", sent[0], sent[1], len(hashes))
+	}
+}
+
+// A data-parallel prefill pod is followed on every rank's publisher, each on its engine's
+// ports plus its rank and keyed by rank (issue 57: following rank 0 alone passed every test).
+func TestKVEventsFollowEveryRankOfAPod(t *testing.T) {
+	k := &kvRouting{endpoints: routerconfig.KVEventsEndpoints{Port: 5557, ReplayPort: 5757}}
+	want, ranks := k.sources(&Pools{Prefill: []Prefill{{URL: "http://10.0.0.1:8000", DataParallel: 3}}, Decode: []string{"http://10.0.0.2:8000"}})
+	src := func(key, port, replay string) kvevents.Source {
+		return kvevents.Source{Engine: key, Endpoint: "tcp://" + port, Replay: "tcp://" + replay}
+	}
+	if d := cmp.Diff(map[string]kvSource{
+		"prefill http://10.0.0.1:8000":   {legPrefill, src("http://10.0.0.1:8000", "10.0.0.1:5557", "10.0.0.1:5757")},
+		"prefill http://10.0.0.1:8000#1": {legPrefill, src("http://10.0.0.1:8000#1", "10.0.0.1:5558", "10.0.0.1:5758")},
+		"prefill http://10.0.0.1:8000#2": {legPrefill, src("http://10.0.0.1:8000#2", "10.0.0.1:5559", "10.0.0.1:5759")},
+		"decode http://10.0.0.2:8000":    {legDecode, src("http://10.0.0.2:8000", "10.0.0.2:5557", "10.0.0.2:5757")},
+	}, want, cmp.AllowUnexported(kvSource{})); d != "" {
+		t.Errorf("publishers followed (-want +got):\n%s", d)
+	}
+	if d := cmp.Diff(map[leg]map[string][]string{
+		legPrefill: {"http://10.0.0.1:8000": {"http://10.0.0.1:8000", "http://10.0.0.1:8000#1", "http://10.0.0.1:8000#2"}},
+		legDecode:  {"http://10.0.0.2:8000": {"http://10.0.0.2:8000"}},
+	}, ranks); d != "" {
+		t.Errorf("index keys by engine (-want +got):\n%s", d)
 	}
 }
