@@ -2,13 +2,21 @@ package controllers
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/client-go/tools/events"
+	clocktesting "k8s.io/utils/clock/testing"
+	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -79,5 +87,40 @@ func TestSnapshotListsOwnChildrenByIndex(t *testing.T) {
 	}
 	if d := cmp.Diff(byLabel, names(true)); d != "" {
 		t.Errorf("by index (-label +index):\n%s", d)
+	}
+}
+
+// A pod list that fails leaves the rest of the reconcile going (issue 57: nothing held it
+// there): every child is applied, status is written for the generation, and the reconcile
+// returns the error (requeued with backoff), naming the list.
+func TestAFailingPodListStillAppliesTheChildren(t *testing.T) {
+	p := pdc()
+	c := newFakeClient(t).WithObjects(p).WithStatusSubresource(&v1alpha1.PDCluster{}).WithInterceptorFuncs(interceptor.Funcs{
+		List: func(ctx context.Context, c client.WithWatch, list client.ObjectList, opts ...client.ListOption) error {
+			if _, ok := list.(*corev1.PodList); ok {
+				return errors.New("the API server is busy")
+			}
+			return c.List(ctx, list, opts...)
+		},
+	}).Build()
+	r := &PDClusterReconciler{Client: c, Scheme: c.Scheme(), Recorder: events.NewFakeRecorder(100), Options: render.DefaultOptions(), Clock: clocktesting.NewFakePassiveClock(start)}
+	ctx := context.Background()
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)})
+	if err == nil || !strings.Contains(err.Error(), "list pods: the API server is busy") {
+		t.Errorf("reconcile error %v, want the pod list's", err)
+	}
+	var deps appsv1.DeploymentList
+	if err := c.List(ctx, &deps, client.InNamespace(p.Namespace)); err != nil {
+		t.Fatal(err)
+	}
+	if len(deps.Items) != 3 {
+		t.Errorf("%d Deployments applied, want prefill, decode and router", len(deps.Items))
+	}
+	var got v1alpha1.PDCluster
+	if err := c.Get(ctx, client.ObjectKeyFromObject(p), &got); err != nil {
+		t.Fatal(err)
+	}
+	if got.Status.ObservedGeneration != got.Generation || meta.FindStatusCondition(got.Status.Conditions, v1alpha1.ConditionReady) == nil {
+		t.Errorf("status %+v: want it written for generation %d, with Ready", got.Status, got.Generation)
 	}
 }
