@@ -34,6 +34,7 @@ import (
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	lwsv1 "sigs.k8s.io/lws/api/leaderworkerset/v1"
 
@@ -635,4 +636,55 @@ func sameNames(got, want string) bool {
 		return append([]string{head}, names...)
 	}
 	return slices.Equal(split(got), split(want))
+}
+
+// Prune deletes the child it observed, never a newer object of the same name (issue 57: the
+// fake client ignores delete preconditions, so only the API server can test it): an unused
+// ConfigMap is deleted and made again between the reconcile's observation and its delete; the
+// new one stays, and the reconcile returns the conflict naming it.
+func TestPruneNeverDeletesANewerObjectOfTheSameName(t *testing.T) {
+	f := newFixture(t)
+	p := wrappers.MakePDCluster(f.ns, "pr").Protocol(v1alpha1.ProtocolTCP).Obj()
+	if err := f.c.Create(f.ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile("pr")
+	f.get(p, "pr")
+	owned := func() *corev1.ConfigMap {
+		return &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: f.ns, Name: "pr-legacy", Labels: render.Labels("pr", v1alpha1.RolePrefill),
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "pr", UID: p.UID, Controller: ptr.To(true)}}}}
+	}
+	if err := f.c.Create(f.ctx, owned()); err != nil {
+		t.Fatal(err)
+	}
+	wc, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var newer types.UID
+	r := &controllers.PDClusterReconciler{Scheme: scheme, Recorder: f.recorder, Options: render.DefaultOptions(), Client: interceptor.NewClient(wc, interceptor.Funcs{
+		Delete: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
+			if obj.GetName() == "pr-legacy" && newer == "" {
+				// Someone deletes the observed one and makes another of its name meanwhile.
+				if err := f.c.Delete(ctx, owned()); err != nil {
+					t.Fatal(err)
+				}
+				again := owned()
+				if err := f.c.Create(ctx, again); err != nil {
+					t.Fatal(err)
+				}
+				newer = again.UID
+			}
+			return c.Delete(ctx, obj, opts...)
+		},
+	})}
+	_, err = r.Reconcile(f.ctx, ctrl.Request{NamespacedName: types.NamespacedName{Namespace: f.ns, Name: "pr"}})
+	if err == nil || !strings.Contains(err.Error(), "pr-legacy") || !apierrors.IsConflict(err) {
+		t.Errorf("reconcile error %v, want the delete's conflict (its UID precondition) naming pr-legacy", err)
+	}
+	var got corev1.ConfigMap
+	f.get(&got, "pr-legacy")
+	if newer == "" || got.UID != newer {
+		t.Errorf("pr-legacy is %s, want the newer object %s", got.UID, newer)
+	}
 }
