@@ -19,16 +19,28 @@ import (
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
+// controlledPDC is the PDCluster "c" with a UID, the owner reference of a child it controls,
+// and a prefill child's labels.
+func controlledPDC() (*v1alpha1.PDCluster, []metav1.OwnerReference, map[string]string) {
+	p := pdc()
+	p.UID = "uid-c"
+	owner := []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
+	return p, owner, render.Labels("c", v1alpha1.RolePrefill)
+}
+
+// controlledConfigMap is a ConfigMap of that name that controlledPDC controls.
+func controlledConfigMap(name string) *corev1.ConfigMap {
+	_, owner, labels := controlledPDC()
+	return &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, Labels: labels, OwnerReferences: owner}}
+}
+
 // Prune works from the inventory, not from a list of names: every child of a managed kind the
 // PDCluster controls and no longer keeps goes (one an older operator made, a Static pool's
 // PoolScale), each with an event saying why; children it does not control, and the ones it
 // renders, stay.
 func TestPruneDeletesEveryControlledChildNotKept(t *testing.T) {
-	p := pdc()
-	p.UID = "uid-c"
-	owner := []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
-	labels := render.Labels("c", v1alpha1.RolePrefill)
-	legacy := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c-legacy", Labels: labels, OwnerReferences: owner}}
+	p, owner, labels := controlledPDC()
+	legacy := controlledConfigMap("c-legacy")
 	theirs := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c-theirs", Labels: labels}}
 	scale := render.PoolScale(p, v1alpha1.RolePrefill, 1)
 	scale.OwnerReferences = owner
@@ -84,12 +96,8 @@ func TestPruneKeepsAnOlderRevisionsGroups(t *testing.T) {
 // A delete that fails is reported as an error, never as the event that says it happened; the
 // other removals still go, with theirs.
 func TestPruneReportsOnlyTheDeletesThatHappened(t *testing.T) {
-	p := pdc()
-	p.UID = "uid-c"
-	owner := []metav1.OwnerReference{{APIVersion: v1alpha1.GroupVersion.String(), Kind: "PDCluster", Name: "c", UID: "uid-c", Controller: ptr.To(true)}}
-	labels := render.Labels("c", v1alpha1.RolePrefill)
-	stuck := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c-stuck", Labels: labels, OwnerReferences: owner}}
-	legacy := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c-legacy", Labels: labels, OwnerReferences: owner}}
+	p, _, _ := controlledPDC()
+	stuck, legacy := controlledConfigMap("c-stuck"), controlledConfigMap("c-legacy")
 	c := newFakeClient(t).WithObjects(p, stuck, legacy).WithInterceptorFuncs(interceptor.Funcs{
 		Delete: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
 			if obj.GetName() == "c-stuck" {
