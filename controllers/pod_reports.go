@@ -26,8 +26,9 @@ import (
 // a reconcile worker. Reconcile asks it as it would ask the pods (it is a GateReader,
 // CanaryReader and PairsReader) and gets the last answer at once. A pod asked about for the
 // first time is read right away; every pod asked about within forgetAfter is read again each
-// Interval, podReportReads at once and podReportReadsPerCluster of one PDCluster. When an answer changes what a reconcile acts on (a pod begins or stops answering,
-// its gate loads or unloads or first reports, a router has a newer canary), the pod's
+// Interval, podReportReads at once and podReportReadsPerCluster of one PDCluster. When an
+// answer changes what a reconcile acts on (a pod begins or stops answering, its gate loads or
+// unloads or first reports or changes its ranks, a router has a newer canary), the pod's
 // PDCluster is enqueued through Events. Counts that move with every request are not such a
 // change: they reach status with the reconciler's periodic refresh (countsRefresh), or status
 // writes would follow the traffic.

@@ -27,8 +27,8 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 // Ingress:
 //   - engines' OpenAI port: this PDCluster's router, and engineClients.
 //   - prefill's bootstrap port: the router (Mooncake asks it for the engine id) and decode.
-//   - engines' KV events ports (routing.strategy KVEvents): the router (the other pool reaches
-//     every port anyway, below).
+//   - engines' KV events ports (routing.strategy KVEvents): the router alone (they carry every
+//     cached prompt's token ids).
 //   - the transfer ports of a pool from the other pool of this PDCluster: every port but the
 //     ones with a rule of their own here (the API, the sidecar's, the KV events ports:
 //     transferPorts), since vLLM's transfer engines (Mooncake, NIXL over UCX) listen on ports
@@ -42,8 +42,9 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //     that weighs what engines hold: they read GET /canary, GET /pairs and GET /routing).
 //
 // Egress of the engine pods (spec.networkPolicy.egress): the other pool's transfer ports (and
-// their own replica's, groupPolicies), DNS, public HTTPS and the author's rules. A decode engine connects to whatever
-// remote_bootstrap_addr a request names, which these rules keep inside the PDCluster.
+// their own replica's, groupPolicies), DNS, public HTTPS and the author's rules. A decode
+// engine connects to whatever remote_bootstrap_addr a request names, which these rules keep
+// inside the PDCluster.
 //
 // Kubelet probes come from the node, which a NetworkPolicy always admits.
 func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
