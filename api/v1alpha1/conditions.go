@@ -137,3 +137,14 @@ const (
 	ReasonRestartBudgetExhausted = "RestartBudgetExhausted"
 	ReasonRestartFailed          = "RestartFailed"
 )
+
+// ReasonsNeedingSomeone are the reasons of Ready and ConnectorHealthy that waiting does not
+// end: someone must fix the spec or an image, make room for the pods, install LeaderWorkerSet,
+// or look at the pods and the operator's permissions. GitOps health checks show them Degraded
+// (config/gitops/argocd/pdcluster-health.lua, which test/gitops holds to this list); every
+// other reason of those conditions passes by waiting.
+var ReasonsNeedingSomeone = []string{
+	ReasonUnschedulable, ReasonCrashLoopBackOff, ReasonImagePullFailed, ReasonContainerFailed,
+	ReasonInvalidSpec, ReasonApplyFailed, ReasonMultiNodeUnavailable,
+	ReasonRestartBudgetExhausted, ReasonRestartFailed,
+}

@@ -10,6 +10,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -110,26 +112,43 @@ func TestArgoCDHealthCheck(t *testing.T) {
 			t.Errorf("health = %s, want Progressing", status)
 		}
 	})
+	// The script's Degraded reasons are the API's: a reason added to the API reaches the health
+	// check (issue 57: MultiNodeUnavailable, which needs LeaderWorkerSet installed, showed as
+	// Progressing for ever).
+	src, err := os.ReadFile(script)
+	if err != nil {
+		t.Fatal(err)
+	}
+	table := regexp.MustCompile(`(?s)local degraded = \{(.*?)\n\}`).FindSubmatch(src)
+	if table == nil {
+		t.Fatal("no degraded table in the health check")
+	}
+	var inScript []string
+	for _, m := range regexp.MustCompile(`(\w+) = true`).FindAllSubmatch(table[1], -1) {
+		inScript = append(inScript, string(m[1]))
+	}
+	if d := cmp.Diff(slices.Sorted(slices.Values(v1alpha1.ReasonsNeedingSomeone)), slices.Sorted(slices.Values(inScript))); d != "" {
+		t.Errorf("the health check's Degraded reasons (-API +script):\n%s", d)
+	}
 	// Every reason that needs someone to act is Degraded, on the condition the operator puts
 	// it on; the reasons that pass by waiting are not.
 	cond := func(typ, status, reason string) map[string]any {
 		return map[string]any{"type": typ, "status": status, "reason": reason, "message": "the operator's words"}
 	}
 	readyTrue := cond(v1alpha1.ConditionReady, "True", v1alpha1.ReasonAllReady)
-	for _, tc := range []struct {
+	type healthCase struct {
 		name       string
 		conditions []any
 		status     string
 		message    string
-	}{
-		{"Ready " + v1alpha1.ReasonUnschedulable, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonUnschedulable)}, "Degraded", "Unschedulable: the operator's words"},
-		{"Ready " + v1alpha1.ReasonCrashLoopBackOff, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonCrashLoopBackOff)}, "Degraded", "CrashLoopBackOff: the operator's words"},
-		{"Ready " + v1alpha1.ReasonImagePullFailed, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonImagePullFailed)}, "Degraded", "ImagePullFailed: the operator's words"},
-		{"Ready " + v1alpha1.ReasonContainerFailed, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonContainerFailed)}, "Degraded", "ContainerFailed: the operator's words"},
-		{"Ready " + v1alpha1.ReasonInvalidSpec, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonInvalidSpec)}, "Degraded", "InvalidSpec: the operator's words"},
-		{"Ready " + v1alpha1.ReasonApplyFailed, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonApplyFailed)}, "Degraded", "ApplyFailed: the operator's words"},
-		{"ConnectorHealthy " + v1alpha1.ReasonRestartBudgetExhausted, []any{readyTrue, cond(v1alpha1.ConditionConnectorHealthy, "False", v1alpha1.ReasonRestartBudgetExhausted)},
-			"Degraded", "RestartBudgetExhausted: the operator's words"},
+	}
+	var needing []healthCase
+	for _, reason := range v1alpha1.ReasonsNeedingSomeone {
+		needing = append(needing,
+			healthCase{"Ready " + reason, []any{cond(v1alpha1.ConditionReady, "False", reason)}, "Degraded", reason + ": the operator's words"},
+			healthCase{"ConnectorHealthy " + reason, []any{readyTrue, cond(v1alpha1.ConditionConnectorHealthy, "False", reason)}, "Degraded", reason + ": the operator's words"})
+	}
+	for _, tc := range append(needing, []healthCase{
 		// Waiting helps.
 		{"Ready " + v1alpha1.ReasonRollingOut, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonRollingOut)}, "Progressing", "RollingOut: the operator's words"},
 		{"Ready " + v1alpha1.ReasonNotReady, []any{cond(v1alpha1.ConditionReady, "False", v1alpha1.ReasonNotReady)}, "Progressing", "ComponentsNotReady: the operator's words"},
@@ -137,7 +156,7 @@ func TestArgoCDHealthCheck(t *testing.T) {
 			"Healthy", "AllComponentsReady: the operator's words"},
 		{"ConnectorHealthy " + v1alpha1.ReasonConnectorNotReady, []any{readyTrue, cond(v1alpha1.ConditionConnectorHealthy, "False", v1alpha1.ReasonConnectorNotReady)},
 			"Healthy", "AllComponentsReady: the operator's words"},
-	} {
+	}...) {
 		t.Run(tc.name, func(t *testing.T) {
 			obj := map[string]any{"metadata": map[string]any{"generation": float64(1)}, "status": map[string]any{"observedGeneration": float64(1), "conditions": tc.conditions}}
 			status, message := health(t, lua, obj)

@@ -9,10 +9,12 @@ if (obj.status.observedGeneration or 0) < generation then
   hs.message = "waiting for the pdcluster-operator to observe generation " .. tostring(generation)
   return hs
 end
--- Reasons that will not go away by waiting: someone has to act.
+-- Reasons that will not go away by waiting: someone has to act (the API's
+-- ReasonsNeedingSomeone, api/v1alpha1/conditions.go).
 local degraded = {
   Unschedulable = true, CrashLoopBackOff = true, ImagePullFailed = true, ContainerFailed = true,
-  InvalidSpec = true, ApplyFailed = true, RestartBudgetExhausted = true,
+  InvalidSpec = true, ApplyFailed = true, MultiNodeUnavailable = true,
+  RestartBudgetExhausted = true, RestartFailed = true,
 }
 local ready = nil
 for _, c in ipairs(obj.status.conditions) do
