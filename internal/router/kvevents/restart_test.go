@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -101,5 +102,56 @@ func TestSequenceClassifies(t *testing.T) {
 		if got := tc.s.classify(tc.seq, tc.now); got != tc.want {
 			t.Errorf("%s: classify(%d) = %d, want %d", tc.name, tc.seq, got, tc.want)
 		}
+	}
+}
+
+// What TestFollowsVLLMsPublisher proves on vLLM's own publisher, on the stand-in too (issue 57:
+// those claims rested on a test that runs only with vLLM): batches lost past the replay buffer
+// drop what the engine was said to hold (counted), and so does a dropped connection, after
+// which the follower reconnects and rebuilds from the new publisher.
+func TestALossOrAReconnectDropsTheEnginesIndex(t *testing.T) {
+	p, pubAt, replayAt := startStandIn(t)
+	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t)}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); f.Follow(ctx, Source{Engine: "e", Endpoint: pubAt, Replay: replayAt}) }()
+	t.Cleanup(func() { cancel(); <-done })
+	holds := func(ts []uint32) bool {
+		m := make([]int, 1)
+		f.Index.MatchLeading(ts, 4, [][]string{{"e"}}, m)
+		return m[0] == 1
+	}
+	wait := func(what string, ok func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); !ok(); time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: streams %+v", what, f.Streams())
+			}
+		}
+	}
+	store(t, p, 1, tokens(0, 4))
+	wait("the first block", func() bool { return holds(tokens(0, 4)) })
+	p.Lose(5)
+	store(t, p, 2, tokens(10, 4))
+	wait("the block after the loss, the one before it dropped", func() bool { return holds(tokens(10, 4)) && !holds(tokens(0, 4)) })
+	if s := f.Streams()["e"]; s.Lost != 1 || s.LastLoss.IsZero() {
+		t.Errorf("stream %+v: want one loss", s)
+	}
+	// The engine's publisher goes and another listens where it was.
+	at := strings.TrimPrefix(pubAt, "tcp://")
+	replay := strings.TrimPrefix(replayAt, "tcp://")
+	p.Close()
+	wait("the connection lost and the index dropped", func() bool { return !holds(tokens(10, 4)) })
+	again, err := kvpublish.Listen("tcp://"+at, "tcp://"+replay, "kv", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(again.Close)
+	wait("the new publisher's block", func() bool {
+		store(t, again, 3, tokens(20, 4))
+		return holds(tokens(20, 4)) && !holds(tokens(10, 4))
+	})
+	if s := f.Streams()["e"]; s.Reconnects < 1 {
+		t.Errorf("stream %+v: want a reconnect", s)
 	}
 }
