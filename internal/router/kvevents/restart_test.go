@@ -23,6 +23,25 @@ func startStandIn(t *testing.T) (*kvpublish.Publisher, string, string) {
 	return p, "tcp://" + p.Addr(), "tcp://" + p.ReplayAddr()
 }
 
+// followEngine follows the publisher at pubAt (replay at replayAt) as engine "e" until the test
+// ends.
+func followEngine(t *testing.T, pubAt, replayAt string) *Follower {
+	t.Helper()
+	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t)}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); f.Follow(ctx, Source{Engine: "e", Endpoint: pubAt, Replay: replayAt}) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return f
+}
+
+// holdsBlock reports whether f's index says engine "e" holds ts as one leading block of 4.
+func holdsBlock(f *Follower, ts []uint32) bool {
+	m := make([]int, 1)
+	f.Index.MatchLeading(ts, 4, [][]string{{"e"}}, m)
+	return m[0] == 1
+}
+
 // store publishes one block of tokens, as the first block of a prompt.
 func store(t *testing.T, p *kvpublish.Publisher, hash uint64, tokens []uint32) {
 	t.Helper()
@@ -41,24 +60,9 @@ func TestARestartInsideTheReplayedSpanIsARestart(t *testing.T) {
 	p, pubAt, replayAt := startStandIn(t)
 	store(t, p, 1, tokens(0, 4))
 	store(t, p, 2, tokens(10, 4))
-	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t)}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); f.Follow(ctx, Source{Engine: "e", Endpoint: pubAt, Replay: replayAt}) }()
-	t.Cleanup(func() { cancel(); <-done })
-	holds := func(ts []uint32) bool {
-		m := make([]int, 1)
-		f.Index.MatchLeading(ts, 4, [][]string{{"e"}}, m)
-		return m[0] == 1
-	}
-	wait := func(what string, ok func() bool) {
-		t.Helper()
-		for deadline := time.Now().Add(10 * time.Second); !ok(); time.Sleep(20 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: streams %+v", what, f.Streams())
-			}
-		}
-	}
+	f := followEngine(t, pubAt, replayAt)
+	holds := func(ts []uint32) bool { return holdsBlock(f, ts) }
+	wait := func(what string, ok func() bool) { t.Helper(); waitFor(t, f, what, ok) }
 	wait("the replayed history", func() bool { return holds(tokens(0, 4)) && holds(tokens(10, 4)) })
 	time.Sleep(2 * dupWindow)
 	p.Restart()
@@ -111,24 +115,9 @@ func TestSequenceClassifies(t *testing.T) {
 // which the follower reconnects and rebuilds from the new publisher.
 func TestALossOrAReconnectDropsTheEnginesIndex(t *testing.T) {
 	p, pubAt, replayAt := startStandIn(t)
-	f := &Follower{Index: NewIndex(0, 0), Topic: "kv", Log: testr.New(t)}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); f.Follow(ctx, Source{Engine: "e", Endpoint: pubAt, Replay: replayAt}) }()
-	t.Cleanup(func() { cancel(); <-done })
-	holds := func(ts []uint32) bool {
-		m := make([]int, 1)
-		f.Index.MatchLeading(ts, 4, [][]string{{"e"}}, m)
-		return m[0] == 1
-	}
-	wait := func(what string, ok func() bool) {
-		t.Helper()
-		for deadline := time.Now().Add(10 * time.Second); !ok(); time.Sleep(20 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: streams %+v", what, f.Streams())
-			}
-		}
-	}
+	f := followEngine(t, pubAt, replayAt)
+	holds := func(ts []uint32) bool { return holdsBlock(f, ts) }
+	wait := func(what string, ok func() bool) { t.Helper(); waitFor(t, f, what, ok) }
 	store(t, p, 1, tokens(0, 4))
 	wait("the first block", func() bool { return holds(tokens(0, 4)) })
 	p.Lose(5)
