@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"net"
 	"net/url"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -269,6 +270,9 @@ func (x *exchange) kvPreference(l leg, n int, urlOf func(int) string) *preferenc
 // hold it: after the router sent it there. Blocks past the prompt's hashed start (maxChunks of
 // chunkBytes) are vouched for by a record of the whole start.
 func (x *exchange) vouch(l leg, urlOf func(int) string, blockSize int, matched []int) (unvouched int) {
+	if !slices.ContainsFunc(matched, func(m int) bool { return m > 0 }) {
+		return 0 // no claim to vouch for: the record need not be read
+	}
 	p := x.r.prefix
 	sent := make([]int, len(matched))
 	if len(x.hashes) > 0 {
