@@ -139,7 +139,7 @@ type guardedConn struct {
 }
 
 func (c *guardedConn) Read(p []byte) (int, error) {
-	if c.ready {
+	if c.ready && !c.adopted.Load() {
 		c.adopted.Store(true)
 	}
 	if c.err != nil {
@@ -177,7 +177,7 @@ func (c *guardedConn) fail(err error) error {
 
 // Write is the connection's, but a write that fails in the handshake closes it (fail).
 func (c *guardedConn) Write(p []byte) (int, error) {
-	if c.ready {
+	if c.ready && !c.adopted.Load() {
 		c.adopted.Store(true)
 	}
 	n, err := c.Conn.Write(p)
