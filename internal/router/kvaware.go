@@ -42,7 +42,7 @@ type kvRouting struct {
 	promptBlocks, matchedBlocks, fallbacks    *prometheus.CounterVec
 	unvouchedBlocks                           *prometheus.CounterVec
 	counts                                    map[leg]kvCounts
-	indexBlocks, lag                          *prometheus.Desc
+	connected, indexBlocks, lag               *prometheus.Desc
 	lost, restarts, orphaned, panics, refused *prometheus.Desc
 	evicted                                   *prometheus.Desc
 }
@@ -83,6 +83,7 @@ func newKVRouting(routing *routerconfig.Routing, ports map[string]KVEventsPorts,
 			Name: "pdcluster_router_kv_events_estimated_total",
 			Help: "Requests routed by PrefixAware's estimate instead of the engines' KV events, by pool and reason: text (the prompt is not token ids), untrusted (an engine of the pool is not connected, has stated no block size, or lost events in the last minute), budget (the router's budget of request bytes in flight could not hold the prompt's token ids, 4 bytes each).",
 		}, []string{"pool", "reason"}),
+		connected:   prometheus.NewDesc("pdcluster_router_kv_events_connected_publishers", "KV events publishers (one per engine and data-parallel rank) the router is connected to, by pool: until every one of the pool's is, the pool routes by estimate (pdcluster_router_kv_events_estimated_total{reason=\"untrusted\"}).", []string{"pool"}, nil),
 		indexBlocks: prometheus.NewDesc("pdcluster_router_kv_events_index_blocks", "KV blocks the engines' events say they hold, by pool (bounded by blocksPerEngine per engine and rank, and in all by the router's memory limit).", []string{"pool"}, nil),
 		lag:         prometheus.NewDesc("pdcluster_router_kv_events_lag_seconds", "The longest time an engine's last KV event batch took from the engine to the router's index, by pool.", []string{"pool"}, nil),
 		lost:        prometheus.NewDesc("pdcluster_router_kv_events_lost_total", "Times KV events were lost past an engine's replay buffer (its index dropped, the pool estimated for a minute), by pool.", []string{"pool"}, nil),
@@ -314,7 +315,7 @@ func (k *kvRouting) Describe(ch chan<- *prometheus.Desc) {
 	k.matchedBlocks.Describe(ch)
 	k.fallbacks.Describe(ch)
 	k.unvouchedBlocks.Describe(ch)
-	for _, d := range []*prometheus.Desc{k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned, k.panics, k.refused, k.evicted} {
+	for _, d := range []*prometheus.Desc{k.connected, k.indexBlocks, k.lag, k.lost, k.restarts, k.orphaned, k.panics, k.refused, k.evicted} {
 		ch <- d
 	}
 }
@@ -325,8 +326,11 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 	k.fallbacks.Collect(ch)
 	k.unvouchedBlocks.Collect(ch)
 	for l, f := range k.follow {
-		var lost, restarts, orphaned, panics, refused int
+		var connected, lost, restarts, orphaned, panics, refused int
 		for _, s := range f.Streams() {
+			if s.Connected {
+				connected++
+			}
 			lost += s.Lost
 			restarts += s.Restarts + s.Reconnects
 			orphaned += s.BlocksOrphaned
@@ -335,6 +339,7 @@ func (k *kvRouting) Collect(ch chan<- prometheus.Metric) {
 		}
 		index, lag := k.state(l)
 		pool := string(l)
+		ch <- prometheus.MustNewConstMetric(k.connected, prometheus.GaugeValue, float64(connected), pool)
 		ch <- prometheus.MustNewConstMetric(k.indexBlocks, prometheus.GaugeValue, float64(index), pool)
 		ch <- prometheus.MustNewConstMetric(k.lag, prometheus.GaugeValue, lag.Seconds(), pool)
 		ch <- prometheus.MustNewConstMetric(k.lost, prometheus.CounterValue, float64(lost), pool)

@@ -224,11 +224,19 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 		t.Errorf("%d bytes of the body budget still taken after the answers", used)
 	}
 
-	pubs["p0"].Close()
-	for deadline := time.Now().Add(20 * time.Second); f.r.kv.follow[legPrefill].Streams()[prefill[0].url].Connected; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the follower still says p0's publisher is connected")
+	for _, pool := range []string{"prefill", "decode"} {
+		if n := f.counter(t, "pdcluster_router_kv_events_connected_publishers", "pool", pool); n != 2 {
+			t.Errorf("%s: %v publishers connected, want its 2 engines'", pool, n)
 		}
+	}
+	pubs["p0"].Close()
+	for deadline := time.Now().Add(20 * time.Second); f.counter(t, "pdcluster_router_kv_events_connected_publishers", "pool", "prefill") != 1; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the router says %v prefill publishers are connected after p0's closed, want 1", f.counter(t, "pdcluster_router_kv_events_connected_publishers", "pool", "prefill"))
+		}
+	}
+	if f.r.kv.follow[legPrefill].Streams()[prefill[0].url].Connected {
+		t.Error("the follower still says p0's publisher is connected")
 	}
 	send(prompt)
 	if n := f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "prefill", "reason", "untrusted"); n != 1 {

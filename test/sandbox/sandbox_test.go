@@ -453,6 +453,15 @@ func TestKVEventsRoutingFollowsTheSimulatedEngines(t *testing.T) {
 			t.Fatalf("the router's index holds %v blocks, want the 8 the engines stored", metric(t, router, "pdcluster_router_kv_events_index_blocks"))
 		}
 	}
+	// An engine that stored nothing yet may not be followed yet (the router dials each publisher
+	// once a second until it answers): until all are, the pool routes by estimate.
+	for _, pool := range []string{"prefill", "decode"} {
+		for deadline := time.Now().Add(20 * time.Second); metric(t, router, "pdcluster_router_kv_events_connected_publishers", "pool", pool) < 2; time.Sleep(100 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the router follows %v of the %s pool's 2 engines' KV events", metric(t, router, "pdcluster_router_kv_events_connected_publishers", "pool", pool), pool)
+			}
+		}
+	}
 	hits := func(nodes []sandbox.Node) []float64 {
 		var out []float64
 		for _, n := range nodes {
