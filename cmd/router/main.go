@@ -188,6 +188,7 @@ func main() {
 		os.Exit(1)
 	}
 	<-done // ListenAndServe returns when Shutdown begins; the requests in flight end first
+	r.Close()
 }
 
 // shutdownOnDone shuts srv down once ctx is done (SIGTERM, after the pod's preStop has let the

@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -186,13 +187,20 @@ const probeEvery = 500 * time.Millisecond
 // watch asks an endpoint that was not there (refused, reset, bootstrap down) whether it is back
 // and ends its ejection as soon as check succeeds: a restarted engine at the same address
 // serves again at once, not after the whole ejection. An endpoint that answered 503 is serving
-// a verdict, not absent: it waits out its ejection.
+// a verdict, not absent: it waits out its ejection. The probes end with the ejection, when the
+// endpoint leaves the pools (its address may be the next pod's, which they would ask) and when
+// the router closes.
 func (r *Router) watch(url string) {
 	t := time.NewTicker(r.probeEvery)
 	defer t.Stop()
-	for range t.C {
-		if !r.eject.out(url) {
-			return // its ejection ended (or a request's recheck ended it)
+	for {
+		select {
+		case <-r.closed:
+			return
+		case <-t.C:
+		}
+		if !r.eject.out(url) || !r.pooled(url) {
+			return // its ejection ended (or a request's recheck ended it), or it is gone
 		}
 		if r.eject.recheck([]string{url}) {
 			r.log.Info("ejected endpoint answers again", "endpoint", url)
@@ -220,4 +228,13 @@ func (r *Router) healthCheck(url string) func(context.Context) error {
 		}
 		return nil
 	}
+}
+
+// Close stops the router's work that outlives requests: the probes of ejected endpoints.
+func (r *Router) Close() { r.closeOnce.Do(func() { close(r.closed) }) }
+
+// pooled reports whether url is one of the router's engines now.
+func (r *Router) pooled(url string) bool {
+	p := r.pools.Load()
+	return p != nil && (slices.Contains(p.Decode, url) || slices.ContainsFunc(p.Prefill, func(e Prefill) bool { return e.URL == url }))
 }

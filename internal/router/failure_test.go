@@ -67,6 +67,7 @@ func (k *kvLedger) wait(ctx context.Context, transfer string, d time.Duration) s
 type engineCall struct {
 	params    map[string]any // kv_transfer_params
 	cancelled bool           // the router cancelled it before it was answered
+	path      string         // the URL's path: the router's probes are GET /health
 }
 
 // testEngine is one engine of a pool: its behaviour, and the requests it got.
@@ -91,7 +92,7 @@ func (e *testEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_ = json.Unmarshal(body["kv_transfer_params"], &params)
 	e.mu.Lock()
 	i := len(e.calls)
-	e.calls = append(e.calls, engineCall{params: params})
+	e.calls = append(e.calls, engineCall{params: params, path: r.URL.Path})
 	e.mu.Unlock()
 	e.do(e, w, r, params)
 	if r.Context().Err() != nil {
@@ -260,6 +261,7 @@ func newPDWith(t *testing.T, cfg Config, prefill, decode []*testEngine) *pdFixtu
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(r.Close) // its probes end with the test (the fake clock never ends an ejection)
 	clk := clocktesting.NewFakeClock(time.Now())
 	r.eject.clock, r.budget.clock = clk, clk
 	r.probeEvery = 20 * time.Millisecond
@@ -697,6 +699,61 @@ func TestOnlyFailuresInARowEject(t *testing.T) {
 	}
 	if got := f.r.eject.count(); got != 1 {
 		t.Errorf("ejected = %d after a refused connection, want 1", got)
+	}
+}
+
+// The probes of an ejected endpoint end when it leaves the pools (its address may be the next
+// pod's) and when the router closes: probes that outlived their routers asked whatever listened
+// at the address next (this package's tests' engines got strangers' /health requests).
+func TestProbesEndWithThePoolsAndTheRouter(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		end  func(*pdFixture)
+	}{
+		{"the endpoint leaves the pools", func(f *pdFixture) {
+			p := *f.r.pools.Load()
+			p.Prefill = p.Prefill[1:]
+			if err := f.r.SetPools(p); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"the router closes", func(f *pdFixture) { f.r.Close() }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			kv := newLedger()
+			prefill, decode := engines("p0", "p1"), engines("d0")
+			prefill[0].do, prefill[1].do, decode[0].do = resets, prefillOK(kv), decodeOK(kv)
+			policy := DefaultFailurePolicy()
+			policy.RetryBudgetPercent = 100
+			f := newPD(t, routerconfig.FlowNIXL, policy, prefill, decode)
+			for i := 0; f.r.eject.count() == 0; i++ {
+				if i == 20 {
+					t.Fatal("p0 resets every connection and was not ejected")
+				}
+				f.send(t, `{"prompt":"hi"}`)
+			}
+			probes := func() int {
+				n := 0
+				for _, c := range prefill[0].got() {
+					if c.path == "/health" {
+						n++
+					}
+				}
+				return n
+			}
+			for deadline := time.Now().Add(20 * time.Second); probes() == 0; time.Sleep(10 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("the ejected endpoint was never probed")
+				}
+			}
+			tc.end(f)
+			time.Sleep(100 * time.Millisecond) // a probe already sent lands
+			n := probes()
+			time.Sleep(300 * time.Millisecond) // 15 of the fixture's probe periods
+			if more := probes() - n; more > 0 {
+				t.Errorf("the endpoint was probed %d more times after %s", more, tc.name)
+			}
+		})
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -154,9 +155,12 @@ type Router struct {
 	eject                   *ejector
 	// probeEvery is how often an ejected endpoint is asked whether it is back (tests shorten it).
 	probeEvery time.Duration
-	metrics    metrics
-	canary     *canaryState
-	bodies     bodyBudget
+	// closed ends the probes (Close).
+	closed    chan struct{}
+	closeOnce sync.Once
+	metrics   metrics
+	canary    *canaryState
+	bodies    bodyBudget
 	// refusalLogged is when refused registry entries were last logged (UnixNano; registry.go).
 	refusalLogged atomic.Int64
 }
@@ -221,6 +225,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		prefill: newBalancer(cfg.Balance), decode: newBalancer(cfg.Balance),
 		policy: policy, budget: &retryBudget{percent: int64(policy.RetryBudgetPercent), clock: clk}, eject: newEjector(clk),
 		probeEvery: probeEvery,
+		closed:     make(chan struct{}),
 		canary:     newCanaryState(),
 		prefix:     newPrefixRouting(cfg.Routing),
 		kv:         newKVRouting(cfg.Routing, cfg.KVEventsPorts, cfg.KVIndexBlocks),

@@ -82,6 +82,7 @@ func routerMetered(t *testing.T, cfg Config, p, d http.Handler, metrics promethe
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(r.Close)
 	if err := r.SetPools(Pools{Prefill: []Prefill{{URL: ps.URL, Bootstrap: boot.URL}}, Decode: []string{ds.URL}}); err != nil {
 		t.Fatal(err)
 	}
