@@ -36,12 +36,14 @@ type RoutingReader interface {
 	ReadRouting(ctx context.Context, pod *corev1.Pod) (routerconfig.RoutingCounts, error)
 }
 
-// HTTPRouterReader reads GET /canary, GET /pairs and GET /routing on the router's port (render.RouterPort)
-// at the pod's IP.
+// HTTPRouterReader reads GET /canary, GET /pairs and GET /routing on the router's metrics port
+// (render.RouterMetricsPort, which its clients cannot reach) at the pod's IP.
 type HTTPRouterReader struct{ podHTTP }
 
 // NewHTTPRouterReader reads the routers this operator renders.
-func NewHTTPRouterReader() *HTTPRouterReader { return &HTTPRouterReader{newPodHTTP(render.RouterPort)} }
+func NewHTTPRouterReader() *HTTPRouterReader {
+	return &HTTPRouterReader{newPodHTTP(render.RouterMetricsPort)}
+}
 
 // ReadPairs implements PairsReader.
 func (h *HTTPRouterReader) ReadPairs(ctx context.Context, pod *corev1.Pod) (routerconfig.PairCounts, error) {

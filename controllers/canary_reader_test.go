@@ -4,9 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -15,9 +17,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	clocktesting "k8s.io/utils/clock/testing"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
@@ -53,6 +57,26 @@ func TestHTTPRouterReader(t *testing.T) {
 	answer = func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusInternalServerError) }
 	if _, err := h.ReadCanary(context.Background(), &corev1.Pod{}); err == nil || errors.Is(err, errNoCanary) {
 		t.Errorf("500: err = %v, want an error", err)
+	}
+	// The reader reads the port the rendered router serves them on, which its clients cannot
+	// reach: the router container's "metrics" port and its --metrics-listen.
+	pdc := &v1alpha1.PDCluster{Spec: v1alpha1.PDClusterSpec{Router: v1alpha1.RouterSpec{Replicas: ptr.To[int32](1)}}}
+	pdc.Name, pdc.Namespace = "c", "ns"
+	cm, err := render.RouterConfigMap(pdc, render.Serving{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := dep.Spec.Template.Spec.Containers[0]
+	i := slices.IndexFunc(c.Ports, func(p corev1.ContainerPort) bool { return p.Name == "metrics" })
+	if got := NewHTTPRouterReader().Port; i < 0 || c.Ports[i].ContainerPort != got || !slices.Contains(c.Args, fmt.Sprintf("--metrics-listen=:%d", got)) {
+		t.Errorf("the reader reads port %d; the router declares %v and runs %v", got, c.Ports, c.Args)
+	}
+	if got := NewHTTPRouterReader().Port; got == render.RouterPort {
+		t.Errorf("the reader reads the router's clients' port %d", got)
 	}
 	if _, err := NewHTTPRouterReader().ReadCanary(context.Background(), &corev1.Pod{}); err == nil || !strings.Contains(err.Error(), "no IP") {
 		t.Errorf("a pod without an IP: %v", err)

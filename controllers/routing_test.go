@@ -163,7 +163,8 @@ func TestHTTPRouterReaderReadsTheRoutersRouting(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		srv := httptest.NewServer(r.Handler(nil))
+		// What the router serves on its metrics port, where the reader reads.
+		srv := httptest.NewServer(r.ObserverHandler(nil))
 		h := NewHTTPRouterReader()
 		h.Addr = func(*corev1.Pod) string { return strings.TrimPrefix(srv.URL, "http://") }
 		got, err := h.ReadRouting(context.Background(), &corev1.Pod{})

@@ -998,8 +998,9 @@ type NetworkPolicySpec struct {
 	// +optional
 	Enabled *bool `json:"enabled,omitempty"`
 
-	// routerClients may reach the router's port. Empty: every pod and address (the router is
-	// the PDCluster's front door).
+	// routerClients may reach the router's port (8000). Empty: every pod and address (the
+	// router is the PDCluster's front door). Its metrics port (9090: /metrics and the counts
+	// the operator reads) admits only the operator and monitoring, never its clients.
 	// +kubebuilder:validation:MaxItems=16
 	// +optional
 	RouterClients []networkingv1.NetworkPolicyPeer `json:"routerClients,omitempty"`
@@ -1011,8 +1012,8 @@ type NetworkPolicySpec struct {
 	// +optional
 	EngineClients []networkingv1.NetworkPolicyPeer `json:"engineClients,omitempty"`
 
-	// monitoring may reach the metrics ports: the engines' and the router's HTTP ports and the
-	// connector sidecars' port (8190), e.g. a Prometheus namespace.
+	// monitoring may reach the metrics ports: the engines' HTTP port (8000), the connector
+	// sidecars' port (8190) and the router's metrics port (9090), e.g. a Prometheus namespace.
 	// +kubebuilder:validation:MaxItems=16
 	// +optional
 	Monitoring []networkingv1.NetworkPolicyPeer `json:"monitoring,omitempty"`

@@ -33,7 +33,8 @@ func (l *list) Set(v string) error { *l = append(*l, v); return nil }
 // options are the command line; parseFlags is separate so a test can check that the arguments
 // the operator renders are ones this command accepts.
 type options struct {
-	listen, flow, configPath, balance string
+	listen, metricsListen             string
+	flow, configPath, balance         string
 	prefill, decode, kvEventsPorts    list
 	refresh, shutdownTimeout          time.Duration
 	maxBodyBytes, maxInFlight         int64
@@ -48,6 +49,7 @@ func parseFlags(args []string) (*options, error) {
 	o := &options{}
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
 	fs.StringVar(&o.listen, "listen", "127.0.0.1:8080", "HTTP address of the proxy")
+	fs.StringVar(&o.metricsListen, "metrics-listen", "", "HTTP address of /metrics and the counts the operator reads (/canary, /pairs, /routing), apart from the clients' --listen; empty: served on --listen")
 	fs.StringVar(&o.configPath, "config", "", "router.json as the operator renders it: the flow, balance, failure policy and the pools' headless Services, resolved every --refresh (replaces --flow; a file without pools takes them from --prefill and --decode)")
 	fs.DurationVar(&o.refresh, "refresh", 5*time.Second, "how often --config's Services are resolved again")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 5*time.Second, "how long a SIGTERM waits for the requests in flight to end before closing them")
@@ -180,15 +182,44 @@ func main() {
 	// Follows the engines' KV cache events with routing.strategy KVEvents; returns at once
 	// otherwise.
 	go r.RunKVEvents(ctx)
-	srv := router.NewServer(o.listen, r.Handler(reg), router.ServerLimits{})
+	handler := r.Handler(reg)
+	if o.metricsListen != "" {
+		handler = r.ClientHandler()
+		if err := serveObservers(ctx, o.metricsListen, r.ObserverHandler(reg), log); err != nil {
+			log.Error(err, "serve /metrics", "listen", o.metricsListen)
+			os.Exit(1)
+		}
+	}
+	srv := router.NewServer(o.listen, handler, router.ServerLimits{})
 	done := shutdownOnDone(ctx, srv, o.shutdownTimeout)
-	log.Info("router serving", "listen", o.listen, "flow", cfg.Flow, "balance", cfg.Balance, "routing", cfg.Routing, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String(), "canary", fc.Canary != nil)
+	log.Info("router serving", "listen", o.listen, "metricsListen", o.metricsListen, "flow", cfg.Flow, "balance", cfg.Balance, "routing", cfg.Routing, "config", o.configPath, "prefill", o.prefill.String(), "decode", o.decode.String(), "canary", fc.Canary != nil)
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		log.Error(err, "serve")
 		os.Exit(1)
 	}
 	<-done // ListenAndServe returns when Shutdown begins; the requests in flight end first
 	r.Close()
+}
+
+// serveObservers serves h on addr until ctx is done: bound before it returns, so that a port
+// already taken fails the router at start rather than its first scrape.
+func serveObservers(ctx context.Context, addr string, h http.Handler, log logr.Logger) error {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	srv := router.NewServer(addr, h, router.ServerLimits{})
+	go func() {
+		<-ctx.Done()
+		_ = srv.Close() // scrapes are short: nothing to drain
+	}()
+	go func() {
+		if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
+			log.Error(err, "serve /metrics")
+			os.Exit(1)
+		}
+	}()
+	return nil
 }
 
 // shutdownOnDone shuts srv down once ctx is done (SIGTERM, after the pod's preStop has let the

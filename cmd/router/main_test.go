@@ -1,8 +1,13 @@
 package main
 
 import (
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -13,9 +18,11 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/router"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
@@ -40,6 +47,14 @@ func TestAcceptsTheRenderedArguments(t *testing.T) {
 	}
 	if o.configPath == "" {
 		t.Errorf("rendered router args %v name no --config", args)
+	}
+	// The clients' port and the observers' are the container's declared ones, apart.
+	declared := map[string]string{}
+	for _, p := range c.Ports {
+		declared[p.Name] = ":" + strconv.Itoa(int(p.ContainerPort))
+	}
+	if o.listen != declared["http"] || o.metricsListen != declared["metrics"] || o.listen == o.metricsListen {
+		t.Errorf("--listen %q and --metrics-listen %q, want the container's ports http and metrics apart (%v)", o.listen, o.metricsListen, declared)
 	}
 	// The heap and the body budget follow the container's memory limit (the default, 1Gi).
 	if want := c.Resources.Limits.Memory().Value(); o.memoryLimit != want || want != 1<<30 {
@@ -148,5 +163,68 @@ func TestConfigure(t *testing.T) {
 				t.Errorf("the router refuses the configuration: %v", err)
 			}
 		})
+	}
+}
+
+// With --metrics-listen, the router's clients' port answers completions, /health and /ready
+// and nothing of its counts; /metrics, /canary, /pairs and /routing answer on the metrics port
+// alone (issue 56: they answered whoever reached the router). The binary, as rendered.
+func TestCountsAnswerOnTheMetricsPortAlone(t *testing.T) {
+	reg := bootstrap.NewRegistry()
+	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", Addr: "tcp://127.0.0.1:1"})
+	boot := httptest.NewServer(reg.Handler())
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		_, _ = io.WriteString(w, `{"choices":[{"text":"ok"}]}`)
+	}))
+	t.Cleanup(func() { boot.Close(); engine.Close() })
+	ports, err := sandbox.FreePorts(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	config := filepath.Join(t.TempDir(), "router.json")
+	if err := os.WriteFile(config, []byte(`{"flow":"mooncake","routing":{"strategy":"PrefixAware","loadSlack":2},"canary":{"intervalSeconds":3600,"model":"m","promptWords":8}}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	metrics := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
+	clients, _ := runRouter(t, "--config="+config, "--prefill="+engine.URL+","+boot.URL, "--decode="+engine.URL, "--metrics-listen="+strings.TrimPrefix(metrics, "http://"))
+	get := func(url string) int {
+		t.Helper()
+		resp, err := http.Get(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	resp, err := http.Post(clients+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"hi","max_tokens":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("a completion on the clients' port: %d, want 200", resp.StatusCode)
+	}
+	for _, path := range []string{"/health", "/ready"} {
+		if code := get(clients + path); code != http.StatusOK {
+			t.Errorf("GET %s on the clients' port: %d, want 200", path, code)
+		}
+	}
+	for _, path := range []string{"/metrics", routerconfig.PairsPath, routerconfig.RoutingPath, routerconfig.CanaryPath} {
+		if code := get(clients + path); code != http.StatusNotFound {
+			t.Errorf("GET %s on the clients' port: %d, want 404", path, code)
+		}
+		// /canary is 404 until the first canary (an hour away): served, but none yet.
+		if code := get(metrics + path); code != http.StatusOK && (path != routerconfig.CanaryPath || code != http.StatusNotFound) {
+			t.Errorf("GET %s on the metrics port: %d, want it answered", path, code)
+		}
+	}
+	resp, err = http.Post(metrics+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"hi"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNotFound {
+		t.Errorf("a completion on the metrics port: %d, want 404", resp.StatusCode)
 	}
 }

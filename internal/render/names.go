@@ -41,9 +41,14 @@ const (
 	// RouterPort is the router's: vLLM's API port, so a client of the router reaches it where it
 	// would reach a single vLLM.
 	RouterPort = vllm.APIPort
+	// RouterMetricsPort is the router's for /metrics and the counts the operator reads (GET
+	// /canary, /pairs, /routing): its own, so that the NetworkPolicy opens it to the operator
+	// and monitoring and not to every client of the router.
+	RouterMetricsPort int32 = 9090
 
 	// Port names, shared by container ports and the Services that target them.
 	portHTTP      = "http"
+	portMetrics   = "metrics"
 	portBootstrap = "bootstrap"
 	portConnector = "connector"
 	// portNixlPrefix + data-parallel rank names a NIXL side-channel port.

@@ -37,9 +37,10 @@ func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 //     other on those ports too, and no other replica's (groupPolicies).
 //   - the connector sidecars' port: the operator's manager pods (they read /gate) and
 //     monitoring.
-//   - the router's port: routerClients, or everyone when none is set (then also monitoring, and
-//     the operator's manager pods with verification mode Canary, pairing or a routing strategy
-//     that weighs what engines hold: they read GET /canary, GET /pairs and GET /routing).
+//   - the router's port: routerClients, or everyone when none is set.
+//   - the router's metrics port (/metrics, and GET /canary, /pairs and /routing, which name
+//     engines and count what they hold of the prompts sent): the operator's manager pods and
+//     monitoring, never the router's clients.
 //
 // Egress of the engine pods (spec.networkPolicy.egress): the other pool's transfer ports (and
 // their own replica's, groupPolicies), DNS, public HTTPS and the author's rules. A decode
@@ -93,14 +94,11 @@ func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 		out = append(out, networkPolicy(pdc, role, rules, engineEgress(np.Egress, networkingv1.NetworkPolicyEgressRule{To: []networkingv1.NetworkPolicyPeer{pods(other)}, Ports: transfer})))
 	}
 	routerRules := []networkingv1.NetworkPolicyIngressRule{{From: np.RouterClients, Ports: tcp(RouterPort)}}
-	if len(np.RouterClients) > 0 && len(np.Monitoring) > 0 {
-		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: np.Monitoring, Ports: tcp(RouterPort)})
-	}
-	if len(np.RouterClients) > 0 && len(operator) > 0 && (pdc.Spec.KVTransfer.Verification.Mode == v1alpha1.KVVerificationCanary || pdc.Spec.Scheduling.Pairing != nil ||
-		RoutesByHold(pdc)) {
-		// The operator reads each router's newest canary (GET /canary), pair counts
-		// (GET /pairs) and routing counts (GET /routing).
-		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: operator, Ports: tcp(RouterPort)})
+	// The operator reads each router's newest canary (GET /canary), pair counts (GET /pairs)
+	// and routing counts (GET /routing) there; monitoring scrapes /metrics. No rule without a
+	// peer: a rule with no from admits everyone.
+	if observers := append(slices.Clone(operator), np.Monitoring...); len(observers) > 0 {
+		routerRules = append(routerRules, networkingv1.NetworkPolicyIngressRule{From: observers, Ports: tcp(RouterMetricsPort)})
 	}
 	return append(out, networkPolicy(pdc, v1alpha1.RoleRouter, routerRules, nil))
 }

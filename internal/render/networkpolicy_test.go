@@ -139,6 +139,10 @@ func TestNetworkPoliciesAdmitOnlyThePeersThatNeedEachPort(t *testing.T) {
 				switch {
 				case role == v1alpha1.RoleRouter && port == "http":
 					return append([]peer{{name: "a client", labels: map[string]string{"app": "chat"}, nsLabels: ns, sameNS: true}}, strangers...), true // everyone (the engines need not reach it)
+				case role == v1alpha1.RoleRouter && port == "metrics":
+					// Its counts name engines and what they hold: the operator's and
+					// monitoring's, not its clients'.
+					return []peer{operator}, true
 				case port == "http":
 					return []peer{of(v1alpha1.RoleRouter)}, true
 				case port == "bootstrap":
@@ -295,29 +299,41 @@ func TestNetworkPoliciesKeepEachReplicaToItself(t *testing.T) {
 	}
 }
 
-// spec.networkPolicy: disabled renders none; the client lists widen the rules they name.
-// With routerClients narrowing the router's port, the operator still reads each router's
-// canary (GET /canary) in verification mode Canary, and its routing counts with PrefixAware or
-// KVEvents routing, and only then.
-func TestNetworkPolicyAdmitsTheOperatorToTheCanary(t *testing.T) {
+// The router's counts (/metrics, GET /canary, /pairs, /routing on its metrics port) name
+// engines and what they hold of the prompts sent: the operator reads them whatever the
+// verification mode or routing strategy, and the router's clients never do, whether
+// routerClients narrows the router's port or leaves it open to everyone (issue 56: they
+// answered whoever reached the router).
+func TestNetworkPolicyKeepsTheRoutersCountsFromItsClients(t *testing.T) {
 	pdc := load(t, filepath.Join("testdata", "minimal.yaml"))
 	opts := render.DefaultOptions()
 	opts.OperatorNamespace = "pdcluster-system"
 	operator := peer{name: "operator", labels: render.ManagerPodLabels(), nsLabels: map[string]string{corev1.LabelMetadataName: "pdcluster-system"}}
-	pdc.Spec.NetworkPolicy.RouterClients = []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "bench"}}}}
-	for mode, want := range map[v1alpha1.KVVerificationMode]bool{v1alpha1.KVVerificationPassive: false, v1alpha1.KVVerificationCanary: true} {
-		p := pdc.DeepCopy()
-		p.Spec.KVTransfer.Verification.Mode = mode
-		if got := admits(t, render.NetworkPolicies(p, opts), render.Labels(p.Name, v1alpha1.RoleRouter), render.RouterPort, operator); got != want {
-			t.Errorf("mode %s: the operator reaches the router's port: %v, want %v", mode, got, want)
-		}
-	}
-	// ... and its routing counts (GET /routing) with a strategy that weighs what engines hold.
-	for strategy, want := range map[v1alpha1.RoutingStrategy]bool{v1alpha1.RoutingLeastInFlight: false, v1alpha1.RoutingPrefixAware: true, v1alpha1.RoutingKVEvents: true} {
-		p := pdc.DeepCopy()
-		p.Spec.Router.Routing.Strategy = strategy
-		if got := admits(t, render.NetworkPolicies(p, opts), render.Labels(p.Name, v1alpha1.RoleRouter), render.RouterPort, operator); got != want {
-			t.Errorf("routing %s: the operator reaches the router's port: %v, want %v", strategy, got, want)
+	bench := peer{name: "bench", labels: map[string]string{"app": "bench"}, sameNS: true}
+	narrowed := []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "bench"}}}}
+	router := render.Labels(pdc.Name, v1alpha1.RoleRouter)
+	for _, clients := range [][]networkingv1.NetworkPolicyPeer{nil, narrowed} {
+		for _, mode := range []v1alpha1.KVVerificationMode{v1alpha1.KVVerificationPassive, v1alpha1.KVVerificationCanary} {
+			for _, strategy := range []v1alpha1.RoutingStrategy{v1alpha1.RoutingLeastInFlight, v1alpha1.RoutingPrefixAware, v1alpha1.RoutingKVEvents} {
+				p := pdc.DeepCopy()
+				p.Spec.NetworkPolicy.RouterClients = clients
+				p.Spec.KVTransfer.Verification.Mode, p.Spec.Router.Routing.Strategy = mode, strategy
+				policies := render.NetworkPolicies(p, opts)
+				for _, c := range []struct {
+					from peer
+					port int32
+					want bool
+				}{
+					{operator, render.RouterMetricsPort, true},
+					{bench, render.RouterMetricsPort, false},
+					{bench, render.RouterPort, true},
+					{operator, render.RouterPort, clients == nil},
+				} {
+					if got := admits(t, policies, router, c.port, c.from); got != c.want {
+						t.Errorf("routerClients %v, mode %s, routing %s: %s reaches the router's port %d: %v, want %v", clients, mode, strategy, c.from.name, c.port, got, c.want)
+					}
+				}
+			}
 		}
 	}
 }
@@ -337,14 +353,15 @@ func TestNetworkPolicySettings(t *testing.T) {
 		{"disabled", v1alpha1.NetworkPolicySpec{Enabled: ptr.To(false)}, nil},
 		{"defaults", v1alpha1.NetworkPolicySpec{}, map[string]bool{
 			"prefill/8000/bench": false, "decode/8190/prometheus": false, "router/8000/bench": true, "router/8000/prometheus": true,
+			"router/9090/bench": false, "router/9090/prometheus": false,
 		}},
 		{"engine clients and monitoring", v1alpha1.NetworkPolicySpec{EngineClients: []networkingv1.NetworkPolicyPeer{benchPeer}, Monitoring: []networkingv1.NetworkPolicyPeer{promPeer}}, map[string]bool{
 			"prefill/8000/bench": true, "decode/8000/bench": true, "prefill/8998/bench": false, "decode/8190/bench": false,
 			"decode/8190/prometheus": true, "prefill/8000/prometheus": true, "prefill/8998/prometheus": false,
 		}},
 		{"router narrowed", v1alpha1.NetworkPolicySpec{RouterClients: []networkingv1.NetworkPolicyPeer{benchPeer}, Monitoring: []networkingv1.NetworkPolicyPeer{promPeer}}, map[string]bool{
-			"router/8000/bench": true, "router/8000/prometheus": true,
-			"router/8000/stranger": false,
+			"router/8000/bench": true, "router/8000/prometheus": false, "router/9090/prometheus": true,
+			"router/8000/stranger": false, "router/9090/bench": false, "router/9090/stranger": false,
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -190,7 +190,7 @@ func boundPorts(t *testing.T, c corev1.Container) []int32 {
 			ports = append(ports, listenPort(t, l))
 		}
 	case v1alpha1.RouterContainerName:
-		ports = append(ports, listenPort(t, argValue("--listen")))
+		ports = append(ports, listenPort(t, argValue("--listen")), listenPort(t, argValue("--metrics-listen")))
 	default:
 		t.Fatalf("container %q: the test does not know what it binds", c.Name)
 	}

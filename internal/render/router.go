@@ -248,8 +248,11 @@ func routerDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 			Env:   []corev1.EnvVar{memoryLimitEnv(v1alpha1.RouterContainerName)},
 			// A router pod that goes (a rollout restarts it with each new router.json) serves on
 			// while its Service drops it, then lets its requests in flight end.
-			Lifecycle:       &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: routerDrainSeconds}}},
-			Ports:           []corev1.ContainerPort{{Name: portHTTP, ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP}},
+			Lifecycle: &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: routerDrainSeconds}}},
+			Ports: []corev1.ContainerPort{
+				{Name: portHTTP, ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP},
+				{Name: portMetrics, ContainerPort: RouterMetricsPort, Protocol: corev1.ProtocolTCP},
+			},
 			Resources:       routerResources(pdc.Spec.Router),
 			ReadinessProbe:  probe(&corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString(portHTTP)}}, 5, 3),
 			LivenessProbe:   probe(health, 10, 3),
@@ -268,10 +271,12 @@ func routerDeployment(pdc *v1alpha1.PDCluster, opts Options, config *corev1.Conf
 	return deployment(pdc, v1alpha1.RoleRouter, *pdc.Spec.Router.Replicas, podSpec, config.Data)
 }
 
-// routerArgs are cmd/router's flags: router.json, the port, the drain, the container's memory
-// limit (its heap and body budget follow it) and spec.router.maxRequestBody when set.
+// routerArgs are cmd/router's flags: router.json, the clients' port and the observers', the
+// drain, the container's memory limit (its heap and body budget follow it) and
+// spec.router.maxRequestBody when set.
 func routerArgs(pdc *v1alpha1.PDCluster) []string {
 	args := []string{"--config=/etc/pdcluster/" + routerconfig.FileName, "--listen=:" + strconv.Itoa(int(RouterPort)),
+		"--metrics-listen=:" + strconv.Itoa(int(RouterMetricsPort)),
 		"--shutdown-timeout=" + strconv.Itoa(int(routerShutdown(pdc))) + "s", memoryLimitArg}
 	if q := pdc.Spec.Router.MaxRequestBody; q != nil {
 		args = append(args, "--max-body-bytes="+strconv.FormatInt(q.Value(), 10))

@@ -377,9 +377,34 @@ func (r *Router) SetPools(p Pools) error {
 	return nil
 }
 
-// Handler serves the OpenAI routes, /health, /ready and /metrics (from gatherer, if not nil).
+// Handler serves ClientHandler's routes and ObserverHandler's on one port: a router run on its
+// own, or in tests. A rendered router serves them on two (--metrics-listen).
 func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
+	r.clientRoutes(mux)
+	r.observerRoutes(mux, gatherer)
+	return mux
+}
+
+// ClientHandler serves the OpenAI routes, /health and /ready: what the router's clients reach.
+func (r *Router) ClientHandler() http.Handler {
+	mux := http.NewServeMux()
+	r.clientRoutes(mux)
+	return mux
+}
+
+// ObserverHandler serves what the router tells of its traffic: /metrics (from gatherer, if not
+// nil) and the counts the operator reads (/canary, /pairs, /routing). They name engines and
+// count what they hold of the prompts sent, which is not a client's to read: a rendered router
+// serves them on a port of their own that its NetworkPolicy opens to the operator and
+// monitoring alone.
+func (r *Router) ObserverHandler(gatherer prometheus.Gatherer) http.Handler {
+	mux := http.NewServeMux()
+	r.observerRoutes(mux, gatherer)
+	return mux
+}
+
+func (r *Router) clientRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /v1/completions", r.proxy)
 	mux.HandleFunc("POST /v1/chat/completions", r.proxy)
 	// /health is liveness: the process serves. /ready is readiness: it also knows an engine of
@@ -420,6 +445,9 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 		defer resp.Body.Close()
 		copyResponse(w, resp)
 	})
+}
+
+func (r *Router) observerRoutes(mux *http.ServeMux, gatherer prometheus.Gatherer) {
 	mux.HandleFunc("GET "+routerconfig.CanaryPath, r.serveCanary)
 	mux.HandleFunc("GET "+routerconfig.PairsPath, r.servePairs)
 	if r.prefix != nil {
@@ -428,7 +456,6 @@ func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
 	if gatherer != nil {
 		mux.Handle("GET /metrics", promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{}))
 	}
-	return mux
 }
 
 // newID is 128 random bits (base32): a transfer id names the KV a pull takes, so one client's

@@ -227,10 +227,10 @@ type Canary struct {
 	PromptWords     int32  `json:"promptWords"`
 }
 
-// CanaryPath is GET /canary on the router's port: its newest canary, for the operator.
+// CanaryPath is GET /canary on the router's metrics port: its newest canary, for the operator.
 const CanaryPath = "/canary"
 
-// PairsPath is GET /pairs on the router's port: its pair counts by locality since it started
+// PairsPath is GET /pairs on the router's metrics port: its pair counts by locality since it started
 // (with pairing), for the operator.
 const PairsPath = "/pairs"
 
@@ -240,7 +240,7 @@ type PairCounts struct {
 	CrossDomain int64 `json:"crossDomain"`
 }
 
-// RoutingPath is GET /routing on the router's port: what its routing strategy found the picked
+// RoutingPath is GET /routing on the router's metrics port: what its routing strategy found the picked
 // engines holding of the prompts since it started (PrefixAware, KVEvents), for the operator.
 const RoutingPath = "/routing"
 

@@ -14,8 +14,12 @@ import (
 	"strings"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
 
+	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/test/needs"
 )
 
@@ -73,18 +77,61 @@ func TestMonitoringLintsStrict(t *testing.T) {
 	helm(t, append([]string{"lint", "--strict", chartDir}, monitoringOn...)...)
 }
 
-// The monitors scrape the ports render gives the pods (both sides of the seam: the names are
-// render's), the PodMonitor keeps each series' PDCluster and pool, and the ServiceMonitor keeps
-// the operator's namespace and name labels.
+// The monitors scrape the ports render gives the pods, each where it serves /metrics (both
+// sides of the seam: the pods are render's): vLLM's on the engines' port http, the sidecars' on
+// connector, the routers' on metrics and never on their clients' port http. The PodMonitor
+// keeps each series' PDCluster and pool, and the ServiceMonitor keeps the operator's namespace
+// and name labels.
 func TestMonitorsScrapeTheRenderedPorts(t *testing.T) {
 	objs := objects(t, monitoringOn...)
 	pm := objs["PodMonitor"][0]["spec"].(map[string]any)
-	var ports []string
-	for _, e := range pm["podMetricsEndpoints"].([]any) {
-		ports = append(ports, e.(map[string]any)["port"].(string))
+	// scraped is the ports the PodMonitor scrapes on a pod of role with ports.
+	scraped := func(role string, ports []corev1.ContainerPort) []string {
+		var out []string
+		for _, e := range pm["podMetricsEndpoints"].([]any) {
+			e := e.(map[string]any)
+			if !slices.ContainsFunc(ports, func(p corev1.ContainerPort) bool { return p.Name == e["port"] }) {
+				continue
+			}
+			kept := true
+			for _, r := range asList(e["relabelings"]) {
+				r := r.(map[string]any)
+				if r["action"] == "keep" && slices.Equal(toStrings(r["sourceLabels"]), []string{"__meta_kubernetes_pod_label_serving_pdcluster_dev_role"}) {
+					kept = regexp.MustCompile("^(?:" + r["regex"].(string) + ")$").MatchString(role)
+				}
+			}
+			if kept {
+				out = append(out, e["port"].(string))
+			}
+		}
+		return out
 	}
-	if d := strings.Join(ports, ","); d != "http,connector" {
-		t.Errorf("PodMonitor ports %s, want http (engines, routers) and connector (sidecars)", d)
+	pdc := &v1alpha1.PDCluster{}
+	b, err := os.ReadFile("../../internal/render/testdata/minimal.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.UnmarshalStrict(b, pdc); err != nil {
+		t.Fatal(err)
+	}
+	rendered, err := render.Render(pdc, render.DefaultOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][]string{"prefill": {"http", "connector"}, "decode": {"http", "connector"}, "router": {"metrics"}}
+	for _, o := range rendered {
+		d, ok := o.(*appsv1.Deployment)
+		if !ok {
+			continue
+		}
+		role := d.Labels[v1alpha1.LabelRole]
+		var ports []corev1.ContainerPort
+		for _, c := range d.Spec.Template.Spec.Containers {
+			ports = append(ports, c.Ports...)
+		}
+		if got := scraped(role, ports); !slices.Equal(got, want[role]) {
+			t.Errorf("%s pods: the PodMonitor scrapes ports %v, want %v", role, got, want[role])
+		}
 	}
 	if got := pm["podTargetLabels"]; !slices.Equal(toStrings(got), []string{"app.kubernetes.io/instance", "serving.pdcluster.dev/role"}) {
 		t.Errorf("podTargetLabels = %v", got)
@@ -202,4 +249,10 @@ func toStrings(v any) []string {
 		out = append(out, x.(string))
 	}
 	return out
+}
+
+// asList is v as a YAML list, or none.
+func asList(v any) []any {
+	l, _ := v.([]any)
+	return l
 }

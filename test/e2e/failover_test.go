@@ -1,11 +1,14 @@
 package e2e
 
 import (
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -19,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
+	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 
 // enginePID is the process of the engine container whose pod has ip (its POD_IP).
@@ -64,24 +68,34 @@ func (r realNode) patchReal(t *testing.T, spec string) {
 	r.eventuallyWithin("the sample settled after "+spec, timeout+time.Duration(grace)*time.Second, r.settled)
 }
 
-// routerKnows is nil once the router's Service answers with a router that knows n prefill
-// engines (pdcluster_router_endpoints): a pod that is ready is in the router's pool only after
-// its next resolution of the Service.
+// routerKnows is nil once every router pod knows n prefill engines (pdcluster_router_endpoints,
+// on its metrics port): a pod that is ready is in a router's pool only after its next
+// resolution of the Service.
 func (r realNode) routerKnows(n int) func() error {
 	return func() error {
-		var svc corev1.Service
-		if err := r.c.Get(r.ctx, client.ObjectKey{Namespace: sampleNS, Name: realName + "-router"}, &svc); err != nil {
+		var pods corev1.PodList
+		if err := r.c.List(r.ctx, &pods, client.InNamespace(sampleNS), client.MatchingLabels(render.Labels(realName, v1alpha1.RoleRouter))); err != nil {
 			return err
 		}
-		resp, err := (&http.Client{Timeout: 5 * time.Second}).Get("http://" + svc.Spec.ClusterIP + "/metrics")
-		if err != nil {
-			return err
+		running := 0
+		for _, pod := range pods.Items {
+			if pod.Status.PodIP == "" || pod.DeletionTimestamp != nil {
+				continue
+			}
+			running++
+			resp, err := (&http.Client{Timeout: 5 * time.Second}).Get("http://" + net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(int(render.RouterMetricsPort))) + "/metrics")
+			if err != nil {
+				return err
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			want := fmt.Sprintf(`pdcluster_router_endpoints{pool="prefill"} %d`, n)
+			if !strings.Contains(string(b), want+"\n") {
+				return fmt.Errorf("router %s does not report %s yet", pod.Name, want)
+			}
 		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		want := fmt.Sprintf(`pdcluster_router_endpoints{pool="prefill"} %d`, n)
-		if !strings.Contains(string(b), want+"\n") {
-			return fmt.Errorf("the router does not report %s yet", want)
+		if running == 0 {
+			return errors.New("no router pod runs")
 		}
 		return nil
 	}

@@ -123,16 +123,18 @@ func (r realNode) forgedPull(t *testing.T, stranger string) {
 	t.Logf("forged pull: decode answered %s %s", resp.Status, bytes.TrimSpace(b))
 }
 
-// engineTargets are the ports of the sample's engine pods nobody outside the PDCluster may
-// reach: each engine's API and sidecar, prefill's bootstrap server, and the port its transfer
-// engine registered there (picked at run time).
-func (r realNode) engineTargets(t *testing.T) map[string]string {
+// closedTargets are the ports nobody outside the PDCluster may reach: each engine's API and
+// sidecar, prefill's bootstrap server, the port its transfer engine registered there (picked at
+// run time), and the router's metrics port (its counts are the operator's and monitoring's,
+// though its clients' port is open to all).
+func (r realNode) closedTargets(t *testing.T) map[string]string {
 	t.Helper()
 	prefill, decode := r.pods(v1alpha1.RolePrefill)[0].Status.PodIP, r.pods(v1alpha1.RoleDecode)[0].Status.PodIP
 	targets := map[string]string{
 		"prefill API": net.JoinHostPort(prefill, "8000"), "prefill bootstrap": net.JoinHostPort(prefill, strconv.Itoa(int(vllm.MooncakeBootstrapPort))),
 		"prefill sidecar": net.JoinHostPort(prefill, strconv.Itoa(int(render.ConnectorPort))),
 		"decode API":      net.JoinHostPort(decode, "8000"), "decode sidecar": net.JoinHostPort(decode, strconv.Itoa(int(render.ConnectorPort))),
+		"router metrics": net.JoinHostPort(r.pods(v1alpha1.RoleRouter)[0].Status.PodIP, strconv.Itoa(int(render.RouterMetricsPort))),
 	}
 	// The node's root processes are not judged (hack/local-node.sh), so the test reads the
 	// bootstrap server itself.
@@ -149,8 +151,8 @@ func (r realNode) engineTargets(t *testing.T) map[string]string {
 }
 
 // The node enforces the rendered NetworkPolicies (kube-network-policies, hack/local-node.sh
-// netpol): a pod outside the PDCluster, in its namespace, reaches none of its engines' ports,
-// while the router is open to it; the router, decode and the operator still reach what they
+// netpol): a pod outside the PDCluster, in its namespace, reaches none of its engines' ports
+// nor the router's metrics port, while the router's clients' port is open to it; the router, decode and the operator still reach what they
 // need (requests complete, the gate status is read). With spec.networkPolicy.enabled false
 // the same stranger gets through, so what stopped it was the policy.
 func (r realNode) enforcesNetworkPolicy(t *testing.T) {
@@ -165,14 +167,14 @@ func (r realNode) enforcesNetworkPolicy(t *testing.T) {
 		if err := dial(stranger, router); err != nil {
 			return fmt.Errorf("the router (open to every client) refused the stranger: %w", err)
 		}
-		for what, addr := range r.engineTargets(t) {
+		for what, addr := range r.closedTargets(t) {
 			if err := dial(stranger, addr); err == nil {
 				return fmt.Errorf("the stranger reached the %s at %s", what, addr)
 			}
 		}
 		return nil
 	}
-	r.eventually("the stranger reaches the router and none of the engines' ports", blocked)
+	r.eventually("the stranger reaches the router and none of the engines' ports, nor the router's metrics", blocked)
 	// Egress: a forged remote_bootstrap_addr cannot send decode out of the PDCluster.
 	before, err := seen(stranger)
 	if err != nil {
@@ -207,8 +209,8 @@ func (r realNode) enforcesNetworkPolicy(t *testing.T) {
 		}
 	}
 	setEnabled(false)
-	r.eventually("without the policies the stranger reaches every engine port", func() error {
-		for what, addr := range r.engineTargets(t) {
+	r.eventually("without the policies the stranger reaches every engine port and the router's metrics", func() error {
+		for what, addr := range r.closedTargets(t) {
 			if err := dial(stranger, addr); err != nil {
 				return fmt.Errorf("%s at %s: %w", what, addr, err)
 			}

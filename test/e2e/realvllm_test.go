@@ -243,7 +243,7 @@ func TestRealVLLMPods(t *testing.T) {
 	})
 	prefill, decode = pods(v1alpha1.RolePrefill)[0], pods(v1alpha1.RoleDecode)[0]
 	routerPod := pods(v1alpha1.RoleRouter)[0]
-	routerMetrics := "http://" + net.JoinHostPort(routerPod.Status.PodIP, strconv.Itoa(int(render.RouterPort))) + "/metrics"
+	routerMetrics := "http://" + net.JoinHostPort(routerPod.Status.PodIP, strconv.Itoa(int(render.RouterMetricsPort))) + "/metrics"
 	matched := func() map[string]float64 {
 		t.Helper()
 		return counterByPool(t, routerMetrics, "pdcluster_router_kv_events_matched_blocks_total")

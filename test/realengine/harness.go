@@ -256,10 +256,11 @@ func engineEnv(o Options, env []string, vars map[string]string) []string {
 		"HOME="+os.Getenv("HOME"))
 }
 
-// Router is the rendered router on loopback.
+// Router is the rendered router on loopback: URL its clients' port, MetricsURL its metrics
+// port (/metrics, /canary, /pairs, /routing).
 type Router struct {
-	URL  string
-	Proc *Process
+	URL, MetricsURL string
+	Proc            *Process
 }
 
 // StartRouter runs the router Deployment's container with its rendered args and router.json,
@@ -280,11 +281,11 @@ func StartRouter(o Options, name string, dep *appsv1.Deployment, cm *corev1.Conf
 	cm = cm.DeepCopy()
 	cm.Data[routerconfig.FileName] = string(b)
 	spec := dep.Spec.Template.Spec
-	free, err := sandbox.FreePorts(1)
+	free, err := sandbox.FreePorts(2)
 	if err != nil {
 		return nil, err
 	}
-	l, err := newPodLayout(dir, spec, map[string]*corev1.ConfigMap{cm.Name: cm}, map[int32]int{render.RouterPort: free[0]})
+	l, err := newPodLayout(dir, spec, map[string]*corev1.ConfigMap{cm.Name: cm}, map[int32]int{render.RouterPort: free[0], render.RouterMetricsPort: free[1]})
 	if err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
@@ -310,7 +311,7 @@ func StartRouter(o Options, name string, dep *appsv1.Deployment, cm *corev1.Conf
 	if err != nil {
 		return nil, err
 	}
-	return &Router{URL: fmt.Sprintf("http://%s:%d", podIP, free[0]), Proc: proc}, nil
+	return &Router{URL: fmt.Sprintf("http://%s:%d", podIP, free[0]), MetricsURL: fmt.Sprintf("http://%s:%d", podIP, free[1]), Proc: proc}, nil
 }
 
 // WaitOK polls url until it answers 200, the process exits, or timeout passes.

@@ -248,7 +248,7 @@ func (d *deployment) testKVEvents(t *testing.T) {
 	via := d.gatedVia.URL
 	metric := func(name, pool string) float64 {
 		t.Helper()
-		v, err := Metric(ctx, via, name, "pool", pool)
+		v, err := Metric(ctx, d.gatedVia.MetricsURL, name, "pool", pool)
 		if err != nil {
 			t.Fatal(err)
 		}
