@@ -18,7 +18,8 @@ import (
 )
 
 // TestFollowsVLLMsPublisher runs vLLM's own ZmqEventPublisher (each tested release) and follows
-// it: the batches it published before anyone listened come by replay, later ones live, an
+// it: the batches it published before anyone listened come by replay (those its buffer still
+// holds, when it published more), later ones live, an
 // eviction and a clear reach the index, a batch lost in transit is replayed, a loss past the
 // replay buffer drops the engine's index (it would keep what the engine evicted meanwhile),
 // and a new publisher on the same ports (an engine restarted) drops what the old one held.
@@ -119,8 +120,13 @@ func followVLLM(t *testing.T, python string) {
 			}
 		}
 	}
+	// The engine published one batch more than its replay buffer holds before the router
+	// listened: the replay starts at the oldest it holds (issue 57: asked from 0, which it no
+	// longer held, it replayed nothing).
 	prompt := tokens(0, 12)
 	matches("replayed history", prompt, 3)
+	matches("a batch past the replay buffer", tokens(200, 4), 0)
+	matches("the oldest batch the replay buffer held", tokens(204, 4), 1)
 	step("store")
 	matches("a live batch", tokens(50, 4), 1)
 	step("evict")
