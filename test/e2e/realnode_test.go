@@ -450,7 +450,7 @@ func TestRealNode(t *testing.T) {
 		r.serves(t)
 	})
 
-	t.Run("the node enforces the NetworkPolicies: strangers reach no engine port, the router, decode and the operator still do", func(t *testing.T) {
+	t.Run("the node enforces the NetworkPolicies: strangers reach no engine port nor the router's metrics, the router, decode and the operator still do", func(t *testing.T) {
 		r.enforcesNetworkPolicy(t)
 	})
 
