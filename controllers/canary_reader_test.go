@@ -17,7 +17,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	clocktesting "k8s.io/utils/clock/testing"
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
@@ -60,16 +59,7 @@ func TestHTTPRouterReader(t *testing.T) {
 	}
 	// The reader reads the port the rendered router serves them on, which its clients cannot
 	// reach: the router container's "metrics" port and its --metrics-listen.
-	pdc := &v1alpha1.PDCluster{Spec: v1alpha1.PDClusterSpec{Router: v1alpha1.RouterSpec{Replicas: ptr.To[int32](1)}}}
-	pdc.Name, pdc.Namespace = "c", "ns"
-	cm, err := render.RouterConfigMap(pdc, render.Serving{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, dep := wrappers.RenderRouter(t, wrappers.MakePDCluster("ns", "c").Obj())
 	c := dep.Spec.Template.Spec.Containers[0]
 	i := slices.IndexFunc(c.Ports, func(p corev1.ContainerPort) bool { return p.Name == "metrics" })
 	if got := NewHTTPRouterReader().Port; i < 0 || c.Ports[i].ContainerPort != got || !slices.Contains(c.Args, fmt.Sprintf("--metrics-listen=:%d", got)) {

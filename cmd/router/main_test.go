@@ -31,14 +31,7 @@ import (
 func TestAcceptsTheRenderedArguments(t *testing.T) {
 	pdc := &v1alpha1.PDCluster{Spec: v1alpha1.PDClusterSpec{Router: v1alpha1.RouterSpec{Replicas: ptr.To[int32](1)}}}
 	pdc.Name, pdc.Namespace = "c", "ns"
-	cm, err := render.RouterConfigMap(pdc, render.Serving{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cm, dep := wrappers.RenderRouter(t, pdc)
 	c := dep.Spec.Template.Spec.Containers[0]
 	args := wrappers.ContainerArgs(t, c, "10.244.0.9")
 	o, err := parseFlags(args)

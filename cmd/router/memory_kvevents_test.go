@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -17,7 +16,6 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
@@ -67,28 +65,17 @@ func tokenPromptsMemory(t *testing.T, clients int) {
 
 	peaks := map[routerconfig.RoutingStrategy]int64{}
 	for _, strategy := range []routerconfig.RoutingStrategy{routerconfig.RoutingLeastInFlight, routerconfig.RoutingKVEvents} {
-		reg := bootstrap.NewRegistry()
-		_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", Addr: "tcp://127.0.0.1:1"})
-		boot := httptest.NewServer(reg.Handler())
-		engine := func(hold time.Duration) *httptest.Server {
-			return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				_, _ = io.Copy(io.Discard, r.Body)
-				time.Sleep(hold) // the requests overlap
-				_, _ = io.WriteString(w, `{"choices":[{"text":"ok"}]}`)
-			}))
-		}
-		prefill, decode := engine(0), engine(time.Second)
-		t.Cleanup(func() { boot.Close(); prefill.Close(); decode.Close() })
+		prefill, boot, decode := loadEngines(t)
 		ports, err := sandbox.FreePorts(4)
 		if err != nil {
 			t.Fatal(err)
 		}
 		routing := routerconfig.Routing{Strategy: strategy, LoadSlack: 2}
-		args := []string{"--prefill=" + prefill.URL + "," + boot.URL, "--decode=" + decode.URL, "--memory-limit=" + strconv.Itoa(limit), "--max-body-bytes=" + strconv.Itoa(body+(1<<20))}
+		args := []string{"--prefill=" + prefill + "," + boot, "--decode=" + decode, "--memory-limit=" + strconv.Itoa(limit), "--max-body-bytes=" + strconv.Itoa(body+(1<<20))}
 		var pubs []*kvpublish.Publisher
 		if strategy == routerconfig.RoutingKVEvents {
 			routing.KVEvents = &routerconfig.KVEventsEndpoints{Port: 1, ReplayPort: 2, Topic: "kv"}
-			for i, e := range []string{prefill.URL, decode.URL} {
+			for i, e := range []string{prefill, decode} {
 				at := func(port int) string { return "tcp://127.0.0.1:" + strconv.Itoa(port) }
 				p, err := kvpublish.Listen(at(ports[2*i]), at(ports[2*i+1]), "kv", 0)
 				if err != nil {

@@ -40,19 +40,8 @@ func TestMemoryStaysBoundedUnderLargeBodies(t *testing.T) {
 		body    = 31 << 20
 		clients = 8
 	)
-	reg := bootstrap.NewRegistry()
-	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", Addr: "tcp://127.0.0.1:1"})
-	boot := httptest.NewServer(reg.Handler())
-	engine := func(hold time.Duration) *httptest.Server {
-		return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			_, _ = io.Copy(io.Discard, r.Body)
-			time.Sleep(hold) // the requests overlap
-			_, _ = io.WriteString(w, `{"choices":[{"text":"ok"}]}`)
-		}))
-	}
-	prefill, decode := engine(0), engine(time.Second)
-	t.Cleanup(func() { boot.Close(); prefill.Close(); decode.Close() })
-	url, pid := runRouter(t, "--prefill="+prefill.URL+","+boot.URL, "--decode="+decode.URL,
+	prefill, boot, decode := loadEngines(t)
+	url, pid := runRouter(t, "--prefill="+prefill+","+boot, "--decode="+decode,
 		"--memory-limit="+strconv.Itoa(limit), "--max-body-bytes="+strconv.Itoa(32<<20))
 
 	prompt := `{"prompt":"` + strings.Repeat("a", body) + `"}`
@@ -87,6 +76,26 @@ func TestMemoryStaysBoundedUnderLargeBodies(t *testing.T) {
 	if peak >= limit {
 		t.Errorf("router peak resident memory %d MiB, want under its %d MiB limit", peak>>20, limit>>20)
 	}
+}
+
+// loadEngines are a prefill engine (its URL and its bootstrap server's) and a decode engine
+// for a load test: each reads the whole body, and decode holds each request a second, so that
+// a load's requests overlap.
+func loadEngines(t *testing.T) (prefill, boot, decode string) {
+	t.Helper()
+	reg := bootstrap.NewRegistry()
+	_ = reg.Register(bootstrap.Registration{EngineID: "engine-p", Addr: "tcp://127.0.0.1:1"})
+	b := httptest.NewServer(reg.Handler())
+	engine := func(hold time.Duration) *httptest.Server {
+		return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			time.Sleep(hold)
+			_, _ = io.WriteString(w, `{"choices":[{"text":"ok"}]}`)
+		}))
+	}
+	p, d := engine(0), engine(time.Second)
+	t.Cleanup(func() { b.Close(); p.Close(); d.Close() })
+	return p.URL, b.URL, d.URL
 }
 
 // runRouter starts this test binary as the router (TestMain) with args, listening on a free

@@ -13,12 +13,13 @@ import (
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 	"pdcluster.dev/pdcluster-operator/internal/render"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
 
 // The router's own scheduling and resources come from spec.router; unset, small defaults.
 func TestRouterPodSettings(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
-	_, dep := renderRouter(t, pdc)
+	_, dep := wrappers.RenderRouter(t, pdc)
 	pod := dep.Spec.Template.Spec
 	if got := pod.Containers[0].Resources.Requests.Cpu().String(); got != "2" {
 		t.Errorf("router cpu request %s, want 2 from spec.router.resources", got)
@@ -30,7 +31,7 @@ func TestRouterPodSettings(t *testing.T) {
 		t.Errorf("tolerations %+v", pod.Tolerations)
 	}
 	pdc.Spec.Router = v1alpha1.RouterSpec{}
-	_, dep = renderRouter(t, pdc)
+	_, dep = wrappers.RenderRouter(t, pdc)
 	if got := dep.Spec.Template.Spec.Containers[0].Resources.Requests.Memory().String(); got != "128Mi" {
 		t.Errorf("default router memory request %s, want 128Mi", got)
 	}

@@ -21,21 +21,8 @@ import (
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/router"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+	"pdcluster.dev/pdcluster-operator/test/wrappers"
 )
-
-// renderRouter is the router's ConfigMap and Deployment for pdc.
-func renderRouter(t *testing.T, pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, *appsv1.Deployment) {
-	t.Helper()
-	cm, err := render.RouterConfigMap(pdc, render.Serving{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cm, dep
-}
 
 // loadRouterJSON is cm's router.json as cmd/router loads it from the mount.
 func loadRouterJSON(t *testing.T, cm *corev1.ConfigMap) routerconfig.File {
@@ -67,7 +54,7 @@ func TestRouterReadsTheRenderedConfig(t *testing.T) {
 		t.Run(tc.in+"/"+string(tc.balance), func(t *testing.T) {
 			pdc := load(t, tc.in)
 			pdc.Spec.Router.Balance = tc.balance
-			cm, dep := renderRouter(t, pdc)
+			cm, dep := wrappers.RenderRouter(t, pdc)
 			pod := dep.Spec.Template.Spec
 			c := pod.Containers[0]
 			var path string
@@ -121,7 +108,7 @@ func TestRouterJSONCarriesTheFailurePolicy(t *testing.T) {
 		t.Errorf("the API's default policy %+v is not the router's %+v", got, want)
 	}
 	readBack := func(pdc *v1alpha1.PDCluster) routerconfig.File {
-		cm, _ := renderRouter(t, pdc)
+		cm, _ := wrappers.RenderRouter(t, pdc)
 		return loadRouterJSON(t, cm)
 	}
 	if fc := readBack(pdc); fc.FailurePolicy != nil {
@@ -150,13 +137,13 @@ func TestRouterJSONCarriesTheFailurePolicy(t *testing.T) {
 // model and a prompt of four blocks of words; other modes write no canary.
 func TestRouterJSONCarriesTheCanary(t *testing.T) {
 	pdc := load(t, "testdata/mooncake-rdma.yaml")
-	cm, _ := renderRouter(t, pdc)
+	cm, _ := wrappers.RenderRouter(t, pdc)
 	if fc := loadRouterJSON(t, cm); fc.Canary != nil {
 		t.Errorf("mode %q wrote a canary: %+v", pdc.Spec.KVTransfer.Verification.Mode, *fc.Canary)
 	}
 	pdc.Spec.KVTransfer.Verification.Mode = v1alpha1.KVVerificationCanary
 	pdc.Spec.KVTransfer.Verification.CanaryIntervalSeconds = ptr.To[int32](15)
-	cm, _ = renderRouter(t, pdc)
+	cm, _ = wrappers.RenderRouter(t, pdc)
 	fc := loadRouterJSON(t, cm)
 	served := pdc.Spec.Model.ServedModelName
 	if served == "" {
@@ -193,7 +180,7 @@ func TestRouterKnowsThePrefillDataParallelRanks(t *testing.T) {
 			pdc := load(t, "testdata/mooncake-rdma.yaml")
 			pdc.Spec.Prefill.Parallelism = tc.par
 			pdc.SetDefaults()
-			cm, _ := renderRouter(t, pdc)
+			cm, _ := wrappers.RenderRouter(t, pdc)
 			fc := loadRouterJSON(t, cm)
 			if fc.PrefillDataParallel != tc.want || (tc.want == 0) == strings.Contains(cm.Data[routerconfig.FileName], "prefillDataParallel") {
 				t.Errorf("router.json's prefillDataParallel = %d, want %d (left out at one rank):\n%s", fc.PrefillDataParallel, tc.want, cm.Data[routerconfig.FileName])
@@ -252,7 +239,7 @@ func TestStreamFirstTokenTimeoutFollowsTheModelLength(t *testing.T) {
 			pdc := load(t, "testdata/minimal.yaml")
 			pdc.Spec.Engine.Args, pdc.Spec.Prefill.Args = tc.engine, tc.prefill
 			pdc.Spec.Router.FailurePolicy.FirstTokenTimeoutSeconds = tc.set
-			cm, _ := renderRouter(t, pdc)
+			cm, _ := wrappers.RenderRouter(t, pdc)
 			got := loadRouterJSON(t, cm).Failure()
 			if got.FirstTokenTimeoutSeconds != tc.wantFirst || got.StreamFirstTokenTimeoutSeconds != tc.wantStream {
 				t.Errorf("router.json firstTokenTimeoutSeconds %d, streamFirstTokenTimeoutSeconds %d; want %d and %d",
@@ -294,7 +281,7 @@ func TestRouterRouting(t *testing.T) {
 			pdc := load(t, "testdata/mooncake-rdma.yaml")
 			pdc.Spec.Router.Routing = tc.routing
 			pdc.SetDefaults()
-			cm, _ := renderRouter(t, pdc)
+			cm, _ := wrappers.RenderRouter(t, pdc)
 			fc := loadRouterJSON(t, cm)
 			if d := cmp.Diff(tc.want, fc.Routing); d != "" {
 				t.Errorf("router.json's routing (-want +got):\n%s", d)

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -244,6 +245,21 @@ func (s *Sink) Wait(t testing.TB, n int, what string) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
 	}
+}
+
+// RenderRouter is the router's ConfigMap and Deployment render gives pdc, with the default
+// options.
+func RenderRouter(t testing.TB, pdc *v1alpha1.PDCluster) (*corev1.ConfigMap, *appsv1.Deployment) {
+	t.Helper()
+	cm, err := render.RouterConfigMap(pdc, render.Serving{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dep, err := render.RouterDeployment(pdc, render.DefaultOptions(), cm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cm, dep
 }
 
 // ContainerArgs are c's arguments as the kubelet runs them: each $(VAR) of c's env expanded,
