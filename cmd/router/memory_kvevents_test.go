@@ -3,13 +3,11 @@ package main
 import (
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -112,26 +110,7 @@ func tokenPromptsMemory(t *testing.T, clients int) {
 			}
 		}
 
-		codes := make(chan int, clients)
-		var wg sync.WaitGroup
-		for range clients {
-			wg.Go(func() {
-				resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(prompt))
-				if err != nil {
-					codes <- 0
-					return
-				}
-				_, _ = io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-				codes <- resp.StatusCode
-			})
-		}
-		wg.Wait()
-		close(codes)
-		byCode := map[int]int{}
-		for c := range codes {
-			byCode[c]++
-		}
+		byCode := load(t, url, prompt, clients)
 		if byCode[http.StatusOK] == 0 || byCode[http.StatusOK]+byCode[http.StatusServiceUnavailable] != clients {
 			t.Errorf("%s: answers by status %v: want some served and the rest refused with 503 (no failed connection)", strategy, byCode)
 		}

@@ -45,11 +45,26 @@ func TestMemoryStaysBoundedUnderLargeBodies(t *testing.T) {
 		"--memory-limit="+strconv.Itoa(limit), "--max-body-bytes="+strconv.Itoa(32<<20))
 
 	prompt := `{"prompt":"` + strings.Repeat("a", body) + `"}`
+	byCode := load(t, url, prompt, clients)
+	if byCode[http.StatusOK] == 0 || byCode[http.StatusServiceUnavailable] == 0 || byCode[http.StatusOK]+byCode[http.StatusServiceUnavailable] != clients {
+		t.Errorf("answers by status %v: want some served and the rest refused with 503 (no failed connection)", byCode)
+	}
+	peak := peakRSS(t, pid)
+	t.Logf("router peak resident memory %d MiB of a %d MiB limit; answers by status %v", peak>>20, limit>>20, byCode)
+	if peak >= limit {
+		t.Errorf("router peak resident memory %d MiB, want under its %d MiB limit", peak>>20, limit>>20)
+	}
+}
+
+// load has clients post body to the router at url at once and counts their answers by
+// status (0: no answer); a 503 must say when to retry.
+func load(t *testing.T, url, body string, clients int) map[int]int {
+	t.Helper()
 	codes := make(chan int, clients)
 	var wg sync.WaitGroup
 	for range clients {
 		wg.Go(func() {
-			resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(prompt))
+			resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
 			if err != nil {
 				codes <- 0
 				return
@@ -68,14 +83,7 @@ func TestMemoryStaysBoundedUnderLargeBodies(t *testing.T) {
 	for c := range codes {
 		byCode[c]++
 	}
-	if byCode[http.StatusOK] == 0 || byCode[http.StatusServiceUnavailable] == 0 || byCode[http.StatusOK]+byCode[http.StatusServiceUnavailable] != clients {
-		t.Errorf("answers by status %v: want some served and the rest refused with 503 (no failed connection)", byCode)
-	}
-	peak := peakRSS(t, pid)
-	t.Logf("router peak resident memory %d MiB of a %d MiB limit; answers by status %v", peak>>20, limit>>20, byCode)
-	if peak >= limit {
-		t.Errorf("router peak resident memory %d MiB, want under its %d MiB limit", peak>>20, limit>>20)
-	}
+	return byCode
 }
 
 // loadEngines are a prefill engine (its URL and its bootstrap server's) and a decode engine
