@@ -116,8 +116,8 @@ test: envtest-assets test-plugin ## Unit, golden, connector, plugin, envtest int
 
 # CI's fuzz budget (make test runs it): the KV-event wire from the socket up for FUZZ_WIRE_TIME,
 # each other target for FUZZ_TIME; the inputs found interesting stay in Go's cache.
-FUZZ_WIRE_TIME ?= 60s
-FUZZ_TIME ?= 15s
+FUZZ_WIRE_TIME ?= 2m
+FUZZ_TIME ?= 10s
 
 .PHONY: fuzz
 fuzz: ## Fuzz what hostile peers write: a real KV events follower on loopback (FuzzFollow, FUZZ_WIRE_TIME), the ZMTP reader, the batch decoder and the transfer simulator's event sequences (FUZZ_TIME each).
