@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/http"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
@@ -73,35 +72,6 @@ func deletionCost(pod corev1.Pod) string {
 	return pod.Annotations["controller.kubernetes.io/pod-deletion-cost"]
 }
 
-// loadLoop runs four clients in bounded loops through the router for d, calls during(), and
-// returns how many requests succeeded and why the others failed.
-func (r realNode) loadLoop(d time.Duration, during func()) (ok int, failed []string) {
-	var (
-		mu   sync.Mutex
-		wg   sync.WaitGroup
-		stop = time.Now().Add(d)
-	)
-	for range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for time.Now().Before(stop) {
-				code, n, err := r.complete(words(80), 4)
-				mu.Lock()
-				if err == nil && code == http.StatusOK && n == 4 {
-					ok++
-				} else {
-					failed = append(failed, fmt.Sprintf("%d %v", code, err))
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	during()
-	wg.Wait()
-	return ok, failed
-}
-
 // drainsPrefill is the issue's scale-down run: prefill 2 -> 1 under load from a bounded client
 // loop fails no request, and the pod removed is the idle one (the operator's deletion cost
 // from the held KV sends); a prefill pod deleted while it holds KV keeps it for decode's late
@@ -148,13 +118,15 @@ func (r realNode) drainsPrefill(t *testing.T) {
 		}
 		return nil
 	})
-	ok, failed := r.loadLoop(25*time.Second, func() {
+	end := time.Now().Add(25 * time.Second)
+	ok, failed := r.loadDuring(func() {
 		time.Sleep(2 * time.Second)
 		p := &v1alpha1.PDCluster{}
 		p.Namespace, p.Name = sampleNS, realName
 		if err := r.c.Patch(r.ctx, p, client.RawPatch("application/merge-patch+json", []byte(`{"spec":{"prefill":{"replicas":1}}}`))); err != nil {
 			t.Error(err)
 		}
+		time.Sleep(time.Until(end)) // the load goes on 25 s in all
 	})
 	t.Logf("scale-down 2 -> 1 under load: %d ok, %d failed %v", ok, len(failed), failed)
 	if len(failed) > 0 || ok == 0 {

@@ -10,7 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -104,7 +104,7 @@ func (r realNode) routerKnows(n int) func() error {
 // killOutcome counts the requests of a load loop around a forced delete of a prefill pod.
 type killOutcome struct{ ok, inFlight, late int }
 
-// killPrefillUnderLoad runs four clients in bounded loops through the router's Service, kills
+// killPrefillUnderLoad runs four clients in loops through the router's Service for 20 s, kills
 // the engine of one of the two prefill pods two seconds in (SIGKILL, no drain), force-deletes
 // its pod, and classifies each failed request by whether it was sent before the kill.
 func (r realNode) killPrefillUnderLoad(t *testing.T) killOutcome {
@@ -113,47 +113,33 @@ func (r realNode) killPrefillUnderLoad(t *testing.T) killOutcome {
 	pod := r.pods(v1alpha1.RolePrefill)[0]
 	victim := pod.Name
 	var (
-		mu      sync.Mutex
 		out     killOutcome
-		killed  time.Time
-		wg      sync.WaitGroup
-		stop    = time.Now().Add(20 * time.Second)
-		killAt  = time.Now().Add(2 * time.Second)
+		killed  atomic.Int64 // UnixNano of the kill, 0 before
+		start   = time.Now()
 		reasons = map[string]int{}
 	)
-	for range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for time.Now().Before(stop) {
-				sent := time.Now()
-				code, n, err := r.complete(words(80), 4)
-				mu.Lock()
-				switch {
-				case err == nil && code == 200 && n == 4:
-					out.ok++
-				case killed.IsZero() || sent.Before(killed):
-					out.inFlight++
-					reasons[fmt.Sprintf("in flight: %d %v", code, err)]++
-				default:
-					out.late++
-					reasons[fmt.Sprintf("after the kill: %d %v", code, err)]++
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	time.Sleep(time.Until(killAt))
-	// A hard kill: the engine dies at once (SIGKILL, no drain), then the pod is force-deleted.
-	// The router still lists it until its next resolution of the Service.
-	if err := syscall.Kill(enginePID(t, pod.Status.PodIP), syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	r.run("delete", "pod", "-n", sampleNS, victim, "--grace-period=0", "--force", "--wait=false")
-	mu.Lock()
-	killed = time.Now()
-	mu.Unlock()
-	wg.Wait()
+	r.underLoad(func() {
+		time.Sleep(time.Until(start.Add(2 * time.Second)))
+		// A hard kill: the engine dies at once (SIGKILL, no drain), then the pod is
+		// force-deleted. The router still lists it until its next resolution of the Service.
+		if err := syscall.Kill(enginePID(t, pod.Status.PodIP), syscall.SIGKILL); err != nil {
+			t.Error(err)
+		}
+		r.run("delete", "pod", "-n", sampleNS, victim, "--grace-period=0", "--force", "--wait=false")
+		killed.Store(time.Now().UnixNano())
+		time.Sleep(time.Until(start.Add(20 * time.Second)))
+	}, func(sent time.Time, code, n int, err error) {
+		switch at := killed.Load(); {
+		case err == nil && code == 200 && n == 4:
+			out.ok++
+		case at == 0 || sent.UnixNano() < at:
+			out.inFlight++
+			reasons[fmt.Sprintf("in flight: %d %v", code, err)]++
+		default:
+			out.late++
+			reasons[fmt.Sprintf("after the kill: %d %v", code, err)]++
+		}
+	})
 	var why []string
 	for k, n := range reasons {
 		why = append(why, fmt.Sprintf("%dx %s", n, k))

@@ -18,38 +18,46 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
-// loadDuring runs four clients in loops through the router until during returns, and returns
-// how many requests succeeded and why the others failed.
-func (r realNode) loadDuring(during func()) (ok int, failed []string) {
+// underLoad runs four clients in loops of the same completion through the router until during
+// returns, and gives record each request's outcome (one call at a time): when it was sent, the
+// status, the tokens answered, the error.
+func (r realNode) underLoad(during func(), record func(sent time.Time, code, tokens int, err error)) {
 	var (
 		mu   sync.Mutex
 		wg   sync.WaitGroup
 		stop = make(chan struct{})
 	)
 	for range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			for {
 				select {
 				case <-stop:
 					return
 				default:
 				}
+				sent := time.Now()
 				code, n, err := r.complete(words(80), 4)
 				mu.Lock()
-				if err == nil && code == http.StatusOK && n == 4 {
-					ok++
-				} else {
-					failed = append(failed, fmt.Sprintf("%s %d %v", time.Now().Format(time.TimeOnly), code, err))
-				}
+				record(sent, code, n, err)
 				mu.Unlock()
 			}
-		}()
+		})
 	}
 	during()
 	close(stop)
 	wg.Wait()
+}
+
+// loadDuring is underLoad counting the requests that succeeded and saying why the others
+// failed.
+func (r realNode) loadDuring(during func()) (ok int, failed []string) {
+	r.underLoad(during, func(sent time.Time, code, n int, err error) {
+		if err == nil && code == http.StatusOK && n == 4 {
+			ok++
+		} else {
+			failed = append(failed, fmt.Sprintf("%s %d %v", sent.Format(time.TimeOnly), code, err))
+		}
+	})
 	return ok, failed
 }
 
