@@ -330,7 +330,11 @@ func (v vllmCluster) samples(t *testing.T) {
 		p := v.pods(role)[0]
 		before[p.Name] = restarts(p, "engine")
 	}
-	a, err := openAI(v.router, "/v1/completions", map[string]any{"model": v.model, "prompt": vllmPrompt(42, 70), "max_tokens": 8, "temperature": 1.0})
+	// The first sampled request compiles the sampler (torch.compile, a C++ build): minutes on
+	// two busy cores, past openAI's two.
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	a, err := openAIContext(ctx, v.router, "/v1/completions", map[string]any{"model": v.model, "prompt": vllmPrompt(42, 70), "max_tokens": 8, "temperature": 1.0})
 	if err != nil || a.Status != http.StatusOK || a.Tokens == 0 {
 		t.Errorf("a sampled completion (temperature 1) through the router: %+v %v", a, err)
 	}
