@@ -338,6 +338,8 @@ const (
 
 // reconcileObject applies obj when it is missing or differs; it returns what it did and the
 // object as the cluster now has it (the API server's answer to the apply, or what was read).
+// It reads obj again though the snapshot holds it: a read of the informer's cache, no API
+// call, and the newest the cache has when the apply is decided, not when the reconcile began.
 func (r *PDClusterReconciler) reconcileObject(ctx context.Context, desired client.Object) (applyAction, client.Object, error) {
 	kind := desired.GetObjectKind().GroupVersionKind().Kind // render sets TypeMeta
 	existing, ok := desired.DeepCopyObject().(client.Object)
