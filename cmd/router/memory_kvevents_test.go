@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -11,10 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
-
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
+	"pdcluster.dev/pdcluster-operator/test/realengine"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 )
@@ -131,43 +130,13 @@ func tokenPromptsMemory(t *testing.T, clients int) {
 	}
 }
 
-// scrape sums the router's metric name over the series with labels (name, value pairs).
+// scrape is realengine.Metric (the router's metric name summed over the series with labels),
+// failing the test when it cannot be read.
 func scrape(t *testing.T, url, name string, labels ...string) float64 {
 	t.Helper()
-	resp, err := http.Get(url + "/metrics")
+	v, err := realengine.Metric(context.Background(), url, name, labels...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sum float64
-	f, ok := fams[name]
-	if !ok {
-		return 0
-	}
-series:
-	for _, m := range f.GetMetric() {
-		for i := 0; i+1 < len(labels); i += 2 {
-			found := false
-			for _, l := range m.GetLabel() {
-				if l.GetName() == labels[i] && l.GetValue() == labels[i+1] {
-					found = true
-				}
-			}
-			if !found {
-				continue series
-			}
-		}
-		switch {
-		case m.GetCounter() != nil:
-			sum += m.GetCounter().GetValue()
-		case m.GetGauge() != nil:
-			sum += m.GetGauge().GetValue()
-		}
-	}
-	return sum
+	return v
 }
