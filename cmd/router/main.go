@@ -179,9 +179,9 @@ func main() {
 	if fc.Canary != nil {
 		go r.RunCanary(ctx, *fc.Canary)
 	}
-	// Follows the engines' KV cache events with routing.strategy KVEvents; returns at once
-	// otherwise.
-	go r.RunKVEvents(ctx)
+	// The routing strategy's reads of the engines (KVEvents' publishers); returns at once
+	// for the others.
+	go r.Run(ctx)
 	handler := r.Handler(reg)
 	if o.metricsListen != "" {
 		handler = r.ClientHandler()

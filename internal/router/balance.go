@@ -33,17 +33,13 @@ type picked struct {
 }
 
 // preference ranks a pool's engines for one request by what they hold of its prompt:
-// matched[i] is engine i's leading chunks (prefix.Index.Match). The engine holding most is
+// matched[i] is engine i's leading chunks or blocks (a strategy's score). The engine holding most is
 // picked unless it has more than slack requests in flight above the least loaded engine
 // (consistent hashing with bounded loads: a popular prefix does not pile its requests on one
 // engine); with none held, least-in-flight picks.
 type preference struct {
 	matched []int
 	slack   int
-	// fromEvents is set when matched counts KV blocks the engines' events reported (KVEvents),
-	// blocks being the prompt's full blocks; else matched counts PrefixAware's chunks.
-	fromEvents bool
-	blocks     int
 }
 
 // pick chooses one of n engines; url(i) is engine i's URL, by which requests in flight are

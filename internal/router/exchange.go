@@ -42,12 +42,8 @@ type exchange struct {
 	timedOut atomic.Bool
 	// first is the first attempt's memory (most requests make only one).
 	first attempt
-	// hashes are the prompt's chunk hashes, with PrefixAware routing (prefixaware.go).
-	hashes []uint64
-	// tokens are the prompt's token ids, with KVEvents routing when the prompt is token ids
-	// (kvaware.go); tokensOverBudget when the body budget could not hold them.
-	tokens           []uint32
-	tokensOverBudget bool
+	// scorer is the routing strategy's state of this request (strategy.go).
+	scorer scorer
 }
 
 // attempt is one try of the request on one prefill (none when decodeOnly) and one decode
@@ -273,7 +269,7 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 	var prefillPref *preference
 	if !decodeOnly {
 		prefillURL := func(i int) string { return pools.Prefill[i].URL }
-		pref := x.preference(legPrefill, len(pools.Prefill), prefillURL)
+		pref := x.scorer.score(legPrefill, len(pools.Prefill), prefillURL)
 		pp, ok := r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(avoid), pref)
 		if !ok && x.recheck(legPrefill) {
 			pp, ok = r.prefill.pick(len(pools.Prefill), prefillURL, x.pairablePrefill(x.avoid()), pref)
@@ -284,7 +280,7 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 		}
 		a.pp, a.p = pp, pools.Prefill[pp.index]
 	}
-	pref := x.preference(legDecode, len(pools.Decode), func(i int) string { return pools.Decode[i] })
+	pref := x.scorer.score(legDecode, len(pools.Decode), func(i int) string { return pools.Decode[i] })
 	dp, ok := x.pickDecode(avoid, a.p.URL, pairing, pref)
 	if !ok && x.recheck(legDecode) {
 		dp, ok = x.pickDecode(x.avoid(), a.p.URL, pairing, pref)
@@ -297,9 +293,9 @@ func (x *exchange) newAttempt(decodeOnly bool) (*attempt, *legError) {
 	}
 	a.dp, a.d = dp, pools.Decode[dp.index]
 	if !decodeOnly {
-		x.pickedFor(legPrefill, a.pp, a.p.URL, prefillPref)
+		x.scorer.record(legPrefill, a.pp, a.p.URL, prefillPref)
 	}
-	x.pickedFor(legDecode, a.dp, a.d, pref)
+	x.scorer.record(legDecode, a.dp, a.d, pref)
 	// Only an attempt that can be abandoned gets a context of its own (Mooncake's decode leg
 	// waits while its prefill may fail; the hang budget abandons any): NIXL's legs run one
 	// after the other on the client's.

@@ -104,7 +104,7 @@ func newKVEventsFixture(t *testing.T) *kvEventsFixture {
 		KVEvents: &routerconfig.KVEventsEndpoints{Port: int32(port), ReplayPort: int32(replayPort), Topic: "kv"}}
 	k.f = newPDWith(t, Config{Flow: routerconfig.FlowMooncake, Routing: routing}, k.prefill, k.decode)
 	done := make(chan struct{})
-	go func() { defer close(done); k.f.r.RunKVEvents(ctx) }()
+	go func() { defer close(done); k.f.r.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
 	k.prompt = make([]uint32, 40)
 	for i := range k.prompt {
@@ -140,13 +140,13 @@ func (k *kvEventsFixture) vouch(t *testing.T, prompt []uint32, es ...*testEngine
 	if err != nil {
 		t.Fatal(err)
 	}
-	hashes := k.f.r.prefix.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
+	hashes := kvEventsOf(k.f.r).estimate.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
 	for _, e := range es {
 		l := legDecode
 		if slices.Contains(k.prefill, e) {
 			l = legPrefill
 		}
-		k.f.r.prefix.pools[l].Record(e.url, hashes)
+		kvEventsOf(k.f.r).estimate.pools[l].Record(e.url, hashes)
 	}
 }
 
@@ -235,7 +235,7 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 			t.Fatalf("the router says %v prefill publishers are connected after p0's closed, want 1", f.counter(t, "pdcluster_router_kv_events_connected_publishers", "pool", "prefill"))
 		}
 	}
-	if f.r.kv.follow[legPrefill].Streams()[prefill[0].url].Connected {
+	if kvEventsOf(f.r).follow[legPrefill].Streams()[prefill[0].url].Connected {
 		t.Error("the follower still says p0's publisher is connected")
 	}
 	send(prompt)
@@ -255,7 +255,7 @@ func TestKVEventsRouteToTheEnginesThatHoldThePrompt(t *testing.T) {
 			t.Fatal("the router counted no loss of d1's events")
 		}
 	}
-	if !f.r.kv.follow[legDecode].Streams()[decode[1].url].Connected {
+	if !kvEventsOf(f.r).follow[legDecode].Streams()[decode[1].url].Connected {
 		t.Fatal("d1's follower disconnected: the test wants a loss alone")
 	}
 	send(prompt)
@@ -296,8 +296,8 @@ func TestKVEventsClaimsOnlyWhatTheRouterSent(t *testing.T) {
 	// The router sent p1 the prompt's first two chunks of JSON (128 bytes, "[7000," and 24 more
 	// ids and commas: 25 whole ids): 3 blocks of p1's 5 are vouched for.
 	raw, _ := json.Marshal(k.prompt)
-	hashes := k.f.r.prefix.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
-	k.f.r.prefix.pools[legPrefill].Record(k.prefill[1].url, hashes[:2])
+	hashes := kvEventsOf(k.f.r).estimate.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
+	kvEventsOf(k.f.r).estimate.pools[legPrefill].Record(k.prefill[1].url, hashes[:2])
 	send()
 	if n := k.f.counter(t, "pdcluster_router_kv_events_unvouched_blocks_total", "pool", "prefill"); n != 4*5+2 {
 		t.Errorf("prefill: %v blocks unvouched, want 22 (2 of p1's 5 past the two chunks sent)", n)
@@ -350,15 +350,14 @@ func TestKVEventsEstimateForAnEngineNotFollowedYet(t *testing.T) {
 	k.vouch(t, k.prompt, k.prefill[1])
 	k.publish(t, map[string][]uint32{"p1": k.prompt[:32], "d1": k.prompt[:32], "p0": make([]uint32, 16), "d0": make([]uint32, 16)}, 4+4+2+2)
 	raw, _ := json.Marshal(k.prompt)
-	x := &exchange{r: k.f.r, tokens: k.prompt, body: map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw}}
-	x.hashes = k.f.r.prefix.promptHashes(x.body)
+	q := kvEventsOf(k.f.r).prepare(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw}, func(int64) bool { return true }).(*kvRequest)
 	urls := []string{k.prefill[0].url, k.prefill[1].url}
-	if pref := x.kvPreference(legPrefill, 2, func(i int) string { return urls[i] }); pref == nil || pref.matched[1] != 4 {
+	if pref, _ := q.fromEvents(legPrefill, 2, func(i int) string { return urls[i] }); pref == nil || pref.matched[1] != 4 {
 		t.Fatalf("the followed engines: preference %+v, want p1 matching 4 blocks", pref)
 	}
 	before := k.f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "prefill", "reason", "untrusted")
 	urls = append(urls, "http://127.0.0.13:8000")
-	if pref := x.kvPreference(legPrefill, 3, func(i int) string { return urls[i] }); pref != nil {
+	if pref, _ := q.fromEvents(legPrefill, 3, func(i int) string { return urls[i] }); pref != nil {
 		t.Errorf("with an engine not followed yet: preference %+v, want none (the estimate)", pref)
 	}
 	if n := k.f.counter(t, "pdcluster_router_kv_events_estimated_total", "pool", "prefill", "reason", "untrusted"); n != before+1 {
@@ -378,7 +377,7 @@ func TestEnginesThatLeaveAreForgotten(t *testing.T) {
 	if err := k.f.r.SetPools(Pools{Prefill: stay, Decode: cur.Decode}); err != nil {
 		t.Fatal(err)
 	}
-	follower := k.f.r.kv.follow[legPrefill]
+	follower := kvEventsOf(k.f.r).follow[legPrefill]
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		_, followed := follower.Streams()[k.prefill[0].url]
 		if !followed && k.f.counter(t, "pdcluster_router_kv_events_index_blocks", "pool", "prefill") == 4 {
@@ -389,10 +388,10 @@ func TestEnginesThatLeaveAreForgotten(t *testing.T) {
 		}
 	}
 	raw, _ := json.Marshal(k.prompt)
-	hashes := k.f.r.prefix.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
+	hashes := kvEventsOf(k.f.r).estimate.promptHashes(map[string]json.RawMessage{"model": json.RawMessage(`"m"`), "prompt": raw})
 	sent := make([]int, 2)
 	urls := []string{k.prefill[0].url, k.prefill[1].url}
-	k.f.r.prefix.pools[legPrefill].Match(hashes, func(i int) string { return urls[i] }, sent)
+	kvEventsOf(k.f.r).estimate.pools[legPrefill].Match(hashes, func(i int) string { return urls[i] }, sent)
 	if sent[0] != 0 || sent[1] != len(hashes) {
 		t.Errorf("PrefixAware's record after p0 left: %v chunks of p0, %v of p1; want 0 and %d", sent[0], sent[1], len(hashes))
 	}
@@ -401,7 +400,7 @@ func TestEnginesThatLeaveAreForgotten(t *testing.T) {
 // A data-parallel prefill pod is followed on every rank's publisher, each on its engine's
 // ports plus its rank and keyed by rank (issue 57: following rank 0 alone passed every test).
 func TestKVEventsFollowEveryRankOfAPod(t *testing.T) {
-	k := &kvRouting{endpoints: routerconfig.KVEventsEndpoints{Port: 5557, ReplayPort: 5757}}
+	k := &kvEvents{endpoints: routerconfig.KVEventsEndpoints{Port: 5557, ReplayPort: 5757}}
 	want, ranks := k.sources(&Pools{Prefill: []Prefill{{URL: "http://10.0.0.1:8000", DataParallel: 3}}, Decode: []string{"http://10.0.0.2:8000"}})
 	src := func(key, port, replay string) kvevents.Source {
 		return kvevents.Source{Engine: key, Endpoint: "tcp://" + port, Replay: "tcp://" + replay}
@@ -421,3 +420,6 @@ func TestKVEventsFollowEveryRankOfAPod(t *testing.T) {
 		t.Errorf("index keys by engine (-want +got):\n%s", d)
 	}
 }
+
+// kvEventsOf is r's KVEvents strategy.
+func kvEventsOf(r *Router) *kvEvents { return r.strategy.(*kvEvents) }

@@ -5,6 +5,7 @@
 package router
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/json"
 	"errors"
@@ -137,12 +138,9 @@ type Router struct {
 	// advanced twice per request, would pin every request to the same pair when both pools
 	// have an even size.
 	prefill, decode *balancer
-	// prefix ranks engines by the prompt prefixes they were sent (PrefixAware routing); nil
-	// otherwise.
-	prefix *prefixRouting
-	// kv ranks engines by what their KV events say they hold (KVEvents routing); nil
-	// otherwise.
-	kv *kvRouting
+	// strategy ranks each pool's engines for a request (strategy.go), chosen once by
+	// Config.Routing.
+	strategy strategy
 	// flow runs one request's legs: mooncake or nixl, chosen once by Config.Flow.
 	flow     flowFunc
 	inFlight atomic.Int64
@@ -227,8 +225,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		probeEvery: probeEvery,
 		closed:     make(chan struct{}),
 		canary:     newCanaryState(),
-		prefix:     newPrefixRouting(cfg.Routing),
-		kv:         newKVRouting(cfg.Routing, cfg.KVEventsPorts, cfg.KVIndexBlocks),
+		strategy:   newStrategy(cfg.Routing, cfg.KVEventsPorts, cfg.KVIndexBlocks),
 		metrics: metrics{
 			requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
@@ -275,16 +272,6 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	}
 	r.metrics.prefillLeg, r.metrics.firstToken, r.metrics.request = histograms[0].With(flow), histograms[1].With(flow), histograms[2].With(flow)
 	pairs := pairCounters(&r.metrics.samePairs, &r.metrics.crossPairs)
-	if reg != nil && r.prefix != nil {
-		if err := reg.Register(r.prefix); err != nil {
-			return nil, err
-		}
-	}
-	if reg != nil && r.kv != nil {
-		if err := reg.Register(r.kv); err != nil {
-			return nil, err
-		}
-	}
 	if reg != nil {
 		m := &r.metrics
 		bodyBytes := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -301,7 +288,7 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
 		}, []string{"pool"})
 		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.ejectionsWithheld, m.budgetDenied, m.decodeOnly, m.byRevision, m.registryRefused, m.bodyBudgetRefused, bodyBytes, ejected, poolGauges{r, endpoints, inFlight},
-			histograms[0], histograms[1], histograms[2]}, append(pairs, r.canary.collectors()...)...) {
+			histograms[0], histograms[1], histograms[2]}, slices.Concat(pairs, r.canary.collectors(), r.strategy.collectors())...) {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -370,9 +357,7 @@ func (r *Router) SetPools(p Pools) error {
 		rev := &p.Revisions[i]
 		rev.takes = rev.serves() && (r.cfg.Pairing != routerconfig.PairingRequired || len(rev.pools.pairable) > 0)
 	}
-	if r.prefix != nil {
-		r.prefix.retain(&p)
-	}
+	r.strategy.retain(&p)
 	r.pools.Store(&p)
 	return nil
 }
@@ -450,12 +435,26 @@ func (r *Router) clientRoutes(mux *http.ServeMux) {
 func (r *Router) observerRoutes(mux *http.ServeMux, gatherer prometheus.Gatherer) {
 	mux.HandleFunc("GET "+routerconfig.CanaryPath, r.serveCanary)
 	mux.HandleFunc("GET "+routerconfig.PairsPath, r.servePairs)
-	if r.prefix != nil {
+	if _, ok := r.strategy.routingCounts(); ok {
 		mux.HandleFunc("GET "+routerconfig.RoutingPath, r.serveRouting)
 	}
 	if gatherer != nil {
 		mux.Handle("GET /metrics", promhttp.HandlerFor(gatherer, promhttp.HandlerOpts{}))
 	}
+}
+
+// Run does the router's work in the background until ctx ends: its routing strategy's reads
+// of the engines themselves (KVEvents' publishers).
+func (r *Router) Run(ctx context.Context) {
+	r.strategy.run(ctx, r.pools.Load, r.log)
+}
+
+// serveRouting answers GET /routing: what the picked engines held of the prompts routed since
+// the router started, by pool.
+func (r *Router) serveRouting(w http.ResponseWriter, _ *http.Request) {
+	out, _ := r.strategy.routingCounts()
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(out)
 }
 
 // newID is 128 random bits (base32): a transfer id names the KV a pull takes, so one client's
@@ -538,12 +537,7 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		writeError(sw, http.StatusServiceUnavailable, noPairableDomain)
 		return
 	}
-	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start, firstToken: firstTokenBudget(r.policy, body)}
-	if r.prefix != nil {
-		x.hashes = r.prefix.promptHashes(body)
-	}
-	if r.kv != nil {
-		x.tokens, x.tokensOverBudget = promptTokens(body, in.charge)
-	}
+	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start, firstToken: firstTokenBudget(r.policy, body),
+		scorer: r.strategy.prepare(body, in.charge)}
 	x.run()
 }
