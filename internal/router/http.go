@@ -127,24 +127,6 @@ var (
 	errCommit = errors.New("the attempt was abandoned")
 )
 
-// relay answers the client with decode's answer, if the attempt still may.
-func (a *attempt) relay(resp *http.Response) *legError {
-	err := relay(a.x.w, resp, a)
-	switch {
-	case err == nil:
-		if resp.StatusCode < http.StatusInternalServerError {
-			a.x.r.eject.answered(a.d)
-		}
-		return nil
-	case errors.Is(err, errCommit) || a.ctx.Err() != nil:
-		return a.ended()
-	default:
-		// Decode broke before a byte reached the client: another attempt may serve it.
-		return &legError{leg: legDecode, cause: causeReset, endpoint: a.d, status: http.StatusBadGateway, retriable: true,
-			msg: fmt.Sprintf("decode leg %s: %v", a.d, err)}
-	}
-}
-
 func writeError(w http.ResponseWriter, status int, msg string) {
 	writeTypedError(w, status, "", msg, nil)
 }

@@ -6,34 +6,12 @@ package router
 import (
 	"encoding/json"
 	"net/http"
-	"sync/atomic"
-
-	"github.com/prometheus/client_golang/prometheus"
 
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
-// pairCounters export the pair counts as pdcluster_router_pairs_total{locality}.
-func pairCounters(same, cross *atomic.Int64) []prometheus.Collector {
-	var out []prometheus.Collector
-	for locality, n := range map[string]*atomic.Int64{localitySame: same, localityCross: cross} {
-		out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{
-			Name:        "pdcluster_router_pairs_total",
-			Help:        "Prefill and decode engines paired for a request attempt (spec.scheduling.pairing), by locality: same-domain or cross-domain.",
-			ConstLabels: prometheus.Labels{"locality": locality},
-		}, func() float64 { return float64(n.Load()) }))
-	}
-	return out
-}
-
 // noPairableDomain is the 503 of Required pairing when no domain has both pools.
 const noPairableDomain = "no topology domain has a ready engine in both pools: spec.scheduling.pairing.mode Required sends a request to one domain's prefill and decode, never across two"
-
-// Localities of pdcluster_router_pairs_total.
-const (
-	localitySame  = "same-domain"
-	localityCross = "cross-domain"
-)
 
 // domainsOf marks the domains of p that have an engine in both pools: only those can pair a
 // request within themselves.

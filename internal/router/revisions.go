@@ -8,22 +8,17 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 
-// byRevision counts the requests sent to each KV revision.
-var byRevisionOpts = prometheus.CounterOpts{
-	Name: "pdcluster_router_revision_requests_total",
-	Help: "Requests sent to the engines of each KV revision (a request's prefill and decode always share one).",
-}
-
 // pickRevision chooses the KV revision a request goes to, among those that take one (an engine
 // in both pools; under Required pairing, in one domain), at random weighted by their engines
-// (so traffic follows the ready pods as a rollout moves them), and returns its pools. nil,
-// with the reason, when none does.
-func (r *Router) pickRevision(all *Pools) (*Pools, string) {
+// (so traffic follows the ready pods as a rollout moves them), and returns its pools; without
+// pick, the first that takes one, not counted. nil, with the reason, when none does.
+func (r *Router) pickRevision(all *Pools, pick bool) (*Pools, string) {
+	if i := slices.IndexFunc(all.Revisions, func(rev Revision) bool { return rev.takes }); i >= 0 && !pick {
+		return all.Revisions[i].pools, ""
+	}
 	if len(all.Revisions) == 1 && all.Revisions[0].takes {
 		all.Revisions[0].requests.Inc()
 		return all.Revisions[0].pools, ""

@@ -163,58 +163,43 @@ type Router struct {
 	refusalLogged atomic.Int64
 }
 
-type metrics struct {
-	requests    *prometheus.CounterVec
-	legFailures *prometheus.CounterVec
-	retries     *prometheus.CounterVec
-	ejections   *prometheus.CounterVec
-	// ejectionsWithheld: ejections due but not made, the endpoint being its pool's last.
-	ejectionsWithheld *prometheus.CounterVec
-	budgetDenied      prometheus.Counter
-	decodeOnly        prometheus.Counter
-	byRevision        *prometheus.CounterVec
-	// registryRefused counts entries of prefills' bootstrap registries not used, by reason.
-	registryRefused *prometheus.CounterVec
-	// bodyBudgetRefused counts requests refused because the body budget was spent.
-	bodyBudgetRefused prometheus.Counter
-	// pairs by locality, with pairing: same-domain, cross-domain (GET /pairs and the
-	// pdcluster_router_pairs_total counter read them).
-	samePairs, crossPairs atomic.Int64
-	// Latencies as the router sees them, for its flow: the prefill leg (successful ones),
-	// the first byte of the answer to the client (a stream's first token), the whole request.
-	prefillLeg, firstToken, request prometheus.Observer
+// withDefaults is c with each zero limit at its default, or why c cannot serve.
+func (c Config) withDefaults() (Config, error) {
+	if err := c.Validate(); err != nil {
+		return c, err
+	}
+	if c.PrefillTimeout <= 0 {
+		c.PrefillTimeout = 10 * time.Minute
+	}
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.MaxInFlight <= 0 {
+		c.MaxInFlight = DefaultMaxInFlight
+	}
+	if c.MaxBodyBytesInFlight <= 0 {
+		c.MaxBodyBytesInFlight = DefaultMaxBodyBytesInFlight
+	}
+	if c.MaxBodyBytesInFlight < MinBodyBytesInFlight(c.MaxBodyBytes) {
+		return c, fmt.Errorf("%d bytes of bodies in flight cannot hold one body of the largest size (%d bytes, counted %d times)", c.MaxBodyBytesInFlight, c.MaxBodyBytes, bodyCopies)
+	}
+	if c.UpstreamHeaderTimeout <= 0 {
+		c.UpstreamHeaderTimeout = 10 * time.Minute
+	}
+	if c.Failure == nil {
+		p := DefaultFailurePolicy()
+		c.Failure = &p
+	}
+	return c, nil
 }
-
-// latencyBuckets span 5 ms to 40 s.
-var latencyBuckets = prometheus.ExponentialBuckets(0.005, 2, 14)
 
 // New validates cfg and returns a Router; metrics register on reg.
 func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error) {
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
 		return nil, fmt.Errorf("router: %w", err)
 	}
-	if cfg.PrefillTimeout <= 0 {
-		cfg.PrefillTimeout = 10 * time.Minute
-	}
-	if cfg.MaxBodyBytes <= 0 {
-		cfg.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-	if cfg.MaxInFlight <= 0 {
-		cfg.MaxInFlight = DefaultMaxInFlight
-	}
-	if cfg.MaxBodyBytesInFlight <= 0 {
-		cfg.MaxBodyBytesInFlight = DefaultMaxBodyBytesInFlight
-	}
-	if cfg.MaxBodyBytesInFlight < MinBodyBytesInFlight(cfg.MaxBodyBytes) {
-		return nil, fmt.Errorf("router: %d bytes of bodies in flight cannot hold one body of the largest size (%d bytes, counted %d times)", cfg.MaxBodyBytesInFlight, cfg.MaxBodyBytes, bodyCopies)
-	}
-	if cfg.UpstreamHeaderTimeout <= 0 {
-		cfg.UpstreamHeaderTimeout = 10 * time.Minute
-	}
-	policy := DefaultFailurePolicy()
-	if cfg.Failure != nil {
-		policy = *cfg.Failure
-	}
+	policy := *cfg.Failure
 	boot := bootstrap.NewClient()
 	boot.MaxAge, boot.RefreshAfter = bootstrapMaxAge, bootstrapRefresh
 	clk := clock.RealClock{}
@@ -226,69 +211,10 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 		closed:     make(chan struct{}),
 		canary:     newCanaryState(),
 		strategy:   newStrategy(cfg.Routing, cfg.KVEventsPorts, cfg.KVIndexBlocks),
-		metrics: metrics{
-			requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-				Name: "pdcluster_router_requests_total", Help: "Requests proxied, by flow and HTTP status code.",
-			}, []string{"flow", "code"}),
-			legFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
-				Name: "pdcluster_router_leg_failures_total", Help: "Failed legs, retried or not, by leg (prefill, decode) and cause.",
-			}, []string{"leg", "cause"}),
-			retries: prometheus.NewCounterVec(prometheus.CounterOpts{
-				Name: "pdcluster_router_retries_total", Help: "Attempts retried on another endpoint, by the leg that failed and its cause.",
-			}, []string{"leg", "cause"}),
-			ejections: prometheus.NewCounterVec(prometheus.CounterOpts{
-				Name: "pdcluster_router_ejections_total", Help: "Endpoints ejected after failing, by pool.",
-			}, []string{"pool"}),
-			ejectionsWithheld: prometheus.NewCounterVec(prometheus.CounterOpts{
-				Name: "pdcluster_router_ejections_withheld_total", Help: "Ejections due but not made because the endpoint was the last of its pool not ejected, by pool: it serves on.",
-			}, []string{"pool"}),
-			budgetDenied: prometheus.NewCounter(prometheus.CounterOpts{
-				Name: "pdcluster_router_retries_denied_total", Help: "Retries not made because the router's retry budget (failurePolicy.retryBudgetPercent) was spent.",
-			}),
-			byRevision: prometheus.NewCounterVec(byRevisionOpts, []string{"revision"}),
-			bodyBudgetRefused: prometheus.NewCounter(prometheus.CounterOpts{
-				Name: "pdcluster_router_body_budget_refused_total", Help: "Requests refused with 503 because the router held its limit of request body bytes (--max-body-bytes-in-flight) already.",
-			}),
-			registryRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
-				Name: "pdcluster_router_bootstrap_entries_refused_total",
-				Help: "Entries of a prefill's bootstrap registry the router did not use, counted each time the registry is read, by reason: rank (a data-parallel rank the pod does not run) or address (a worker not on the prefill pod). Above 0, something registered itself in a prefill's registry.",
-			}, []string{"reason"}),
-			decodeOnly: prometheus.NewCounter(prometheus.CounterOpts{
-				Name: "pdcluster_router_decode_only_total", Help: "Requests sent to decode alone, which computes the prompt itself, after prefill could not serve them (onPrefillFailure: DecodeOnly).",
-			}),
-		},
 	}
-	flow := prometheus.Labels{"flow": string(cfg.Flow)}
-	histograms := []*prometheus.HistogramVec{
-		prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "pdcluster_router_prefill_leg_seconds", Help: "Prefill legs that succeeded, from the request's arrival to prefill's answer, by flow.", Buckets: latencyBuckets,
-		}, []string{"flow"}),
-		prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "pdcluster_router_first_token_seconds", Help: "From the request's arrival to the first byte of its answer to the client (a stream's first token; a whole answer otherwise), by flow.", Buckets: latencyBuckets,
-		}, []string{"flow"}),
-		prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "pdcluster_router_request_duration_seconds", Help: "From the request's arrival to the end of its answer, by flow.", Buckets: latencyBuckets,
-		}, []string{"flow"}),
-	}
-	r.metrics.prefillLeg, r.metrics.firstToken, r.metrics.request = histograms[0].With(flow), histograms[1].With(flow), histograms[2].With(flow)
-	pairs := pairCounters(&r.metrics.samePairs, &r.metrics.crossPairs)
+	r.metrics.init(r)
 	if reg != nil {
-		m := &r.metrics
-		bodyBytes := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "pdcluster_router_body_bytes_in_flight", Help: "Bytes of request bodies the router holds now, each counted as often as the router copies it (4): what --max-body-bytes-in-flight bounds.",
-		}, func() float64 { return float64(r.bodies.used.Load()) })
-		ejected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "pdcluster_router_ejected_endpoints", Help: "Endpoints ejected now.",
-		}, func() float64 { return float64(r.eject.count()) })
-		endpoints := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "pdcluster_router_endpoints", Help: "Engines the router knows now, by pool (ejected ones included).",
-		}, []string{"pool"})
-		inFlight := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "pdcluster_router_in_flight_requests",
-			Help: "Requests on each pool's engines now: prefill legs sent and not yet answered; requests on a decode engine until their answer ends. A scaling signal per pool.",
-		}, []string{"pool"})
-		for _, c := range append([]prometheus.Collector{m.requests, m.legFailures, m.retries, m.ejections, m.ejectionsWithheld, m.budgetDenied, m.decodeOnly, m.byRevision, m.registryRefused, m.bodyBudgetRefused, bodyBytes, ejected, poolGauges{r, endpoints, inFlight},
-			histograms[0], histograms[1], histograms[2]}, slices.Concat(pairs, r.canary.collectors(), r.strategy.collectors())...) {
+		for _, c := range slices.Concat(r.metrics.collectors, r.canary.collectors(), r.strategy.collectors()) {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -299,28 +225,6 @@ func New(cfg Config, log logr.Logger, reg prometheus.Registerer) (*Router, error
 	r.bodies.limit = cfg.MaxBodyBytesInFlight
 	boot.Admit = r.admitRegistry
 	return r, nil
-}
-
-// poolGauges collects pdcluster_router_endpoints and pdcluster_router_in_flight_requests at
-// each scrape, from what the request path counts anyway.
-type poolGauges struct {
-	r                   *Router
-	endpoints, inFlight *prometheus.GaugeVec
-}
-
-func (p poolGauges) Describe(ch chan<- *prometheus.Desc) {
-	p.endpoints.Describe(ch)
-	p.inFlight.Describe(ch)
-}
-
-func (p poolGauges) Collect(ch chan<- prometheus.Metric) {
-	pools := p.r.pools.Load()
-	p.endpoints.WithLabelValues(string(legPrefill)).Set(float64(len(pools.Prefill)))
-	p.endpoints.WithLabelValues(string(legDecode)).Set(float64(len(pools.Decode)))
-	p.inFlight.WithLabelValues(string(legPrefill)).Set(float64(p.r.prefillLegs.Load()))
-	p.inFlight.WithLabelValues(string(legDecode)).Set(float64(p.r.decodeLegs.Load()))
-	p.endpoints.Collect(ch)
-	p.inFlight.Collect(ch)
 }
 
 // SetPools replaces the engines requests go to; requests in flight keep theirs.
@@ -362,6 +266,22 @@ func (r *Router) SetPools(p Pools) error {
 	return nil
 }
 
+// servable decides whether the router can serve a request now, for /ready and the proxy
+// alike: the pools a request goes to (all, or with KV revisions one that takes requests,
+// picked and counted when pick is set, else the first), or nil with why not.
+func (r *Router) servable(all *Pools, pick bool) (*Pools, string) {
+	switch {
+	case len(all.Prefill) == 0 || len(all.Decode) == 0:
+		return nil, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(all.Prefill), len(all.Decode))
+	case len(all.Revisions) > 0:
+		// A prefill of one revision and a decode of another serve nothing together.
+		return r.pickRevision(all, pick)
+	case r.cfg.Pairing == routerconfig.PairingRequired && len(all.pairable) == 0:
+		return nil, noPairableDomain
+	}
+	return all, ""
+}
+
 // Handler serves ClientHandler's routes and ObserverHandler's on one port: a router run on its
 // own, or in tests. A rendered router serves them on two (--metrics-listen).
 func (r *Router) Handler(gatherer prometheus.Gatherer) http.Handler {
@@ -392,26 +312,12 @@ func (r *Router) ObserverHandler(gatherer prometheus.Gatherer) http.Handler {
 func (r *Router) clientRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /v1/completions", r.proxy)
 	mux.HandleFunc("POST /v1/chat/completions", r.proxy)
-	// /health is liveness: the process serves. /ready is readiness: it also knows an engine of
-	// each pool, so a Ready PDCluster answers completions instead of 503.
+	// /health is liveness: the process serves. /ready is readiness: it could serve a request
+	// now (servable), so a Ready PDCluster answers completions instead of 503.
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /ready", func(w http.ResponseWriter, _ *http.Request) {
-		pools := r.pools.Load()
-		if len(pools.Prefill) == 0 || len(pools.Decode) == 0 {
-			writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("pools not resolved yet: %d prefill and %d decode engines", len(pools.Prefill), len(pools.Decode)))
-			return
-		}
-		// By KV revision, one with both pools: a prefill of one and a decode of another serve
-		// nothing together.
-		if len(pools.Revisions) > 0 && !slices.ContainsFunc(pools.Revisions, func(rev Revision) bool { return rev.serves() }) {
-			writeError(w, http.StatusServiceUnavailable, "no KV revision has an engine in both pools yet")
-			return
-		}
-		// Under Required pairing, a domain with both pools: within one revision when there are
-		// revisions (engines of two revisions in one rack pair nothing).
-		if r.cfg.Pairing == routerconfig.PairingRequired && (len(pools.Revisions) == 0 && len(pools.pairable) == 0 ||
-			len(pools.Revisions) > 0 && !slices.ContainsFunc(pools.Revisions, func(rev Revision) bool { return rev.takes })) {
-			writeError(w, http.StatusServiceUnavailable, noPairableDomain)
+		if _, why := r.servable(r.pools.Load(), false); why != "" {
+			writeError(w, http.StatusServiceUnavailable, why)
 			return
 		}
 		w.WriteHeader(http.StatusOK)
@@ -522,19 +428,9 @@ func (r *Router) proxy(w http.ResponseWriter, req *http.Request) {
 		writeError(sw, http.StatusBadRequest, fmt.Sprintf("X-Request-Id must be at most %d printable ASCII characters without spaces", maxRequestIDBytes))
 		return
 	}
-	pools := r.pools.Load()
-	if len(pools.Revisions) > 0 {
-		var why string
-		if pools, why = r.pickRevision(pools); pools == nil {
-			writeError(sw, http.StatusServiceUnavailable, why)
-			return
-		}
-	} else if len(pools.Prefill) == 0 || len(pools.Decode) == 0 {
-		writeError(sw, http.StatusServiceUnavailable, fmt.Sprintf("no ready engines: %d prefill, %d decode", len(pools.Prefill), len(pools.Decode)))
-		return
-	}
-	if r.cfg.Pairing == routerconfig.PairingRequired && len(pools.pairable) == 0 {
-		writeError(sw, http.StatusServiceUnavailable, noPairableDomain)
+	pools, why := r.servable(r.pools.Load(), true)
+	if why != "" {
+		writeError(sw, http.StatusServiceUnavailable, why)
 		return
 	}
 	x := &exchange{r: r, w: sw, req: req, body: body, reqID: reqID, pools: pools, start: start, firstToken: firstTokenBudget(r.policy, body),

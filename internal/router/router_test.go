@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -215,45 +216,77 @@ func TestFailuresSayWhy(t *testing.T) {
 // Readiness follows the pools: not ready until an engine of each pool is known (of one KV
 // revision), and not ready again when a pool empties; liveness stays up throughout.
 func TestReadyNeedsAnEngineInEachPool(t *testing.T) {
-	r, err := New(Config{Flow: routerconfig.FlowNIXL}, logr.Discard(), nil)
-	if err != nil {
-		t.Fatal(err)
+	type served struct {
+		r   *Router
+		url string
 	}
-	srv := httptest.NewServer(r.Handler(nil))
-	defer srv.Close()
-	status := func(path string) int {
-		resp, err := http.Get(srv.URL + path)
+	routers := map[routerconfig.PairingMode]served{}
+	for _, mode := range []routerconfig.PairingMode{"", routerconfig.PairingRequired} {
+		r, err := New(Config{Flow: routerconfig.FlowNIXL, Pairing: mode}, logr.Discard(), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		resp.Body.Close()
-		return resp.StatusCode
+		t.Cleanup(r.Close)
+		srv := httptest.NewServer(r.Handler(nil))
+		t.Cleanup(srv.Close)
+		routers[mode] = served{r, srv.URL}
 	}
-	for _, step := range []struct {
-		name        string
-		pools       Pools
-		ready, live int
-	}{
-		{"no pools yet", Pools{}, http.StatusServiceUnavailable, http.StatusOK},
-		{"decode only", Pools{Decode: []string{"http://d"}}, http.StatusServiceUnavailable, http.StatusOK},
-		{"both", Pools{Prefill: []Prefill{{URL: "http://p"}}, Decode: []string{"http://d"}}, http.StatusOK, http.StatusOK},
-		{"prefill gone", Pools{Decode: []string{"http://d"}}, http.StatusServiceUnavailable, http.StatusOK},
-		{"two KV revisions, each with one pool", Pools{Revisions: []Revision{
-			{Name: "a", Prefill: []Prefill{{URL: "http://p"}}}, {Name: "b", Decode: []string{"http://d"}},
-		}}, http.StatusServiceUnavailable, http.StatusOK},
-		{"one KV revision with both", Pools{Revisions: []Revision{
-			{Name: "a", Prefill: []Prefill{{URL: "http://p"}}}, {Name: "b", Prefill: []Prefill{{URL: "http://p2"}}, Decode: []string{"http://d"}},
-		}}, http.StatusOK, http.StatusOK},
-	} {
-		if err := r.SetPools(step.pools); err != nil {
+	get := func(url string) (int, string) {
+		resp, err := http.Get(url)
+		if err != nil {
 			t.Fatal(err)
 		}
-		if got := status("/ready"); got != step.ready {
-			t.Errorf("%s: /ready = %d, want %d", step.name, got, step.ready)
-		}
-		if got := status("/health"); got != step.live {
-			t.Errorf("%s: /health = %d, want %d", step.name, got, step.live)
-		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	// Nothing listens there: a request the router sends on is refused at once.
+	const pURL, p2URL, dURL = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
+	p, d := []Prefill{{URL: pURL}}, []string{dURL}
+	racks := map[string]string{pURL: "rack-a", dURL: "rack-b", p2URL: "rack-b"}
+	for _, step := range []struct {
+		name    string
+		pairing routerconfig.PairingMode
+		pools   Pools
+		ready   int
+	}{
+		{"no pools yet", "", Pools{}, http.StatusServiceUnavailable},
+		{"decode only", "", Pools{Decode: d}, http.StatusServiceUnavailable},
+		{"both", "", Pools{Prefill: p, Decode: d}, http.StatusOK},
+		{"prefill gone", "", Pools{Decode: d}, http.StatusServiceUnavailable},
+		{"two KV revisions, each with one pool", "", Pools{Revisions: []Revision{
+			{Name: "a", Prefill: p}, {Name: "b", Decode: d},
+		}}, http.StatusServiceUnavailable},
+		{"one KV revision with both", "", Pools{Revisions: []Revision{
+			{Name: "a", Prefill: p}, {Name: "b", Prefill: []Prefill{{URL: p2URL}}, Decode: d},
+		}}, http.StatusOK},
+		{"Required pairing, both pools in two racks", routerconfig.PairingRequired, Pools{Prefill: p, Decode: d, Domains: racks}, http.StatusServiceUnavailable},
+		{"Required pairing, a rack with both", routerconfig.PairingRequired, Pools{Prefill: append(slices.Clone(p), Prefill{URL: p2URL}), Decode: d, Domains: racks}, http.StatusOK},
+		{"Required pairing, a KV revision with both in two racks", routerconfig.PairingRequired, Pools{Domains: racks, Revisions: []Revision{
+			{Name: "a", Prefill: p, Decode: d},
+		}}, http.StatusServiceUnavailable},
+	} {
+		t.Run(step.name, func(t *testing.T) {
+			r, base := routers[step.pairing].r, routers[step.pairing].url
+			if err := r.SetPools(step.pools); err != nil {
+				t.Fatal(err)
+			}
+			ready, why := get(base + "/ready")
+			if ready != step.ready {
+				t.Errorf("/ready = %d %s, want %d", ready, why, step.ready)
+			}
+			if code, _ := get(base + "/health"); code != http.StatusOK {
+				t.Errorf("/health = %d, want 200 (liveness)", code)
+			}
+			// The proxy decides as /ready does: refused with the same reason when not ready.
+			code, body := send(t, base, `{"prompt":"x"}`)
+			if ready != http.StatusOK && (code != ready || body != why) {
+				t.Errorf("a completion while /ready says %d %s: %d %s, want the same", ready, why, code, body)
+			}
+			if ready == http.StatusOK && code == http.StatusServiceUnavailable && !strings.Contains(body, "endpoint") {
+				t.Errorf("a completion while /ready says 200: %d %s", code, body)
+			}
+		})
 	}
 }
 
