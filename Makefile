@@ -87,7 +87,11 @@ golden: ## Rewrite the render golden files, and the launched commands of their m
 	$(GO) test ./cmd/connector -run TestLaunchesTheRenderedGroups -update
 
 .PHONY: verify
-verify: generate manifests ## Regenerate and fail if anything changed.
+.PHONY: binaries-doc
+binaries-doc: ## Write docs/binaries.md: every shipped binary's flags, from its own -h.
+	hack/binaries-doc.sh
+
+verify: generate manifests binaries-doc ## Regenerate and fail if anything changed.
 	$(GO) mod tidy
 	gofmt -l . | (! grep .) || (echo "gofmt needed on the files above"; exit 1)
 	@git diff --exit-code -- . || (echo "generated files are stale: run make generate manifests and commit"; exit 1)

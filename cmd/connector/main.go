@@ -45,7 +45,7 @@ func parseFlags(args []string) (sidecar.Config, options, error) {
 	fs := flag.NewFlagSet("connector", flag.ContinueOnError)
 	fs.StringVar(&o.role, "role", "", "kv_producer (prefill) or kv_consumer (decode): labels the logs")
 	fs.StringVar(&o.listen, "listen", "unix:///var/run/pdcluster/agent.sock", "pod-local API the engine's completion gate heartbeats to (and /healthz, /readyz, /metrics, /gate): unix:///path/to/socket or host:port")
-	fs.StringVar(&o.controlListen, "control-listen", "", "the control socket, where `connector drain` (the preStop hook) asks for a drain: on a volume only the sidecar's container mounts, since a drain makes the pod unready (unix:///path/to/socket); empty: no drain")
+	fs.StringVar(&o.controlListen, "control-listen", "", "the control socket, where connector drain (the preStop hook) asks for a drain: on a volume only the sidecar's container mounts, since a drain makes the pod unready (unix:///path/to/socket); empty: no drain")
 	fs.StringVar(&o.publicListen, "public-listen", "", "HTTP address the kubelet, the operator and monitoring reach: /healthz, /readyz, /metrics, /gate (no input is taken there); empty: none")
 	fs.StringVar(&o.bindAddress, "bind-address", "", "IP the public port binds (the operator renders the pod's IP, so no other interface of the pod, such as an RDMA network no NetworkPolicy covers, reaches it); empty: the host of --public-listen")
 	fs.BoolVar(&cfg.Gate.Required, "require-gate", false, "be unready unless the engine's completion gate (the pdgate vLLM plugin) heartbeats on the local API")

@@ -67,7 +67,7 @@ func parseFlags(args []string, getenv func(string) string) (settings, error) {
 	})
 	fs.IntVar(&s.concurrency, "max-concurrent-reconciles", 16, "PDClusters reconciled at once")
 	fs.BoolVar(&s.readPods, "read-pod-reports", true, "read what the pods report into status: each engine pod's connector sidecar (GET http://<pod IP>:8190/gate: the gate's counts, KV-verification evidence, held sends for drain deletion costs) and each router (GET /canary, GET /pairs, GET /routing); false leaves them all out (a cluster whose pods run no sidecar, as kwok's)")
-	fs.BoolFunc("read-gate-status", "deprecated: use --read-pod-reports, which it sets (it always covered the routers' canaries and pair counts too)", func(v string) error {
+	fs.BoolFunc("read-gate-status", "deprecated: use --read-pod-reports, which it sets (it always covered the routers' canaries, pair counts and routing counts too)", func(v string) error {
 		b, err := strconv.ParseBool(v)
 		if err != nil {
 			return err

@@ -27,6 +27,7 @@ var rootFiles = []string{"Makefile", "go.mod", "go.sum", "README.md", "Dockerfil
 // doc is one Markdown file and its code spans.
 type doc struct {
 	path  string
+	text  string
 	spans []string
 }
 
@@ -75,7 +76,7 @@ func readDocs() ([]doc, error) {
 		if err != nil {
 			return nil, err
 		}
-		d := doc{path: strings.TrimPrefix(f, root+"/")}
+		d := doc{path: strings.TrimPrefix(f, root+"/"), text: string(b)}
 		for _, m := range codeSpan.FindAllStringSubmatch(string(b), -1) {
 			d.spans = append(d.spans, m[1])
 		}
@@ -281,6 +282,81 @@ func TestDocsNameExportedMetrics(t *testing.T) {
 			}
 		}
 	}
+}
+
+// Every pdcluster_* metric a shipped package exports is named in the docs: in full, or as a
+// `_suffix` in a paragraph or table row that names its prefix (the docs' shorthand:
+// `pdcluster_router_retries_total`, `_ejections_total`). The other way round from TestDocsNameExportedMetrics: a metric added
+// without a word for whoever reads the dashboards fails here.
+func TestExportedMetricsAreDocumented(t *testing.T) {
+	shipped := func(p string) bool {
+		return strings.HasSuffix(p, ".go") && !strings.HasSuffix(p, "_test.go") &&
+			slices.ContainsFunc([]string{"api/", "controllers/", "connector/", "internal/", "cmd/"}, func(dir string) bool { return strings.HasPrefix(p, dir) })
+	}
+	declared := map[string]bool{}
+	for _, src := range sources(t, shipped) {
+		for _, m := range metricDef.FindAllStringSubmatch(src, -1) {
+			declared[m[1]] = true
+		}
+	}
+	var paragraphs []string
+	for _, d := range docs(t) {
+		paragraphs = append(paragraphs, strings.Split(d.text, "\n\n")...)
+	}
+	atLeast(t, "exported metrics", len(declared), 40)
+	for m := range declared {
+		if !documented(m, paragraphs) {
+			t.Errorf("the metric %s is exported and no doc names it (docs/observability.md lists the metrics)", m)
+		}
+	}
+}
+
+// documented reports whether a paragraph names metric m in full or as a `_suffix` after its
+// prefix.
+func documented(m string, paragraphs []string) bool {
+	for _, l := range paragraphs {
+		if strings.Contains(l, m) {
+			return true
+		}
+		for i := len("pdcluster"); i < len(m); i++ {
+			if m[i] == '_' && strings.Contains(l, "`"+m[i:]+"`") && strings.Contains(l, m[:i]+"_") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+var (
+	goFlagLine    = regexp.MustCompile(`^  -([a-z][a-z0-9-]*)(?: (.+))?$`)
+	cobraFlagLine = regexp.MustCompile(`^ +(?:-[a-z], )?--([a-z][a-z0-9-]*)(?: ([a-zA-Z0-9]+))?(?: {2,}|$)`)
+	flagTypes     = []string{"string", "int", "int32", "int64", "uint", "uint64", "float", "float64", "duration", "value", "strings", "stringArray"}
+)
+
+// Every flag in docs/binaries.md (each binary's own -h) shows its type, or none for a boolean:
+// the flag package takes a back-quoted word of the help text for the argument's name, so a
+// usage that quotes a command in back quotes tells the user the flag takes that command
+// (connector's --control-listen said "-control-listen connector drain").
+func TestBinaryFlagsShowTheirType(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join(root, "docs", "binaries.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	checked := 0
+	for _, l := range strings.Split(string(b), "\n") {
+		m := goFlagLine.FindStringSubmatch(l)
+		if m == nil {
+			m = cobraFlagLine.FindStringSubmatch(l)
+		}
+		if m == nil {
+			continue
+		}
+		checked++
+		if m[2] != "" && !slices.Contains(flagTypes, m[2]) {
+			t.Errorf("docs/binaries.md: the flag --%s shows %q where its type goes: a back-quoted word in its usage?", m[1], m[2])
+		}
+	}
+	atLeast(t, "flags in docs/binaries.md", checked, 60)
 }
 
 // atLeast fails a check that found fewer names than the docs hold: a pattern that stopped
