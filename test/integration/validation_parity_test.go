@@ -105,6 +105,12 @@ var parityCases = []struct{ name, patch string }{
 	{"a mount over the operator's", `{"spec":{"engine":{"pod":{"volumeMounts":[{"name":"x","mountPath":"/models"}]}}}}`},
 	{"topology spread without a key", `{"spec":{"engine":{"pod":{"topologySpreadConstraints":[{"maxSkew":1,"whenUnsatisfiable":"DoNotSchedule"}]}}}}`},
 	{"both cache kinds", `{"spec":{"model":{"huggingFace":{"cacheClaimName":"hf","cacheSizeLimit":"10Gi"}}}}`},
+	// The routing rules: each of the five CEL rules on spec.router.routing and what it needs.
+	{"prefix routing with round-robin balance", `{"spec":{"router":{"balance":"round-robin","routing":{"strategy":"PrefixAware"}}}}`},
+	{"prefixAware tuning without its strategy", `{"spec":{"router":{"routing":{"strategy":"LeastInFlight","prefixAware":{"maxChunks":8}}}}}`},
+	{"kvEvents tuning with PrefixAware", `{"spec":{"router":{"routing":{"strategy":"PrefixAware","kvEvents":{"blocksPerEngine":2048}}}}}`},
+	{"KVEvents without prefix caching", `{"spec":{"engine":{"enablePrefixCaching":false},"router":{"routing":{"strategy":"KVEvents"}}}}`},
+	{"KVEvents with a replica across pods", `{"spec":{"decode":{"parallelism":{"tensor":2,"nodes":2}},"router":{"routing":{"strategy":"KVEvents"}}}}`},
 }
 
 func longString(n int) string {
