@@ -45,7 +45,7 @@ func TestShippedBinariesLinkOnlyWhatTheyShip(t *testing.T) {
 	}{
 		{"cmd/manager", []string{"test", "connector", "internal/router", "internal/pdctl"}, nil},
 		{"cmd/pdctl", []string{"test", "connector", "internal/router", "controllers"}, nil},
-		{"cmd/connector", []string{"test", "internal", "controllers", "connector/bootstrap", "api"}, noAPI},
+		{"cmd/connector", []string{"test", "internal", "controllers", "api"}, noAPI},
 		{"cmd/router", []string{"test", "internal/render", "internal/validation", "controllers", "connector/sidecar", "api"}, noAPI},
 	}
 	for _, tc := range cases {
@@ -72,5 +72,29 @@ func TestShippedBinariesLinkOnlyWhatTheyShip(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// connector/ is what runs in the engine pods beside vLLM (the gate plugin, the sidecar, the
+// launcher): it links nothing of internal/, which the operator and the router share, nor the
+// operator's or the tests' packages.
+func TestConnectorPackagesLinkNoneOfInternal(t *testing.T) {
+	out, err := exec.Command("go", "list", module+"/connector/...").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list connector/...: %v\n%s", err, out)
+	}
+	pkgs := strings.Fields(string(out))
+	if len(pkgs) < 4 {
+		t.Fatalf("go list connector/... found %v: packages are missing", pkgs)
+	}
+	for _, pkg := range pkgs {
+		linked, _ := deps(t, strings.TrimPrefix(pkg, module+"/"))
+		for _, p := range linked {
+			for _, f := range []string{"internal", "controllers", "test"} {
+				if under(p, f) {
+					t.Errorf("%s links %s (forbidden: %s)", pkg, p, f)
+				}
+			}
+		}
 	}
 }

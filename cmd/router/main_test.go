@@ -18,7 +18,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 	"pdcluster.dev/pdcluster-operator/internal/router"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"

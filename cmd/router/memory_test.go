@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 )
 

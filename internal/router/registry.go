@@ -11,7 +11,7 @@ import (
 	"strings"
 	"time"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 )
 
 // Reasons an entry of a bootstrap registry is refused (pdcluster_router_bootstrap_entries_refused_total).

@@ -6,7 +6,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 )
 
 func TestAdmitTopology(t *testing.T) {

@@ -18,7 +18,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/routerconfig"
 )
 

@@ -21,8 +21,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/internal/render"
 )
 

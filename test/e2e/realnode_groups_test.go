@@ -23,8 +23,8 @@ import (
 	"github.com/prometheus/common/model"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 )
 
 // The sample of a replica across pods on the real node (what `make run` shows with

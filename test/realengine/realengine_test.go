@@ -16,10 +16,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/controllers"
 	"pdcluster.dev/pdcluster-operator/controllers/kvverify"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 )
 
 // Releases whose Mooncake worker reports a pull with no local block as finished receiving, so

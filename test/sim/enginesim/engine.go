@@ -18,8 +18,8 @@ import (
 
 	"github.com/go-logr/logr"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"

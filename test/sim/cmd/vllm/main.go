@@ -56,9 +56,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/enginesim"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvpublish"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agent"

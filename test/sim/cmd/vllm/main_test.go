@@ -17,10 +17,10 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
 	connsidecar "pdcluster.dev/pdcluster-operator/connector/sidecar"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 	"pdcluster.dev/pdcluster-operator/test/sim/vllmcli"
 )

@@ -20,8 +20,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/localapi"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"

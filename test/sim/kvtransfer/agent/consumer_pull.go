@@ -14,7 +14,7 @@ import (
 	"syscall"
 	"time"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 )

@@ -14,8 +14,8 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/kvfile"
 )
 

@@ -15,8 +15,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 )
 

@@ -11,7 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"pdcluster.dev/pdcluster-operator/connector/bootstrap"
+	"pdcluster.dev/pdcluster-operator/internal/bootstrap"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer"
 	"pdcluster.dev/pdcluster-operator/test/sim/kvtransfer/agentapi"
 )
