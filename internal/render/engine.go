@@ -60,7 +60,7 @@ func engineArgs(pdc *v1alpha1.PDCluster, role v1alpha1.Role) ([]string, error) {
 		served = spec.Model.Path
 	}
 	args := []string{
-		"serve", ModelArg(spec.Model),
+		"serve", modelArg(spec.Model),
 		"--served-model-name", served,
 		"--host", "0.0.0.0",
 		"--port", strconv.Itoa(int(vllm.APIPort)),

@@ -30,17 +30,17 @@ const (
 	maxGroupSetName = 44
 )
 
-// MultiNode reports whether role's replicas span pods (spec.<pool>.parallelism.nodes > 1).
-func MultiNode(pdc *v1alpha1.PDCluster, role v1alpha1.Role) bool {
+// multiNode reports whether role's replicas span pods (spec.<pool>.parallelism.nodes > 1).
+func multiNode(pdc *v1alpha1.PDCluster, role v1alpha1.Role) bool {
 	return ptr.Deref(pool(pdc, role).Parallelism.Nodes, 1) > 1
 }
 
-// PodDataParallel is how many data-parallel ranks each pod of a pool runs (vLLM runs an
+// podDataParallel is how many data-parallel ranks each pod of a pool runs (vLLM runs an
 // EngineCore, with its scheduler and completion gate, per rank): the replica's data, split
 // over its pods when it spans nodes. There vLLM's hybrid load balancing counts a pod's ranks
 // from 0 (local_engines_only): its bootstrap registry, its gates' reports and the
 // X-data-parallel-rank it takes.
-func PodDataParallel(p v1alpha1.Parallelism) int32 {
+func podDataParallel(p v1alpha1.Parallelism) int32 {
 	return max(ptr.Deref(p.Data, 1)/ptr.Deref(p.Nodes, 1), 1)
 }
 
@@ -53,11 +53,11 @@ const (
 )
 
 // Layout is how a replica spreads over its pods, in `connector launch`'s words: with
-// data-parallel ranks, each pod runs and serves PodDataParallel of them (vLLM's hybrid load
+// data-parallel ranks, each pod runs and serves podDataParallel of them (vLLM's hybrid load
 // balancing); without, the model is sharded across the pods and only the leader serves.
 func Layout(p v1alpha1.Parallelism) (layout string, localRanks int32, port int32) {
 	if ptr.Deref(p.Data, 1) > 1 {
-		return layoutDataParallel, PodDataParallel(p), vllm.DataParallelRPCPort
+		return layoutDataParallel, podDataParallel(p), vllm.DataParallelRPCPort
 	}
 	return layoutModel, 0, vllm.MasterPort
 }
@@ -66,7 +66,7 @@ func Layout(p v1alpha1.Parallelism) (layout string, localRanks int32, port int32
 // scheduler, its completion gate, and the router's traffic); the others are headless workers.
 func leaderServesAlone(pdc *v1alpha1.PDCluster, role v1alpha1.Role) bool {
 	layout, _, _ := Layout(pool(pdc, role).Parallelism)
-	return MultiNode(pdc, role) && layout == layoutModel
+	return multiNode(pdc, role) && layout == layoutModel
 }
 
 // GroupSetName is the name of the LeaderWorkerSet whose serving pods the headless Service

@@ -19,9 +19,9 @@ const (
 	HFHome      = "/var/cache/huggingface"
 )
 
-// ModelArg is the model `vllm serve` loads: the directory inside the mounted weights for a pvc
+// modelArg is the model `vllm serve` loads: the directory inside the mounted weights for a pvc
 // or hostPath source, else path as given (a Hugging Face id or a path in the image).
-func ModelArg(m v1alpha1.ModelSpec) string {
+func modelArg(m v1alpha1.ModelSpec) string {
 	if m.PVC != nil || m.HostPath != nil {
 		return path.Join(ModelDir, m.Path)
 	}

@@ -15,9 +15,9 @@ import (
 	"pdcluster.dev/pdcluster-operator/connector/vllm"
 )
 
-// NetworkPoliciesEnabled reports whether spec.networkPolicy asks for the NetworkPolicies.
+// networkPoliciesEnabled reports whether spec.networkPolicy asks for the NetworkPolicies.
 // Unset reads as true on an undefaulted copy too: isolation ends only where a user said so.
-func NetworkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
+func networkPoliciesEnabled(pdc *v1alpha1.PDCluster) bool {
 	return ptr.Deref(pdc.Spec.NetworkPolicy.Enabled, true)
 }
 
@@ -54,7 +54,7 @@ func NetworkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.Netw
 
 // networkPolicies is NetworkPolicies of a defaulted PDCluster.
 func networkPolicies(pdc *v1alpha1.PDCluster, opts Options) []*networkingv1.NetworkPolicy {
-	if !NetworkPoliciesEnabled(pdc) {
+	if !networkPoliciesEnabled(pdc) {
 		return nil
 	}
 	np := pdc.Spec.NetworkPolicy

@@ -16,7 +16,7 @@ import (
 // Gangs reports whether role's replicas are gangs: they span pods, spec.scheduling.gang is
 // Auto, and the cluster serves PodGroups (servesPodGroups).
 func Gangs(pdc *v1alpha1.PDCluster, role v1alpha1.Role, servesPodGroups bool) bool {
-	return servesPodGroups && MultiNode(pdc, role) && pdc.Spec.Scheduling.Gang != v1alpha1.GangNone
+	return servesPodGroups && multiNode(pdc, role) && pdc.Spec.Scheduling.Gang != v1alpha1.GangNone
 }
 
 // GroupName names the objects of group index group of the LeaderWorkerSet groupSet: its

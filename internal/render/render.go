@@ -101,7 +101,7 @@ func (e *SpecError) Unwrap() error { return e.Err }
 func MultiNodePools(pdc *v1alpha1.PDCluster) []string {
 	var out []string
 	for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-		if MultiNode(pdc, role) {
+		if multiNode(pdc, role) {
 			out = append(out, fmt.Sprintf("spec.%s.parallelism.nodes is %d", role, *pool(pdc, role).Parallelism.Nodes))
 		}
 	}
@@ -163,7 +163,7 @@ func (p *Prepared) Objects(opts Options, serving Serving, router RouterObjects) 
 			}
 		}
 		var engines []Object
-		if MultiNode(pdc, role) {
+		if multiNode(pdc, role) {
 			lws, err := engineGroupSet(pdc, opts, role, rev, name, replicas)
 			if err != nil {
 				return nil, fmt.Errorf("render %s pool: %w", role, err)
@@ -173,7 +173,7 @@ func (p *Prepared) Objects(opts Options, serving Serving, router RouterObjects) 
 				joinGang(lws)
 				engines = append(engines, gangs(pdc, lws)...)
 			}
-			if NetworkPoliciesEnabled(pdc) {
+			if networkPoliciesEnabled(pdc) {
 				engines = append(engines, groupPolicies(pdc, role, lws)...)
 			}
 		} else {

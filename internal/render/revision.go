@@ -49,7 +49,7 @@ func KVRevision(pdc *v1alpha1.PDCluster) (string, error) {
 func kvRevision(pdc *v1alpha1.PDCluster) (string, error) {
 	spec := pdc.Spec
 	in := kvRevisionInputs{
-		Model:     ModelArg(spec.Model),
+		Model:     modelArg(spec.Model),
 		Revision:  spec.Model.Revision,
 		BlockSize: *spec.Engine.BlockSize,
 	}

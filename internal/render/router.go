@@ -42,7 +42,7 @@ func routerConfigMap(pdc *v1alpha1.PDCluster, serving Serving, rev string) (*cor
 		DecodeHost:  ServiceHost(pdc.Namespace, EngineObjectName(pdc.Name, v1alpha1.RoleDecode, rev, !serving.Suffixed)),
 	}
 	// Written only past one rank, the router's default: router.json stays as it was.
-	if d := PodDataParallel(pool(pdc, v1alpha1.RolePrefill).Parallelism); d > 1 {
+	if d := podDataParallel(pool(pdc, v1alpha1.RolePrefill).Parallelism); d > 1 {
 		update.PrefillDataParallel = d
 	}
 	cfg := routerconfig.File{
@@ -104,7 +104,7 @@ func routerConfigMap(pdc *v1alpha1.PDCluster, serving Serving, rev string) (*cor
 
 // DataParallelOf is how many data-parallel ranks a rendered engine pod runs (0 when one, as
 // vLLM's default): its engine's --data-parallel-size, or on a pod of a replica across pods
-// the launcher's --local-ranks (PodDataParallel). router.json names an older revision's from
+// the launcher's --local-ranks (podDataParallel). router.json names an older revision's from
 // its Deployment's or LeaderWorkerSet's pods.
 func DataParallelOf(pod *corev1.PodSpec) int32 {
 	for _, c := range pod.Containers {

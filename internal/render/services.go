@@ -11,16 +11,12 @@ import (
 	v1alpha1 "pdcluster.dev/pdcluster-operator/api/v1alpha1"
 )
 
-// EngineService is the headless Service, named name, of a pool's engines of KV revision rev:
-// the router needs each pod's address (the Mooncake bootstrap server runs per prefill pod), not
-// a load-balanced VIP, and only the pods of one revision behind one name, so that it never
-// pairs a prefill and a decode of two. Of a pool whose replicas span pods, it selects the pods
-// that serve: every pod with data-parallel ranks, the leaders of a sharded model.
-func EngineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string) *corev1.Service {
-	return engineService(defaulted(pdc), role, rev, name)
-}
-
-// engineService is EngineService of a defaulted PDCluster.
+// engineService is the headless Service, named name, of a pool's engines of KV revision rev
+// (pdc defaulted): the router needs each pod's address (the Mooncake bootstrap server runs per
+// prefill pod), not a load-balanced VIP, and only the pods of one revision behind one name, so
+// that it never pairs a prefill and a decode of two. Of a pool whose replicas span pods, it
+// selects the pods that serve: every pod with data-parallel ranks, the leaders of a sharded
+// model.
 func engineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string) *corev1.Service {
 	// Every port the pod's containers declare, under the same name: the pods are reached by
 	// their own addresses, so the Service publishes the set for discovery and DNS SRV records.
@@ -49,12 +45,7 @@ func engineService(pdc *v1alpha1.PDCluster, role v1alpha1.Role, rev, name string
 	}
 }
 
-// RouterService is the client-facing OpenAI endpoint of the cluster.
-func RouterService(pdc *v1alpha1.PDCluster) *corev1.Service {
-	return routerService(defaulted(pdc))
-}
-
-// routerService is RouterService of a defaulted PDCluster.
+// routerService is the client-facing OpenAI endpoint of the cluster (pdc defaulted).
 func routerService(pdc *v1alpha1.PDCluster) *corev1.Service {
 	return &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},

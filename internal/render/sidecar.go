@@ -48,7 +48,7 @@ func connectorContainerOf(pdc *v1alpha1.PDCluster, opts Options, role v1alpha1.R
 		// vLLM runs one EngineCore, and so one gate, per data-parallel rank of the pod (of a
 		// replica across pods, each pod runs data/nodes): the sidecar waits for each and
 		// refuses a rank the pod does not run.
-		if dp := PodDataParallel(pool(pdc, role).Parallelism); dp > 1 {
+		if dp := podDataParallel(pool(pdc, role).Parallelism); dp > 1 {
 			args = append(args, fmt.Sprintf("--gate-ranks=%d", dp))
 		}
 	}
