@@ -152,7 +152,7 @@ e2e: envtest-assets ## End-to-end tests only, on a local cluster of their own.
 
 .PHONY: bench
 bench: envtest-assets build ## Every benchmark, each figure against a reference measured in the same run: one table (docs/performance.md).
-	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(REALENGINE_ENV) $(GO) run ./hack/bench -log bin/bench.log
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" PDCLUSTER_VLLM_ROUTER="$$(hack/vllm-router-venv.sh)" $(REALENGINE_ENV) $(GO) run ./hack/bench -log bin/bench.log
 
 .PHONY: help
 help:

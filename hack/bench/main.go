@@ -89,6 +89,14 @@ var rows = func() []row {
 			row{suite: "router", figure: "whole path CPU, ms/request, " + c + " client(s)", project: p, reference: r, metric: "path-cpu-ms/req"},
 			row{suite: "router", figure: "errors, " + c + " client(s)", project: p, reference: r, metric: "errors", difference: true, target: "0", met: func(p, _ float64) bool { return p == 0 }},
 		)
+		// Beside vLLM's own router (vllm-router, P/D mode) in front of the same engines.
+		v := "BenchmarkRouter/clients=" + c + "/vllm-router"
+		rs = append(rs,
+			row{suite: "router", figure: "router CPU vs vllm-router, ms/request, " + c + " client(s)", project: p, reference: v, metric: "cpu-ms/req", target: "< 1x", met: ratioAtMost(0.9999)},
+			row{suite: "router", figure: "router p50 vs vllm-router, ms, " + c + " client(s)", project: p, reference: v, metric: "p50-ms", difference: true},
+			row{suite: "router", figure: "router p99 vs vllm-router, ms, " + c + " client(s)", project: p, reference: v, metric: "p99-ms", difference: true},
+			row{suite: "router", figure: "vllm-router errors, " + c + " client(s)", project: v, reference: v, metric: "errors", target: "0", met: func(p, _ float64) bool { return p == 0 }, withoutReferenceRow: true},
+		)
 	}
 	for _, c := range []string{"1", "4"} {
 		p, r := "BenchmarkRouterRealEngines/clients="+c+"/project", "BenchmarkRouterRealEngines/clients="+c+"/reference"

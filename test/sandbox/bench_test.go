@@ -1,16 +1,21 @@
 package sandbox_test
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"pdcluster.dev/pdcluster-operator/connector/vllm"
 	"pdcluster.dev/pdcluster-operator/test/loadgen"
 	"pdcluster.dev/pdcluster-operator/test/sim/sandbox"
 )
@@ -49,7 +54,26 @@ func BenchmarkRouter(b *testing.B) {
 	for _, n := range append(slices.Clone(box.state.Prefill), box.state.Decode...) {
 		allPIDs = append(allPIDs, n.SidecarPID, n.EnginePID)
 	}
+	// vLLM's own router (make bench installs it: hack/vllm-router-venv.sh) in front of the same
+	// engines: what a vLLM user would run instead.
+	vllmRouter, vllmRouterPID := "", 0
+	if cmd := os.Getenv("PDCLUSTER_VLLM_ROUTER"); cmd != "" {
+		vllmRouter, vllmRouterPID = startVLLMRouter(b, cmd, box.state)
+	}
 	for _, clients := range []int{1, 8, 64} {
+		b.Run(fmt.Sprintf("clients=%d/vllm-router", clients), func(b *testing.B) {
+			if vllmRouter == "" {
+				b.Skip("PDCLUSTER_VLLM_ROUTER is not set: make bench sets it to vllm-router's command (hack/vllm-router-venv.sh)")
+			}
+			before := promptSources(b, box.state.Decode)
+			load(b, vllmRouter, clients, map[string][]int{"cpu-ms/req": {vllmRouterPID}})
+			// A fair comparison only if vllm-router's requests are P/D too: decode takes the
+			// prompt from prefill's KV, never computes it.
+			after := promptSources(b, box.state.Decode)
+			if local := after.LocalComputeTokens - before.LocalComputeTokens; local > 0 || after.ExternalKVTokens <= before.ExternalKVTokens {
+				b.Errorf("through vllm-router, decode computed %v prompt tokens itself and took %v from prefill: want none computed", local, after.ExternalKVTokens-before.ExternalKVTokens)
+			}
+		})
 		b.Run(fmt.Sprintf("clients=%d/project", clients), func(b *testing.B) {
 			pids := func(nodes []sandbox.Node) []int {
 				var out []int
@@ -97,6 +121,71 @@ func BenchmarkPrefixRouting(b *testing.B) {
 			load(b, box.state.Router, 8, map[string][]int{"cpu-ms/req": {box.state.RouterPID}})
 		})
 	}
+}
+
+// startVLLMRouter runs vllm-router (command) in P/D mode in front of the sandbox's engines:
+// Mooncake (its --kv-connector mooncake: it reads each prefill's engine id from its bootstrap
+// server once, then runs prefill and decode one after the other), round robin in each pool as
+// our router's reference balance, and returns its URL and process id (one process: the Python
+// launcher loads the Rust router).
+func startVLLMRouter(b *testing.B, command string, state sandbox.State) (string, int) {
+	b.Helper()
+	addr, metrics := freeAddr(b), freeAddr(b)
+	host, port, _ := strings.Cut(addr, ":")
+	_, metricsPort, _ := strings.Cut(metrics, ":")
+	args := []string{"--vllm-pd-disaggregation", "--kv-connector", "mooncake", "--policy", "round_robin",
+		"--host", host, "--port", port, "--prometheus-port", metricsPort, "--worker-startup-check-interval", "1"}
+	for _, n := range state.Prefill {
+		u, err := url.Parse(n.Bootstrap)
+		if err != nil {
+			b.Fatal(err)
+		}
+		args = append(args, "--prefill", n.Engine, u.Port())
+	}
+	for _, n := range state.Decode {
+		args = append(args, "--decode", n.Engine)
+	}
+	cmd := exec.Command(command, args...)
+	var logs bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = cmd.Process.Signal(syscall.SIGTERM); _ = cmd.Wait() })
+	base := "http://" + addr
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if resp, err := http.Get(base + "/health"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("vllm-router did not answer /health within a minute: %s", tail(logs.String(), 3000))
+		}
+	}
+	return base, cmd.Process.Pid
+}
+
+// promptSources sums the engines' vllm:prompt_tokens_by_source_total by source.
+func promptSources(b *testing.B, nodes []sandbox.Node) vllm.EngineStats {
+	b.Helper()
+	var sum vllm.EngineStats
+	for _, n := range nodes {
+		resp, err := http.Get(n.Engine + "/metrics")
+		if err != nil {
+			b.Fatal(err)
+		}
+		st, err := vllm.ParseEngineMetrics(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			b.Fatal(err)
+		}
+		sum.ExternalKVTokens += st.ExternalKVTokens
+		sum.LocalComputeTokens += st.LocalComputeTokens
+	}
+	return sum
 }
 
 func startPlainProxy(b *testing.B, backends []string) (string, int) {
