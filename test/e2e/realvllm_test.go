@@ -126,8 +126,11 @@ func TestRealVLLMPods(t *testing.T) {
 		t.Fatalf("%s runs %s: this test expects vLLM %s's CPU image", vllmSample, pdc.Spec.Engine.Image, vllmVersion)
 	}
 	// Beside the stand-in sample of the same name: a namespace of its own, the image from the
-	// registry e2e.sh pushed it to.
+	// registry e2e.sh pushed it to. Routed by the engines' KV events from the start (the KVEvents
+	// claims below; a text prompt or a chat is routed by the estimate, P/D all the same): a
+	// rollout of both real engines to turn it on later cost minutes of the two cores.
 	pdc.Namespace, pdc.Spec.Engine.Image = vllmNS, image
+	pdc.Spec.Router.Routing.Strategy = v1alpha1.RoutingKVEvents
 	e.namespace(vllmNS)
 	if err := e.c.Create(e.ctx, &pdc); err != nil {
 		t.Fatal(err)
@@ -229,19 +232,11 @@ func TestRealVLLMPods(t *testing.T) {
 	// engines bind --kv-events-config's wildcard in their pods), so a token-id prompt served
 	// once is found whole in both pools' indexes the second time; a pod that is no engine or
 	// router of this PDCluster cannot reach the publishers.
-	e.patchNamed(vllmNS, name, `{"router":{"routing":{"strategy":"`+string(v1alpha1.RoutingKVEvents)+`"}}}`)
-	e.eventuallyWithin("the engines restarted with their KV events publishers, Ready", 10*time.Minute, func() error {
-		if err := v.settled(); err != nil {
-			return err
+	for _, pod := range []corev1.Pod{prefill, decode} {
+		if !slices.Contains(pod.Spec.Containers[0].Args, "--kv-events-config") {
+			t.Fatalf("the engine %s runs without --kv-events-config", pod.Name)
 		}
-		for _, role := range []v1alpha1.Role{v1alpha1.RolePrefill, v1alpha1.RoleDecode} {
-			if pod := pods(role)[0]; !slices.Contains(pod.Spec.Containers[0].Args, "--kv-events-config") {
-				return fmt.Errorf("%s's engine %s runs without --kv-events-config", role, pod.Name)
-			}
-		}
-		return nil
-	})
-	prefill, decode = pods(v1alpha1.RolePrefill)[0], pods(v1alpha1.RoleDecode)[0]
+	}
 	routerPod := pods(v1alpha1.RoleRouter)[0]
 	routerMetrics := "http://" + net.JoinHostPort(routerPod.Status.PodIP, strconv.Itoa(int(render.RouterMetricsPort))) + "/metrics"
 	matched := func() map[string]float64 {
