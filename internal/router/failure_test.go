@@ -358,6 +358,19 @@ func revive(t *testing.T, e *testEngine, do func(*testEngine, http.ResponseWrite
 	t.Cleanup(back.Close)
 }
 
+// servingEngines are engines named prefill and decode that serve their legs, the KV made by
+// prefill and pulled by decode through kv.
+func servingEngines(kv *kvLedger, prefill, decode []string) (p, d []*testEngine) {
+	p, d = engines(prefill...), engines(decode...)
+	for _, e := range p {
+		e.do = prefillOK(kv)
+	}
+	for _, e := range d {
+		e.do = decodeOK(kv)
+	}
+	return p, d
+}
+
 func engines(names ...string) []*testEngine {
 	out := make([]*testEngine, len(names))
 	for i, n := range names {
@@ -396,13 +409,7 @@ func TestRetriesBeforeTheFirstByte(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			kv := newLedger()
-			prefill, decode := engines("p0", "p1"), engines("d0", "d1")
-			for _, e := range prefill {
-				e.do = prefillOK(kv)
-			}
-			for _, e := range decode {
-				e.do = decodeOK(kv)
-			}
+			prefill, decode := servingEngines(kv, []string{"p0", "p1"}, []string{"d0", "d1"})
 			leg := "decode"
 			if tc.badPrefill != nil {
 				tc.badPrefill(kv, prefill[0])

@@ -13,13 +13,7 @@ import (
 // Pairing by topology over three racks: prefill in a and b, decode in a, b and c.
 func TestPairingByDomain(t *testing.T) {
 	kv := newLedger()
-	prefill, decode := engines("a-p0", "b-p0"), engines("a-d0", "b-d0", "b-d1", "c-d0")
-	for _, e := range prefill {
-		e.do = prefillOK(kv)
-	}
-	for _, e := range decode {
-		e.do = decodeOK(kv)
-	}
+	prefill, decode := servingEngines(kv, []string{"a-p0", "b-p0"}, []string{"a-d0", "b-d0", "b-d1", "c-d0"})
 	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
 	rack := map[string]string{}
 	for _, e := range append(append([]*testEngine(nil), prefill...), decode...) {
@@ -130,13 +124,7 @@ func TestPairingByDomain(t *testing.T) {
 // revision without a pairable domain gets no request while another has one.
 func TestRequiredPairingWithinOneRevision(t *testing.T) {
 	kv := newLedger()
-	prefill, decode := engines("old-p", "new-p", "new-p2"), engines("old-d", "new-d")
-	for _, e := range prefill {
-		e.do = prefillOK(kv)
-	}
-	for _, e := range decode {
-		e.do = decodeOK(kv)
-	}
+	prefill, decode := servingEngines(kv, []string{"old-p", "new-p", "new-p2"}, []string{"old-d", "new-d"})
 	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
 	f.r.cfg.Pairing = routerconfig.PairingRequired
 	rack := map[string]string{prefill[0].url: "a", decode[0].url: "b", prefill[1].url: "b", decode[1].url: "a", prefill[2].url: "a"}

@@ -33,13 +33,7 @@ func TestPrefixAwareKeepsAConversationOnItsEngines(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			kv := newLedger()
-			prefill, decode := engines("p0", "p1", "p2"), engines("d0", "d1", "d2")
-			for _, e := range prefill {
-				e.do = prefillOK(kv)
-			}
-			for _, e := range decode {
-				e.do = decodeOK(kv)
-			}
+			prefill, decode := servingEngines(kv, []string{"p0", "p1", "p2"}, []string{"d0", "d1", "d2"})
 			f := newPDWith(t, Config{Flow: routerconfig.FlowMooncake, Routing: tc.routing}, prefill, decode)
 			served := map[string]map[string]bool{} // conversation -> engines
 			for turn := range 4 {

@@ -14,13 +14,7 @@ import (
 // pools the router fails closed (503, saying why) instead of pairing across revisions.
 func TestRevisionsNeverMix(t *testing.T) {
 	kv := newLedger()
-	prefill, decode := engines("a-p0", "a-p1", "b-p0"), engines("a-d0", "b-d0", "c-d0")
-	for _, e := range prefill {
-		e.do = prefillOK(kv)
-	}
-	for _, e := range decode {
-		e.do = decodeOK(kv)
-	}
+	prefill, decode := servingEngines(kv, []string{"a-p0", "a-p1", "b-p0"}, []string{"a-d0", "b-d0", "c-d0"})
 	f := newPD(t, routerconfig.FlowNIXL, DefaultFailurePolicy(), prefill, decode)
 	rev := func(name string, p []*testEngine, d []*testEngine) Revision {
 		out := Revision{Name: name}

@@ -55,13 +55,7 @@ func (q pinnedRequest) record(l leg, _ picked, url string, pref *preference) {
 // an endpoint picker driving the seam relies on).
 func TestAStrategyDrivesThePicks(t *testing.T) {
 	kv := newLedger()
-	prefill, decode := engines("p0", "p1", "p2"), engines("d0", "d1", "d2")
-	for _, e := range prefill {
-		e.do = prefillOK(kv)
-	}
-	for _, e := range decode {
-		e.do = decodeOK(kv)
-	}
+	prefill, decode := servingEngines(kv, []string{"p0", "p1", "p2"}, []string{"d0", "d1", "d2"})
 	f := newPDWith(t, Config{Flow: routerconfig.FlowMooncake}, prefill, decode)
 	s := &pinned{want: 1, scored: map[leg]int{}}
 	f.r.strategy = s
