@@ -248,20 +248,20 @@ func (q *kvRequest) score(l leg, n int, url func(int) string) *preference {
 }
 
 // record notes the engine holds the prompt now in the estimate's record (what vouches for its
-// events later) and counts the pick by what weighed it.
+// events later) and counts the pick by what weighed it: the estimate records and counts a pick
+// it made itself.
 func (q *kvRequest) record(l leg, pk picked, url string, pref *preference) {
-	estimated := len(q.estimate.hashes) > 0
-	if estimated {
+	blocks := q.blocks[legSlot(l)]
+	if blocks < 0 {
+		q.estimate.record(l, pk, url, pref)
+		return
+	}
+	if len(q.estimate.hashes) > 0 {
 		q.estimate.sent(l, url)
 	}
-	switch blocks := q.blocks[legSlot(l)]; {
-	case pref != nil && blocks >= 0:
-		c := q.k.byPool[l]
-		c.prompt.Add(int64(blocks))
-		c.matched.Add(int64(pk.matched))
-	case estimated:
-		q.estimate.count(l, pk)
-	}
+	c := q.k.byPool[l]
+	c.prompt.Add(int64(blocks))
+	c.matched.Add(int64(pk.matched))
 }
 
 // fromEvents is l's preference from the engines' events and the prompt's full blocks, or nil

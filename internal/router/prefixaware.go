@@ -130,14 +130,6 @@ func (q *prefixRequest) record(l leg, pk picked, url string, _ *preference) {
 		return
 	}
 	q.sent(l, url)
-	q.count(l, pk)
-}
-
-// sent records that the engine at url of pool l was sent the prompt.
-func (q *prefixRequest) sent(l leg, url string) { q.p.pools[l].Record(url, q.hashes) }
-
-// count counts a pick made by the estimate.
-func (q *prefixRequest) count(l leg, pk picked) {
 	c := q.p.byPool[l]
 	c.prompt.Add(int64(len(q.hashes)))
 	c.matched.Add(int64(pk.matched))
@@ -145,3 +137,6 @@ func (q *prefixRequest) count(l leg, pk picked) {
 		c.passedOver.Add(1)
 	}
 }
+
+// sent records that the engine at url of pool l was sent the prompt.
+func (q *prefixRequest) sent(l leg, url string) { q.p.pools[l].Record(url, q.hashes) }
